@@ -1,0 +1,1 @@
+"""CuTe DSL kernel sources, shipped inside the wheel as ``msa_jit.kernels``."""
