@@ -1,0 +1,244 @@
+"""Static geometry of the sparse decode operator: what a compiled kernel depends on.
+
+`SparseDecodeConfig` is the (frozen) description of one kernel specialization; the artifact
+cache key is derived from `SparseDecodeConfig.to_dict()`. `check_config` / `supports` say
+whether the kernel design can serve a geometry (and why not).
+
+This module imports only torch (lazily, for the dtype helpers), never triton or cutlass.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+HEAD_DIM = 128
+PAGE_SIZES = (64, 128)
+MIN_TOPK = 1
+MAX_TOPK = 32
+MAX_GROUP_SIZE = 16
+MIN_QLEN = 1
+MAX_QLEN = 32
+Q_DTYPES = ("bfloat16", "float8_e4m3fn")
+KV_DTYPES = ("float8_e4m3fn",)
+OUT_DTYPES = ("bfloat16",)
+DEFAULT_ARCH = "sm_90a"
+_ARCH_RE = re.compile(r"sm_\d+a?")
+
+
+# ----------------------------------------------------------------------------- dtypes
+def dtype_name(dtype: Any) -> str:
+    """Canonical string name of a torch dtype (or pass a known name through).
+
+    torch.bfloat16 -> "bfloat16", torch.float8_e4m3fn -> "float8_e4m3fn"; a string is
+    returned unchanged (after stripping a "torch." prefix).
+    """
+    if isinstance(dtype, str):
+        return dtype[len("torch."):] if dtype.startswith("torch.") else dtype
+    import torch
+
+    if isinstance(dtype, torch.dtype):
+        return str(dtype)[len("torch."):]
+    raise TypeError(f"expected a torch.dtype or a dtype name, got {type(dtype).__name__}")
+
+
+def torch_dtype(name: Any) -> "torch.dtype":
+    """Map a dtype name ("bfloat16", "float8_e4m3fn", ...) to the torch dtype."""
+    import torch
+
+    if isinstance(name, torch.dtype):
+        return name
+    attr = dtype_name(name)
+    dt = getattr(torch, attr, None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"unknown dtype name {name!r}")
+    return dt
+
+
+def device_arch(device: Any) -> str:
+    """Target arch string of a CUDA device: (9, 0) -> "sm_90a", (10, 0) -> "sm_100a", (8, 0) -> "sm_80".
+
+    The "a" (arch-specific features) suffix is used from SM90 on.
+    """
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(torch.device(device))
+    return f"sm_{major}{minor}{'a' if major >= 9 else ''}"
+
+
+# ----------------------------------------------------------------------------- config
+@dataclass(frozen=True)
+class SparseDecodeConfig:
+    """Everything a compiled sparse decode kernel is specialized on.
+
+    Runtime sizes (T, P, B, max_blocks, qlen, num_splits) are not part of it.
+    """
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int = HEAD_DIM
+    page_size: int = 128
+    topk: int = 16
+    q_dtype: str = "bfloat16"
+    kv_dtype: str = "float8_e4m3fn"
+    out_dtype: str = "bfloat16"
+    arch: str = DEFAULT_ARCH
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (G = Hq // Hkv)."""
+        return self.num_q_heads // self.num_kv_heads if self.num_kv_heads else 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of every field (the cache key is derived from this, nothing else)."""
+        return asdict(self)
+
+    def describe(self) -> str:
+        """Short human name, e.g. 'Hq64/Hkv4 d128 page128 top16 q=bfloat16'."""
+        return (f"Hq{self.num_q_heads}/Hkv{self.num_kv_heads} d{self.head_dim} page{self.page_size} "
+                f"top{self.topk} q={self.q_dtype}")
+
+    def describe(self) -> str:
+        """Short human description (without the arch), e.g. for logs and cache-miss messages."""
+        return (
+            f"sparse_decode Hq={self.num_q_heads} Hkv={self.num_kv_heads} (G={self.group_size}) "
+            f"D={self.head_dim} page={self.page_size} topk={self.topk} q={self.q_dtype} "
+            f"kv={self.kv_dtype} out={self.out_dtype}"
+        )
+
+    def validate(self) -> "SparseDecodeConfig":
+        """Raise ValueError with `check_config`'s reason if the design cannot serve this config."""
+        reason = check_config(self)
+        if reason is not None:
+            raise ValueError(f"unsupported sparse decode config: {reason}")
+        return self
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def geometry_problems(
+    *,
+    num_q_heads: Any,
+    num_kv_heads: Any,
+    page_size: Any,
+    topk: Any,
+    head_dim: Any = HEAD_DIM,
+) -> list[tuple[str, str]]:
+    """List of (field, reason) for every head/page/topk rule the kernel design violates.
+
+    Field names are the SparseDecodeConfig field names; callers with other argument names
+    (e.g. `topk_blocks`) map them.
+    """
+    out: list[tuple[str, str]] = []
+    for name, val in (
+        ("num_q_heads", num_q_heads),
+        ("num_kv_heads", num_kv_heads),
+        ("page_size", page_size),
+        ("topk", topk),
+        ("head_dim", head_dim),
+    ):
+        if not _is_int(val):
+            out.append((name, f"{name} must be an int, got {type(val).__name__}"))
+    if out:
+        return out
+    if head_dim != HEAD_DIM:
+        out.append(("head_dim", f"head_dim must be {HEAD_DIM}, got {head_dim}"))
+    if page_size not in PAGE_SIZES:
+        out.append(("page_size", f"page_size must be one of {PAGE_SIZES}, got {page_size}"))
+    if not MIN_TOPK <= topk <= MAX_TOPK:
+        out.append(("topk", f"topk must be in {MIN_TOPK}..{MAX_TOPK}, got {topk}"))
+    if num_q_heads < 1:
+        out.append(("num_q_heads", f"num_q_heads must be >= 1, got {num_q_heads}"))
+    if num_kv_heads < 1:
+        out.append(("num_kv_heads", f"num_kv_heads must be >= 1, got {num_kv_heads}"))
+    if num_q_heads >= 1 and num_kv_heads >= 1:
+        if num_q_heads % num_kv_heads:
+            out.append((
+                "num_q_heads",
+                f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})",
+            ))
+        else:
+            g = num_q_heads // num_kv_heads
+            if not 1 <= g <= MAX_GROUP_SIZE:
+                out.append((
+                    "num_q_heads",
+                    f"group size num_q_heads/num_kv_heads = {num_q_heads}/{num_kv_heads} = {g} "
+                    f"must be in 1..{MAX_GROUP_SIZE}",
+                ))
+    return out
+
+
+def check_config(cfg: SparseDecodeConfig) -> str | None:
+    """None when the kernel design can serve `cfg`, else a human-readable reason."""
+    reasons = [r for _, r in geometry_problems(
+        num_q_heads=cfg.num_q_heads,
+        num_kv_heads=cfg.num_kv_heads,
+        page_size=cfg.page_size,
+        topk=cfg.topk,
+        head_dim=cfg.head_dim,
+    )]
+    if cfg.q_dtype not in Q_DTYPES:
+        reasons.append(f"q_dtype must be one of {Q_DTYPES}, got {cfg.q_dtype!r}")
+    if cfg.kv_dtype not in KV_DTYPES:
+        reasons.append(f"kv_dtype must be {KV_DTYPES[0]!r}, got {cfg.kv_dtype!r}")
+    if cfg.out_dtype not in OUT_DTYPES:
+        reasons.append(f"out_dtype must be {OUT_DTYPES[0]!r}, got {cfg.out_dtype!r}")
+    if not isinstance(cfg.arch, str) or not _ARCH_RE.fullmatch(cfg.arch):
+        reasons.append(f"arch must look like 'sm_90a' / 'sm_100a', got {cfg.arch!r}")
+    return "; ".join(reasons) if reasons else None
+
+
+# ----------------------------------------------------------------------------- supports()
+@dataclass(frozen=True)
+class SupportResult:
+    """Answer of `supports()`: truthy when supported; `reason` says why not ("" when ok)."""
+
+    ok: bool
+    reason: str = ""
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+def supports(
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    page_size: int,
+    topk: int,
+    head_dim: int = HEAD_DIM,
+    q_dtype: Any = "bfloat16",
+    batch: int | None = None,
+    qlen: int | None = None,
+    arch: str | None = None,
+) -> SupportResult:
+    """Whether the sparse decode kernel can serve this geometry (and step shape, if given).
+
+    `q_dtype` is a torch dtype or its name. `batch` / `qlen` (optional) check the step shape:
+    batch >= 1, 1 <= qlen <= MAX_QLEN. Never raises for bad values; it returns the reason.
+    """
+    try:
+        qname = dtype_name(q_dtype)
+    except TypeError as e:
+        return SupportResult(False, f"q_dtype: {e}")
+    problems = [r for _, r in geometry_problems(
+        num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, page_size=page_size,
+        topk=topk, head_dim=head_dim,
+    )]
+    if qname not in Q_DTYPES:
+        problems.append(f"q_dtype must be one of {Q_DTYPES}, got {qname!r}")
+    if arch is not None and (not isinstance(arch, str) or not _ARCH_RE.fullmatch(arch)):
+        problems.append(f"arch must look like 'sm_90a' / 'sm_100a', got {arch!r}")
+    if batch is not None and (not _is_int(batch) or batch < 1):
+        problems.append(f"batch must be an int >= 1, got {batch!r}")
+    if qlen is not None and (not _is_int(qlen) or not MIN_QLEN <= qlen <= MAX_QLEN):
+        problems.append(f"qlen must be an int in {MIN_QLEN}..{MAX_QLEN}, got {qlen!r}")
+    if problems:
+        return SupportResult(False, "; ".join(problems))
+    return SupportResult(True, "")

@@ -1,0 +1,80 @@
+"""The public op: `sparse_decode(query, kv_cache, topk, out, plan, ...)` (validation + dispatch)."""
+
+from __future__ import annotations
+
+import math
+import torch
+
+from .planner import SparseDecodePlan
+from .reference import sparse_decode_reference
+from .validation import check_scale, validate_sparse_decode
+
+__all__ = ["LOG2E", "sparse_decode"]
+
+LOG2E = 1.0 / math.log(2.0)
+_FP8 = torch.float8_e4m3fn
+_U8 = torch.uint8
+
+
+@torch.no_grad()
+def sparse_decode(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    topk: torch.Tensor,
+    out: torch.Tensor,
+    plan: SparseDecodePlan,
+    *,
+    sm_scale: float,
+    q_scale: float = 1.0,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    lse: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> None:
+    """Block-sparse GQA decode attention, written in place into `out` (and `lse` if given).
+
+    query: [T, Hq, 128] bfloat16 or float8_e4m3fn (T = plan.batch * plan.qlen), last dim contiguous.
+    kv_cache: [P, Hkv, page_size, 256] float8_e4m3fn (or uint8 storage), contiguous.
+    topk: [T, Hkv, topk_blocks] int32 logical block indices, innermost stride 1 (a [Hkv, T, k]
+        buffer is passed as buf.transpose(0, 1)).
+    out: [T, Hq, 128] bfloat16. lse: optional [T, Hq] float32 (natural log).
+    plan: from `prepare(...)` for this step (its block_table / seq_lens are used).
+    Scales are python floats > 0. backend: "kernel" (compiled CUDA kernel), "reference"
+    (float64 reference, any device), "auto" (kernel on CUDA, reference otherwise).
+    Everything is validated before anything is written; errors are ValueError / TypeError
+    naming the argument.
+    """
+    resolved = validate_sparse_decode(query, kv_cache, topk, out, plan, lse, backend)
+    sm = check_scale("sm_scale", sm_scale)
+    qs = check_scale("q_scale", q_scale)
+    ks = check_scale("k_scale", k_scale)
+    vs = check_scale("v_scale", v_scale)
+
+    if resolved == "reference":
+        o64, lse64 = sparse_decode_reference(
+            query, kv_cache, topk, plan.block_table, plan.seq_lens, plan.qlen,
+            sm_scale=sm, q_scale=qs, k_scale=ks, v_scale=vs,
+        )
+        out.copy_(o64.to(torch.bfloat16))
+        if lse is not None:
+            lse.copy_(lse64.to(torch.float32))
+        return
+
+    fn = plan.kernels.get(query.dtype)
+    if fn is None:
+        fn = plan.resolve_kernel(query.dtype)
+    fn(
+        query.view(_U8) if query.dtype == _FP8 else query,
+        kv_cache if kv_cache.dtype == _U8 else kv_cache.view(_U8),
+        topk,
+        plan.block_table,
+        plan.kv_lens,
+        out,
+        plan.lse_scratch if lse is None else lse,
+        plan.partial_o,
+        plan.partial_lse,
+        plan.qlen,
+        plan.num_splits,
+        sm * qs * ks * LOG2E,
+        vs,
+    )

@@ -1,0 +1,278 @@
+"""Plans: per-step metadata and workspaces of the sparse decode op, cached per shape key.
+
+A plan is built once per key (batch, qlen, block_table.stride(0), Hq, Hkv, page_size,
+topk_blocks, device); a later `prepare` with the same key returns the same plan object
+whose tensors keep their addresses (CUDA-graph replay), after refreshing `kv_lens` and
+`qo_offset` in place from the device `seq_lens` with one Triton launch (no host sync, no
+allocation). `seq_lens_cpu` is read only when a plan is first built (sanity checks).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .geometry import HEAD_DIM, SparseDecodeConfig, device_arch, dtype_name, torch_dtype
+from .validation import validate_prepare, validate_seq_lens_cpu
+
+__all__ = [
+    "DEFAULT_NUM_SMS",
+    "SparseDecodePlan",
+    "SparseDecodePlanner",
+    "choose_num_splits",
+    "default_planner",
+    "prepare",
+]
+
+# SM count assumed for plans on non-CUDA devices (H100/H200: 132), so CPU plans look like GPU ones.
+DEFAULT_NUM_SMS = 132
+# Target number of CTA waves when the (token, KV head) grid alone does not fill the GPU.
+TARGET_WAVES = 2
+
+PlanKey = tuple[int, int, int, int, int, int, int, torch.device]
+
+
+def choose_num_splits(num_rows_heads: int, topk: int, num_sms: int) -> int:
+    """Split-KV factor in [1, topk] for a grid of `num_rows_heads` = T*Hkv CTAs per split.
+
+    1 when T*Hkv already fills the GPU (>= num_sms); otherwise the smallest factor giving
+    about TARGET_WAVES waves (T*Hkv*splits >= 2*num_sms), capped at topk, then normalized so
+    every split gets ceil(topk/splits) slots and none is empty for a full row.
+    """
+    topk = max(1, int(topk))
+    num_rows_heads = max(1, int(num_rows_heads))
+    num_sms = max(1, int(num_sms))
+    if num_rows_heads >= num_sms:
+        return 1
+    splits = min(topk, -(-TARGET_WAVES * num_sms // num_rows_heads))
+    per_split = -(-topk // splits)
+    return max(1, -(-topk // per_split))
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_num_sms(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+def _device_num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return _cuda_num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return DEFAULT_NUM_SMS
+
+
+@dataclass(eq=False)
+class SparseDecodePlan:
+    """Cached state of one step shape. Tensors are allocated once and refreshed in place.
+
+    kv_lens, qo_offset: [T] int32, T = batch * qlen (refreshed every `prepare`).
+    partial_o: [T*Hkv*num_splits, G, head_dim] fp32, partial_lse: [T*Hkv*num_splits, G] fp32
+    (split-KV workspace), lse_scratch: [T, Hq] fp32 (used when the caller wants no lse).
+    block_table / seq_lens: the tensors of the latest `prepare`.
+    """
+
+    num_q_heads: int
+    num_kv_heads: int
+    page_size: int
+    topk: int
+    head_dim: int
+    batch: int
+    qlen: int
+    block_table_stride: int
+    device: torch.device
+    num_splits: int
+    kv_lens: torch.Tensor
+    qo_offset: torch.Tensor
+    partial_o: torch.Tensor
+    partial_lse: torch.Tensor
+    lse_scratch: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    arch: str | None = None
+    kernels: dict[torch.dtype, Callable[..., Any]] = field(default_factory=dict)
+    num_tokens: int = field(init=False)
+    group_size: int = field(init=False)
+    is_cuda: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.num_tokens = self.batch * self.qlen
+        self.group_size = self.num_q_heads // self.num_kv_heads
+        self.is_cuda = self.device.type == "cuda"
+
+    @property
+    def key(self) -> PlanKey:
+        """The planner cache key of this plan."""
+        return (self.batch, self.qlen, self.block_table_stride, self.num_q_heads,
+                self.num_kv_heads, self.page_size, self.topk, self.device)
+
+    def config(self, q_dtype: Any) -> SparseDecodeConfig:
+        """SparseDecodeConfig of the kernel serving this plan for a query dtype (torch dtype or name)."""
+        if self.arch is None:
+            raise RuntimeError(
+                f"plan on {self.device} has no target arch: build it on a CUDA device or create "
+                "the planner with SparseDecodePlanner(arch='sm_90a')"
+            )
+        return SparseDecodeConfig(
+            num_q_heads=self.num_q_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            page_size=self.page_size,
+            topk=self.topk,
+            q_dtype=dtype_name(q_dtype),
+            arch=self.arch,
+        )
+
+    def resolve_kernel(self, q_dtype: Any) -> Callable[..., Any]:
+        """Compiled kernel for this plan's geometry and `q_dtype` (cached in `self.kernels`).
+
+        Calls `msa_jit.compiler.get_sparse_decode_kernel(config)` on the first use; the result
+        takes the calling-convention arguments of docs/design.md in order.
+        """
+        dt = torch_dtype(q_dtype)
+        fn = self.kernels.get(dt)
+        if fn is None:
+            cfg = self.config(dt).validate()
+            from .compiler import get_sparse_decode_kernel
+
+            fn = get_sparse_decode_kernel(cfg)
+            self.kernels[dt] = fn
+        return fn
+
+
+class SparseDecodePlanner:
+    """Cache of SparseDecodePlan per key; `prepare` is called once per decode step.
+
+    num_sms: SM count used by `choose_num_splits` (default: the CUDA device's, or
+    DEFAULT_NUM_SMS on other devices). arch: target arch for plans on non-CUDA devices
+    (CUDA plans use the device's own, e.g. "sm_90a").
+    """
+
+    def __init__(self, *, num_sms: int | None = None, arch: str | None = None) -> None:
+        self.plans: dict[PlanKey, SparseDecodePlan] = {}
+        self.num_sms = num_sms
+        self.arch = arch
+        self._lock = threading.Lock()
+        self._refresh: Callable[..., None] | None = None
+
+    def _refresh_fn(self) -> Callable[..., None]:
+        if self._refresh is None:
+            from .prologue import refresh_plan_tensors_auto
+
+            self._refresh = refresh_plan_tensors_auto
+        return self._refresh
+
+    @torch.no_grad()
+    def prepare(
+        self,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        seq_lens_cpu: torch.Tensor | None,
+        decode_query_len: int,
+        *,
+        num_q_heads: int,
+        num_kv_heads: int,
+        page_size: int,
+        topk_blocks: int,
+    ) -> SparseDecodePlan:
+        """Plan of one decode step (cached per key) with kv_lens / qo_offset refreshed in place.
+
+        block_table: [B, max_blocks] int32 (stride(1) == 1); seq_lens: [B] int32 contiguous on the
+        same device (counts the qlen new tokens); seq_lens_cpu: optional CPU copy, read only
+        when the plan is first built; decode_query_len: qlen in 1..32.
+        """
+        validate_prepare(
+            block_table, seq_lens, seq_lens_cpu, decode_query_len,
+            num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+            page_size=page_size, topk_blocks=topk_blocks,
+        )
+        key: PlanKey = (
+            seq_lens.shape[0], decode_query_len, block_table.stride(0), num_q_heads,
+            num_kv_heads, page_size, topk_blocks, seq_lens.device,
+        )
+        plan = self.plans.get(key)
+        if plan is None:
+            with self._lock:
+                plan = self.plans.get(key)
+                if plan is None:
+                    if seq_lens_cpu is not None:
+                        validate_seq_lens_cpu(seq_lens_cpu, block_table, page_size)
+                    plan = self._build(key, block_table, seq_lens)
+                    self.plans[key] = plan
+        plan.block_table = block_table
+        plan.seq_lens = seq_lens
+        self._refresh_fn()(seq_lens, plan.kv_lens, plan.qo_offset, decode_query_len)
+        return plan
+
+    def _build(self, key: PlanKey, block_table: torch.Tensor, seq_lens: torch.Tensor) -> SparseDecodePlan:
+        batch, qlen, stride, hq, hkv, page, topk, device = key
+        T = batch * qlen
+        G = hq // hkv
+        num_sms = self.num_sms if self.num_sms is not None else _device_num_sms(device)
+        splits = choose_num_splits(T * hkv, topk, num_sms)
+        arch = device_arch(device) if device.type == "cuda" else self.arch
+        f32 = dict(dtype=torch.float32, device=device)
+        return SparseDecodePlan(
+            num_q_heads=hq,
+            num_kv_heads=hkv,
+            page_size=page,
+            topk=topk,
+            head_dim=HEAD_DIM,
+            batch=batch,
+            qlen=qlen,
+            block_table_stride=stride,
+            device=device,
+            num_splits=splits,
+            kv_lens=torch.zeros(T, dtype=torch.int32, device=device),
+            qo_offset=torch.zeros(T, dtype=torch.int32, device=device),
+            partial_o=torch.empty(T * hkv * splits, G, HEAD_DIM, **f32),
+            partial_lse=torch.empty(T * hkv * splits, G, **f32),
+            lse_scratch=torch.empty(T, hq, **f32),
+            block_table=block_table,
+            seq_lens=seq_lens,
+            arch=arch,
+        )
+
+    def clear(self) -> None:
+        """Forget every cached plan (their tensors are freed once no one references them)."""
+        with self._lock:
+            self.plans.clear()
+
+
+_default_planner: SparseDecodePlanner | None = None
+_default_lock = threading.Lock()
+
+
+def default_planner() -> SparseDecodePlanner:
+    """The process-wide planner used by `msa_jit.prepare`, created on first use."""
+    global _default_planner
+    if _default_planner is None:
+        with _default_lock:
+            if _default_planner is None:
+                _default_planner = SparseDecodePlanner()
+    return _default_planner
+
+
+def prepare(
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    seq_lens_cpu: torch.Tensor | None,
+    decode_query_len: int,
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    page_size: int,
+    topk_blocks: int,
+) -> SparseDecodePlan:
+    """`SparseDecodePlanner.prepare` on the shared `default_planner()` (created lazily).
+
+    Plans are cached for the life of the process; use your own SparseDecodePlanner to
+    control their lifetime.
+    """
+    return default_planner().prepare(
+        block_table, seq_lens, seq_lens_cpu, decode_query_len,
+        num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+        page_size=page_size, topk_blocks=topk_blocks,
+    )

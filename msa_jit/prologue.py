@@ -1,0 +1,91 @@
+"""Per-step prologue: refresh the plan's kv_lens / qo_offset in place from device seq_lens.
+
+For every token row t < T = B * qlen (r = t // qlen, j = t % qlen):
+
+    qo_offset[t] = seq_lens[r] - qlen + j          (absolute position of the query token)
+    kv_lens[t]   = max(qo_offset[t] + 1, 0)        (causal: keys at positions < kv_lens[t])
+
+`refresh_plan_tensors` is one Triton launch: no host sync, no allocation, so it can be
+captured in a CUDA graph. On CPU tensors it needs TRITON_INTERPRET=1 set before this module
+is imported; `refresh_plan_tensors_torch` is the same computation in PyTorch (CPU fallback and
+test oracle). Importing this module imports triton, so the package imports it lazily.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "refresh_plan_tensors",
+    "refresh_plan_tensors_torch",
+    "refresh_plan_tensors_auto",
+    "kernel_is_interpreted",
+]
+
+BLOCK_ROWS = 128
+
+
+@triton.jit
+def _refresh_plan_kernel(
+    seq_lens_ptr,
+    kv_lens_ptr,
+    qo_offset_ptr,
+    num_rows,
+    qlen,
+    BLOCK: tl.constexpr,
+):
+    t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = t < num_rows
+    r = t // qlen
+    j = t - r * qlen
+    seq_len = tl.load(seq_lens_ptr + r, mask=mask, other=0)
+    pos = seq_len - qlen + j
+    tl.store(qo_offset_ptr + t, pos, mask=mask)
+    tl.store(kv_lens_ptr + t, tl.maximum(pos + 1, 0), mask=mask)
+
+
+def kernel_is_interpreted() -> bool:
+    """True when the Triton kernel was decorated under TRITON_INTERPRET=1 (runs on CPU tensors)."""
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:  # pragma: no cover - very old/new triton
+        return False
+    return isinstance(_refresh_plan_kernel, InterpretedFunction)
+
+
+def refresh_plan_tensors(
+    seq_lens: torch.Tensor, kv_lens: torch.Tensor, qo_offset: torch.Tensor, qlen: int
+) -> None:
+    """Triton: write kv_lens [T] int32 and qo_offset [T] int32 from seq_lens [B] int32, in place.
+
+    T = kv_lens.numel() must equal B * qlen (not checked here; the planner guarantees it).
+    """
+    num_rows = kv_lens.numel()
+    if num_rows == 0:
+        return
+    grid = (triton.cdiv(num_rows, BLOCK_ROWS),)
+    _refresh_plan_kernel[grid](seq_lens, kv_lens, qo_offset, num_rows, qlen, BLOCK=BLOCK_ROWS)
+
+
+def refresh_plan_tensors_torch(
+    seq_lens: torch.Tensor, kv_lens: torch.Tensor, qo_offset: torch.Tensor, qlen: int
+) -> None:
+    """PyTorch version of `refresh_plan_tensors` (same results; allocates temporaries)."""
+    num_rows = kv_lens.numel()
+    batch = num_rows // qlen
+    j = torch.arange(qlen, dtype=torch.int32, device=seq_lens.device)
+    pos = (seq_lens[:batch].to(torch.int32).view(batch, 1) - qlen + j).reshape(-1)
+    qo_offset.copy_(pos)
+    kv_lens.copy_(torch.clamp_min(pos + 1, 0))
+
+
+def refresh_plan_tensors_auto(
+    seq_lens: torch.Tensor, kv_lens: torch.Tensor, qo_offset: torch.Tensor, qlen: int
+) -> None:
+    """Triton on CUDA (or on CPU under TRITON_INTERPRET=1), the torch path otherwise."""
+    if seq_lens.is_cuda or kernel_is_interpreted():
+        refresh_plan_tensors(seq_lens, kv_lens, qo_offset, qlen)
+    else:
+        refresh_plan_tensors_torch(seq_lens, kv_lens, qo_offset, qlen)

@@ -1,0 +1,310 @@
+"""Input checks of the public API (`prepare`, `sparse_decode`).
+
+Every failure raises ValueError (bad value / shape / layout / device) or TypeError (bad type /
+dtype) whose message starts with the argument's name and says what was expected and what
+came. Checks only read tensor metadata: no device->host sync, no allocation.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .geometry import MAX_QLEN, MIN_QLEN, geometry_problems
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .planner import SparseDecodePlan
+
+__all__ = [
+    "BACKENDS",
+    "check_backend",
+    "check_int",
+    "check_scale",
+    "validate_geometry",
+    "validate_kernel_layout",
+    "validate_prepare",
+    "validate_seq_lens_cpu",
+    "validate_sparse_decode",
+]
+
+BACKENDS = ("auto", "kernel", "reference")
+Q_TORCH_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
+KV_TORCH_DTYPES = (torch.float8_e4m3fn, torch.uint8)
+# name used for SparseDecodeConfig fields in prepare()'s signature
+_PREPARE_NAMES = {"topk": "topk_blocks"}
+
+
+def _fmt_shape(x: torch.Tensor) -> str:
+    return str(list(x.shape))
+
+
+def _dt(dt: torch.dtype) -> str:
+    return str(dt)[len("torch."):]
+
+
+def check_tensor(name: str, x: Any) -> torch.Tensor:
+    """TypeError unless x is a torch.Tensor."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    return x
+
+
+def check_dtype(name: str, x: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
+    """TypeError unless x.dtype is one of `allowed`."""
+    if x.dtype not in allowed:
+        exp = " or ".join(_dt(d) for d in allowed)
+        raise TypeError(f"{name}: expected dtype {exp}, got {x.dtype}")
+
+
+def check_dim(name: str, x: torch.Tensor, ndim: int, layout: str) -> None:
+    """ValueError unless x has `ndim` dimensions (layout is a human description like [T, Hq, D])."""
+    if x.dim() != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-D tensor {layout}, got shape {_fmt_shape(x)}")
+
+
+def check_last_dim_contiguous(name: str, x: torch.Tensor) -> None:
+    """ValueError unless the innermost stride is 1 (a size-1 innermost dim is accepted)."""
+    if x.dim() and x.shape[-1] > 1 and x.stride(-1) != 1:
+        raise ValueError(
+            f"{name}: expected the last dim to be contiguous (stride 1), got strides {list(x.stride())}"
+        )
+
+
+def check_device(name: str, x: torch.Tensor, device: torch.device, what: str) -> None:
+    """ValueError unless x lives on `device`."""
+    if x.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device} ({what}), got {x.device}")
+
+
+def check_int(name: str, value: Any, lo: int | None = None, hi: int | None = None) -> int:
+    """TypeError unless a (non-bool) int; ValueError unless lo <= value <= hi."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        rng = f"{lo}..{hi}" if hi is not None else f">= {lo}"
+        raise ValueError(f"{name}: expected an int in {rng}, got {value}")
+    return value
+
+
+def check_scale(name: str, value: Any) -> float:
+    """A finite python-float-convertible scale > 0 (0-dim CPU tensors accepted); returns float."""
+    if isinstance(value, (bool, str, bytes)) or value is None:
+        raise TypeError(f"{name}: expected a finite float > 0, got {type(value).__name__}")
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.device.type != "cpu":
+            raise TypeError(
+                f"{name}: expected a python float (or a 1-element CPU tensor), got a tensor of shape "
+                f"{_fmt_shape(value)} on {value.device}"
+            )
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name}: expected a finite float > 0, got {type(value).__name__}") from None
+    if not math.isfinite(f) or f <= 0.0:
+        raise ValueError(f"{name}: expected a finite float > 0, got {f!r}")
+    return f
+
+
+def check_backend(backend: Any) -> str:
+    """ValueError unless backend is one of BACKENDS."""
+    if not isinstance(backend, str):
+        raise TypeError(f"backend: expected one of {BACKENDS}, got {type(backend).__name__}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    return backend
+
+
+def validate_geometry(
+    *, num_q_heads: Any, num_kv_heads: Any, page_size: Any, topk_blocks: Any
+) -> None:
+    """Raise for a head / page / topk geometry the kernel design cannot serve."""
+    for name, val in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads),
+                      ("page_size", page_size), ("topk_blocks", topk_blocks)):
+        check_int(name, val)
+    problems = geometry_problems(
+        num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, page_size=page_size, topk=topk_blocks
+    )
+    if problems:
+        field, reason = problems[0]
+        name = _PREPARE_NAMES.get(field, field)
+        if name != field:
+            reason = re.sub(rf"\b{field}\b", name, reason)
+        raise ValueError(f"{name}: unsupported geometry: {reason}")
+
+
+def validate_prepare(
+    block_table: Any,
+    seq_lens: Any,
+    seq_lens_cpu: Any,
+    decode_query_len: Any,
+    *,
+    num_q_heads: Any,
+    num_kv_heads: Any,
+    page_size: Any,
+    topk_blocks: Any,
+) -> None:
+    """Checks of `SparseDecodePlanner.prepare` (metadata only; seq_lens_cpu values are not read)."""
+    check_tensor("block_table", block_table)
+    check_tensor("seq_lens", seq_lens)
+    if seq_lens_cpu is not None:
+        check_tensor("seq_lens_cpu", seq_lens_cpu)
+    check_int("decode_query_len", decode_query_len, MIN_QLEN, MAX_QLEN)
+    validate_geometry(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                      page_size=page_size, topk_blocks=topk_blocks)
+
+    check_dtype("seq_lens", seq_lens, (torch.int32,))
+    check_dim("seq_lens", seq_lens, 1, "[batch]")
+    if seq_lens.shape[0] < 1:
+        raise ValueError("seq_lens: expected at least one request (batch >= 1), got shape [0]")
+    if not seq_lens.is_contiguous():
+        raise ValueError(f"seq_lens: expected a contiguous tensor, got strides {list(seq_lens.stride())}")
+    batch = seq_lens.shape[0]
+
+    check_dtype("block_table", block_table, (torch.int32,))
+    check_dim("block_table", block_table, 2, "[batch, max_blocks]")
+    if block_table.shape[0] != batch:
+        raise ValueError(
+            f"block_table: expected {batch} rows (one per request, like seq_lens), got shape "
+            f"{_fmt_shape(block_table)}"
+        )
+    if block_table.shape[1] < 1:
+        raise ValueError(f"block_table: expected at least one column, got shape {_fmt_shape(block_table)}")
+    check_last_dim_contiguous("block_table", block_table)
+    check_device("block_table", block_table, seq_lens.device, "the device of seq_lens")
+
+    if seq_lens_cpu is not None:
+        if seq_lens_cpu.device.type != "cpu":
+            raise ValueError(f"seq_lens_cpu: expected a CPU tensor, got {seq_lens_cpu.device}")
+        check_dtype("seq_lens_cpu", seq_lens_cpu, (torch.int32, torch.int64))
+        if tuple(seq_lens_cpu.shape) != (batch,):
+            raise ValueError(
+                f"seq_lens_cpu: expected shape [{batch}] like seq_lens, got {_fmt_shape(seq_lens_cpu)}"
+            )
+
+
+def validate_seq_lens_cpu(seq_lens_cpu: torch.Tensor, block_table: torch.Tensor, page_size: int) -> None:
+    """Value checks on the CPU copy (first build only): 0 <= seq_len <= max_blocks * page_size."""
+    if seq_lens_cpu.numel() == 0:
+        return
+    lo = int(seq_lens_cpu.min())
+    hi = int(seq_lens_cpu.max())
+    if lo < 0:
+        raise ValueError(f"seq_lens_cpu: expected lengths >= 0, got a minimum of {lo}")
+    cap = block_table.shape[1] * page_size
+    if hi > cap:
+        raise ValueError(
+            f"block_table: {block_table.shape[1]} columns x page_size {page_size} = {cap} tokens "
+            f"cannot hold the longest request (seq_lens_cpu max {hi})"
+        )
+
+
+def validate_sparse_decode(
+    query: Any,
+    kv_cache: Any,
+    topk: Any,
+    out: Any,
+    plan: "SparseDecodePlan",
+    lse: Any,
+    backend: Any,
+) -> str:
+    """Checks of `sparse_decode` tensors against each other and against the plan.
+
+    Returns the resolved backend ("kernel" or "reference"; "auto" is kernel on CUDA).
+    """
+    from .planner import SparseDecodePlan
+
+    check_tensor("query", query)
+    check_tensor("kv_cache", kv_cache)
+    check_tensor("topk", topk)
+    check_tensor("out", out)
+    if lse is not None:
+        check_tensor("lse", lse)
+    if not isinstance(plan, SparseDecodePlan):
+        raise TypeError(f"plan: expected a SparseDecodePlan (from prepare()), got {type(plan).__name__}")
+    check_backend(backend)
+
+    T, hq, hkv, K = plan.num_tokens, plan.num_q_heads, plan.num_kv_heads, plan.topk
+    dev = plan.device
+
+    check_dtype("query", query, Q_TORCH_DTYPES)
+    check_dim("query", query, 3, "[T, Hq, head_dim]")
+    if tuple(query.shape) != (T, hq, plan.head_dim):
+        raise ValueError(
+            f"query: expected shape [{T}, {hq}, {plan.head_dim}] ([batch*qlen, Hq, head_dim] with "
+            f"batch={plan.batch}, qlen={plan.qlen} from the plan), got {_fmt_shape(query)}"
+        )
+    check_last_dim_contiguous("query", query)
+    check_device("query", query, dev, "the plan's device")
+
+    check_dtype("kv_cache", kv_cache, KV_TORCH_DTYPES)
+    check_dim("kv_cache", kv_cache, 4, "[num_pages, Hkv, page_size, 2*head_dim]")
+    if tuple(kv_cache.shape[1:]) != (hkv, plan.page_size, 2 * plan.head_dim) or kv_cache.shape[0] < 1:
+        raise ValueError(
+            f"kv_cache: expected shape [num_pages, {hkv}, {plan.page_size}, {2 * plan.head_dim}] "
+            f"(Hkv, page_size from the plan), got {_fmt_shape(kv_cache)}"
+        )
+    if not kv_cache.is_contiguous():
+        raise ValueError(f"kv_cache: expected a contiguous tensor, got strides {list(kv_cache.stride())}")
+    check_device("kv_cache", kv_cache, dev, "the plan's device")
+
+    check_dtype("topk", topk, (torch.int32,))
+    check_dim("topk", topk, 3, "[T, Hkv, topk] (a [Hkv, T, topk] buffer is passed as buf.transpose(0, 1))")
+    if tuple(topk.shape) != (T, hkv, K):
+        raise ValueError(
+            f"topk: expected shape [{T}, {hkv}, {K}] ([T, Hkv, topk_blocks] of the plan; pass a "
+            f"[Hkv, T, topk] buffer as buf.transpose(0, 1)), got {_fmt_shape(topk)}"
+        )
+    check_last_dim_contiguous("topk", topk)
+    check_device("topk", topk, dev, "the plan's device")
+
+    check_dtype("out", out, (torch.bfloat16,))
+    if tuple(out.shape) != tuple(query.shape):
+        raise ValueError(f"out: expected shape {_fmt_shape(query)} like query, got {_fmt_shape(out)}")
+    check_last_dim_contiguous("out", out)
+    check_device("out", out, dev, "the plan's device")
+
+    if lse is not None:
+        check_dtype("lse", lse, (torch.float32,))
+        if tuple(lse.shape) != (T, hq):
+            raise ValueError(f"lse: expected shape [{T}, {hq}] ([T, Hq]), got {_fmt_shape(lse)}")
+        check_last_dim_contiguous("lse", lse)
+        check_device("lse", lse, dev, "the plan's device")
+
+    if backend == "auto":
+        backend = "kernel" if dev.type == "cuda" else "reference"
+    if backend == "kernel":
+        if dev.type != "cuda":
+            raise ValueError(f"backend: 'kernel' needs CUDA tensors, the plan's tensors are on {dev}")
+        validate_kernel_layout(query, kv_cache, out, lse)
+    return backend
+
+
+def validate_kernel_layout(
+    query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None
+) -> None:
+    """Layouts the compiled kernel assumes (msa_jit.compiler.fake_arguments), beyond the API rules.
+
+    query: head stride == head_dim, token stride a multiple of 16 elements, 16-byte aligned;
+    kv_cache, out: 16-byte aligned; out, lse: contiguous.
+    """
+    T, hq, d = query.shape
+    if hq > 1 and query.stride(1) != d:
+        raise ValueError(
+            f"query: the kernel needs the head stride to equal head_dim ({d}), got strides "
+            f"{list(query.stride())}; pass query.contiguous()"
+        )
+    if T > 1 and query.stride(0) % 16:
+        raise ValueError(
+            f"query: the kernel needs a token stride that is a multiple of 16 elements, got strides "
+            f"{list(query.stride())}"
+        )
+    for name, x in (("query", query), ("kv_cache", kv_cache), ("out", out)):
+        if x.data_ptr() % 16:
+            raise ValueError(f"{name}: the kernel needs a 16-byte aligned data pointer, got {x.data_ptr():#x}")
+    if not out.is_contiguous():
+        raise ValueError(f"out: the kernel needs a contiguous tensor, got strides {list(out.stride())}")
+    if lse is not None and not lse.is_contiguous():
+        raise ValueError(f"lse: the kernel needs a contiguous tensor, got strides {list(lse.stride())}")

@@ -1,0 +1,285 @@
+"""Planner: prologue correctness, plan caching with stable addresses, split choice, op dispatch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+from helpers import FP8, make_case
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import msa_jit
+from msa_jit import SparseDecodePlan, SparseDecodePlanner, sparse_decode, sparse_decode_reference
+from msa_jit.planner import choose_num_splits
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _prologue():
+    from msa_jit import prologue
+
+    if DEV == "cpu" and not prologue.kernel_is_interpreted():
+        pytest.skip("the Triton prologue needs CUDA or TRITON_INTERPRET=1 (set by conftest)")
+    return prologue
+
+
+def _expected(seq_lens: list[int], qlen: int) -> tuple[list[int], list[int]]:
+    qo = [s - qlen + j for s in seq_lens for j in range(qlen)]
+    return [max(p + 1, 0) for p in qo], qo
+
+
+# ----------------------------------------------------------------------------- prologue
+@pytest.mark.parametrize("batch,qlen", [(1, 1), (3, 4), (7, 32), (300, 1), (45, 3)])
+def test_prologue_triton_matches_torch(batch, qlen):
+    prologue = _prologue()
+    g = torch.Generator().manual_seed(batch * 100 + qlen)
+    seq = torch.randint(0, 5000, (batch,), generator=g, dtype=torch.int32)
+    seq[0] = 0  # padded request: negative positions
+    if batch > 1:
+        seq[1] = min(qlen - 1, 1)
+    seq_d = seq.to(DEV)
+    T = batch * qlen
+    kv_a = torch.full((T,), -99, dtype=torch.int32, device=DEV)
+    qo_a = torch.full((T,), -99, dtype=torch.int32, device=DEV)
+    kv_b, qo_b = kv_a.clone(), qo_a.clone()
+    ptrs = (kv_a.data_ptr(), qo_a.data_ptr())
+    prologue.refresh_plan_tensors(seq_d, kv_a, qo_a, qlen)
+    prologue.refresh_plan_tensors_torch(seq_d, kv_b, qo_b, qlen)
+    assert (kv_a.data_ptr(), qo_a.data_ptr()) == ptrs
+    assert torch.equal(kv_a, kv_b) and torch.equal(qo_a, qo_b)
+    exp_kv, exp_qo = _expected(seq.tolist(), qlen)
+    assert kv_a.cpu().tolist() == exp_kv and qo_a.cpu().tolist() == exp_qo
+
+
+def test_prepare_runs_the_triton_prologue(monkeypatch):
+    prologue = _prologue()
+
+    def boom(*a, **k):
+        raise AssertionError("torch fallback used although the Triton prologue can run")
+
+    monkeypatch.setattr(prologue, "refresh_plan_tensors_torch", boom)
+    c = _case(batch=5, qlen=3, seed=4)
+    p = SparseDecodePlanner().prepare(*c.prepare_args(), **c.prepare_kwargs())
+    exp_kv, exp_qo = _expected(c.seq_lens_cpu.tolist(), c.qlen)
+    assert p.kv_lens.cpu().tolist() == exp_kv and p.qo_offset.cpu().tolist() == exp_qo
+
+
+# ----------------------------------------------------------------------------- caching
+def _case(batch=3, qlen=2, seed=0, **kw):
+    kw.setdefault("ctx_lens", None)
+    return make_case(batch, qlen, 4, 2, q_dtype=torch.bfloat16, seed=seed, device=DEV,
+                     page_size=64, topk=4, **kw)
+
+
+def test_same_key_same_plan_and_addresses():
+    planner = SparseDecodePlanner()
+    c = _case()
+    p1 = planner.prepare(*c.prepare_args(), **c.prepare_kwargs())
+    ptrs = [t.data_ptr() for t in (p1.kv_lens, p1.qo_offset, p1.partial_o, p1.partial_lse, p1.lse_scratch)]
+    exp_kv, exp_qo = _expected(c.seq_lens_cpu.tolist(), c.qlen)
+    assert p1.kv_lens.cpu().tolist() == exp_kv and p1.qo_offset.cpu().tolist() == exp_qo
+
+    # next step: same shapes, longer contexts, a new block_table tensor with the same stride
+    seq2 = c.seq_lens + 1
+    bt2 = c.block_table.clone()
+    p2 = planner.prepare(bt2, seq2, None, c.qlen, **c.prepare_kwargs())
+    assert p2 is p1
+    assert ptrs == [t.data_ptr() for t in (p2.kv_lens, p2.qo_offset, p2.partial_o, p2.partial_lse, p2.lse_scratch)]
+    assert p2.block_table is bt2 and p2.seq_lens is seq2
+    exp_kv, exp_qo = _expected(seq2.cpu().tolist(), c.qlen)
+    assert p2.kv_lens.cpu().tolist() == exp_kv and p2.qo_offset.cpu().tolist() == exp_qo
+    assert len(planner.plans) == 1
+
+
+def test_plan_fields_and_workspace_shapes():
+    planner = SparseDecodePlanner(num_sms=8)
+    c = _case(batch=2, qlen=3)
+    p = planner.prepare(*c.prepare_args(), **c.prepare_kwargs())
+    T, G = 6, 2
+    assert (p.batch, p.qlen, p.num_tokens, p.group_size) == (2, 3, T, G)
+    assert (p.num_q_heads, p.num_kv_heads, p.page_size, p.topk, p.head_dim) == (4, 2, 64, 4, 128)
+    assert p.block_table_stride == c.block_table.stride(0)
+    assert p.num_splits == choose_num_splits(T * 2, 4, 8)
+    assert p.kv_lens.dtype == p.qo_offset.dtype == torch.int32 and p.kv_lens.shape == (T,)
+    assert p.partial_o.shape == (T * 2 * p.num_splits, G, 128) and p.partial_o.dtype == torch.float32
+    assert p.partial_lse.shape == (T * 2 * p.num_splits, G) and p.partial_lse.dtype == torch.float32
+    assert p.lse_scratch.shape == (T, 4) and p.lse_scratch.dtype == torch.float32
+    assert p.key in planner.plans and planner.plans[p.key] is p
+
+
+def test_different_keys_different_plans():
+    planner = SparseDecodePlanner()
+    c = _case(batch=3, qlen=2)
+    base = planner.prepare(*c.prepare_args(), **c.prepare_kwargs())
+    others = []
+    c2 = _case(batch=4, qlen=2, seed=1)
+    others.append(planner.prepare(*c2.prepare_args(), **c2.prepare_kwargs()))
+    c3 = _case(batch=3, qlen=3, seed=2)
+    others.append(planner.prepare(*c3.prepare_args(), **c3.prepare_kwargs()))
+    wide = torch.zeros(3, c.block_table.shape[1] + 8, dtype=torch.int32, device=DEV)
+    wide[:, : c.block_table.shape[1]] = c.block_table
+    others.append(planner.prepare(wide[:, : c.block_table.shape[1]], c.seq_lens, c.seq_lens_cpu, 2,
+                                  **c.prepare_kwargs()))
+    kw = dict(c.prepare_kwargs(), topk_blocks=5)
+    others.append(planner.prepare(*c.prepare_args(), **kw))
+    kw = dict(c.prepare_kwargs(), num_q_heads=8)
+    others.append(planner.prepare(*c.prepare_args(), **kw))
+    assert len({id(p) for p in [base, *others]}) == 6
+    assert len(planner.plans) == 6
+    assert planner.prepare(*c.prepare_args(), **c.prepare_kwargs()) is base
+
+
+def test_module_level_prepare_uses_default_planner():
+    from msa_jit.planner import default_planner
+
+    c = _case(batch=2, qlen=1, seed=9)
+    p = msa_jit.prepare(*c.prepare_args(), **c.prepare_kwargs())
+    assert default_planner().plans[p.key] is p
+    assert msa_jit.prepare(*c.prepare_args(), **c.prepare_kwargs()) is p
+
+
+# ----------------------------------------------------------------------------- splits
+@settings(max_examples=200, deadline=None)
+@given(rows=st.integers(1, 100_000), topk=st.integers(1, 32), sms=st.integers(1, 200))
+def test_choose_num_splits_properties(rows, topk, sms):
+    s = choose_num_splits(rows, topk, sms)
+    assert isinstance(s, int) and 1 <= s <= topk
+    if rows >= sms:
+        assert s == 1
+    per = -(-topk // s)
+    assert (s - 1) * per < topk  # no empty split for a full row
+    # monotone: more rows never asks for more splits
+    assert choose_num_splits(rows + 1, topk, sms) <= s
+    # when the grid is tiny there is enough work for ~2 waves, or every slot is its own split
+    if rows < sms:
+        raw = min(topk, -(-2 * sms // rows))
+        assert s == -(-topk // -(-topk // raw))
+
+
+def test_choose_num_splits_examples():
+    assert choose_num_splits(1, 16, 132) == 16
+    assert choose_num_splits(4, 16, 132) == 16
+    assert choose_num_splits(32, 16, 132) == 8      # 9 wanted -> 2 slots per split -> 8 splits
+    assert choose_num_splits(132, 16, 132) == 1
+    assert choose_num_splits(10_000, 16, 132) == 1
+    assert choose_num_splits(100, 16, 132) == 3    # 3 splits of 6, 6, 4
+
+
+# ----------------------------------------------------------------------------- op
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("backend", ["reference", "auto"])
+def test_op_reference_backend_matches_reference(q_dtype, backend):
+    if backend == "auto" and DEV == "cuda":
+        pytest.skip("auto means the kernel on CUDA")
+    c = make_case(3, 2, 8, 2, q_dtype=q_dtype, seed=21, device=DEV, page_size=64, topk=5,
+                  transposed_topk=True, padded=True)
+    plan = SparseDecodePlanner().prepare(*c.prepare_args(), **c.prepare_kwargs())
+    out, lse = c.new_out(), c.new_lse()
+    ptr = out.data_ptr()
+    assert sparse_decode(c.query, c.kv_cache, c.topk, out, plan, lse=lse, backend=backend, **c.scales()) is None
+    ref_o, ref_l = sparse_decode_reference(*c.reference_args(), **c.scales())
+    assert out.data_ptr() == ptr
+    assert torch.equal(out.cpu(), ref_o.to(torch.bfloat16))
+    assert torch.equal(lse.cpu(), ref_l.to(torch.float32))
+    assert not torch.isnan(out).any()
+    # without lse: out only; uint8 KV storage accepted
+    out2 = c.new_out()
+    sparse_decode(c.query, c.kv_cache.view(torch.uint8), c.topk, out2, plan, backend=backend, **c.scales())
+    assert torch.equal(out2, out)
+
+
+def test_resolve_kernel_uses_compiler_and_caches(monkeypatch):
+    calls = []
+
+    def fake_get(config):
+        calls.append(config)
+        return lambda *a: None
+
+    fake = types.ModuleType("msa_jit.compiler")
+    fake.get_sparse_decode_kernel = fake_get
+    monkeypatch.setitem(sys.modules, "msa_jit.compiler", fake)
+    c = _case()
+    plan = SparseDecodePlanner(arch="sm_100a").prepare(*c.prepare_args(), **c.prepare_kwargs())
+    if DEV == "cpu":
+        assert plan.arch == "sm_100a"
+    f1 = plan.resolve_kernel(torch.bfloat16)
+    assert plan.resolve_kernel("bfloat16") is f1
+    plan.resolve_kernel(FP8)
+    assert [cfg.q_dtype for cfg in calls] == ["bfloat16", "float8_e4m3fn"]
+    cfg = calls[0]
+    assert (cfg.num_q_heads, cfg.num_kv_heads, cfg.page_size, cfg.topk, cfg.head_dim) == (4, 2, 64, 4, 128)
+    assert set(plan.kernels) == {torch.bfloat16, FP8}
+
+
+def test_resolve_kernel_without_arch_on_cpu():
+    if DEV != "cpu":
+        pytest.skip("CPU-only behaviour")
+    c = _case()
+    plan = SparseDecodePlanner().prepare(*c.prepare_args(), **c.prepare_kwargs())
+    with pytest.raises(RuntimeError, match="arch"):
+        plan.resolve_kernel(torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_kernel_backend_passes_calling_convention(monkeypatch):
+    """With a fake compiler, check the exact argument list of the kernel call (docs/design.md)."""
+    seen = []
+    fake = types.ModuleType("msa_jit.compiler")
+    fake.get_sparse_decode_kernel = lambda cfg: (lambda *a: seen.append(a))
+    monkeypatch.setitem(sys.modules, "msa_jit.compiler", fake)
+    c = make_case(2, 2, 8, 2, q_dtype=FP8, seed=3, device="cuda", page_size=64, topk=4)
+    plan = SparseDecodePlanner().prepare(*c.prepare_args(), **c.prepare_kwargs())
+    out = c.new_out()
+    sparse_decode(c.query, c.kv_cache, c.topk, out, plan, backend="kernel", **c.scales())
+    (a,) = seen
+    assert len(a) == 13
+    assert a[0].dtype == torch.uint8 and a[0].data_ptr() == c.query.data_ptr()
+    assert a[1].dtype == torch.uint8 and a[2] is c.topk and a[3] is plan.block_table
+    assert a[4] is plan.kv_lens and a[5] is out and a[6] is plan.lse_scratch
+    assert a[7] is plan.partial_o and a[8] is plan.partial_lse
+    assert (a[9], a[10]) == (plan.qlen, plan.num_splits)
+    import math
+
+    assert math.isclose(a[11], c.sm_scale * c.q_scale * c.k_scale / math.log(2))
+    assert a[12] == c.v_scale
+
+
+@pytest.mark.gpu
+def test_prepare_is_cuda_graph_capturable():
+    """A captured prepare() replays the prologue on the live seq_lens: no sync, no allocation."""
+    planner = SparseDecodePlanner()
+    c = make_case(6, 3, 8, 2, q_dtype=torch.bfloat16, seed=8, device="cuda", page_size=64, topk=4)
+    seq = c.seq_lens.clone()
+    plan = planner.prepare(c.block_table, seq, c.seq_lens_cpu, c.qlen, **c.prepare_kwargs())
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        planner.prepare(c.block_table, seq, None, c.qlen, **c.prepare_kwargs())
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        assert planner.prepare(c.block_table, seq, None, c.qlen, **c.prepare_kwargs()) is plan
+    for bump in (5, 77, -2):
+        seq.add_(bump)
+        g.replay()
+        torch.cuda.synchronize()
+        exp_kv, exp_qo = _expected(seq.cpu().tolist(), c.qlen)
+        assert plan.kv_lens.cpu().tolist() == exp_kv and plan.qo_offset.cpu().tolist() == exp_qo
+
+
+def test_import_is_light():
+    code = "import sys, msa_jit; bad = [m for m in ('triton', 'cutlass') if m in sys.modules]; print(bad)"
+    env = dict(os.environ)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[]"
+
+
+def test_plan_is_plain_object():
+    assert SparseDecodePlan.__eq__ is object.__eq__

@@ -1,0 +1,419 @@
+"""Malformed inputs to prepare / sparse_decode: a ValueError or TypeError naming the argument,
+and nothing written to out / lse."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+from helpers import FP8, make_case
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from msa_jit import SparseDecodePlanner, sparse_decode, supports
+from msa_jit.geometry import SparseDecodeConfig, check_config
+
+SETTINGS = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# base geometry: batch 2, qlen 2 (T = 4), Hq 4, Hkv 2 (G = 2), page 64, topk 4
+B, QLEN, T, HQ, HKV, PAGE, K = 2, 2, 4, 4, 2, 64, 4
+
+
+@functools.lru_cache(maxsize=None)
+def base():
+    c = make_case(B, QLEN, HQ, HKV, q_dtype=torch.bfloat16, seed=0, device="cpu",
+                  ctx_lens=[70, 130], page_size=PAGE, topk=K)
+    plan = SparseDecodePlanner().prepare(*c.prepare_args(), **c.prepare_kwargs())
+    return c, plan
+
+
+def _bad_dtype(data, allowed, pool=(torch.float32, torch.float16, torch.int64, torch.int32,
+                                    torch.int16, torch.uint8, torch.bfloat16, torch.float64)):
+    return data.draw(st.sampled_from([d for d in pool if d not in allowed]))
+
+
+def _other_int(data, good, lo=0, hi=40):
+    return data.draw(st.integers(lo, hi).filter(lambda v: v != good))
+
+
+def _noncontig_last(shape, dtype):
+    """A tensor of `shape` whose innermost stride is 2 or 3."""
+    step = 2 + (sum(shape) % 2)
+    return torch.zeros(*shape[:-1], shape[-1] * step, dtype=dtype)[..., ::step]
+
+
+# ----------------------------------------------------------------------------- prepare
+PREPARE_FIELDS = ("block_table", "seq_lens", "seq_lens_cpu", "decode_query_len",
+                  "num_q_heads", "num_kv_heads", "page_size", "topk_blocks")
+
+
+def _prepare_base():
+    c, _ = base()
+    return dict(block_table=c.block_table, seq_lens=c.seq_lens, seq_lens_cpu=c.seq_lens_cpu,
+                decode_query_len=QLEN, num_q_heads=HQ, num_kv_heads=HKV, page_size=PAGE, topk_blocks=K)
+
+
+def _call_prepare(planner, a):
+    return planner.prepare(a["block_table"], a["seq_lens"], a["seq_lens_cpu"], a["decode_query_len"],
+                           num_q_heads=a["num_q_heads"], num_kv_heads=a["num_kv_heads"],
+                           page_size=a["page_size"], topk_blocks=a["topk_blocks"])
+
+
+def _p_block_table(data, a):
+    bt = a["block_table"]
+    kind = data.draw(st.sampled_from(["dtype", "rows", "ndim", "stride", "type", "empty"]))
+    if kind == "dtype":
+        return dict(block_table=bt.to(_bad_dtype(data, (torch.int32,)))), TypeError
+    if kind == "rows":
+        return dict(block_table=torch.zeros(_other_int(data, B, 0, 6), bt.shape[1], dtype=torch.int32)), ValueError
+    if kind == "ndim":
+        return dict(block_table=data.draw(st.sampled_from([bt.reshape(-1), bt[None], bt[..., None]]))), ValueError
+    if kind == "stride":
+        return dict(block_table=_noncontig_last(tuple(bt.shape), torch.int32)), ValueError
+    if kind == "empty":
+        return dict(block_table=torch.zeros(B, 0, dtype=torch.int32)), ValueError
+    return dict(block_table=bt.tolist()), TypeError
+
+
+def _p_seq_lens(data, a):
+    sl = a["seq_lens"]
+    kind = data.draw(st.sampled_from(["dtype", "ndim", "noncontig", "batch", "empty", "type"]))
+    if kind == "dtype":
+        return dict(seq_lens=sl.to(_bad_dtype(data, (torch.int32,)))), TypeError
+    if kind == "ndim":
+        return dict(seq_lens=data.draw(st.sampled_from([sl[None], sl[:, None], sl[0]]))), ValueError
+    if kind == "noncontig":
+        return dict(seq_lens=torch.zeros(2 * B, dtype=torch.int32)[::2]), ValueError
+    if kind == "batch":
+        n = _other_int(data, B, 1, 6)
+        return dict(seq_lens=torch.full((n,), 70, dtype=torch.int32),
+                    seq_lens_cpu=torch.full((n,), 70, dtype=torch.int32)), ValueError
+    if kind == "empty":
+        return dict(seq_lens=torch.zeros(0, dtype=torch.int32)), ValueError
+    return dict(seq_lens=sl.tolist()), TypeError
+
+
+def _p_seq_lens_cpu(data, a):
+    s = a["seq_lens_cpu"]
+    kind = data.draw(st.sampled_from(["dtype", "shape", "type", "negative"]))
+    if kind == "dtype":
+        return dict(seq_lens_cpu=s.to(_bad_dtype(data, (torch.int32, torch.int64)))), TypeError
+    if kind == "shape":
+        n = _other_int(data, B, 0, 6)
+        return dict(seq_lens_cpu=torch.full((n,), 10, dtype=torch.int32)), ValueError
+    if kind == "negative":  # value check on first build (fresh planner)
+        return dict(seq_lens_cpu=torch.tensor([-data.draw(st.integers(1, 100)), 5], dtype=torch.int32)), ValueError
+    return dict(seq_lens_cpu=s.tolist()), TypeError
+
+
+def _p_qlen(data, a):
+    v = data.draw(st.one_of(st.integers(-40, 0), st.integers(33, 10_000),
+                            st.sampled_from([1.0, 2.5, "2", None, True, torch.tensor(2)])))
+    exc = ValueError if isinstance(v, int) and not isinstance(v, bool) else TypeError
+    return dict(decode_query_len=v), exc
+
+
+def _p_num_q_heads(data, a):
+    v = data.draw(st.one_of(st.integers(-4, 0), st.integers(0, 40).map(lambda x: 2 * x + 1),
+                            st.integers(17, 60).map(lambda x: 2 * x), st.sampled_from([4.0, "4", None])))
+    return dict(num_q_heads=v), (ValueError if isinstance(v, int) else TypeError)
+
+
+def _p_num_kv_heads(data, a):
+    v = data.draw(st.one_of(st.integers(-4, 0), st.just(3), st.integers(5, 64), st.sampled_from([2.0, False])))
+    return dict(num_kv_heads=v), (ValueError if type(v) is int else TypeError)
+
+
+def _p_page_size(data, a):
+    v = data.draw(st.one_of(st.integers(-10, 1000).filter(lambda x: x not in (64, 128)),
+                            st.sampled_from([64.0, "128", None])))
+    return dict(page_size=v), (ValueError if isinstance(v, int) else TypeError)
+
+
+def _p_topk_blocks(data, a):
+    v = data.draw(st.one_of(st.integers(-10, 0), st.integers(33, 500), st.sampled_from([16.0, "16", True])))
+    return dict(topk_blocks=v), (ValueError if type(v) is int else TypeError)
+
+
+def _p_capacity(data, a):
+    """block_table too narrow for the longest request (checked on first build)."""
+    cols = a["block_table"].shape[1]
+    n = data.draw(st.integers(cols * PAGE + 1, cols * PAGE + 5000))
+    return dict(seq_lens_cpu=torch.tensor([n, 5], dtype=torch.int32)), ValueError
+
+
+PREPARE_MUTATIONS = {
+    "block_table": _p_block_table,
+    "seq_lens": _p_seq_lens,
+    "seq_lens_cpu": _p_seq_lens_cpu,
+    "decode_query_len": _p_qlen,
+    "num_q_heads": _p_num_q_heads,
+    "num_kv_heads": _p_num_kv_heads,
+    "page_size": _p_page_size,
+    "topk_blocks": _p_topk_blocks,
+    "block_table ": _p_capacity,  # trailing space: a second entry naming block_table
+}
+
+
+def test_prepare_accepts_the_base_case():
+    p = _call_prepare(SparseDecodePlanner(), _prepare_base())
+    assert p.kv_lens.tolist() == [69, 70, 129, 130]
+
+
+@pytest.mark.parametrize("name", list(PREPARE_MUTATIONS))
+@SETTINGS
+@given(data=st.data())
+def test_prepare_rejects_malformed(name, data):
+    a = _prepare_base()
+    change, exc = PREPARE_MUTATIONS[name](data, a)
+    a.update(change)
+    planner = SparseDecodePlanner()
+    with pytest.raises((ValueError, TypeError)) as ei:
+        _call_prepare(planner, a)
+    assert name.strip() in str(ei.value), str(ei.value)
+    assert isinstance(ei.value, exc), f"{type(ei.value).__name__}: {ei.value}"
+    assert not planner.plans
+
+
+# ----------------------------------------------------------------------------- sparse_decode
+def _op_base():
+    c, plan = base()
+    return dict(query=c.query, kv_cache=c.kv_cache, topk=c.topk, out=c.new_out(), plan=plan,
+                lse=c.new_lse(), backend="reference", **c.scales())
+
+
+def _s_query(data, a):
+    q = a["query"]
+    kind = data.draw(st.sampled_from(["dtype", "T", "heads", "dim", "ndim", "stride", "type"]))
+    if kind == "dtype":
+        return dict(query=q.to(_bad_dtype(data, (torch.bfloat16, FP8)))), TypeError
+    if kind == "T":
+        return dict(query=torch.zeros(_other_int(data, T, 0, 12), HQ, 128, dtype=torch.bfloat16)), ValueError
+    if kind == "heads":
+        return dict(query=torch.zeros(T, _other_int(data, HQ, 0, 20), 128, dtype=torch.bfloat16)), ValueError
+    if kind == "dim":
+        return dict(query=torch.zeros(T, HQ, _other_int(data, 128, 0, 300), dtype=torch.bfloat16)), ValueError
+    if kind == "ndim":
+        return dict(query=data.draw(st.sampled_from([q.reshape(T, -1), q[None], q.reshape(-1)]))), ValueError
+    if kind == "stride":
+        return dict(query=_noncontig_last((T, HQ, 128), torch.bfloat16)), ValueError
+    return dict(query=q.tolist()), TypeError
+
+
+def _s_kv_cache(data, a):
+    kv = a["kv_cache"]
+    P = kv.shape[0]
+    kind = data.draw(st.sampled_from(["dtype", "heads", "page", "row", "ndim", "noncontig", "type"]))
+    if kind == "dtype":
+        return dict(kv_cache=torch.zeros(kv.shape, dtype=_bad_dtype(data, (FP8, torch.uint8)))), TypeError
+    shape = [P, HKV, PAGE, 256]
+    if kind in ("heads", "page", "row"):
+        i = {"heads": 1, "page": 2, "row": 3}[kind]
+        shape[i] = _other_int(data, shape[i], 0, 300)
+        return dict(kv_cache=torch.zeros(shape, dtype=torch.uint8)), ValueError
+    if kind == "ndim":
+        return dict(kv_cache=kv.reshape(P, HKV, -1)), ValueError
+    if kind == "noncontig":
+        wide = torch.zeros(P, HKV, PAGE, 512, dtype=torch.uint8)
+        return dict(kv_cache=data.draw(st.sampled_from([wide[..., :256], wide[..., 256:]]))), ValueError
+    return dict(kv_cache=None), TypeError
+
+
+def _s_topk(data, a):
+    kind = data.draw(st.sampled_from(["dtype", "T", "heads", "width", "hkv_t_shape", "stride", "type"]))
+    if kind == "dtype":
+        return dict(topk=a["topk"].to(_bad_dtype(data, (torch.int32,)))), TypeError
+    shape = [T, HKV, K]
+    if kind in ("T", "heads", "width"):
+        i = {"T": 0, "heads": 1, "width": 2}[kind]
+        shape[i] = _other_int(data, shape[i], 0, 40)
+        return dict(topk=torch.zeros(shape, dtype=torch.int32)), ValueError
+    if kind == "hkv_t_shape":  # a [Hkv, T, K] buffer passed without the transpose
+        return dict(topk=torch.zeros(HKV, T, K, dtype=torch.int32)), ValueError
+    if kind == "stride":
+        return dict(topk=_noncontig_last((T, HKV, K), torch.int32)), ValueError
+    return dict(topk=a["topk"].numpy()), TypeError
+
+
+def _s_out(data, a):
+    kind = data.draw(st.sampled_from(["dtype", "shape", "stride", "type"]))
+    if kind == "dtype":
+        dt = _bad_dtype(data, (torch.bfloat16,), pool=(torch.float32, torch.float16, torch.float64))
+        return dict(out=torch.full((T, HQ, 128), math.nan, dtype=dt)), TypeError
+    if kind == "shape":
+        shape = data.draw(st.sampled_from([(T + 1, HQ, 128), (T, HQ + 2, 128), (T, HQ, 64), (T, HQ * 128)]))
+        return dict(out=torch.full(shape, math.nan, dtype=torch.bfloat16)), ValueError
+    if kind == "stride":
+        return dict(out=_noncontig_last((T, HQ, 128), torch.bfloat16).fill_(math.nan)), ValueError
+    return dict(out=None), TypeError
+
+
+def _s_lse(data, a):
+    kind = data.draw(st.sampled_from(["dtype", "shape", "stride", "type"]))
+    if kind == "dtype":
+        dt = _bad_dtype(data, (torch.float32,), pool=(torch.bfloat16, torch.float16, torch.float64))
+        return dict(lse=torch.full((T, HQ), math.nan, dtype=dt)), TypeError
+    if kind == "shape":
+        shape = data.draw(st.sampled_from([(T, HQ + 1), (T + 1, HQ), (T, HQ, 1), (T * HQ,)]))
+        return dict(lse=torch.full(shape, math.nan)), ValueError
+    if kind == "stride":
+        return dict(lse=_noncontig_last((T, HQ), torch.float32).fill_(math.nan)), ValueError
+    return dict(lse=[0.0] * T), TypeError
+
+
+def _scale_mutation(name):
+    def mutate(data, a):
+        v = data.draw(st.sampled_from([0, 0.0, -1.0, -1e-30, math.nan, math.inf, -math.inf,
+                                       "1.0", None, True, [1.0], torch.tensor([1.0, 2.0])]))
+        bad_value = isinstance(v, (int, float)) and not isinstance(v, bool)
+        return {name: v}, (ValueError if bad_value else TypeError)
+    return mutate
+
+
+def _s_plan(data, a):
+    v = data.draw(st.sampled_from([None, "plan", object(), {}, 3]))
+    return dict(plan=v), TypeError
+
+
+def _s_backend(data, a):
+    v = data.draw(st.sampled_from(["cuda", "triton", "", "Reference", "kernel", None, 1]))
+    return dict(backend=v), (ValueError if isinstance(v, str) else TypeError)
+
+
+def _s_plan_mismatch(data, a):
+    """A plan of another batch / head count: the tensors disagree with it (named: query)."""
+    c = make_case(3, 1, HQ, HKV, q_dtype=torch.bfloat16, seed=1, ctx_lens=[10, 20, 30],
+                  page_size=PAGE, topk=K)
+    plan = SparseDecodePlanner().prepare(*c.prepare_args(), **c.prepare_kwargs())
+    return dict(plan=plan), ValueError
+
+
+OP_MUTATIONS = {
+    "query": _s_query,
+    "kv_cache": _s_kv_cache,
+    "topk": _s_topk,
+    "out": _s_out,
+    "lse": _s_lse,
+    "sm_scale": _scale_mutation("sm_scale"),
+    "q_scale": _scale_mutation("q_scale"),
+    "k_scale": _scale_mutation("k_scale"),
+    "v_scale": _scale_mutation("v_scale"),
+    "plan": _s_plan,
+    "backend": _s_backend,
+    "query ": _s_plan_mismatch,
+}
+
+
+def _snapshot(x):
+    return x.clone() if isinstance(x, torch.Tensor) else None
+
+
+def _same_bits(x, y):
+    if x is None:
+        return True
+    def bits(t):
+        return t.contiguous().reshape(-1).view(torch.uint8)
+
+    return x.shape == y.shape and x.dtype == y.dtype and torch.equal(bits(x), bits(y))
+
+
+@pytest.mark.parametrize("name", list(OP_MUTATIONS))
+@SETTINGS
+@given(data=st.data())
+def test_sparse_decode_rejects_malformed(name, data):
+    a = _op_base()
+    change, exc = OP_MUTATIONS[name](data, a)
+    a.update(change)
+    if data.draw(st.booleans(), label="drop lse") and name != "lse":
+        a["lse"] = None
+    out0, lse0 = _snapshot(a["out"]), _snapshot(a["lse"])
+    args = (a.pop("query"), a.pop("kv_cache"), a.pop("topk"), a.pop("out"), a.pop("plan"))
+    with pytest.raises((ValueError, TypeError)) as ei:
+        sparse_decode(*args, **a)
+    assert name.strip() in str(ei.value), str(ei.value)
+    assert isinstance(ei.value, exc), f"{type(ei.value).__name__}: {ei.value}"
+    assert _same_bits(out0, args[3]), "out was written although validation failed"
+    assert _same_bits(lse0, a["lse"]), "lse was written although validation failed"
+
+
+@SETTINGS
+@given(transposed=st.booleans(), u8=st.booleans(), with_lse=st.booleans(),
+       scale=st.floats(1e-3, 1e3), fp8=st.booleans())
+def test_sparse_decode_accepts_valid_variants(transposed, u8, with_lse, scale, fp8):
+    c = make_case(B, QLEN, HQ, HKV, q_dtype=FP8 if fp8 else torch.bfloat16, seed=3, device="cpu",
+                  ctx_lens=[70, 130], page_size=PAGE, topk=K, transposed_topk=transposed)
+    plan = SparseDecodePlanner().prepare(*c.prepare_args(), **c.prepare_kwargs())
+    out = c.new_out()
+    lse = c.new_lse() if with_lse else None
+    kv = c.kv_cache.view(torch.uint8) if u8 else c.kv_cache
+    sparse_decode(c.query, kv, c.topk, out, plan, sm_scale=scale * c.sm_scale, q_scale=c.q_scale,
+                  k_scale=c.k_scale, v_scale=c.v_scale, lse=lse, backend="reference")
+    assert torch.isfinite(out.float()).all()
+    if with_lse:
+        assert torch.isfinite(lse).all()
+
+
+# ----------------------------------------------------------------------------- geometry
+@SETTINGS
+@given(hq=st.integers(-2, 80), hkv=st.integers(-2, 20), page=st.sampled_from([0, 32, 64, 100, 128, 256]),
+       topk=st.integers(-1, 40), qlen=st.integers(-1, 40), batch=st.integers(-1, 3),
+       q_dtype=st.sampled_from(["bfloat16", "float8_e4m3fn", "float16", torch.bfloat16, torch.float32]))
+def test_supports_agrees_with_rules(hq, hkv, page, topk, qlen, batch, q_dtype):
+    r = supports(num_q_heads=hq, num_kv_heads=hkv, page_size=page, topk=topk,
+                 q_dtype=q_dtype, batch=batch, qlen=qlen)
+    qname = str(q_dtype).replace("torch.", "")
+    ok = (hq >= 1 and hkv >= 1 and hq % hkv == 0 and 1 <= hq // hkv <= 16 and page in (64, 128)
+          and 1 <= topk <= 32 and 1 <= qlen <= 32 and batch >= 1 and qname in ("bfloat16", "float8_e4m3fn"))
+    assert bool(r) == ok == r.ok
+    assert (r.reason == "") == ok
+    if ok:
+        cfg = SparseDecodeConfig(hq, hkv, page_size=page, topk=topk, q_dtype=qname)
+        assert check_config(cfg) is None and cfg.group_size == hq // hkv
+        assert cfg.to_dict()["q_dtype"] == qname
+
+
+def test_check_config_reasons():
+    assert check_config(SparseDecodeConfig(64, 4)) is None
+    assert check_config(SparseDecodeConfig(8, 1, q_dtype="float8_e4m3fn", arch="sm_100a")) is None
+    for cfg, word in [
+        (SparseDecodeConfig(64, 4, head_dim=64), "head_dim"),
+        (SparseDecodeConfig(64, 4, page_size=256), "page_size"),
+        (SparseDecodeConfig(64, 4, topk=0), "topk"),
+        (SparseDecodeConfig(64, 3), "multiple"),
+        (SparseDecodeConfig(64, 2), "group size"),
+        (SparseDecodeConfig(64, 4, q_dtype="float16"), "q_dtype"),
+        (SparseDecodeConfig(64, 4, kv_dtype="bfloat16"), "kv_dtype"),
+        (SparseDecodeConfig(64, 4, out_dtype="float32"), "out_dtype"),
+        (SparseDecodeConfig(64, 4, arch="hopper"), "arch"),
+    ]:
+        reason = check_config(cfg)
+        assert reason is not None and word in reason, (cfg, reason)
+    with pytest.raises(ValueError, match="page_size"):
+        SparseDecodeConfig(64, 4, page_size=32).validate()
+    assert supports(num_q_heads=64, num_kv_heads=4, page_size=128, topk=16, qlen=33).reason.startswith("qlen")
+
+
+# ----------------------------------------------------------------------------- kernel layouts
+def test_kernel_layout_rules():
+    """Layouts the compiled kernel assumes (checked only on the kernel path; tested here on CPU)."""
+    from msa_jit.validation import validate_kernel_layout
+
+    c, _ = base()
+    q, kv, out, lse = c.query, c.kv_cache, c.new_out(), c.new_lse()
+    validate_kernel_layout(q, kv, out, lse)
+    validate_kernel_layout(q, kv, out, None)
+    # a query slice of a fused qkv row is fine: token stride is a multiple of 16, heads dense
+    qkv = torch.zeros(T, (HQ + 2 * HKV) * 128, dtype=torch.bfloat16)
+    validate_kernel_layout(qkv[:, : HQ * 128].view(T, HQ, 128), kv, out, lse)
+    bad = [
+        ("query", torch.zeros(T, HQ, 256, dtype=torch.bfloat16)[..., :128], kv, out, lse),
+        ("query", torch.zeros(T, HQ * 128 + 8, dtype=torch.bfloat16)[:, : HQ * 128].view(T, HQ, 128), kv, out, lse),
+        ("query", torch.zeros(T * HQ * 128 + 1, dtype=torch.bfloat16)[1:].view(T, HQ, 128), kv, out, lse),
+        ("kv_cache", q, torch.zeros(kv.numel() + 1, dtype=torch.uint8)[1:].view(kv.shape), out, lse),
+        ("out", q, kv, torch.zeros(HQ, T, 128, dtype=torch.bfloat16).transpose(0, 1), lse),
+        ("lse", q, kv, out, torch.zeros(HQ, T).t()),
+    ]
+    for name, *args in bad:
+        with pytest.raises(ValueError, match=name):
+            validate_kernel_layout(*args)
