@@ -1,0 +1,1060 @@
+"""Disk cache of compiled artifacts (shared objects).
+
+The contract (locations, fallback, layout, key, concurrency, crash safety,
+pruning) is written down in ``cache_dir_policy.md`` at the repository root;
+keep the two in sync. In short::
+
+    key = make_key(dataclasses.asdict(cfg), fingerprint)
+    entry, built = default_cache().get_or_build(
+        key, build, config=asdict(cfg), fingerprint=fingerprint, describe=str(cfg))
+    so_path = entry.artifact_path()
+
+``build(tmpdir)`` writes the artifact file(s) into ``tmpdir`` and returns
+``{"artifacts": [names], "extra": {...}}``. Entries are published atomically
+(``meta.json`` written last inside a temp dir, then one ``rename``), so a
+reader never sees a half-written entry, and a killed build leaves only a temp
+dir that lookups ignore and ``prune``/``clear`` remove.
+
+Only the standard library and ``filelock`` are imported: the runtime-only
+loader uses this module on hosts without the compiler.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import enum
+import errno
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import secrets
+import shutil
+import socket
+import stat
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import filelock
+
+from . import env
+
+__all__ = [
+    "FORMAT",
+    "LAYOUT",
+    "META_NAME",
+    "STALE_TMP_AGE_S",
+    "CacheError",
+    "ArtifactMissingError",
+    "CacheLockTimeout",
+    "CacheDirError",
+    "CacheFallbackWarning",
+    "CacheEntry",
+    "ArtifactCache",
+    "canonical_json",
+    "make_key",
+    "source_fingerprint",
+    "preferred_root",
+    "user_temp_root",
+    "default_cache",
+    "stats",
+    "reset_stats",
+]
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1  # meta.json "format"
+LAYOUT = "v1"  # directory under the root; bump when the layout changes
+META_NAME = "meta.json"
+STALE_TMP_AGE_S = 3600.0  # unrecognised files in tmp/ older than this are garbage
+_KEY_SCHEMA = 1
+_KEY_RE = re.compile(r"^[0-9a-f]{64}$")
+_SHARD_RE = re.compile(r"^[0-9a-f]{2}$")
+_CHUNK = 1 << 20
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class CacheError(RuntimeError):
+    """Base class of the cache's errors."""
+
+
+class ArtifactMissingError(CacheError):
+    """A kernel is not in the cache and ``MSA_JIT_NO_COMPILE=1`` forbids compiling it."""
+
+    def __init__(
+        self,
+        describe: str,
+        key: str,
+        roots: Iterable[os.PathLike | str] = (),
+        warmup_hint: str | None = None,
+    ) -> None:
+        self.describe = describe
+        self.key = key
+        self.roots = tuple(str(r) for r in roots)
+        self.warmup_hint = warmup_hint
+        where = f" in {', '.join(self.roots)}" if self.roots else ""
+        how = warmup_hint or "msa-jit warmup ...  (with this geometry)"
+        super().__init__(
+            f"msa-jit: no compiled kernel for {describe} (cache key {key}){where}, and "
+            f"{env.NO_COMPILE}=1 forbids compiling on this host. Warm the cache on a build host "
+            f"with the same msa-jit / CuTe DSL versions and GPU arch:\n    {how}\n"
+            f"then ship the cache directory and point {env.CACHE_DIR} at it "
+            f"(or unset {env.NO_COMPILE} to compile here)."
+        )
+
+    def __reduce__(self):  # picklable across processes despite the custom __init__
+        return (type(self), (self.describe, self.key, self.roots, self.warmup_hint))
+
+
+class CacheLockTimeout(CacheError, TimeoutError):
+    """Another process held an entry's build lock for longer than ``MSA_JIT_LOCK_TIMEOUT``."""
+
+
+class CacheDirError(CacheError):
+    """No usable cache directory at all (not even a temporary one)."""
+
+
+class CacheFallbackWarning(UserWarning):
+    """The configured cache directory is unusable; another one is used instead."""
+
+
+# --------------------------------------------------------------------------- stats
+
+_STAT_NAMES = ("builds", "hits", "misses", "corrupt")
+_stats_mu = threading.Lock()
+_global_stats = dict.fromkeys(_STAT_NAMES, 0)
+
+
+def stats() -> dict[str, int]:
+    """Process-wide counters of all ``ArtifactCache`` instances: builds, hits, misses, corrupt."""
+    with _stats_mu:
+        return dict(_global_stats)
+
+
+def reset_stats() -> None:
+    """Zero the process-wide counters (tests)."""
+    with _stats_mu:
+        for k in _STAT_NAMES:
+            _global_stats[k] = 0
+
+
+# --------------------------------------------------------------------------- keys
+
+
+def _jsonable(obj: Any, where: str = "$") -> Any:
+    """Canonical JSON-compatible copy of ``obj``; TypeError on anything ambiguous."""
+    if isinstance(obj, enum.Enum):
+        return _jsonable(obj.value, where)
+    if obj is None or isinstance(obj, (bool, str)):
+        return obj
+    if isinstance(obj, int):
+        return int(obj)
+    if isinstance(obj, float):
+        if not math.isfinite(obj):
+            raise TypeError(f"{where}: non-finite float {obj!r} cannot be part of a cache key")
+        return float(obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return _jsonable(dataclasses.asdict(obj), where)
+    if isinstance(obj, Mapping):
+        out = {}
+        for k, v in obj.items():
+            if isinstance(k, enum.Enum):
+                k = k.value
+            if not isinstance(k, str):
+                raise TypeError(f"{where}: mapping key {k!r} is not a str")
+            out[k] = _jsonable(v, f"{where}.{k}")
+        return out
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+    raise TypeError(
+        f"{where}: {type(obj).__name__} value {obj!r} is not JSON-serializable; "
+        "put only str/int/float/bool/None/list/dict (or enums, dataclasses) in a cache key"
+    )
+
+
+def canonical_json(obj: Any) -> str:
+    """The canonical JSON text used for keys: sorted keys, no blanks, ASCII, no NaN."""
+    return json.dumps(
+        _jsonable(obj), sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
+    )
+
+
+def make_key(config: Mapping[str, Any], fingerprint: Mapping[str, Any]) -> str:
+    """sha256 (hex) of the canonical JSON of ``config`` and ``fingerprint``.
+
+    ``config`` is ``dataclasses.asdict`` of the frozen kernel config (a
+    dataclass instance is also accepted and converted); ``fingerprint`` holds
+    the kernel-source hash, DSL / tvm-ffi / package versions and compile
+    options — never mtimes, PATH, Python or torch versions.
+    """
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        config = dataclasses.asdict(config)
+    if not isinstance(config, Mapping):
+        raise TypeError(f"config must be a mapping (dataclasses.asdict(cfg)), got {type(config).__name__}")
+    if not isinstance(fingerprint, Mapping):
+        raise TypeError(f"fingerprint must be a mapping, got {type(fingerprint).__name__}")
+    payload = {"schema": _KEY_SCHEMA, "config": config, "fingerprint": fingerprint}
+    return hashlib.sha256(canonical_json(payload).encode("ascii")).hexdigest()
+
+
+def _sha256_file(path: Path) -> tuple[str, int]:
+    h = hashlib.sha256()
+    n = 0
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(_CHUNK)
+            if not chunk:
+                break
+            h.update(chunk)
+            n += len(chunk)
+    return h.hexdigest(), n
+
+
+def source_fingerprint(
+    paths: Iterable[os.PathLike | str], root: os.PathLike | str | None = None
+) -> str:
+    """sha256 (hex) of the contents of ``paths`` (files, or directories walked
+    recursively, skipping ``__pycache__`` and ``*.pyc``), sorted by their path
+    relative to ``root`` (default: the common directory of the arguments), so
+    the result depends on names and contents only — not on where the checkout
+    lives, nor on mtimes or argument order."""
+    paths = [Path(p).absolute() for p in paths]
+    if not paths:
+        raise ValueError("source_fingerprint() needs at least one path")
+    files: set[Path] = set()
+    anchors: list[str] = []
+    for p in paths:
+        if p.is_dir():
+            anchors.append(str(p))
+            for dirpath, dirnames, filenames in os.walk(p):
+                dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+                for fn in filenames:
+                    if not fn.endswith((".pyc", ".pyo")):
+                        files.add(Path(dirpath) / fn)
+        elif p.is_file():
+            anchors.append(str(p.parent))
+            files.add(p)
+        else:
+            raise FileNotFoundError(f"source_fingerprint: {p} does not exist")
+    base = Path(root).absolute() if root is not None else Path(os.path.commonpath(anchors))
+    rel = sorted((f.relative_to(base).as_posix(), f) for f in files)
+    h = hashlib.sha256(b"msa-jit-sources-v1\0")
+    for name, f in rel:
+        digest, size = _sha256_file(f)
+        h.update(f"{name}\0{size}\0{digest}\n".encode("utf-8", "surrogateescape"))
+    return h.hexdigest()
+
+
+def _check_key(key: str) -> None:
+    if not isinstance(key, str) or not _KEY_RE.match(key):
+        raise ValueError(f"invalid cache key {key!r}: expected 64 lower-case hex digits (make_key)")
+
+
+# --------------------------------------------------------------------------- locations
+
+
+def preferred_root() -> tuple[Path, str]:
+    """The configured cache root and where it came from (cache_dir_policy.md §1)."""
+    d = env.cache_dir()
+    if d is not None:
+        return d, env.CACHE_DIR
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    if xdg and os.path.isabs(xdg):
+        return Path(xdg) / "msa-jit", "XDG_CACHE_HOME"
+    try:
+        home = Path.home()
+    except Exception:  # no HOME and no passwd entry (containers with arbitrary uids)
+        home = None
+    if home is not None and str(home) not in ("", "."):
+        return home / ".cache" / "msa-jit", "home directory"
+    return user_temp_root(), "per-user temp dir"
+
+
+def _user_tag() -> str:
+    if hasattr(os, "getuid"):
+        return str(os.getuid())
+    import getpass
+
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", getpass.getuser())
+
+
+def user_temp_root() -> Path:
+    """``tempfile.gettempdir()/msa-jit-<uid>`` (evaluated live)."""
+    return Path(tempfile.gettempdir()) / f"msa-jit-{_user_tag()}"
+
+
+def _describe_oserror(e: OSError) -> str:
+    name = errno.errorcode.get(e.errno, "") if e.errno else ""
+    text = e.strerror or str(e)
+    return f"{type(e).__name__}{' ' + name if name else ''}: {text}"
+
+
+def _probe_writable(root: Path) -> str | None:
+    """None if ``root/v1`` can be created and written (a probe file written,
+    fsynced and removed), else the reason."""
+    try:
+        v1 = root / LAYOUT
+        for d in (v1, v1 / "tmp", v1 / "locks"):
+            d.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=".probe-", dir=v1 / "tmp")
+        try:
+            os.write(fd, b"msa-jit write probe\n")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            os.unlink(name)
+    except OSError as e:
+        return _describe_oserror(e)
+    return None
+
+
+def _check_private_dir(path: Path) -> str | None:
+    """The per-user temp dir must be ours and private (we dlopen what is in it)."""
+    try:
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+        st = os.lstat(path)
+    except OSError as e:
+        return _describe_oserror(e)
+    if stat.S_ISLNK(st.st_mode):
+        return "it is a symlink"
+    if not stat.S_ISDIR(st.st_mode):
+        return "it exists and is not a directory"
+    if hasattr(os, "getuid") and st.st_uid != os.getuid():
+        return f"it is owned by uid {st.st_uid}, not by this user ({os.getuid()})"
+    if st.st_mode & 0o022:
+        return f"it is group/world-writable (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def _readable_v1(root: Path) -> bool:
+    v1 = root / LAYOUT
+    try:
+        return v1.is_dir() and os.access(v1, os.R_OK | os.X_OK)
+    except OSError:
+        return False
+
+
+@dataclass(frozen=True)
+class _Resolution:
+    requested: Path
+    source: str
+    root: Path
+    readonly: tuple[Path, ...]
+    ephemeral: bool
+    message: str | None
+
+
+def _resolve(requested: os.PathLike | str | None) -> _Resolution:
+    if requested is None:
+        pref, source = preferred_root()
+    else:
+        pref, source = Path(os.path.abspath(os.path.expanduser(os.fspath(requested)))), "argument"
+    user_tmp = user_temp_root()
+    candidates = [pref] if pref == user_tmp else [pref, user_tmp]
+    rejected: list[tuple[Path, str]] = []
+    readonly: list[Path] = []
+    chosen: Path | None = None
+    for c in candidates:
+        reason = _check_private_dir(c) if c == user_tmp else None
+        if reason is None:
+            reason = _probe_writable(c)
+            if reason is not None and _readable_v1(c):
+                readonly.append(c)
+        if reason is None:
+            chosen = c
+            break
+        rejected.append((c, reason))
+    ephemeral = False
+    if chosen is None:
+        try:
+            chosen = Path(tempfile.mkdtemp(prefix="msa-jit-"))
+        except OSError as e:
+            raise CacheDirError(
+                "msa-jit: no usable cache directory: "
+                + "; ".join(f"{p} ({r})" for p, r in rejected)
+                + f"; a temporary directory could not be created either ({_describe_oserror(e)}). "
+                f"Set {env.CACHE_DIR} to a writable directory."
+            ) from e
+        atexit.register(shutil.rmtree, str(chosen), True)
+        ephemeral = True
+        reason = _probe_writable(chosen)
+        if reason is not None:
+            raise CacheDirError(f"msa-jit: temporary cache directory {chosen} is unusable ({reason})")
+    message = None
+    if rejected:
+        parts = [f"cannot use {p} ({r})" for p, r in rejected]
+        message = f"msa-jit cache: {'; '.join(parts)}; using {chosen} instead"
+        if ephemeral:
+            message += (
+                " (an in-process temporary directory deleted at exit: compiled kernels will "
+                "not be reused by other processes)"
+            )
+        if readonly:
+            message += f". Artifacts already in {', '.join(map(str, readonly))} are still used read-only"
+        message += f". Set {env.CACHE_DIR} to a writable directory to silence this warning."
+    return _Resolution(pref, source, chosen, tuple(readonly), ephemeral, message)
+
+
+# --------------------------------------------------------------------------- entries
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    """One complete cache entry: ``path`` holds the artifact file(s) and meta.json."""
+
+    path: Path
+    key: str
+    meta: dict = field(compare=False, repr=False)
+    readonly: bool = False  # lives in a read-only (pre-warmed) root
+
+    @property
+    def artifacts(self) -> list[str]:
+        return [a["name"] for a in self.meta.get("artifacts", [])]
+
+    def artifact_path(self, name: str | None = None) -> Path:
+        """Path of artifact ``name`` (default: the first/primary one)."""
+        names = self.artifacts
+        if name is None:
+            if not names:
+                raise KeyError(f"cache entry {self.key} lists no artifacts")
+            return self.path / names[0]
+        if name not in names:
+            raise KeyError(f"{name!r} is not an artifact of cache entry {self.key} (it has {names})")
+        return self.path / name
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(int(a.get("size", 0)) for a in self.meta.get("artifacts", []))
+
+
+class _Corrupt(Exception):
+    def __init__(self, reason: str, sig: tuple | None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.sig = sig
+
+
+def _valid_artifact_name(name: Any) -> bool:
+    return (
+        isinstance(name, str)
+        and name != ""
+        and name not in (".", "..", META_NAME)
+        and not name.startswith(".")
+        and not any(c in name for c in "/\\\0")
+    )
+
+
+def _fsync_path(path: Path, directory: bool = False) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems cannot fsync directories
+    finally:
+        os.close(fd)
+
+
+def _tree_size(path: Path) -> int:
+    total = 0
+    for dirpath, _dirs, files in os.walk(path):
+        for fn in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, fn)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def _host_tag() -> str:
+    return re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname())[:64] or "host"
+
+
+class ArtifactCache:
+    """Content-addressed disk cache of compiled artifacts (see cache_dir_policy.md).
+
+    ``root`` is fixed at construction: the argument, else MSA_JIT_CACHE_DIR,
+    else $XDG_CACHE_HOME/msa-jit, else ~/.cache/msa-jit, else the per-user
+    temp dir; an unusable root falls back (one ``CacheFallbackWarning``).
+    """
+
+    def __init__(self, root: os.PathLike | str | None = None) -> None:
+        res = _resolve(root)
+        self.requested_root: Path = res.requested
+        self.root: Path = res.root
+        self.readonly_roots: tuple[Path, ...] = res.readonly
+        self.ephemeral: bool = res.ephemeral
+        self.fallback_reason: str | None = res.message
+        self._verified: dict[tuple[str, str], tuple] = {}
+        self._stats = dict.fromkeys(_STAT_NAMES, 0)
+        self._mu = threading.Lock()
+        if res.message is not None:
+            warnings.warn(res.message, CacheFallbackWarning, stacklevel=2)
+
+    def __repr__(self) -> str:
+        ro = f", readonly_roots={list(map(str, self.readonly_roots))}" if self.readonly_roots else ""
+        return f"ArtifactCache(root={str(self.root)!r}{ro})"
+
+    # ---------------------------------------------------------------- paths / stats
+    @property
+    def v1(self) -> Path:
+        return self.root / LAYOUT
+
+    def entry_path(self, key: str, root: Path | None = None) -> Path:
+        _check_key(key)
+        return (root or self.root) / LAYOUT / key[:2] / key
+
+    def lock_path(self, key: str) -> Path:
+        _check_key(key)
+        return self.v1 / "locks" / f"{key}.lock"
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """This instance's counters (builds, hits, misses, corrupt); see also ``stats()``."""
+        with self._mu:
+            return dict(self._stats)
+
+    def _count(self, name: str) -> None:
+        with self._mu:
+            self._stats[name] += 1
+        with _stats_mu:
+            _global_stats[name] += 1
+
+    # ---------------------------------------------------------------- locks
+    def _file_lock(self, key: str, timeout: float) -> filelock.FileLock:
+        path = self.lock_path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if math.isinf(timeout):
+            timeout = -1
+        return filelock.FileLock(str(path), timeout=timeout)
+
+    @contextmanager
+    def _try_lock(self, key: str) -> Iterator[bool]:
+        """Take ``key``'s lock without waiting; yields whether it was taken."""
+        try:
+            lock = self._file_lock(key, 0)
+            lock.acquire()
+        except (filelock.Timeout, OSError):
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            lock.release()
+
+    # ---------------------------------------------------------------- reading
+    def _load(self, d: Path, key: str) -> tuple[dict, tuple] | None:
+        """(meta, signature) of the entry dir ``d``; None if it has no meta.json
+        (absent or incomplete); raises _Corrupt if meta.json is unusable."""
+        meta_path = d / META_NAME
+        try:
+            with open(meta_path, "rb") as f:
+                st = os.fstat(f.fileno())
+                raw = f.read()
+        except FileNotFoundError:
+            return None
+        except NotADirectoryError:
+            raise _Corrupt(f"{d} is not a directory", None) from None
+        except OSError as e:
+            raise _Corrupt(f"cannot read meta.json ({_describe_oserror(e)})", None) from None
+        sig = (st.st_dev, st.st_ino, hashlib.sha256(raw).hexdigest())
+        try:
+            meta = json.loads(raw)
+        except ValueError:
+            raise _Corrupt("meta.json is not valid JSON", sig) from None
+        if not isinstance(meta, dict):
+            raise _Corrupt("meta.json is not a JSON object", sig)
+        if meta.get("format") != FORMAT:
+            raise _Corrupt(f"meta.json format {meta.get('format')!r} != {FORMAT}", sig)
+        if meta.get("key") != key:
+            raise _Corrupt(f"meta.json key {meta.get('key')!r} != directory key", sig)
+        arts = meta.get("artifacts")
+        if not isinstance(arts, list) or not arts:
+            raise _Corrupt("meta.json lists no artifacts", sig)
+        for a in arts:
+            if not (
+                isinstance(a, dict)
+                and _valid_artifact_name(a.get("name"))
+                and isinstance(a.get("size"), int)
+                and isinstance(a.get("sha256"), str)
+            ):
+                raise _Corrupt(f"meta.json has a malformed artifact record {a!r}", sig)
+        return meta, sig
+
+    def _check_artifacts(self, d: Path, meta: dict, sig: tuple, hash_check: bool) -> None:
+        for a in meta["artifacts"]:
+            p = d / a["name"]
+            try:
+                st = os.lstat(p)
+            except OSError:
+                raise _Corrupt(f"artifact {a['name']} is missing", sig) from None
+            if not stat.S_ISREG(st.st_mode):
+                raise _Corrupt(f"artifact {a['name']} is not a regular file", sig)
+            if st.st_size != a["size"]:
+                raise _Corrupt(
+                    f"artifact {a['name']} has {st.st_size} bytes, meta.json says {a['size']}", sig
+                )
+        if hash_check:
+            for a in meta["artifacts"]:
+                try:
+                    digest, _ = _sha256_file(d / a["name"])
+                except OSError as e:
+                    raise _Corrupt(f"cannot read artifact {a['name']} ({_describe_oserror(e)})", sig) from None
+                if digest != a["sha256"]:
+                    raise _Corrupt(
+                        f"artifact {a['name']} sha256 {digest[:16]}... != recorded {a['sha256'][:16]}...",
+                        sig,
+                    )
+
+    def _read_entry(self, root: Path, key: str, verify: bool) -> CacheEntry | None:
+        """The entry of ``key`` under ``root`` if complete and intact, None if
+        absent; raises _Corrupt."""
+        d = self.entry_path(key, root)
+        loaded = self._load(d, key)
+        if loaded is None:
+            return None
+        meta, sig = loaded
+        memo = (str(root), key)
+        need_hash = verify and self._verified.get(memo) != sig
+        self._check_artifacts(d, meta, sig, need_hash)
+        if need_hash:
+            self._verified[memo] = sig
+        return CacheEntry(d, key, meta, readonly=(root != self.root))
+
+    def _lookup(self, key: str, verify: bool, locked: bool) -> CacheEntry | None:
+        for root in (self.root, *self.readonly_roots):
+            try:
+                entry = self._read_entry(root, key, verify)
+            except _Corrupt as c:
+                self._count("corrupt")
+                self._verified.pop((str(root), key), None)
+                d = self.entry_path(key, root)
+                if root != self.root:
+                    log.warning("msa-jit cache: skipping corrupt read-only entry %s: %s", d, c.reason)
+                    continue
+                log.warning(
+                    "msa-jit cache: entry %s is corrupt (%s); removing it so that it is rebuilt",
+                    d, c.reason,
+                )
+                self._discard(key, d, c.sig, locked)
+                continue
+            if entry is not None:
+                if not entry.readonly:
+                    try:
+                        os.utime(entry.path / META_NAME)  # LRU clock (best effort)
+                    except OSError:
+                        pass
+                return entry
+        return None
+
+    def _meta_sig(self, d: Path) -> tuple | None:
+        try:
+            with open(d / META_NAME, "rb") as f:
+                st = os.fstat(f.fileno())
+                return (st.st_dev, st.st_ino, hashlib.sha256(f.read()).hexdigest())
+        except OSError:
+            return None
+
+    def _discard(self, key: str, d: Path, sig: tuple | None, locked: bool) -> None:
+        """Remove a corrupt entry, unless it was replaced since it was judged."""
+
+        def remove() -> None:
+            if self._meta_sig(d) == sig:
+                self._remove_path(d)
+
+        if locked:
+            remove()
+            return
+        with self._try_lock(key) as got:
+            if got:
+                remove()
+            else:
+                log.debug("msa-jit cache: %s is being rebuilt by another process; left alone", d)
+
+    def lookup(self, key: str, verify: bool = True) -> CacheEntry | None:
+        """The complete, intact entry of ``key``, or None (lock-free).
+
+        ``verify=True`` checks the artifacts' sha256 once per process per entry
+        (sizes are always checked). A corrupt entry is logged, removed, and
+        reported as a miss so that the caller rebuilds it.
+        """
+        _check_key(key)
+        entry = self._lookup(key, verify, locked=False)
+        self._count("hits" if entry is not None else "misses")
+        return entry
+
+    # ---------------------------------------------------------------- building
+    def get_or_build(
+        self,
+        key: str,
+        build: Callable[[Path], Mapping[str, Any]],
+        *,
+        config: Mapping[str, Any],
+        fingerprint: Mapping[str, Any],
+        describe: str,
+        verify: bool = True,
+        warmup_hint: str | None = None,
+    ) -> tuple[CacheEntry, bool]:
+        """Return ``(entry, built)``: the cached entry of ``key``, building it
+        with ``build(tmpdir)`` under the entry's lock on a miss.
+
+        Raises ArtifactMissingError on a miss when MSA_JIT_NO_COMPILE=1,
+        CacheLockTimeout when another build holds the lock too long, ValueError
+        when ``key != make_key(config, fingerprint)``.
+        """
+        _check_key(key)
+        expected = make_key(config, fingerprint)
+        if key != expected:
+            raise ValueError(
+                f"cache key {key} does not match make_key(config, fingerprint) = {expected} for {describe}"
+            )
+        entry = self._lookup(key, verify, locked=False)
+        if entry is not None:
+            self._count("hits")
+            return entry, False
+        self._count("misses")
+        if env.no_compile():
+            raise ArtifactMissingError(
+                describe, key, roots=(self.root, *self.readonly_roots), warmup_hint=warmup_hint
+            )
+        timeout = env.lock_timeout_s()
+        lock = self._file_lock(key, timeout)
+        try:
+            lock.acquire()
+        except filelock.Timeout:
+            raise CacheLockTimeout(
+                f"msa-jit: timed out after {timeout:g} s ({env.LOCK_TIMEOUT}) waiting for the build "
+                f"lock {lock.lock_file} of {describe}: another process is still building it. "
+                f"Raise {env.LOCK_TIMEOUT}, or find the process holding the lock (e.g. `fuser {lock.lock_file}`)."
+            ) from None
+        try:
+            entry = self._lookup(key, verify, locked=True)
+            if entry is not None:
+                self._count("hits")
+                return entry, False
+            entry = self._build_locked(key, build, config, fingerprint, describe)
+        finally:
+            lock.release()
+        self._count("builds")
+        self._auto_prune(protect=key)
+        return entry, True
+
+    def _build_locked(
+        self,
+        key: str,
+        build: Callable[[Path], Mapping[str, Any]],
+        config: Mapping[str, Any],
+        fingerprint: Mapping[str, Any],
+        describe: str,
+    ) -> CacheEntry:
+        tmp_root = self.v1 / "tmp"
+        tmp_root.mkdir(parents=True, exist_ok=True)
+        tmp = tmp_root / f"build-{key}-{secrets.token_hex(6)}"
+        os.mkdir(tmp)
+        try:
+            log.info("msa-jit cache: building %s (key %s)", describe, key)
+            t0 = time.monotonic()
+            result = build(tmp)
+            build_s = time.monotonic() - t0
+            names, extra = _parse_build_result(result, tmp)
+            records = []
+            for name in names:
+                p = tmp / name
+                digest, size = _sha256_file(p)
+                _fsync_path(p)
+                records.append({"name": name, "size": size, "sha256": digest})
+            created = time.time()
+            if dataclasses.is_dataclass(config) and not isinstance(config, type):
+                config = dataclasses.asdict(config)
+            meta = {
+                "format": FORMAT,
+                "key": key,
+                "describe": describe,
+                "config": _jsonable(config),
+                "fingerprint": _jsonable(fingerprint),
+                "artifacts": records,
+                "created": created,
+                "created_iso": datetime.fromtimestamp(created, timezone.utc).isoformat(),
+                "build_seconds": round(build_s, 6),
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "extra": extra,
+            }
+            text = json.dumps(meta, sort_keys=True, indent=1, default=str)
+            part = tmp / f".{META_NAME}.part"
+            with open(part, "w", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(part, tmp / META_NAME)  # meta.json LAST: marks the entry complete
+            _fsync_path(tmp, directory=True)
+            return self._publish(tmp, key, meta)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    def _publish(self, tmp: Path, key: str, meta: dict) -> CacheEntry:
+        dest = self.entry_path(key)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        for _ in range(5):
+            try:
+                os.rename(tmp, dest)  # atomic; replaces at most an empty dir
+            except OSError as e:
+                if e.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
+                    raise
+            else:
+                _fsync_path(dest.parent, directory=True)
+                self._verified[(str(self.root), key)] = self._meta_sig(dest)
+                return CacheEntry(dest, key, meta)
+            # Something is in the way. A valid entry wins (first writer wins:
+            # correctness does not depend on the lock); anything else is stale.
+            try:
+                existing = self._read_entry(self.root, key, verify=True)
+            except _Corrupt as c:
+                log.warning("msa-jit cache: replacing invalid entry %s (%s)", dest, c.reason)
+                existing = None
+            if existing is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+                return existing
+            self._remove_path(dest)
+        raise CacheError(f"msa-jit cache: could not publish {tmp} onto {dest}")
+
+    def _auto_prune(self, protect: str) -> None:
+        try:
+            cap = env.cache_max_bytes()
+            if self.size_bytes() > cap:
+                self.prune(cap, _protect=(protect,))
+        except Exception as e:  # a prune problem must not fail a successful build
+            log.warning("msa-jit cache: automatic prune of %s failed: %s", self.root, e)
+
+    # ---------------------------------------------------------------- removal
+    def _remove_path(self, path: Path) -> bool:
+        """Rename ``path`` aside into tmp/ (atomic disappearance), then delete it."""
+        trash_root = self.v1 / "tmp"
+        trash = trash_root / f"trash-{os.getpid()}-{secrets.token_hex(6)}"
+        try:
+            trash_root.mkdir(parents=True, exist_ok=True)
+            os.rename(path, trash)
+        except FileNotFoundError:
+            return False
+        except OSError:
+            trash = path  # cannot rename aside: delete in place
+        try:
+            if trash.is_dir() and not trash.is_symlink():
+                shutil.rmtree(trash, ignore_errors=True)
+            else:
+                trash.unlink()
+        except OSError as e:
+            log.warning("msa-jit cache: could not remove %s: %s", trash, e)
+        return True
+
+    def _collect_garbage(self) -> list[Path]:
+        """Remove trash, dead builds' temp dirs, stale junk and incomplete entries."""
+        removed: list[Path] = []
+        tmp_root = self.v1 / "tmp"
+        try:
+            children = list(tmp_root.iterdir())
+        except OSError:
+            children = []
+        now = time.time()
+        for child in children:
+            name = child.name
+            if name.startswith("trash-"):
+                if self._remove_path(child):
+                    removed.append(child)
+                continue
+            key = name[len("build-"):len("build-") + 64] if name.startswith("build-") else ""
+            if _KEY_RE.match(key):
+                # A build in progress holds its key's lock: free lock => builder is dead.
+                with self._try_lock(key) as free:
+                    if free and self._remove_path(child):
+                        removed.append(child)
+                continue
+            try:
+                old = now - os.lstat(child).st_mtime > STALE_TMP_AGE_S
+            except OSError:
+                continue
+            if old and self._remove_path(child):
+                removed.append(child)
+        for key, d in self._iter_entry_dirs(self.root):
+            if (d / META_NAME).exists():
+                continue
+            with self._try_lock(key) as free:
+                if free and not (d / META_NAME).exists() and self._remove_path(d):
+                    removed.append(d)
+        return removed
+
+    # ---------------------------------------------------------------- maintenance
+    def _iter_entry_dirs(self, root: Path) -> Iterator[tuple[str, Path]]:
+        v1 = root / LAYOUT
+        try:
+            shards = sorted(p for p in v1.iterdir() if _SHARD_RE.match(p.name))
+        except OSError:
+            return
+        for shard in shards:
+            try:
+                dirs = sorted(shard.iterdir())
+            except OSError:
+                continue
+            for d in dirs:
+                if _KEY_RE.match(d.name) and d.name[:2] == shard.name:
+                    yield d.name, d
+
+    def entries(self) -> list[CacheEntry]:
+        """Every complete entry (parseable meta.json; artifacts not checked),
+        writable root first, then the read-only roots."""
+        out: dict[str, CacheEntry] = {}
+        for root in (self.root, *self.readonly_roots):
+            for key, d in self._iter_entry_dirs(root):
+                if key in out:
+                    continue
+                try:
+                    loaded = self._load(d, key)
+                except _Corrupt:
+                    continue
+                if loaded is not None:
+                    out[key] = CacheEntry(d, key, loaded[0], readonly=(root != self.root))
+        return list(out.values())
+
+    def verify(self, remove: bool = False) -> list[tuple[CacheEntry, str | None]]:
+        """Full check (sizes and sha256) of every entry: ``(entry, None)`` when
+        intact, ``(entry, reason)`` otherwise (entries with an unusable
+        meta.json get ``meta == {}``). ``remove=True`` deletes bad entries of
+        the writable root."""
+        results: list[tuple[CacheEntry, str | None]] = []
+        seen: set[str] = set()
+        for root in (self.root, *self.readonly_roots):
+            ro = root != self.root
+            for key, d in self._iter_entry_dirs(root):
+                if key in seen:
+                    continue
+                try:
+                    loaded = self._load(d, key)
+                    if loaded is None:
+                        continue  # incomplete (a build dir never lands here); prune() removes it
+                    meta, sig = loaded
+                    self._check_artifacts(d, meta, sig, hash_check=True)
+                    self._verified[(str(root), key)] = sig
+                    results.append((CacheEntry(d, key, meta, readonly=ro), None))
+                except _Corrupt as c:
+                    try:
+                        got = self._load(d, key)
+                        meta = got[0] if got else {}
+                    except _Corrupt:
+                        meta = {}
+                    self._verified.pop((str(root), key), None)
+                    results.append((CacheEntry(d, key, meta, readonly=ro), c.reason))
+                    if remove and not ro:
+                        self._remove_path(d)
+                seen.add(key)
+        return results
+
+    def size_bytes(self) -> int:
+        """Bytes under the writable root's v1/ (entries and in-progress builds)."""
+        return _tree_size(self.v1)
+
+    def prune(self, max_bytes: int | None = None, *, _protect: Iterable[str] = ()) -> list[Path]:
+        """Remove garbage (dead builds' temp dirs, trash, incomplete entries), then
+        least-recently-used entries (meta.json mtime) until the writable root
+        holds at most ``max_bytes`` (default MSA_JIT_CACHE_MAX_BYTES). Returns
+        the removed paths."""
+        cap = env.cache_max_bytes() if max_bytes is None else int(max_bytes)
+        if cap < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        protect = set(_protect)
+        removed = self._collect_garbage()
+        items: list[tuple[float, str, Path]] = []
+        for key, d in self._iter_entry_dirs(self.root):
+            try:
+                items.append((os.stat(d / META_NAME).st_mtime, key, d))
+            except OSError:
+                continue
+        total = self.size_bytes()
+        items.sort()
+        for _mtime, key, d in items:
+            if total <= cap:
+                break
+            if key in protect:
+                continue
+            size = _tree_size(d)
+            if self._remove_path(d):
+                self._verified.pop((str(self.root), key), None)
+                removed.append(d)
+                total -= size
+        if removed:
+            log.info("msa-jit cache: pruned %d path(s) from %s", len(removed), self.root)
+        return removed
+
+    def clear(self) -> list[Path]:
+        """Remove every entry and all garbage of the writable root (read-only
+        roots and lock files are left alone; builds in progress are not
+        disturbed). Returns the removed paths."""
+        removed = self._collect_garbage()
+        for key, d in self._iter_entry_dirs(self.root):
+            if self._remove_path(d):
+                removed.append(d)
+        self._verified.clear()
+        return removed
+
+
+def _parse_build_result(result: Any, tmp: Path) -> tuple[list[str], dict]:
+    if not isinstance(result, Mapping) or "artifacts" not in result:
+        raise TypeError(
+            "build(tmpdir) must return a dict {'artifacts': [file names], 'extra': {...}}, "
+            f"got {result!r}"
+        )
+    names = result["artifacts"]
+    if isinstance(names, (str, bytes)) or not isinstance(names, (list, tuple)) or not names:
+        raise TypeError(f"build result 'artifacts' must be a non-empty list of file names, got {names!r}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"build result 'artifacts' has duplicates: {names!r}")
+    for n in names:
+        if not _valid_artifact_name(n):
+            raise ValueError(
+                f"invalid artifact name {n!r}: a plain file name (no '/', not {META_NAME!r}, not hidden)"
+            )
+        p = tmp / n
+        if not p.is_file() or p.is_symlink():
+            raise FileNotFoundError(f"build did not write artifact {n!r} as a regular file in {tmp}")
+    extra = result.get("extra", {})
+    if extra is None:
+        extra = {}
+    if not isinstance(extra, Mapping):
+        raise TypeError(f"build result 'extra' must be a dict, got {type(extra).__name__}")
+    return list(names), dict(extra)
+
+
+# --------------------------------------------------------------------------- default instance
+
+_default_mu = threading.Lock()
+_defaults: dict[str, ArtifactCache] = {}
+
+
+def default_cache() -> ArtifactCache:
+    """A shared ``ArtifactCache`` for the currently configured root (one per
+    distinct preferred root, so a fallback is warned about once per process)."""
+    pref, _source = preferred_root()
+    with _default_mu:
+        cache = _defaults.get(str(pref))
+        if cache is None:
+            cache = ArtifactCache(pref)
+            _defaults[str(pref)] = cache
+        return cache

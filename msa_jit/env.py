@@ -1,0 +1,237 @@
+"""Every ``MSA_JIT_*`` environment variable, read live.
+
+Each variable is read through a small function that looks at ``os.environ``
+on every call: there is no module-level caching and no hidden global state, so
+tests (and long-running processes) may change the environment at any time.
+
+Parsing rules (see ``cache_dir_policy.md`` §8):
+
+* an unset or empty variable means "use the default";
+* booleans accept ``1/true/yes/on/y/t`` and ``0/false/no/off/n/f`` (any case,
+  surrounding blanks ignored); anything else raises ``ValueError``;
+* numbers that do not parse, are negative or NaN raise ``ValueError``;
+  every error message names the variable.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+from pathlib import Path
+
+__all__ = [
+    "CACHE_DIR",
+    "NO_COMPILE",
+    "CACHE_MAX_BYTES",
+    "LOCK_TIMEOUT",
+    "ARCH",
+    "ENABLE_SM100_UMMA",
+    "LOG_LEVEL",
+    "VARIABLES",
+    "DEFAULT_CACHE_MAX_BYTES",
+    "DEFAULT_LOCK_TIMEOUT_S",
+    "cache_dir",
+    "no_compile",
+    "cache_max_bytes",
+    "lock_timeout_s",
+    "target_arch",
+    "enable_sm100_umma",
+    "log_level",
+    "dsl_version_override",
+    "describe",
+]
+
+CACHE_DIR = "MSA_JIT_CACHE_DIR"
+NO_COMPILE = "MSA_JIT_NO_COMPILE"
+CACHE_MAX_BYTES = "MSA_JIT_CACHE_MAX_BYTES"
+LOCK_TIMEOUT = "MSA_JIT_LOCK_TIMEOUT"
+ARCH = "MSA_JIT_ARCH"
+ENABLE_SM100_UMMA = "MSA_JIT_ENABLE_SM100_UMMA"
+LOG_LEVEL = "MSA_JIT_LOG_LEVEL"
+DSL_VERSION = "MSA_JIT_DSL_VERSION"
+
+DEFAULT_CACHE_MAX_BYTES = 2 * 1024**3
+DEFAULT_LOCK_TIMEOUT_S = 600.0
+
+# name -> documentation (static data, not state). Order = order in describe().
+VARIABLES: dict[str, str] = {
+    CACHE_DIR: (
+        "Root of the compiled-artifact cache. Default: $XDG_CACHE_HOME/msa-jit, else "
+        "~/.cache/msa-jit, else <tmp>/msa-jit-<uid>; an unwritable root falls back to the "
+        "per-user temp dir (see cache_dir_policy.md)."
+    ),
+    NO_COMPILE: (
+        "Bool, default 0. Production hosts: a missing artifact raises ArtifactMissingError "
+        "instead of compiling (warm the cache with `msa-jit warmup`)."
+    ),
+    CACHE_MAX_BYTES: (
+        "Size cap of the cache, default 2GiB. Bytes, or a number with a binary K/M/G/T suffix "
+        "(2G = 2 GiB). After a build that exceeds it, least-recently-used entries are pruned."
+    ),
+    LOCK_TIMEOUT: (
+        "Seconds to wait for another process building the same kernel, default 600; "
+        "'inf' waits forever, 0 does not wait."
+    ),
+    ARCH: (
+        "Target GPU arch override (e.g. sm_100a, sm_90a; '100a' and '10.0a' are accepted). "
+        "Default: detect from the current device."
+    ),
+    ENABLE_SM100_UMMA: "Bool, default 0. Enable the SM100 UMMA (tcgen05) kernel path.",
+    LOG_LEVEL: "Logging level of the msa_jit loggers: debug/info/warning/error/critical or an int. Default warning.",
+    DSL_VERSION: (
+        "CuTe DSL version to key artifacts with when the DSL's package metadata is absent "
+        "(a runtime-only host that has just libcute_dsl_runtime.so, e.g. the GPU bundle). "
+        "Set it to the version the cache was warmed with (msa-jit cache list shows it)."
+    ),
+}
+
+_TRUE = frozenset({"1", "true", "yes", "on", "y", "t"})
+_FALSE = frozenset({"0", "false", "no", "off", "n", "f"})
+
+
+def _raw(name: str) -> str | None:
+    """The variable's value, or None when it is unset or empty."""
+    value = os.environ.get(name)
+    if value is None or value.strip() == "":
+        return None
+    return value
+
+
+def _bool(name: str, default: bool = False) -> bool:
+    value = _raw(name)
+    if value is None:
+        return default
+    v = value.strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    raise ValueError(
+        f"{name}={value!r} is not a boolean (use one of 1/true/yes/on or 0/false/no/off)"
+    )
+
+
+def cache_dir() -> Path | None:
+    """``MSA_JIT_CACHE_DIR`` as an absolute path (``~`` expanded), or None when unset."""
+    value = os.environ.get(CACHE_DIR)
+    if value is None or value == "":
+        return None
+    return Path(os.path.abspath(os.path.expanduser(value)))
+
+
+def no_compile() -> bool:
+    """``MSA_JIT_NO_COMPILE``: True on hosts that must never compile."""
+    return _bool(NO_COMPILE)
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgtp]?)(i?b)?\s*$", re.IGNORECASE)
+_SIZE_MULT = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4, "p": 1024**5}
+
+
+def cache_max_bytes() -> int:
+    """``MSA_JIT_CACHE_MAX_BYTES`` in bytes (default 2 GiB). Suffixes are binary."""
+    value = _raw(CACHE_MAX_BYTES)
+    if value is None:
+        return DEFAULT_CACHE_MAX_BYTES
+    m = _SIZE_RE.match(value)
+    if m is None:
+        raise ValueError(
+            f"{CACHE_MAX_BYTES}={value!r} is not a size (expected a non-negative number of "
+            "bytes, optionally with a K/M/G/T suffix, e.g. 2147483648 or 2G)"
+        )
+    number, unit, _ = m.groups()
+    if unit == "" and m.group(3) is not None and m.group(3).lower() == "ib":
+        raise ValueError(f"{CACHE_MAX_BYTES}={value!r} is not a size ('iB' needs a K/M/G/T prefix)")
+    mult = _SIZE_MULT[unit.lower()]
+    if "." in number:
+        return int(float(number) * mult)
+    return int(number) * mult
+
+
+def lock_timeout_s() -> float:
+    """``MSA_JIT_LOCK_TIMEOUT`` in seconds (default 600; ``inf`` = wait forever)."""
+    value = _raw(LOCK_TIMEOUT)
+    if value is None:
+        return DEFAULT_LOCK_TIMEOUT_S
+    try:
+        t = float(value.strip())
+    except ValueError:
+        raise ValueError(
+            f"{LOCK_TIMEOUT}={value!r} is not a number of seconds (e.g. 600, 0.5 or inf)"
+        ) from None
+    if math.isnan(t) or t < 0:
+        raise ValueError(f"{LOCK_TIMEOUT}={value!r} must be a non-negative number of seconds")
+    return t
+
+
+_ARCH_SM_RE = re.compile(r"^(?:sm_?)?(\d{2,3})([af]?)$", re.IGNORECASE)
+_ARCH_CC_RE = re.compile(r"^(\d{1,2})\.(\d)([af]?)$", re.IGNORECASE)
+
+
+def target_arch() -> str | None:
+    """``MSA_JIT_ARCH`` normalized to ``sm_<NN>[a|f]`` (e.g. ``sm_100a``), or None when unset."""
+    value = _raw(ARCH)
+    if value is None:
+        return None
+    v = value.strip()
+    m = _ARCH_SM_RE.match(v)
+    if m is not None:
+        return f"sm_{int(m.group(1))}{m.group(2).lower()}"
+    m = _ARCH_CC_RE.match(v)
+    if m is not None:
+        return f"sm_{int(m.group(1))}{m.group(2)}{m.group(3).lower()}"
+    raise ValueError(
+        f"{ARCH}={value!r} is not a GPU arch (expected e.g. sm_100a, sm_90a, 100a or 10.0a)"
+    )
+
+
+def dsl_version_override() -> str | None:
+    """``MSA_JIT_DSL_VERSION`` stripped, or None when unset/empty."""
+    value = _raw(DSL_VERSION)
+    return value.strip() if value and value.strip() else None
+
+
+def enable_sm100_umma() -> bool:
+    """``MSA_JIT_ENABLE_SM100_UMMA``: enable the SM100 UMMA path (default False)."""
+    return _bool(ENABLE_SM100_UMMA)
+
+
+_LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "warn": logging.WARNING,
+    "error": logging.ERROR,
+    "critical": logging.CRITICAL,
+    "fatal": logging.CRITICAL,
+}
+
+
+def log_level() -> int:
+    """``MSA_JIT_LOG_LEVEL`` as a ``logging`` level int (default ``logging.WARNING``)."""
+    value = _raw(LOG_LEVEL)
+    if value is None:
+        return logging.WARNING
+    v = value.strip().lower()
+    if v in _LEVELS:
+        return _LEVELS[v]
+    try:
+        level = int(v)
+    except ValueError:
+        raise ValueError(
+            f"{LOG_LEVEL}={value!r} is not a log level (debug/info/warning/error/critical or an int)"
+        ) from None
+    if level < 0:
+        raise ValueError(f"{LOG_LEVEL}={value!r} must be a non-negative int")
+    return level
+
+
+def describe() -> list[tuple[str, str | None, str]]:
+    """``(name, raw value or None when unset, documentation)`` for every variable.
+
+    Values are returned raw (never parsed) so that ``msa-jit doctor`` can show a
+    garbage value next to its documentation instead of crashing on it.
+    """
+    return [(name, os.environ.get(name), doc) for name, doc in VARIABLES.items()]

@@ -1,0 +1,802 @@
+"""Tests of msa_jit.cache and msa_jit.env (CPU only, fake builds; see cache_dir_policy.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import logging
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import filelock
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from msa_jit import cache, env
+from msa_jit.cache import (
+    ArtifactCache,
+    ArtifactMissingError,
+    CacheEntry,
+    CacheFallbackWarning,
+    CacheLockTimeout,
+    make_key,
+    source_fingerprint,
+)
+
+WORKER = Path(__file__).with_name("cache_worker.py")
+FP = {"source": "fake", "dsl": "0"}  # the worker's default fingerprint
+ENV_VARS = [name for name, _v, _d in env.describe()]
+
+
+@pytest.fixture(autouse=True)
+def _isolated(monkeypatch, tmp_path):
+    """No MSA_JIT_* from the outside; a private tempfile.gettempdir(); fresh counters."""
+    for name in ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+    systmp = tmp_path / "systmp"
+    systmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(systmp))
+    cache.reset_stats()
+    yield
+
+
+def key_of(config: dict, fingerprint: dict = FP) -> str:
+    return make_key(config, fingerprint)
+
+
+def fake_build(size: int = 1000, sleep: float = 0.0, counter: list | None = None, name="kernel.so"):
+    def build(tmp: Path) -> dict:
+        if counter is not None:
+            counter.append(tmp)
+        if sleep:
+            time.sleep(sleep)
+        (tmp / name).write_bytes(os.urandom(size))
+        return {"artifacts": [name], "extra": {"note": "fake"}}
+
+    return build
+
+
+def get(c: ArtifactCache, config: dict, build=None, **kw):
+    return c.get_or_build(
+        key_of(config), build or fake_build(), config=config, fingerprint=FP, describe=f"fake {config}", **kw
+    )
+
+
+def worker_env() -> dict:
+    e = {k: v for k, v in os.environ.items() if not k.startswith("MSA_JIT_")}
+    return e
+
+
+def run_worker(root: Path, config: dict, *args: str, check: bool = True) -> dict:
+    p = subprocess.run(
+        [sys.executable, str(WORKER), "--root", str(root), "--config", json.dumps(config), *args],
+        capture_output=True, text=True, timeout=60, env=worker_env(),
+    )
+    if check:
+        assert p.returncode == 0, p.stderr + p.stdout
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def spawn_worker(root: Path, config: dict, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, str(WORKER), "--root", str(root), "--config", json.dumps(config), *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=worker_env(),
+    )
+
+
+def wait_for(pred, timeout: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def build_dirs(c: ArtifactCache) -> list[Path]:
+    return sorted(p for p in (c.v1 / "tmp").iterdir() if p.name.startswith("build-"))
+
+
+# =========================================================================== keys
+
+
+@dataclasses.dataclass(frozen=True)
+class Cfg:
+    head_dim: int = 128
+    num_q_heads: int = 64
+    num_kv_heads: int = 4
+    page_size: int = 64
+    dtype: str = "fp8_e4m3"
+    tile: tuple = (64, 128)
+
+
+class Mode(enum.Enum):
+    A = "a"
+
+
+def test_key_same_config_same_key():
+    a = make_key(dataclasses.asdict(Cfg()), FP)
+    assert a == make_key(dataclasses.asdict(Cfg()), dict(FP))
+    assert len(a) == 64 and int(a, 16) >= 0
+    # a dataclass instance is converted with asdict, tuples are lists
+    assert make_key(Cfg(), FP) == a
+    assert make_key({**dataclasses.asdict(Cfg()), "tile": [64, 128]}, FP) == a
+
+
+def test_key_changes_with_config_and_fingerprint():
+    base = make_key(dataclasses.asdict(Cfg()), FP)
+    assert make_key(dataclasses.asdict(Cfg(page_size=32)), FP) != base
+    assert make_key(dataclasses.asdict(Cfg()), {**FP, "dsl": "1"}) != base
+    assert make_key(dataclasses.asdict(Cfg()), {**FP, "opt": "-O3"}) != base
+    # config and fingerprint are separate namespaces
+    assert make_key({"x": 1}, {}) != make_key({}, {"x": 1})
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.dictionaries(st.text(max_size=8), st.one_of(st.integers(), st.text(max_size=5), st.booleans()), max_size=8))
+def test_key_dict_order_irrelevant(d):
+    reordered = dict(reversed(list(d.items())))
+    assert make_key(d, {"f": d}) == make_key(reordered, {"f": reordered})
+
+
+def test_key_rejects_ambiguous_values():
+    with pytest.raises(TypeError):
+        make_key({"x": object()}, FP)
+    with pytest.raises(TypeError):
+        make_key({"x": float("nan")}, FP)
+    with pytest.raises(TypeError):
+        make_key({1: "int key"}, FP)
+    with pytest.raises(TypeError):
+        make_key([("a", 1)], FP)
+    assert make_key({"m": Mode.A}, FP) == make_key({"m": "a"}, FP)
+
+
+def test_source_fingerprint(tmp_path):
+    a = tmp_path / "a" / "kernels"
+    b = tmp_path / "b" / "kernels"
+    for d in (a, b):
+        (d / "sub").mkdir(parents=True)
+        (d / "x.py").write_text("print(1)\n")
+        (d / "sub" / "y.py").write_text("print(2)\n")
+        (d / "__pycache__").mkdir()
+        (d / "__pycache__" / "x.cpython-311.pyc").write_bytes(os.urandom(10))
+    fa = source_fingerprint([a])
+    assert fa == source_fingerprint([b])  # location and .pyc do not matter
+    assert source_fingerprint([a / "sub" / "y.py", a / "x.py"]) == source_fingerprint([a / "x.py", a / "sub" / "y.py"])
+    os.utime(a / "x.py", (1, 1))
+    assert source_fingerprint([a]) == fa  # nor do mtimes
+    (b / "x.py").write_text("print(3)\n")
+    assert source_fingerprint([b]) != fa
+    (b / "x.py").write_text("print(1)\n")
+    (b / "x.py").rename(b / "z.py")
+    assert source_fingerprint([b]) != fa  # names matter
+    with pytest.raises(FileNotFoundError):
+        source_fingerprint([tmp_path / "missing.py"])
+
+
+# =========================================================================== build / hit
+
+
+def test_miss_build_hit_then_zero_builds_in_second_process(tmp_path):
+    root = tmp_path / "cache"
+    c = ArtifactCache(root)
+    config = {"geometry": "hq64-hkv4", "page": 64}
+    key = key_of(config)
+    assert c.lookup(key) is None
+    calls = []
+    entry, built = get(c, config, fake_build(counter=calls))
+    assert built and len(calls) == 1
+    assert cache.stats()["builds"] == 1 and c.stats["builds"] == 1
+    assert entry.path == root / "v1" / key[:2] / key
+    meta = json.loads((entry.path / "meta.json").read_text())
+    assert meta["key"] == key and meta["config"] == config and meta["fingerprint"] == FP
+    assert meta["artifacts"][0]["name"] == "kernel.so" and meta["artifacts"][0]["size"] == 1000
+    assert meta["extra"] == {"note": "fake"} and meta["build_seconds"] >= 0 and meta["created"] > 0
+    assert entry.artifact_path() == entry.path / "kernel.so" == entry.artifact_path("kernel.so")
+    with pytest.raises(KeyError):
+        entry.artifact_path("nope.so")
+    assert build_dirs(c) == []
+
+    entry2, built2 = get(c, config, fake_build(counter=calls))
+    assert not built2 and entry2 == entry and len(calls) == 1
+    assert cache.stats()["builds"] == 1 and cache.stats()["hits"] == 1
+
+    out = run_worker(root, config)  # a second process: 0 builds
+    assert out["built"] is False and out["stats"]["builds"] == 0 and out["stats"]["hits"] == 1
+    assert out["path"] == str(entry.path) and out["sha256"] == meta["artifacts"][0]["sha256"]
+
+
+def test_worker_builds_then_this_process_hits(tmp_path):
+    root = tmp_path / "cache"
+    out = run_worker(root, {"g": 1})
+    assert out["built"] is True and out["stats"]["builds"] == 1
+    entry, built = get(ArtifactCache(root), {"g": 1}, fake_build(size=1))
+    assert not built and cache.stats()["builds"] == 0
+    assert entry.meta["artifacts"][0]["sha256"] == out["sha256"]
+
+
+def test_multiple_artifacts_and_extra(tmp_path):
+    c = ArtifactCache(tmp_path / "c")
+
+    def build(tmp):
+        (tmp / "a.so").write_bytes(b"A" * 10)
+        (tmp / "a.ptx").write_text("ptx")
+        return {"artifacts": ["a.so", "a.ptx"], "extra": {"arch": "sm_100a", "opts": ["-O3"]}}
+
+    entry, _ = get(c, {"m": 1}, build)
+    assert entry.artifacts == ["a.so", "a.ptx"]
+    assert entry.artifact_path() == entry.path / "a.so"
+    assert entry.artifact_path("a.ptx").read_text() == "ptx"
+    assert entry.meta["extra"]["arch"] == "sm_100a"
+    assert [e.key for e in c.entries()] == [entry.key]
+    assert c.verify() == [(entry, None)]
+
+
+def test_key_mismatch_and_bad_key_rejected(tmp_path):
+    c = ArtifactCache(tmp_path / "c")
+    with pytest.raises(ValueError, match="does not match"):
+        c.get_or_build(key_of({"a": 1}), fake_build(), config={"a": 2}, fingerprint=FP, describe="x")
+    for bad in ("../etc", "ABC", "0" * 63, "g" * 64):
+        with pytest.raises(ValueError):
+            c.lookup(bad)
+
+
+def test_failing_build_leaves_nothing(tmp_path):
+    c = ArtifactCache(tmp_path / "c")
+    config = {"fail": True}
+
+    def boom(tmp):
+        (tmp / "kernel.so").write_bytes(b"partial")
+        raise RuntimeError("compiler exploded")
+
+    with pytest.raises(RuntimeError, match="exploded"):
+        get(c, config, boom)
+    assert build_dirs(c) == [] and c.entries() == [] and c.lookup(key_of(config)) is None
+    assert not (c.v1 / key_of(config)[:2] / key_of(config)).exists()
+    # lock released, build result validated
+    for bad in (lambda t: None, lambda t: {"artifacts": "kernel.so"}, lambda t: {"artifacts": ["missing.so"]},
+                lambda t: {"artifacts": ["../x.so"]}, lambda t: {"artifacts": ["meta.json"]}):
+        with pytest.raises((TypeError, ValueError, FileNotFoundError)):
+            get(c, config, bad)
+        assert build_dirs(c) == [] and c.entries() == []
+    entry, built = get(c, config)
+    assert built and cache.stats()["builds"] == 1
+
+
+# =========================================================================== corruption
+
+
+def flip_byte(p: Path, offset: int = 10) -> None:
+    data = bytearray(p.read_bytes())
+    data[offset] ^= 0xFF
+    p.write_bytes(bytes(data))
+
+
+def test_corrupted_artifact_detected_and_rebuilt(tmp_path, caplog):
+    root = tmp_path / "c"
+    config = {"g": "corrupt"}
+    entry, _ = get(ArtifactCache(root), config)
+    old_sha = entry.meta["artifacts"][0]["sha256"]
+    flip_byte(entry.artifact_path())
+
+    c = ArtifactCache(root)  # a new process's view: nothing memoized
+    with caplog.at_level(logging.WARNING, logger="msa_jit.cache"):
+        assert c.lookup(entry.key) is None
+    assert any("corrupt" in r.getMessage() and "sha256" in r.getMessage() for r in caplog.records)
+    assert not entry.path.exists()  # removed (renamed aside and deleted)
+    assert c.stats["corrupt"] == 1
+    assert [p for p in (c.v1 / "tmp").iterdir()] == []
+
+    entry2, built = get(c, config)
+    assert built and entry2.meta["artifacts"][0]["sha256"] != old_sha
+    assert c.lookup(entry.key) == entry2
+
+
+def test_corruption_found_inside_get_or_build(tmp_path):
+    root = tmp_path / "c"
+    entry, _ = get(ArtifactCache(root), {"g": 2})
+    flip_byte(entry.artifact_path(), 0)
+    entry2, built = get(ArtifactCache(root), {"g": 2})
+    assert built and ArtifactCache(root).lookup(entry.key) is not None
+
+
+def test_truncation_detected_even_without_hash(tmp_path):
+    c = ArtifactCache(tmp_path / "c")
+    entry, _ = get(c, {"g": 3})
+    assert c.lookup(entry.key, verify=False) is not None
+    p = entry.artifact_path()
+    p.write_bytes(p.read_bytes()[:-1])
+    assert c.lookup(entry.key, verify=False) is None
+
+
+def test_bad_meta_json_and_verify(tmp_path):
+    c = ArtifactCache(tmp_path / "c")
+    good, _ = get(c, {"g": "good"})
+    bad, _ = get(c, {"g": "bad"})
+    worse, _ = get(c, {"g": "worse"})
+    flip_byte(bad.artifact_path())
+    (worse.path / "meta.json").write_text("{not json")
+    res = {e.key: reason for e, reason in ArtifactCache(tmp_path / "c").verify()}
+    assert res[good.key] is None
+    assert "sha256" in res[bad.key] and "JSON" in res[worse.key]
+    ArtifactCache(tmp_path / "c").verify(remove=True)
+    assert [e.key for e in c.entries()] == [good.key]
+    assert c.lookup(worse.key) is None
+
+
+def test_verified_once_per_process(tmp_path, monkeypatch):
+    c = ArtifactCache(tmp_path / "c")
+    entry, _ = get(c, {"g": "memo"})
+    c2 = ArtifactCache(tmp_path / "c")
+    calls = []
+    real = cache._sha256_file
+    monkeypatch.setattr(cache, "_sha256_file", lambda p: calls.append(p) or real(p))
+    for _ in range(3):
+        assert c2.lookup(entry.key) is not None
+    assert len(calls) == 1
+    assert c2.lookup(entry.key, verify=False) is not None and len(calls) == 1
+
+
+def test_lookup_touches_meta_for_lru(tmp_path):
+    c = ArtifactCache(tmp_path / "c")
+    entry, _ = get(c, {"g": "lru"})
+    os.utime(entry.path / "meta.json", (1000, 1000))
+    c.lookup(entry.key)
+    assert os.stat(entry.path / "meta.json").st_mtime > time.time() - 60
+
+
+# =========================================================================== concurrency
+
+
+def test_four_processes_build_once(tmp_path):
+    root = tmp_path / "c"
+    counter = tmp_path / "builds.txt"
+    go = tmp_path / "go"
+    config = {"g": "race"}
+    procs = [
+        spawn_worker(root, config, "--sleep", "0.5", "--counter", str(counter),
+                     "--ready", str(tmp_path / f"ready{i}"), "--go", str(go))
+        for i in range(4)
+    ]
+    try:
+        wait_for(lambda: all((tmp_path / f"ready{i}").exists() for i in range(4)), what="workers ready")
+        go.write_text("go")
+        outs = []
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=60)
+            assert p.returncode == 0, stderr + stdout
+            outs.append(json.loads(stdout.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    assert len(counter.read_text().splitlines()) == 1
+    assert sum(o["stats"]["builds"] for o in outs) == 1
+    assert sorted(o["built"] for o in outs) == [False, False, False, True]
+    assert len({o["path"] for o in outs}) == 1 and len({o["sha256"] for o in outs}) == 1
+    c = ArtifactCache(root)
+    assert len(c.entries()) == 1 and c.verify()[0][1] is None and build_dirs(c) == []
+
+
+def test_threads_build_once(tmp_path):
+    c = ArtifactCache(tmp_path / "c")
+    calls: list = []
+    results: list = []
+    config = {"g": "threads"}
+
+    def run():
+        results.append(get(c, config, fake_build(sleep=0.2, counter=calls)))
+
+    ts = [threading.Thread(target=run) for _ in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+    assert len(calls) == 1 and len(results) == 4
+    assert sorted(b for _e, b in results) == [False, False, False, True]
+
+
+def test_lock_timeout_names_lock_file(tmp_path, monkeypatch):
+    c = ArtifactCache(tmp_path / "c")
+    config = {"g": "locked"}
+    held = filelock.FileLock(str(c.lock_path(key_of(config))))
+    held.acquire()
+    try:
+        monkeypatch.setenv("MSA_JIT_LOCK_TIMEOUT", "0.2")
+        t0 = time.monotonic()
+        with pytest.raises(CacheLockTimeout) as ei:
+            get(c, config)
+        assert time.monotonic() - t0 < 10
+        assert str(c.lock_path(key_of(config))) in str(ei.value)
+        assert isinstance(ei.value, TimeoutError)
+    finally:
+        held.release()
+    assert get(c, config)[1] is True
+
+
+def test_killed_build_leaves_no_accepted_entry(tmp_path, monkeypatch):
+    root = tmp_path / "c"
+    config = {"g": "sigkill"}
+    key = key_of(config)
+    started = tmp_path / "started"
+    p = spawn_worker(root, config, "--sleep", "60", "--started", str(started), "--size", "2000")
+    try:
+        wait_for(started.exists, what="build to start")
+        os.kill(p.pid, signal.SIGKILL)
+        p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == -signal.SIGKILL
+    c = ArtifactCache(root)
+    junk = build_dirs(c)
+    assert len(junk) == 1 and (junk[0] / "kernel.so").stat().st_size == 1000
+    assert c.lookup(key) is None and c.entries() == [] and c.verify() == []
+    assert not c.entry_path(key).exists()
+
+    # the dead builder's lock is free at once: no wait for the timeout
+    monkeypatch.setenv("MSA_JIT_LOCK_TIMEOUT", "30")
+    t0 = time.monotonic()
+    entry, built = get(c, config)
+    assert built and time.monotonic() - t0 < 5
+    assert entry.artifact_path().stat().st_size == 1000  # our fake_build's size
+
+    assert junk[0].exists()  # prune() cleans the dead build's temp dir
+    removed = c.prune()
+    assert junk[0] in removed and build_dirs(c) == []
+    assert c.lookup(key) == entry
+
+
+def test_prune_keeps_build_in_progress(tmp_path):
+    c = ArtifactCache(tmp_path / "c")
+    key = key_of({"g": "busy"})
+    inprog = c.v1 / "tmp" / f"build-{key}-abc"
+    inprog.mkdir()
+    (inprog / "kernel.so").write_bytes(b"x")
+    lock = filelock.FileLock(str(c.lock_path(key)))
+    with lock:  # its builder is alive (holds the lock)
+        assert c.prune(0) == [] and c.clear() == []
+        assert inprog.exists()
+    assert c.clear() == [inprog] and not inprog.exists()
+
+
+def test_publish_first_valid_writer_wins(tmp_path):
+    # Even if mutual exclusion failed (e.g. a lock file deleted by hand), a
+    # valid entry already published is never replaced by a second build.
+    config = {"g": "race2"}
+    other, _ = get(ArtifactCache(tmp_path / "other"), config)
+    c = ArtifactCache(tmp_path / "c")
+
+    def build(tmp):
+        import shutil
+
+        c.entry_path(other.key).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(other.path, c.entry_path(other.key))  # "another process" published meanwhile
+        (tmp / "kernel.so").write_bytes(b"second")
+        return {"artifacts": ["kernel.so"]}
+
+    entry, built = get(c, config, build)
+    assert built and entry.path == c.entry_path(other.key)
+    assert entry.meta["artifacts"][0]["sha256"] == other.meta["artifacts"][0]["sha256"]
+    assert entry.artifact_path().read_bytes() == other.artifact_path().read_bytes()
+    assert build_dirs(c) == [] and c.verify()[0][1] is None
+
+
+def test_clear_removes_incomplete_and_junk(tmp_path):
+    c = ArtifactCache(tmp_path / "c")
+    entry, _ = get(c, {"g": 1})
+    key2 = key_of({"g": 2})
+    incomplete = c.entry_path(key2)
+    incomplete.mkdir(parents=True)
+    (incomplete / "kernel.so").write_bytes(b"no meta")
+    assert ArtifactCache(tmp_path / "c").lookup(key2) is None
+    # a later build of that key replaces the incomplete dir
+    e2, built = get(c, {"g": 2})
+    assert built and e2.path == incomplete and (incomplete / "meta.json").exists()
+    trash = c.v1 / "tmp" / "trash-1-deadbeef"
+    trash.mkdir()
+    old_junk = c.v1 / "tmp" / ".probe-old"
+    old_junk.write_text("x")
+    os.utime(old_junk, (1000, 1000))
+    fresh_junk = c.v1 / "tmp" / ".probe-fresh"
+    fresh_junk.write_text("x")
+    assert set(c.prune()) == {trash, old_junk} and fresh_junk.exists()
+    fresh_junk.unlink()
+    removed = c.clear()
+    assert set(removed) == {entry.path, e2.path}
+    assert c.entries() == [] and c.size_bytes() == 0
+
+
+# =========================================================================== no-compile
+
+
+def test_no_compile_raises_with_geometry(tmp_path, monkeypatch):
+    c = ArtifactCache(tmp_path / "c")
+    config = {"hq": 64, "hkv": 4, "topk": 2048, "page": 64, "dtype": "fp8"}
+    geometry = "SparseDecode(hq=64, hkv=4, topk=2048, page=64, q=fp8, sm_100a)"
+    calls: list = []
+    monkeypatch.setenv("MSA_JIT_NO_COMPILE", "1")
+    with pytest.raises(ArtifactMissingError) as ei:
+        c.get_or_build(key_of(config), fake_build(counter=calls), config=config, fingerprint=FP, describe=geometry)
+    msg = str(ei.value)
+    assert geometry in msg and key_of(config) in msg and "msa-jit warmup" in msg
+    assert "MSA_JIT_NO_COMPILE" in msg and str(c.root) in msg
+    assert ei.value.describe == geometry and ei.value.key == key_of(config)
+    assert calls == [] and cache.stats()["builds"] == 0 and c.entries() == []
+    # picklable (e.g. raised in a worker process)
+    import pickle
+
+    assert str(pickle.loads(pickle.dumps(ei.value))) == msg
+
+    monkeypatch.setenv("MSA_JIT_NO_COMPILE", "0")  # warm it...
+    get(c, config)
+    monkeypatch.setenv("MSA_JIT_NO_COMPILE", "yes")  # ...then a production host hits
+    entry, built = c.get_or_build(key_of(config), fake_build(counter=calls), config=config,
+                                  fingerprint=FP, describe=geometry)
+    assert not built and len(calls) == 0
+
+
+def test_no_compile_in_second_process(tmp_path):
+    p = subprocess.run(
+        [sys.executable, str(WORKER), "--root", str(tmp_path / "c"), "--config", '{"g": 9}',
+         "--describe", "geom hq=64"],
+        capture_output=True, text=True, timeout=60, env={**worker_env(), "MSA_JIT_NO_COMPILE": "1"},
+    )
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert p.returncode == 3 and out["type"] == "ArtifactMissingError" and "geom hq=64" in out["error"]
+    assert out["stats"]["builds"] == 0
+
+
+# =========================================================================== prune
+
+
+def test_prune_keeps_most_recently_used(tmp_path):
+    c = ArtifactCache(tmp_path / "c")
+    es = [get(c, {"i": i}, fake_build(size=1000))[0] for i in range(5)]
+    for i, e in enumerate(es):  # e0 oldest ... e4 newest
+        os.utime(e.path / "meta.json", (1000 + i, 1000 + i))
+    for e in (es[0], es[1]):  # used now: most recent
+        assert c.lookup(e.key) is not None
+    size = {e.key: cache._tree_size(e.path) for e in es}
+    cap = size[es[4].key] + size[es[0].key] + size[es[1].key]
+    removed = c.prune(cap)
+    assert set(removed) == {es[2].path, es[3].path}
+    assert {e.key for e in c.entries()} == {es[0].key, es[1].key, es[4].key}
+    assert c.size_bytes() <= cap
+    assert c.prune(cap) == []
+    assert c.prune(0) and c.entries() == []
+
+
+def test_prune_default_cap_from_env_and_auto_prune(tmp_path, monkeypatch):
+    c = ArtifactCache(tmp_path / "c")
+    es = [get(c, {"i": i}, fake_build(size=1000))[0] for i in range(3)]
+    for i, e in enumerate(es):
+        os.utime(e.path / "meta.json", (1000 + i, 1000 + i))
+    assert c.prune() == []  # default 2 GiB
+    monkeypatch.setenv("MSA_JIT_CACHE_MAX_BYTES", "2500")
+    new, built = get(c, {"i": "new"}, fake_build(size=1000))  # auto prune after the build
+    assert built
+    keys = {e.key for e in c.entries()}
+    assert new.key in keys and es[0].key not in keys and c.size_bytes() <= 2500
+    monkeypatch.setenv("MSA_JIT_CACHE_MAX_BYTES", "1")  # cap below one entry: the new one stays
+    newest, _ = get(c, {"i": "newest"}, fake_build(size=1000))
+    assert [e.key for e in c.entries()] == [newest.key]
+
+
+# =========================================================================== locations
+
+
+def test_location_precedence(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    assert cache.preferred_root()[0] == tmp_path / "home" / ".cache" / "msa-jit"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/ignored")
+    assert cache.preferred_root()[0] == tmp_path / "home" / ".cache" / "msa-jit"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache.preferred_root()[0] == tmp_path / "xdg" / "msa-jit"
+    monkeypatch.setenv("MSA_JIT_CACHE_DIR", str(tmp_path / "explicit"))
+    assert cache.preferred_root() == (tmp_path / "explicit", "MSA_JIT_CACHE_DIR")
+    c = ArtifactCache()
+    assert c.root == tmp_path / "explicit"
+    assert cache.default_cache() is cache.default_cache()
+    assert cache.default_cache().root == tmp_path / "explicit"
+    assert cache.user_temp_root() == tmp_path / "systmp" / f"msa-jit-{os.getuid()}"
+
+
+def _fallbacks(record) -> list:
+    return [w for w in record if issubclass(w.category, CacheFallbackWarning)]
+
+
+def test_unwritable_root_falls_back_with_one_warning(tmp_path, monkeypatch):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a regular file")
+    bad = blocker / "cache"
+    monkeypatch.setenv("MSA_JIT_CACHE_DIR", str(bad))
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        c = ArtifactCache()
+        e1, built = get(c, {"g": "fb"})
+        e2, built2 = get(c, {"g": "fb"})
+        c.lookup(e1.key)
+        c.prune()
+    ws = _fallbacks(rec)
+    assert len(ws) == 1, [str(w.message) for w in rec]
+    msg = str(ws[0].message)
+    assert str(bad) in msg and "NotADirectoryError" in msg and str(c.root) in msg
+    assert c.root == cache.user_temp_root() and not c.ephemeral
+    assert built and not built2 and e1.path.is_relative_to(c.root)
+    assert c.fallback_reason == msg
+    assert (os.stat(c.root).st_mode & 0o777) == 0o700
+    # default_cache warns once per process for the same configuration
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        cache.default_cache()
+        cache.default_cache()
+    assert len(_fallbacks(rec)) == 1
+
+
+def test_fallback_to_in_process_tempdir(tmp_path, monkeypatch):
+    blocker = tmp_path / "f"
+    blocker.write_text("x")
+    cache.user_temp_root().write_text("someone else's file")  # per-user temp dir unusable too
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        c = ArtifactCache(blocker / "cache")
+        entry, built = get(c, {"g": "eph"})
+    ws = _fallbacks(rec)
+    assert len(ws) == 1
+    msg = str(ws[0].message)
+    assert str(blocker / "cache") in msg and str(cache.user_temp_root()) in msg and "deleted at exit" in msg
+    assert c.ephemeral and built and entry.artifact_path().exists()
+    assert c.root.parent == tmp_path / "systmp" and c.root != cache.user_temp_root()
+
+
+def test_foreign_or_open_user_temp_dir_rejected(tmp_path):
+    d = cache.user_temp_root()
+    d.mkdir(mode=0o777)
+    os.chmod(d, 0o777)
+    assert "world-writable" in cache._check_private_dir(d)
+    os.rmdir(d)
+    os.symlink(tmp_path, d)
+    assert "symlink" in cache._check_private_dir(d)
+
+
+def test_readonly_prewarmed_root_still_used(tmp_path, monkeypatch):
+    ro = tmp_path / "prewarmed"
+    config = {"g": "ro"}
+    warm, _ = get(ArtifactCache(ro), config)
+    real_probe = cache._probe_writable
+    monkeypatch.setattr(
+        cache, "_probe_writable",
+        lambda root: "OSError EROFS: Read-only file system (simulated)" if Path(root) == ro else real_probe(root),
+    )
+    monkeypatch.setenv("MSA_JIT_NO_COMPILE", "1")
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        c = ArtifactCache(ro)
+    ws = _fallbacks(rec)
+    assert len(ws) == 1 and "read-only" in str(ws[0].message) and str(ro) in str(ws[0].message)
+    assert c.root == cache.user_temp_root() and c.readonly_roots == (ro,)
+    entry, built = get(c, config)
+    assert not built and entry.readonly and entry.path == warm.path
+    assert [e.key for e in c.entries()] == [warm.key]
+    assert c.clear() == [] and warm.path.exists()  # read-only roots are never touched
+
+
+# =========================================================================== env
+
+
+def test_env_defaults():
+    assert env.cache_dir() is None
+    assert env.no_compile() is False
+    assert env.cache_max_bytes() == 2 * 1024**3
+    assert env.lock_timeout_s() == 600.0
+    assert env.target_arch() is None
+    assert env.enable_sm100_umma() is False
+    assert env.log_level() == logging.WARNING
+
+
+@pytest.mark.parametrize("fn,var", [(env.no_compile, "MSA_JIT_NO_COMPILE"),
+                                    (env.enable_sm100_umma, "MSA_JIT_ENABLE_SM100_UMMA")])
+def test_env_booleans(monkeypatch, fn, var):
+    for v in ("1", "true", "TRUE", "yes", "on", " On ", "y", "t"):
+        monkeypatch.setenv(var, v)
+        assert fn() is True, v
+    for v in ("0", "false", "No", "off", "n", "f", "", "  "):
+        monkeypatch.setenv(var, v)
+        assert fn() is False, v
+    for v in ("2", "maybe", "ture", "1.0"):
+        monkeypatch.setenv(var, v)
+        with pytest.raises(ValueError, match=var):
+            fn()
+
+
+def test_env_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("MSA_JIT_CACHE_DIR", str(tmp_path / "x"))
+    assert env.cache_dir() == tmp_path / "x"
+    monkeypatch.setenv("MSA_JIT_CACHE_DIR", "~/jit")
+    assert env.cache_dir() == Path(os.path.expanduser("~/jit"))
+    monkeypatch.setenv("MSA_JIT_CACHE_DIR", "rel")
+    assert env.cache_dir() == Path(os.getcwd()) / "rel"
+    monkeypatch.setenv("MSA_JIT_CACHE_DIR", "")
+    assert env.cache_dir() is None
+
+
+def test_env_cache_max_bytes(monkeypatch):
+    cases = {"0": 0, "1234": 1234, "2G": 2 * 1024**3, "2GiB": 2 * 1024**3, "2gb": 2 * 1024**3,
+             "512M": 512 * 1024**2, "1.5K": 1536, " 10 k ": 10240, "7b": 7, "1T": 1024**4}
+    for v, want in cases.items():
+        monkeypatch.setenv("MSA_JIT_CACHE_MAX_BYTES", v)
+        assert env.cache_max_bytes() == want, v
+    for v in ("-1", "lots", "1X", "ib", "1 2", "nan", "1e9"):
+        monkeypatch.setenv("MSA_JIT_CACHE_MAX_BYTES", v)
+        with pytest.raises(ValueError, match="MSA_JIT_CACHE_MAX_BYTES"):
+            env.cache_max_bytes()
+
+
+def test_env_lock_timeout(monkeypatch):
+    for v, want in {"0": 0.0, "1.5": 1.5, "600": 600.0, "inf": math.inf}.items():
+        monkeypatch.setenv("MSA_JIT_LOCK_TIMEOUT", v)
+        assert env.lock_timeout_s() == want
+    for v in ("-1", "soon", "nan", "10s"):
+        monkeypatch.setenv("MSA_JIT_LOCK_TIMEOUT", v)
+        with pytest.raises(ValueError, match="MSA_JIT_LOCK_TIMEOUT"):
+            env.lock_timeout_s()
+
+
+def test_env_target_arch(monkeypatch):
+    for v, want in {"sm_100a": "sm_100a", "SM_100A": "sm_100a", "sm100a": "sm_100a", "100a": "sm_100a",
+                    "10.0a": "sm_100a", "sm_90a": "sm_90a", "9.0": "sm_90", "sm_103f": "sm_103f"}.items():
+        monkeypatch.setenv("MSA_JIT_ARCH", v)
+        assert env.target_arch() == want, v
+    for v in ("hopper", "sm_", "sm_100x", "1"):
+        monkeypatch.setenv("MSA_JIT_ARCH", v)
+        with pytest.raises(ValueError, match="MSA_JIT_ARCH"):
+            env.target_arch()
+
+
+def test_env_log_level(monkeypatch):
+    for v, want in {"debug": logging.DEBUG, "INFO": logging.INFO, "warn": logging.WARNING,
+                    "error": logging.ERROR, "critical": logging.CRITICAL, "15": 15}.items():
+        monkeypatch.setenv("MSA_JIT_LOG_LEVEL", v)
+        assert env.log_level() == want
+    for v in ("loud", "-3", "1.5"):
+        monkeypatch.setenv("MSA_JIT_LOG_LEVEL", v)
+        with pytest.raises(ValueError, match="MSA_JIT_LOG_LEVEL"):
+            env.log_level()
+
+
+def test_env_read_live_and_describe(monkeypatch):
+    monkeypatch.setenv("MSA_JIT_NO_COMPILE", "1")
+    assert env.no_compile()
+    monkeypatch.setenv("MSA_JIT_NO_COMPILE", "0")
+    assert not env.no_compile()
+    monkeypatch.setenv("MSA_JIT_ARCH", "garbage!")
+    table = env.describe()  # raw values, never raises
+    names = [n for n, _v, _d in table]
+    assert names == ["MSA_JIT_CACHE_DIR", "MSA_JIT_NO_COMPILE", "MSA_JIT_CACHE_MAX_BYTES", "MSA_JIT_LOCK_TIMEOUT",
+                     "MSA_JIT_ARCH", "MSA_JIT_ENABLE_SM100_UMMA", "MSA_JIT_LOG_LEVEL",
+                     "MSA_JIT_DSL_VERSION"]
+    values = {n: v for n, v, _d in table}
+    assert values["MSA_JIT_ARCH"] == "garbage!" and values["MSA_JIT_CACHE_DIR"] is None
+    assert all(isinstance(d, str) and d for _n, _v, d in table)
+    # every variable in the table is documented in the policy file
+    policy = (Path(__file__).resolve().parents[1] / "cache_dir_policy.md").read_text()
+    assert all(n in policy for n in names)
+
+
+def test_cache_entry_is_hashable(tmp_path):
+    c = ArtifactCache(tmp_path / "c")
+    entry, _ = get(c, {"g": "h"})
+    assert isinstance(entry, CacheEntry) and len({entry, c.lookup(entry.key)}) == 1
