@@ -1,0 +1,207 @@
+"""Small PTX helpers shared by the decode kernels (every arch from SM80 up).
+
+Each helper is one `llvm.inline_asm` with the exact instruction we want, so the SASS is
+predictable: 16-byte shared/global accesses, `mma.sync` m16n8k16, the fp8 -> fp16 bit
+trick and the 1-D bulk copy that completes on an mbarrier.
+"""
+
+from __future__ import annotations
+
+import cutlass
+from cutlass import Float32, Int32, Int64
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+
+def _asm(ret, args, text, constraints, side_effects=False):
+    return llvm.inline_asm(
+        ret,
+        args,
+        text,
+        constraints,
+        has_side_effects=side_effects,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+def _i32(v, loc, ip):
+    return Int32(v).ir_value(loc=loc, ip=ip)
+
+
+def _f32(v, loc, ip):
+    return Float32(v).ir_value(loc=loc, ip=ip)
+
+
+def _unpack(struct, n, ty, cls, loc, ip):
+    return tuple(cls(llvm.extractvalue(ty, struct, [i], loc=loc, ip=ip)) for i in range(n))
+
+
+@dsl_user_op
+def smem_addr(ptr: cutlass.cute.Pointer, *, loc=None, ip=None) -> Int32:
+    """32-bit shared-window address of a shared-memory pointer."""
+    return Int32(ptr.toint(loc=loc, ip=ip))
+
+
+@dsl_user_op
+def ld_shared_v4(addr: Int32, *, loc=None, ip=None):
+    """ld.shared.v4.b32 at a 16-byte aligned shared address -> 4 x Int32."""
+    s = _asm(
+        llvm.StructType.get_literal([T.i32()] * 4),
+        [_i32(addr, loc, ip)],
+        "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];",
+        "=r,=r,=r,=r,r",
+        side_effects=True,
+    )
+    return _unpack(s, 4, T.i32(), Int32, loc, ip)
+
+
+@dsl_user_op
+def ld_shared_v4_f32(addr: Int32, *, loc=None, ip=None):
+    s = _asm(
+        llvm.StructType.get_literal([T.f32()] * 4),
+        [_i32(addr, loc, ip)],
+        "ld.shared.v4.f32 {$0, $1, $2, $3}, [$4];",
+        "=f,=f,=f,=f,r",
+        side_effects=True,
+    )
+    return _unpack(s, 4, T.f32(), Float32, loc, ip)
+
+
+@dsl_user_op
+def st_shared_v4_f32(addr: Int32, v0, v1, v2, v3, *, loc=None, ip=None) -> None:
+    _asm(
+        None,
+        [_i32(addr, loc, ip)] + [_f32(v, loc, ip) for v in (v0, v1, v2, v3)],
+        "st.shared.v4.f32 [$0], {$1, $2, $3, $4};",
+        "r,f,f,f,f",
+        side_effects=True,
+    )
+
+
+@dsl_user_op
+def ld_global_nc_v4(addr: Int64, *, loc=None, ip=None):
+    """Read-only 16-byte global load (ld.global.nc.v4.b32) -> 4 x Int32."""
+    s = _asm(
+        llvm.StructType.get_literal([T.i32()] * 4),
+        [Int64(addr).ir_value(loc=loc, ip=ip)],
+        "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];",
+        "=r,=r,=r,=r,l",
+        side_effects=True,
+    )
+    return _unpack(s, 4, T.i32(), Int32, loc, ip)
+
+
+@dsl_user_op
+def st_global_v4(addr: Int64, w0, w1, w2, w3, *, loc=None, ip=None) -> None:
+    _asm(
+        None,
+        [Int64(addr).ir_value(loc=loc, ip=ip)] + [_i32(w, loc, ip) for w in (w0, w1, w2, w3)],
+        "st.global.v4.b32 [$0], {$1, $2, $3, $4};",
+        "l,r,r,r,r",
+        side_effects=True,
+    )
+
+
+@dsl_user_op
+def st_global_v4_f32(addr: Int64, v0, v1, v2, v3, *, loc=None, ip=None) -> None:
+    _asm(
+        None,
+        [Int64(addr).ir_value(loc=loc, ip=ip)] + [_f32(v, loc, ip) for v in (v0, v1, v2, v3)],
+        "st.global.v4.f32 [$0], {$1, $2, $3, $4};",
+        "l,f,f,f,f",
+        side_effects=True,
+    )
+
+
+@dsl_user_op
+def fp8x2_to_f16x2_scaled(lo: Int32, hi: Int32, selector: int, *, loc=None, ip=None) -> Int32:
+    """Two e4m3 bytes -> f16x2 holding value * 2**-8, exactly (normals and subnormals).
+
+    `prmt` puts the two chosen bytes of {hi:lo} into the high byte of each 16-bit half
+    (the low bytes are don't-care); then sign stays at bit 15 and exponent+mantissa move
+    down one bit, which reinterprets e4m3 (bias 7) as f16 (bias 15): a 2**-8 scale that
+    the caller folds into its fp32 scale factors.
+    """
+    return Int32(
+        _asm(
+            T.i32(),
+            [_i32(lo, loc, ip), _i32(hi, loc, ip)],
+            "{\n\t.reg .b32 t, u;\n\t"
+            f"prmt.b32 t, $1, $2, {selector:#x};\n\t"
+            "shr.b32 u, t, 1;\n\t"
+            "and.b32 u, u, 0x3f803f80;\n\t"
+            "and.b32 t, t, 0x80008000;\n\t"
+            "or.b32 $0, t, u;\n\t}",
+            "=r,r,r",
+        )
+    )
+
+
+@dsl_user_op
+def f32x2_to_f16x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Int32:
+    """Pack two fp32 into f16x2 (round to nearest); `lo` lands in the low half."""
+    return Int32(
+        _asm(T.i32(), [_f32(hi, loc, ip), _f32(lo, loc, ip)], "cvt.rn.f16x2.f32 $0, $1, $2;", "=r,f,f")
+    )
+
+
+@dsl_user_op
+def f32x2_to_bf16x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Int32:
+    return Int32(
+        _asm(T.i32(), [_f32(hi, loc, ip), _f32(lo, loc, ip)], "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f")
+    )
+
+
+@dsl_user_op
+def bf16x2_to_f16x2(w: Int32, *, loc=None, ip=None) -> Int32:
+    """bf16x2 -> f16x2 (exact inside the f16 range; values past it become inf)."""
+    return Int32(
+        _asm(
+            T.i32(),
+            [_i32(w, loc, ip)],
+            "{\n\t.reg .b32 a, b;\n\t.reg .f32 x, y;\n\t"
+            "shl.b32 a, $1, 16;\n\t"
+            "and.b32 b, $1, 0xffff0000;\n\t"
+            "mov.b32 x, a;\n\t"
+            "mov.b32 y, b;\n\t"
+            "cvt.rn.f16x2.f32 $0, y, x;\n\t}",
+            "=r,r",
+        )
+    )
+
+
+@dsl_user_op
+def mma_f16_16816(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, *, loc=None, ip=None):
+    """mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32: D = A*B + C, 4 fp32 out."""
+    s = _asm(
+        llvm.StructType.get_literal([T.f32()] * 4),
+        [_i32(x, loc, ip) for x in (a0, a1, a2, a3, b0, b1)] + [_f32(x, loc, ip) for x in (c0, c1, c2, c3)],
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
+    )
+    return _unpack(s, 4, T.f32(), Float32, loc, ip)
+
+
+@dsl_user_op
+def bulk_copy_g2s(dst_smem: Int32, src_gmem: Int64, nbytes: int, mbar_smem: Int32, *, loc=None, ip=None) -> None:
+    """1-D bulk copy global -> shared that completes `nbytes` of tx on an mbarrier (SM90+)."""
+    _asm(
+        None,
+        [_i32(dst_smem, loc, ip), Int64(src_gmem).ir_value(loc=loc, ip=ip), _i32(nbytes, loc, ip), _i32(mbar_smem, loc, ip)],
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
+        "r,l,r,r",
+        side_effects=True,
+    )
+
+
+@dsl_user_op
+def ex2(x: Float32, *, loc=None, ip=None) -> Float32:
+    """2**x with ex2.approx.ftz (ex2(-inf) == 0)."""
+    return Float32(_asm(T.f32(), [_f32(x, loc, ip)], "ex2.approx.ftz.f32 $0, $1;", "=f,f"))
+
+
+@dsl_user_op
+def lg2(x: Float32, *, loc=None, ip=None) -> Float32:
+    return Float32(_asm(T.f32(), [_f32(x, loc, ip)], "lg2.approx.ftz.f32 $0, $1;", "=f,f"))

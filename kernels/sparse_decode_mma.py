@@ -1,0 +1,505 @@
+"""Portable MSA sparse decode kernel: warp-level `mma.sync` (SM80 .. SM120), bulk-copied KV.
+
+One CTA serves one (token t, KV head h, split): the whole GQA group of h (G <= 16 query
+heads) sits on the MMA M dimension, so every K/V byte is read from HBM once per (t, h).
+
+Data path per selected block (one page of one KV head = one contiguous chunk of
+page_size * 256 bytes, K in bytes [0,128) and V in [128,256) of every token row):
+  * a producer warp bulk-copies the chunk into a shared-memory stage (`cp.async.bulk`,
+    completion on an mbarrier), STAGES chunks in flight;
+  * consumer warp w owns keys [16w, 16w+16) of every block and keeps its own online
+    softmax; S = Q K^T and O += P V run on m16n8k16 f16 MMAs with fp32 accumulators;
+  * fp8 K/V become f16 with a 4-instruction bit trick (exact, times 2**-8, folded into the
+    fp32 scales); the reduction indices (head_dim for S, keys for O) are permuted so that
+    each thread reads 16-byte words of shared memory and no transpose is needed;
+  * at the end the warps' partial (m, l, O) are merged through shared memory; with
+    num_splits > 1 the CTA writes a normalized partial O and its log2-LSE, and a second
+    kernel in the same launch sequence merges the splits.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+
+from . import ptx
+
+HEAD_DIM = 128
+ROW_BYTES = 2 * HEAD_DIM  # one token row of a page: K (128 B) then V (128 B)
+LN2 = math.log(2.0)
+# Cross-warp reduction buffer: per warp 16 rows x 4 chunks of (32 fp32 + 4 pad); the
+# 144-byte chunk and 576-byte row keep the 16-byte stores and loads bank-conflict free.
+RED_CHUNK = 144
+RED_ROW = 4 * RED_CHUNK
+RED_WARP = 16 * RED_ROW
+
+
+def _phys_key(logical: int) -> int:
+    """Key order inside a warp's 16 keys that makes P's MMA layout match 4 adjacent keys."""
+    if logical < 8:
+        return 4 * (logical // 2) + logical % 2
+    return 4 * ((logical - 8) // 2) + 2 + logical % 2
+
+
+class SparseDecodeMmaKernel:
+    """Static config in __init__, host launch in __call__, device code in kernel()."""
+
+    arch_family = "portable"
+
+    def __init__(
+        self,
+        *,
+        num_q_heads: int,
+        num_kv_heads: int,
+        page_size: int = 128,
+        topk: int = 16,
+        q_dtype: str = "bfloat16",
+        stages: int = 3,
+        consumer_warps: int = 4,
+    ):
+        if num_q_heads % num_kv_heads:
+            raise ValueError("num_q_heads must be a multiple of num_kv_heads")
+        self.hq = num_q_heads
+        self.hkv = num_kv_heads
+        self.group = num_q_heads // num_kv_heads
+        if not 1 <= self.group <= 16:
+            raise ValueError(f"group size {self.group} not in 1..16")
+        if page_size % 16 or not 32 <= page_size <= 256:
+            raise ValueError(f"page_size {page_size} must be a multiple of 16 in 32..256")
+        if not 1 <= topk <= 32:
+            raise ValueError(f"topk {topk} not in 1..32")
+        self.page = page_size
+        self.topk = topk
+        self.q_fp8 = q_dtype == "float8_e4m3fn"
+        self.stages = stages
+        if page_size % (16 * consumer_warps):
+            raise ValueError(f"page_size {page_size} is not a multiple of 16 * {consumer_warps} warps")
+        self.warps = consumer_warps
+        self.keys_per_warp = page_size // consumer_warps  # in 16-key sub-tiles
+        self.consumer_threads = 32 * self.warps
+        self.threads = self.consumer_threads + 32
+        self.stage_bytes = page_size * ROW_BYTES
+        self.buf_bytes = max(stages * self.stage_bytes, self.warps * RED_WARP)
+        # elements of the 16 x 128 output tile each consumer thread finalizes
+        self.out_elems = 16 * HEAD_DIM // self.consumer_threads
+        # fp8 -> f16 trick scales K and V by 2**-8 (and an fp8 query too)
+        self.s_fold = 2.0**8 * (2.0**8 if self.q_fp8 else 1.0)
+
+    # ------------------------------------------------------------------ host side
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # [T, Hq, 128] bf16, or uint8 holding e4m3
+        mKV: cute.Tensor,  # [P, Hkv, page, 256] uint8
+        mTopk: cute.Tensor,  # [T, Hkv, topk] int32, any strides
+        mBT: cute.Tensor,  # [B, max_blocks] int32
+        mKvLens: cute.Tensor,  # [T] int32
+        mOut: cute.Tensor,  # [T, Hq, 128] bf16
+        mLse: cute.Tensor,  # [T, Hq] fp32
+        mPO: cute.Tensor,  # [T*Hkv*S, G, 128] fp32
+        mPL: cute.Tensor,  # [T*Hkv*S, G] fp32
+        qlen: Int32,
+        num_splits: Int32,
+        qk_scale_log2: Float32,
+        v_scale: Float32,
+        stream: cuda.CUstream,
+    ):
+        num_tokens = mQ.shape[0]
+
+        @cute.struct
+        class Storage:
+            buf: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.buf_bytes], 1024]
+            full: cute.struct.Align[cute.struct.MemRange[Int64, self.stages], 8]
+            empty: cute.struct.Align[cute.struct.MemRange[Int64, self.stages], 8]
+            pages: cute.struct.MemRange[Int32, 32]
+            blocks: cute.struct.MemRange[Int32, 32]
+            nvalid: cute.struct.MemRange[Int32, 4]
+            ml: cute.struct.MemRange[Float32, self.warps * 32]
+
+        self.kernel(
+            mQ, mKV, mTopk, mBT, mKvLens, mOut, mLse, mPO, mPL, qlen, num_splits, qk_scale_log2, v_scale, Storage
+        ).launch(
+            grid=(num_tokens, self.hkv, num_splits),
+            block=(self.threads, 1, 1),
+            stream=stream,
+            # two CTAs per SM: one streams KV while the other runs its prologue / epilogue
+            min_blocks_per_mp=2,
+            preferred_smem_carveout=100,  # explicit, so compiling needs no GPU to query
+        )
+        if num_splits > 1:
+            self.merge_kernel(mOut, mLse, mPO, mPL, num_splits).launch(
+                grid=(num_tokens, self.hkv, self.group), block=(HEAD_DIM, 1, 1), stream=stream
+            )
+
+    # ---------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mKV: cute.Tensor,
+        mTopk: cute.Tensor,
+        mBT: cute.Tensor,
+        mKvLens: cute.Tensor,
+        mOut: cute.Tensor,
+        mLse: cute.Tensor,
+        mPO: cute.Tensor,
+        mPL: cute.Tensor,
+        qlen: Int32,
+        num_splits: Int32,
+        qk_scale_log2: Float32,
+        v_scale: Float32,
+        Storage: cutlass.Constexpr,
+    ):
+        G = self.group
+        tidx, _, _ = cute.arch.thread_idx()
+        t, h, split = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(tidx // 32)
+        lane = tidx % 32
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(Storage)
+        buf_addr = ptx.smem_addr(storage.buf.data_ptr())
+        full_ptr = storage.full.data_ptr()
+        empty_ptr = storage.empty.data_ptr()
+        sPages = storage.pages.get_tensor(cute.make_layout(32))
+        sBlocks = storage.blocks.get_tensor(cute.make_layout(32))
+        sNvalid = storage.nvalid.get_tensor(cute.make_layout(4))
+        sML = storage.ml.get_tensor(cute.make_layout(self.warps * 32))
+
+        kv_len = mKvLens[t]
+        req = t // qlen
+        num_pages = mKV.shape[0]
+        max_blocks = mBT.shape[1]
+
+        # ---- 1. compact the valid slots of this (t, h) into shared memory (warp 0)
+        if warp == 0:
+            slot_ok = False
+            page = Int32(0)
+            blk = Int32(-1)
+            if lane < self.topk:  # issued together with the kv_len load above
+                blk = mTopk[t, h, lane]
+            nvalid = cutlass.min(Int32(self.topk), (kv_len + (self.page - 1)) // self.page)
+            if lane < nvalid and blk >= 0 and blk < max_blocks and blk * self.page < kv_len:
+                page = mBT[req, blk]
+                if page >= 0 and page < num_pages:
+                    slot_ok = True
+            ballot = cute.arch.vote_ballot_sync(slot_ok)
+            rank = cute.arch.popc(ballot & cute.arch.lanemask_lt())
+            if slot_ok:
+                sPages[rank] = page
+                sBlocks[rank] = blk
+            if lane == 0:
+                sNvalid[0] = cute.arch.popc(ballot)
+                for s in cutlass.range_constexpr(self.stages):
+                    cute.arch.mbarrier_init(full_ptr + s, 1)
+                    cute.arch.mbarrier_init(empty_ptr + s, self.warps)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        n_valid = sNvalid[0]
+        per_split = (n_valid + num_splits - 1) // num_splits
+        first = split * per_split
+        n_iter = cutlass.max(cutlass.min(n_valid - first, per_split), Int32(0))
+
+        if warp == self.warps:
+            # ---- 2a. producer warp: one lane streams the selected chunks into the stages
+            if lane == 0:
+                kv_base = mKV.iterator.toint()
+                for i in range(n_iter):
+                    s = i % self.stages
+                    phase = (i // self.stages) & 1
+                    cute.arch.mbarrier_wait(empty_ptr + s, phase ^ 1)
+                    cute.arch.mbarrier_arrive_and_expect_tx(full_ptr + s, self.stage_bytes)
+                    chunk = Int64(sPages[first + i]) * self.hkv + Int64(h)
+                    ptx.bulk_copy_g2s(
+                        buf_addr + s * self.stage_bytes,
+                        kv_base + chunk * self.stage_bytes,
+                        self.stage_bytes,
+                        ptx.smem_addr(full_ptr + s),
+                    )
+        else:
+            # ---- 2b. consumer warps
+            self.consume(
+                mQ, mOut, mLse, mPO, mPL, sBlocks, sML, buf_addr, full_ptr, empty_ptr,
+                t, h, split, warp, lane, kv_len, first, n_iter, num_splits, qk_scale_log2, v_scale,
+            )
+
+    @cute.jit
+    def consume(
+        self, mQ, mOut, mLse, mPO, mPL, sBlocks, sML, buf_addr, full_ptr, empty_ptr,
+        t, h, split, warp, lane, kv_len, first, n_iter, num_splits, qk_scale_log2, v_scale,
+    ):
+        G = self.group
+        g = lane // 4
+        c = lane % 4
+        # Q fragments (A operand), loaded once: 8 k-steps x 4 f16x2 registers.
+        qa = cute.make_rmem_tensor(32, Int32)
+        self.load_q(mQ, qa, t, h, g, c)
+
+        acc = cute.make_rmem_tensor(64, Float32)  # 16 n-tiles (dims) x 4
+        for i in cutlass.range_constexpr(64):
+            acc[i] = Float32(0.0)
+        row_max = cute.make_rmem_tensor(2, Float32)
+        row_sum = cute.make_rmem_tensor(2, Float32)
+        for r in cutlass.range_constexpr(2):
+            row_max[r] = -Float32.inf
+            row_sum[r] = Float32(0.0)
+
+        scale = qk_scale_log2 * self.s_fold
+        for i in range(n_iter):
+            s = i % self.stages
+            phase = (i // self.stages) & 1
+            cute.arch.mbarrier_wait(full_ptr + s, phase)
+            stage = buf_addr + s * self.stage_bytes
+            blk = sBlocks[first + i]
+
+            for sub in cutlass.range_constexpr(self.keys_per_warp // 16):
+                self.consume_subtile(
+                    qa, acc, row_max, row_sum, stage, empty_ptr + s, blk, kv_len, scale,
+                    warp * self.keys_per_warp + 16 * sub, g, c, lane,
+                    sub == self.keys_per_warp // 16 - 1,
+                )
+
+        self.epilogue(mOut, mLse, mPO, mPL, sML, buf_addr, acc, row_max, row_sum,
+                      t, h, split, warp, lane, num_splits, v_scale)
+
+    @cute.jit
+    def consume_subtile(self, qa, acc, row_max, row_sum, stage, empty_bar, blk, kv_len, scale,
+                        key_base, g, c, lane, release_stage: cutlass.Constexpr):
+        """Keys [key_base, key_base+16) of the block in `stage`: S, online softmax, O += P V."""
+        key_a = key_base + 4 * (g // 2) + g % 2  # this thread's K row for n-tile 0 (+2: n-tile 1)
+        # ---- S = Q K^T for these 16 keys (two n-tiles of 8 keys)
+        sv = cute.make_rmem_tensor(8, Float32)
+        for j in cutlass.range_constexpr(2):
+            row = stage + (key_a + 2 * j) * ROW_BYTES + 16 * c
+            klo = ptx.ld_shared_v4(row)
+            khi = ptx.ld_shared_v4(row + 64)
+            d = [Float32(0.0)] * 4
+            for ks in cutlass.range_constexpr(8):
+                w = klo[ks] if ks < 4 else khi[ks - 4]
+                b0 = ptx.fp8x2_to_f16x2_scaled(w, w, 0x1000)
+                b1 = ptx.fp8x2_to_f16x2_scaled(w, w, 0x3020)
+                d = ptx.mma_f16_16816(
+                    qa[4 * ks], qa[4 * ks + 1], qa[4 * ks + 2], qa[4 * ks + 3], b0, b1, d[0], d[1], d[2], d[3]
+                )
+            for e in cutlass.range_constexpr(4):
+                sv[4 * j + e] = d[e]
+
+        # ---- V words for this warp's keys (transposed in registers below)
+        vrow = stage + (key_base + 4 * c) * ROW_BYTES + HEAD_DIM + 16 * g
+        v0 = ptx.ld_shared_v4(vrow)
+        v1 = ptx.ld_shared_v4(vrow + ROW_BYTES)
+        v2 = ptx.ld_shared_v4(vrow + 2 * ROW_BYTES)
+        v3 = ptx.ld_shared_v4(vrow + 3 * ROW_BYTES)
+        if cutlass.const_expr(release_stage):  # this warp is done reading the stage
+            cute.arch.sync_warp()
+            if lane == 0:
+                cute.arch.mbarrier_arrive(empty_bar)
+
+        # ---- online softmax (rows g and g+8 of the MMA = heads h*G+g, h*G+g+8)
+        key0 = blk * self.page + key_base + 4 * c
+        alpha = cute.make_rmem_tensor(2, Float32)
+        for r in cutlass.range_constexpr(2):
+            mx = row_max[r]
+            for j in cutlass.range_constexpr(2):
+                for e in cutlass.range_constexpr(2):
+                    x = sv[4 * j + 2 * r + e] * scale
+                    if key0 + 2 * j + e >= kv_len:
+                        x = -Float32.inf
+                    sv[4 * j + 2 * r + e] = x
+                    mx = cute.arch.fmax(mx, x)
+            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 1))
+            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 2))
+            m_use = mx
+            if mx == -Float32.inf:
+                m_use = Float32(0.0)
+            alpha[r] = ptx.ex2(row_max[r] - m_use)
+            row_max[r] = mx
+            psum = Float32(0.0)
+            for j in cutlass.range_constexpr(2):
+                for e in cutlass.range_constexpr(2):
+                    p = ptx.ex2(sv[4 * j + 2 * r + e] - m_use)
+                    sv[4 * j + 2 * r + e] = p
+                    psum = psum + p
+            row_sum[r] = row_sum[r] * alpha[r] + psum
+        pa0 = ptx.f32x2_to_f16x2(sv[0], sv[1])
+        pa1 = ptx.f32x2_to_f16x2(sv[2], sv[3])
+        pa2 = ptx.f32x2_to_f16x2(sv[4], sv[5])
+        pa3 = ptx.f32x2_to_f16x2(sv[6], sv[7])
+
+        # ---- O = O * alpha + P V (16 n-tiles of 8 dims)
+        for nt in cutlass.range_constexpr(16):
+            u = nt // 4
+            e = nt % 4
+            sel = ((4 + e) << 12) | (e << 4)
+            b0 = ptx.fp8x2_to_f16x2_scaled(v0[u], v1[u], sel)
+            b1 = ptx.fp8x2_to_f16x2_scaled(v2[u], v3[u], sel)
+            d = ptx.mma_f16_16816(
+                pa0, pa1, pa2, pa3, b0, b1,
+                acc[4 * nt] * alpha[0], acc[4 * nt + 1] * alpha[0],
+                acc[4 * nt + 2] * alpha[1], acc[4 * nt + 3] * alpha[1],
+            )
+            for k in cutlass.range_constexpr(4):
+                acc[4 * nt + k] = d[k]
+
+    @cute.jit
+    def load_q(self, mQ, qa, t, h, g, c):
+        """Q rows g and g+8 of the group into A fragments, dims permuted like K's words."""
+        G = self.group
+        q_base = mQ.iterator.toint()
+        q_row_stride = Int64(mQ.stride[0])
+        elem = 1 if self.q_fp8 else 2
+        for r in cutlass.range_constexpr(2):
+            head = g + 8 * r
+            words = cute.make_rmem_tensor(16, Int32)
+            for k in cutlass.range_constexpr(16):
+                words[k] = Int32(0)
+            if head < G:
+                row = q_base + (Int64(t) * q_row_stride + Int64(h * G + head) * HEAD_DIM) * elem
+                for half in cutlass.range_constexpr(2):
+                    dim0 = 64 * half + 16 * c
+                    if cutlass.const_expr(self.q_fp8):
+                        wv = ptx.ld_global_nc_v4(row + dim0)
+                        for k in cutlass.range_constexpr(4):
+                            words[8 * half + k] = wv[k]
+                    else:
+                        for part in cutlass.range_constexpr(2):
+                            wv = ptx.ld_global_nc_v4(row + (dim0 + 8 * part) * 2)
+                            for k in cutlass.range_constexpr(4):
+                                words[8 * half + 4 * part + k] = wv[k]
+            for ks in cutlass.range_constexpr(8):
+                half = ks // 4
+                sub = ks % 4
+                if cutlass.const_expr(self.q_fp8):
+                    w = words[8 * half + sub]
+                    lo = ptx.fp8x2_to_f16x2_scaled(w, w, 0x1000)
+                    hi = ptx.fp8x2_to_f16x2_scaled(w, w, 0x3020)
+                else:
+                    lo = ptx.bf16x2_to_f16x2(words[8 * half + 2 * sub])
+                    hi = ptx.bf16x2_to_f16x2(words[8 * half + 2 * sub + 1])
+                # A registers: {row g, k 2c..}, {row g+8, k 2c..}, {row g, k 2c+8..}, {row g+8, k 2c+8..}
+                qa[4 * ks + r] = lo
+                qa[4 * ks + 2 + r] = hi
+
+    @cute.jit
+    def epilogue(self, mOut, mLse, mPO, mPL, sML, buf_addr, acc, row_max, row_sum,
+                 t, h, split, warp, lane, num_splits, v_scale):
+        G = self.group
+        g = lane // 4
+        c = lane % 4
+        bar_id = 1
+        nthr = self.consumer_threads
+        for r in cutlass.range_constexpr(2):
+            tot = row_sum[r]
+            tot = tot + cute.arch.shuffle_sync_bfly(tot, 1)
+            tot = tot + cute.arch.shuffle_sync_bfly(tot, 2)
+            row_sum[r] = tot
+        if c == 0:
+            for r in cutlass.range_constexpr(2):
+                sML[warp * 32 + 2 * (g + 8 * r)] = row_max[r]
+                sML[warp * 32 + 2 * (g + 8 * r) + 1] = row_sum[r]
+        # every consumer is done with the stages (they alias the reduction buffer) and sML is full
+        cute.arch.barrier(barrier_id=bar_id, number_of_threads=nthr)
+
+        for r in cutlass.range_constexpr(2):
+            row = g + 8 * r
+            m_all = -Float32.inf
+            for w in cutlass.range_constexpr(self.warps):
+                m_all = cute.arch.fmax(m_all, sML[w * 32 + 2 * row])
+            if m_all == -Float32.inf:
+                m_all = Float32(0.0)
+            sc = ptx.ex2(row_max[r] - m_all)
+            base = buf_addr + warp * RED_WARP + row * RED_ROW + c * RED_CHUNK
+            for q in cutlass.range_constexpr(8):
+                col = 0 if q < 4 else 1
+                nt0 = 4 * (q % 4)
+                ptx.st_shared_v4_f32(
+                    base + 16 * q,
+                    acc[4 * nt0 + 2 * r + col] * sc,
+                    acc[4 * (nt0 + 1) + 2 * r + col] * sc,
+                    acc[4 * (nt0 + 2) + 2 * r + col] * sc,
+                    acc[4 * (nt0 + 3) + 2 * r + col] * sc,
+                )
+        cute.arch.barrier(barrier_id=bar_id, number_of_threads=nthr)
+
+        tid = warp * 32 + lane
+        per_row = HEAD_DIM // self.out_elems
+        row = tid // per_row
+        d0 = (tid % per_row) * self.out_elems
+        if row < G:
+            m_all = -Float32.inf
+            for w in cutlass.range_constexpr(self.warps):
+                m_all = cute.arch.fmax(m_all, sML[w * 32 + 2 * row])
+            m_use = m_all
+            if m_all == -Float32.inf:
+                m_use = Float32(0.0)
+            l_all = Float32(0.0)
+            for w in cutlass.range_constexpr(self.warps):
+                l_all = l_all + sML[w * 32 + 2 * row + 1] * ptx.ex2(sML[w * 32 + 2 * row] - m_use)
+            inv = Float32(0.0)
+            if l_all > Float32(0.0):
+                inv = v_scale * 256.0 / l_all
+            lse2 = -Float32.inf
+            if l_all > Float32(0.0):
+                lse2 = m_all + ptx.lg2(l_all)
+            vals = cute.make_rmem_tensor(self.out_elems, Float32)
+            for k in cutlass.range_constexpr(self.out_elems):
+                vals[k] = Float32(0.0)
+            rd = buf_addr + row * RED_ROW + (d0 // 32) * RED_CHUNK + (d0 % 32) * 4
+            for w in cutlass.range_constexpr(self.warps):
+                for q in cutlass.range_constexpr(self.out_elems // 4):
+                    f = ptx.ld_shared_v4_f32(rd + w * RED_WARP + 16 * q)
+                    for k in cutlass.range_constexpr(4):
+                        vals[4 * q + k] = vals[4 * q + k] + f[k]
+            hq = h * G + row
+            if num_splits == 1:
+                for k in cutlass.range_constexpr(self.out_elems):
+                    mOut[t, hq, d0 + k] = (vals[k] * inv).to(cutlass.BFloat16)
+                if d0 == 0:
+                    mLse[t, hq] = lse2 * LN2
+            else:
+                idx = (t * self.hkv + h) * num_splits + split
+                for k in cutlass.range_constexpr(self.out_elems):
+                    mPO[idx, row, d0 + k] = vals[k] * inv
+                if d0 == 0:
+                    mPL[idx, row] = lse2
+
+    @cute.kernel
+    def merge_kernel(self, mOut: cute.Tensor, mLse: cute.Tensor, mPO: cute.Tensor, mPL: cute.Tensor, num_splits: Int32):
+        """out[t, h*G+row, d] = sum_s w_s O_s / sum_s w_s with w_s = 2**(lse_s - max_s lse_s).
+
+        One CTA per (t, h, row), one thread per dim; the split loop is unrolled to topk with
+        predicated loads so all of them are in flight at once.
+        """
+        d, _, _ = cute.arch.thread_idx()
+        t, h, row = cute.arch.block_idx()
+        idx0 = (t * self.hkv + h) * num_splits
+        lse = cute.make_rmem_tensor(self.topk, Float32)
+        part = cute.make_rmem_tensor(self.topk, Float32)
+        m_all = -Float32.inf
+        for s in cutlass.range_constexpr(self.topk):
+            lse[s] = -Float32.inf
+            part[s] = Float32(0.0)
+            if s < num_splits:
+                lse[s] = mPL[idx0 + s, row]
+                part[s] = mPO[idx0 + s, row, d]
+            m_all = cute.arch.fmax(m_all, lse[s])
+        num = Float32(0.0)
+        den = Float32(0.0)
+        if m_all != -Float32.inf:
+            for s in cutlass.range_constexpr(self.topk):
+                w = ptx.ex2(lse[s] - m_all)
+                num = num + w * part[s]
+                den = den + w
+        out = Float32(0.0)
+        lse_nat = -Float32.inf
+        if den > Float32(0.0):
+            out = num / den
+            lse_nat = (m_all + ptx.lg2(den)) * LN2
+        mOut[t, h * self.group + row, d] = out.to(cutlass.BFloat16)
+        if d == 0:
+            mLse[t, h * self.group + row] = lse_nat

@@ -1,0 +1,232 @@
+"""Compile driver: one registry from arch to kernel class, one compile path, one cache.
+
+`compile_sparse_decode(config, out_dir)` traces the CuTe DSL kernel against fake tensors
+(symbolic T / pages / batch, so they stay out of the key), for the arch named in the
+config (no GPU needed), exports it through the TVM-FFI calling convention and links a
+shared object. `get_sparse_decode_kernel(config)` resolves it through the disk cache and
+loads it with the runtime only.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import logging
+import os
+import shutil
+import subprocess
+import time
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Callable
+
+from . import cache as _cache
+from . import env
+from .geometry import SparseDecodeConfig
+from .loader import load_artifact
+
+log = logging.getLogger("msa_jit")
+
+ARTIFACT_NAME = "sparse_decode.so"
+COMPILE_OPTIONS = "--enable-tvm-ffi"
+
+
+def kernels_package():
+    """The `msa_jit.kernels` package: the wheel's, or kernels/ of a source checkout on PYTHONPATH."""
+    import importlib.util
+    import sys
+
+    try:
+        import msa_jit.kernels as pkg
+
+        return pkg
+    except ImportError:
+        src = Path(__file__).resolve().parent.parent / "kernels"
+        if not (src / "__init__.py").is_file():
+            raise ImportError("msa_jit.kernels is not importable: reinstall msa-jit") from None
+        spec = importlib.util.spec_from_file_location(
+            "msa_jit.kernels", src / "__init__.py", submodule_search_locations=[str(src)]
+        )
+        pkg = importlib.util.module_from_spec(spec)
+        sys.modules["msa_jit.kernels"] = pkg
+        spec.loader.exec_module(pkg)
+        return pkg
+
+
+def kernels_dir() -> Path:
+    """Where the kernel sources live (their content is part of every cache key)."""
+    return Path(list(kernels_package().__path__)[0])
+
+
+# arch family -> (module in msa_jit.kernels, class name). The portable mma.sync kernel
+# serves every arch; arch-specialized kernels register here and must beat it to be chosen.
+KERNEL_REGISTRY: dict[str, tuple[str, str]] = {
+    "portable": ("sparse_decode_mma", "SparseDecodeMmaKernel"),
+}
+
+
+def kernel_family(config: SparseDecodeConfig) -> str:
+    """Which registered kernel serves this config (see KERNEL_REGISTRY)."""
+    if config.arch.startswith("sm_100") and env.enable_sm100_umma() and "sm100" in KERNEL_REGISTRY:
+        return "sm100"
+    return "portable"
+
+
+def _dist_version(*names: str) -> str:
+    for name in names:
+        try:
+            return md.version(name)
+        except md.PackageNotFoundError:
+            continue
+    return "unknown"
+
+
+def dsl_version() -> str:
+    """The CuTe DSL version: package metadata (compiler or runtime libs), else MSA_JIT_DSL_VERSION.
+
+    A runtime-only host (just libcute_dsl_runtime.so, no metadata) must say it explicitly:
+    guessing would let artifacts of another DSL version load against this runtime.
+    """
+    found = _dist_version(
+        "nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-cu13", "nvidia-cutlass-dsl-libs-cu12", "nvidia-cutlass-dsl-libs-base"
+    )
+    if found != "unknown":
+        return found
+    return env.dsl_version_override() or "unknown"
+
+
+def kernel_sources() -> list[Path]:
+    return sorted(kernels_dir().glob("*.py"))
+
+
+@lru_cache(maxsize=None)
+def _sources_hash() -> str:
+    return _cache.source_fingerprint(kernel_sources())
+
+
+def fingerprint(config: SparseDecodeConfig) -> dict[str, str]:
+    """What, besides the config, decides the artifact's bytes (never Python/torch versions)."""
+    return {
+        "kernel_sources": _sources_hash(),
+        "kernel_family": kernel_family(config),
+        "cutlass_dsl": dsl_version(),
+        "tvm_ffi": _dist_version("apache-tvm-ffi"),
+        "msa_jit_abi": "1",
+        "compile_options": COMPILE_OPTIONS,
+    }
+
+
+def cache_key(config: SparseDecodeConfig) -> str:
+    return _cache.make_key(config.to_dict(), fingerprint(config))
+
+
+def _kernel_class(family: str):
+    import importlib
+
+    module_name, class_name = KERNEL_REGISTRY[family]
+    kernels_package()
+    module = importlib.import_module(f"msa_jit.kernels.{module_name}")
+    return getattr(module, class_name)
+
+
+def fake_arguments(config: SparseDecodeConfig) -> list[Any]:
+    """Fake tensors and scalars in the calling convention of docs/design.md."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
+
+    hq, hkv, d, g = config.num_q_heads, config.num_kv_heads, config.head_dim, config.group_size
+    tokens, pages, batch, max_blocks, rows = (cute.sym_int32() for _ in range(5))
+    q_dtype = cutlass.Uint8 if config.q_dtype == "float8_e4m3fn" else cutlass.BFloat16
+    return [
+        make_fake_tensor(q_dtype, (tokens, hq, d), stride=(cute.sym_int32(divisibility=16), d, 1), assumed_align=16),
+        make_fake_compact_tensor(cutlass.Uint8, (pages, hkv, config.page_size, 2 * d), stride_order=(3, 2, 1, 0), assumed_align=16),
+        make_fake_tensor(Int32, (tokens, hkv, config.topk), stride=(cute.sym_int32(), cute.sym_int32(), 1)),
+        make_fake_tensor(Int32, (batch, max_blocks), stride=(cute.sym_int32(), 1)),
+        make_fake_compact_tensor(Int32, (tokens,)),
+        make_fake_compact_tensor(cutlass.BFloat16, (tokens, hq, d), stride_order=(2, 1, 0), assumed_align=16),
+        make_fake_compact_tensor(Float32, (tokens, hq), stride_order=(1, 0)),
+        make_fake_compact_tensor(Float32, (rows, g, d), stride_order=(2, 1, 0), assumed_align=16),
+        make_fake_compact_tensor(Float32, (rows, g), stride_order=(1, 0)),
+        Int32(1),
+        Int32(1),
+        Float32(1.0),
+        Float32(1.0),
+        make_fake_stream(use_tvm_ffi_env_stream=True),
+    ]
+
+
+def _linker() -> str:
+    for cand in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if cand and shutil.which(cand):
+            return cand
+    raise RuntimeError("no C compiler/linker (cc, gcc or clang) found to link the exported kernel; set CC")
+
+
+def compile_sparse_decode(config: SparseDecodeConfig, out_dir: str | os.PathLike) -> dict[str, Any]:
+    """Compile + export + link one geometry into out_dir/sparse_decode.so. Needs the DSL, not a GPU."""
+    from .geometry import check_config
+
+    reason = check_config(config)
+    if reason:
+        raise ValueError(f"cannot compile {config}: {reason}")
+    import cutlass.cute as cute
+
+    out_dir = Path(out_dir)
+    family = kernel_family(config)
+    kernel = _kernel_class(family)(
+        num_q_heads=config.num_q_heads,
+        num_kv_heads=config.num_kv_heads,
+        page_size=config.page_size,
+        topk=config.topk,
+        q_dtype=config.q_dtype,
+    )
+    t0 = time.perf_counter()
+    compiled = cute.compile(kernel, *fake_arguments(config), options=f"{COMPILE_OPTIONS} --gpu-arch {config.arch}")
+    t_compile = time.perf_counter() - t0
+    obj = out_dir / "sparse_decode.o"
+    compiled.export_to_c(str(obj), function_name="sparse_decode")
+    libs = cute.runtime.find_runtime_libraries(enable_tvm_ffi=True)
+    so = out_dir / ARTIFACT_NAME
+    proc = subprocess.run([_linker(), "-shared", "-o", str(so), str(obj), *libs], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"linking {so.name} failed:\n{proc.stderr}")
+    obj.unlink()
+    seconds = time.perf_counter() - t0
+    log.info("msa-jit compiled %s for %s in %.2fs (%s)", config.describe(), config.arch, seconds, out_dir)
+    return {
+        "artifacts": [ARTIFACT_NAME],
+        "extra": {"kernel_family": family, "compile_s": round(t_compile, 3), "total_s": round(seconds, 3)},
+    }
+
+
+def ensure_compiled(config: SparseDecodeConfig, cache: _cache.ArtifactCache | None = None) -> tuple[_cache.CacheEntry, bool]:
+    """The cache entry for config, compiling on a miss (or failing fast in no-compile mode)."""
+    cache = cache or _cache.default_cache()
+    return cache.get_or_build(
+        cache_key(config),
+        lambda tmp: compile_sparse_decode(config, tmp),
+        config=config.to_dict(),
+        fingerprint=fingerprint(config),
+        describe=f"{config.describe()} for {config.arch}",
+        warmup_hint=warmup_command(config),
+    )
+
+
+def warmup_command(config: SparseDecodeConfig) -> str:
+    """The `msa-jit warmup` line that builds exactly this config (used in error messages)."""
+    q = {"bfloat16": "bf16", "float8_e4m3fn": "fp8"}.get(config.q_dtype, config.q_dtype)
+    cmd = (f"msa-jit warmup --heads {config.num_q_heads}/{config.num_kv_heads} --q-dtype {q} "
+           f"--arch {config.arch} --page-size {config.page_size} --topk {config.topk}")
+    if dsl_version() == "unknown":
+        cmd += (f"\n    (this host has no CuTe DSL package metadata: set {env.DSL_VERSION} to the "
+                "DSL version the cache was warmed with, e.g. 4.8.1)")
+    return cmd
+
+
+def get_sparse_decode_kernel(config: SparseDecodeConfig) -> Callable:
+    """A callable taking the calling-convention arguments (docs/design.md), loaded runtime-only."""
+    entry, _ = ensure_compiled(config)
+    fn, seconds = load_artifact(entry.artifact_path(ARTIFACT_NAME))
+    log.debug("msa-jit loaded %s in %.1f ms", entry.path, seconds * 1e3)
+    return fn
