@@ -1,0 +1,302 @@
+"""`msa-jit bench`: the performance grid, measured as METHOD.md says.
+
+Every point is timed by CUDA-graph replay of one decode step (prologue + kernel (+ merge)),
+with L2 flushed before each replay and the median taken; every bandwidth is also given as
+a ratio to a 2 GiB device-to-device copy measured in the same run (bytes read + written
+over time). Effective bandwidth = KV bytes the step must read / step time.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+GEOMETRIES = {"64/4": (64, 4), "32/2": (32, 2), "16/1": (16, 1), "8/1": (8, 1)}
+BLOCK_BYTES = 128 * 256  # one (page, KV head) chunk: 128 tokens x (K 128 B + V 128 B)
+
+
+@dataclass
+class BenchPoint:
+    geometry: str
+    q_dtype: str
+    batch: int
+    qlen: int
+    shared_blocks: int  # blocks consecutive tokens of a request share (0: independent draws)
+    num_splits: int
+    us: float  # median step time (graph replay), microseconds
+    us_p10: float
+    us_p90: float
+    kv_bytes: int  # distinct KV bytes the step must read
+    logical_bytes: int  # bytes a per-token kernel would read
+    tbps: float  # effective TB/s = kv_bytes / time
+    logical_tbps: float
+    pct_of_copy: float  # tbps / copy bandwidth
+
+
+def _sync():
+    import torch
+
+    torch.cuda.synchronize()
+
+
+def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20) -> float:
+    """Device-to-device copy, bytes read + written per second (median of iters)."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        dst.copy_(src)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) * 1e-3)
+    del src, dst
+    return 2 * nbytes / statistics.median(times)
+
+
+def make_step(hq: int, hkv: int, batch: int, qlen: int, q_dtype: str, *, ctx_len: int = 16384,
+              shared_blocks: int = 0, topk: int = 16, seed: int = 0) -> dict[str, Any]:
+    """Random decode step where every (token, KV head) selects `topk` full blocks."""
+    import torch
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    page = 128
+    nblk = ctx_len // page
+    pages = batch * nblk
+    cg = torch.Generator(device="cuda").manual_seed(seed)
+    kv = (torch.randn(pages, hkv, page, 256, generator=cg, device="cuda") * 0.5).to(torch.float8_e4m3fn)
+    perm = torch.randperm(pages, generator=g).to(torch.int32)
+    block_table = perm.view(batch, nblk).cuda()
+    seq_lens = torch.full((batch,), ctx_len, dtype=torch.int32)
+    T = batch * qlen
+    sel = torch.empty(T, hkv, topk, dtype=torch.int32)
+
+    def pick(k: int, exclude=()) -> list[int]:  # k distinct blocks, never the last (added below)
+        return [b for b in torch.randperm(nblk - 1, generator=g).tolist() if b not in exclude][:k]
+
+    for r in range(batch):
+        for h in range(hkv):
+            first = pick(topk - 1)
+            keep = first[: max(shared_blocks - 1, 0)]
+            for j in range(qlen):
+                if not shared_blocks:
+                    cur = pick(topk - 1)
+                elif j == 0:
+                    cur = first
+                else:  # shares `shared_blocks` blocks (the last one included) with token 0
+                    cur = keep + pick(topk - 1 - len(keep), exclude=set(keep))
+                sel[r * qlen + j, h] = torch.tensor(sorted(cur + [nblk - 1]), dtype=torch.int32)
+    qdt = torch.bfloat16 if q_dtype == "bfloat16" else torch.float8_e4m3fn
+    query = torch.randn(T, hq, 128, generator=cg, device="cuda").to(qdt)
+    distinct = 0
+    for r in range(batch):
+        for h in range(hkv):
+            distinct += len(set(sel[r * qlen : (r + 1) * qlen, h].flatten().tolist()))
+    return {
+        "query": query, "kv_cache": kv, "topk": sel.cuda(), "block_table": block_table,
+        "seq_lens": seq_lens.cuda(), "seq_lens_cpu": seq_lens, "out": torch.empty(T, hq, 128, dtype=torch.bfloat16, device="cuda"),
+        "kv_bytes": distinct * BLOCK_BYTES, "logical_bytes": T * hkv * topk * BLOCK_BYTES,
+    }
+
+
+def time_graph(fn, iters: int = 50, flush_bytes: int = 256 << 20) -> list[float]:
+    """Capture fn once in a CUDA graph; time `iters` replays, L2 flushed before each."""
+    import torch
+
+    flush = torch.empty(flush_bytes, dtype=torch.uint8, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    _sync()
+    times = []
+    for _ in range(iters):
+        flush.zero_()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        graph.replay()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) * 1e3)  # microseconds
+    return times
+
+
+def bench_point(geometry: str, batch: int, qlen: int, q_dtype: str, copy_bw: float, *,
+                shared_blocks: int = 0, iters: int = 50) -> BenchPoint:
+    from . import SparseDecodePlanner, sparse_decode
+
+    hq, hkv = GEOMETRIES[geometry]
+    step = make_step(hq, hkv, batch, qlen, q_dtype, shared_blocks=shared_blocks)
+    planner = SparseDecodePlanner()
+    sm_scale = 1.0 / math.sqrt(128)
+
+    def run():
+        plan = planner.prepare(step["block_table"], step["seq_lens"], step["seq_lens_cpu"], qlen,
+                               num_q_heads=hq, num_kv_heads=hkv, page_size=128, topk_blocks=16)
+        sparse_decode(step["query"], step["kv_cache"], step["topk"], step["out"], plan, sm_scale=sm_scale)
+        return plan
+
+    plan = run()
+    times = sorted(time_graph(run, iters=iters))
+    med = statistics.median(times)
+    tbps = step["kv_bytes"] / (med * 1e-6) / 1e12
+    return BenchPoint(
+        geometry, q_dtype, batch, qlen, shared_blocks, plan.num_splits, round(med, 2),
+        round(times[len(times) // 10], 2), round(times[(9 * len(times)) // 10], 2),
+        step["kv_bytes"], step["logical_bytes"], round(tbps, 3),
+        round(step["logical_bytes"] / (med * 1e-6) / 1e12, 3), round(100 * tbps * 1e12 / copy_bw, 1),
+    )
+
+
+def host_overheads(iters: int = 2000) -> dict[str, float]:
+    """CPU cost of a cached prepare (no sync) and of an eager op call beyond its GPU time."""
+    import torch
+
+    from . import SparseDecodePlanner, sparse_decode
+
+    step = make_step(64, 4, 1, 1, "bfloat16")
+    planner = SparseDecodePlanner()
+    args = (step["block_table"], step["seq_lens"], step["seq_lens_cpu"], 1)
+    kw = dict(num_q_heads=64, num_kv_heads=4, page_size=128, topk_blocks=16)
+    plan = planner.prepare(*args, **kw)
+    sparse_decode(step["query"], step["kv_cache"], step["topk"], step["out"], plan, sm_scale=0.088)
+    _sync()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        planner.prepare(*args, **kw)
+    prep_us = (time.perf_counter() - t0) / iters * 1e6
+    _sync()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        sparse_decode(step["query"], step["kv_cache"], step["topk"], step["out"], plan, sm_scale=0.088)
+    op_us = (time.perf_counter() - t0) / iters * 1e6
+    _sync()
+    t0 = time.perf_counter()
+    for _ in range(200):
+        planner.prepare(*args, **kw)
+        sparse_decode(step["query"], step["kv_cache"], step["topk"], step["out"], plan, sm_scale=0.088)
+        torch.cuda.synchronize()
+    eager_us = (time.perf_counter() - t0) / 200 * 1e6
+    gpu_us = statistics.median(time_graph(lambda: (planner.prepare(*args, **kw), sparse_decode(
+        step["query"], step["kv_cache"], step["topk"], step["out"], plan, sm_scale=0.088)), iters=50))
+    return {"prepare_cpu_us": round(prep_us, 2), "op_call_cpu_us": round(op_us, 2),
+            "eager_step_wall_us": round(eager_us, 2), "graph_step_gpu_us": round(gpu_us, 2),
+            "eager_overhead_us": round(eager_us - gpu_us, 2)}
+
+
+def environment() -> dict[str, str]:
+    import torch
+
+    from .compiler import dsl_version
+
+    return {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
+        "torch": torch.__version__,
+        "cuda": str(torch.version.cuda),
+        "python": platform.python_version(),
+        "cutlass_dsl": dsl_version(),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["msa-jit"] + sys.argv[1:]) if sys.argv and sys.argv[0].endswith("msa-jit") else " ".join(sys.argv),
+    }
+
+
+def run_grid(geometries=("64/4", "16/1", "8/1"), batches=(1, 4, 16, 64, 256), qlens=(1, 4),
+             q_dtype="bfloat16", shared=True, iters: int = 50, log=print) -> dict[str, Any]:
+    copy_bw = copy_bandwidth()
+    log(f"copy bandwidth: {copy_bw / 1e12:.3f} TB/s (read + write)")
+    points = []
+    for geo in geometries:
+        for qlen in qlens:
+            for b in batches:
+                p = bench_point(geo, b, qlen, q_dtype, copy_bw, iters=iters)
+                points.append(p)
+                log(f"{geo:>5} q{qlen} B{b:<4} S{p.num_splits:<2} {p.us:8.2f} us {p.tbps:6.3f} TB/s {p.pct_of_copy:5.1f}% of copy")
+    if shared:
+        for b in (1, 16, 64):
+            p = bench_point("64/4", b, 4, q_dtype, copy_bw, shared_blocks=12, iters=iters)
+            points.append(p)
+            log(f"shared12 64/4 q4 B{b:<4} {p.us:8.2f} us logical {p.logical_tbps:6.3f} TB/s")
+    return {"environment": environment(), "copy_tbps": round(copy_bw / 1e12, 4),
+            "host": host_overheads(), "points": [asdict(p) for p in points]}
+
+
+def plot(result: dict[str, Any], path: str | Path) -> None:
+    """Effective TB/s and % of copy against batch, one line per geometry x qlen; copy = ceiling."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    series: dict[tuple, list] = {}
+    for p in result["points"]:
+        if p["shared_blocks"]:
+            continue
+        series.setdefault((p["geometry"], p["qlen"], p["q_dtype"]), []).append((p["batch"], p["tbps"]))
+    for (geo, qlen, qd), pts in sorted(series.items()):
+        pts.sort()
+        ax.plot([b for b, _ in pts], [t for _, t in pts], marker="o", label=f"{geo} qlen={qlen} {qd}")
+    copy = result["copy_tbps"]
+    ax.axhline(copy, color="k", ls="--", label=f"D2D copy {copy:.2f} TB/s")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch (requests)")
+    ax.set_ylabel("effective TB/s (KV bytes / step time)")
+    sec = ax.secondary_yaxis("right", functions=(lambda y: 100 * y / copy, lambda p: p * copy / 100))
+    sec.set_ylabel("% of copy bandwidth")
+    env = result["environment"]
+    ax.set_title(f"MSA sparse decode, {env['device']}, {env['date'][:10]}")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def regressions(result: dict[str, Any], baseline: dict[str, Any], slack: float = 1.05) -> list[str]:
+    """Points slower than the same point of a previous result file by more than `slack`."""
+    def key(p):
+        return (p["geometry"], p["q_dtype"], p["batch"], p["qlen"], p["shared_blocks"])
+
+    old = {key(p): p for p in baseline.get("points", [])}
+    out = []
+    for p in result["points"]:
+        o = old.get(key(p))
+        if o and p["us"] > o["us"] * slack:
+            out.append(f"{key(p)}: {p['us']} us vs {o['us']} us before")
+    return out
+
+
+def main(out_dir: str, baseline: str | None = None, **kw) -> dict[str, Any]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    result = run_grid(**kw)
+    if baseline:
+        result["baseline"] = str(baseline)
+        result["regressions"] = regressions(result, json.loads(Path(baseline).read_text()))
+        for line in result["regressions"]:
+            print("REGRESSION", line)
+    stamp = result["environment"]["date"][:10]
+    (out / f"bench-{stamp}.json").write_text(json.dumps(result, indent=1))
+    try:
+        plot(result, out / f"bench-{stamp}.png")
+    except ImportError:
+        print("matplotlib missing: no plot written")
+    return result

@@ -1,0 +1,24 @@
+"""Run under `compute-sanitizer --tool memcheck`: adversarial topk and block tables.
+
+-1 in the middle of topk rows, indices past the request's blocks, duplicates, garbage past
+nvalid, and block-table entries past each request's blocks full of out-of-range pages; both
+the single-CTA and the split-KV (merge) paths, both query dtypes.
+"""
+
+import sys
+
+import torch
+
+import msa_jit
+from helpers import make_case
+
+for q_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+    for num_sms in (1, 100000):
+        case = make_case(3, 4, 16, 1, q_dtype=q_dtype, seed=3, device="cuda", adversarial=True, padded=True)
+        out, lse = case.new_out(), case.new_lse()
+        plan = msa_jit.SparseDecodePlanner(num_sms=num_sms).prepare(*case.prepare_args(), **case.prepare_kwargs())
+        msa_jit.sparse_decode(case.query, case.kv_cache, case.topk, out, plan, lse=lse, backend="kernel", **case.scales())
+        torch.cuda.synchronize()
+        assert not out.isnan().any() and not lse.isnan().any()
+        print(f"memcheck case q={q_dtype} splits={plan.num_splits} ok")
+sys.exit(0)
