@@ -1,0 +1,321 @@
+"""The `msa-jit` command: warmup / cache / doctor / inspect parsing and output (no GPU needed).
+
+One real compile (8/1 bf16 sm_90a) is shared by the module through the `warm` fixture;
+tests that modify a cache work on a copy of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from msa_jit import cache, cli, env, warmup
+from msa_jit.geometry import SparseDecodeConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+WARM_ARGS = ["--heads", "8/1", "--q-dtype", "bf16", "--arch", "sm_90a"]
+
+
+@pytest.fixture(autouse=True)
+def _isolated(monkeypatch, tmp_path):
+    for name in env.VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    systmp = tmp_path / "systmp"
+    systmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(systmp))
+    cache.reset_stats()
+    logger = logging.getLogger("msa_jit")  # main() configures it: restore it for other tests
+    level, handlers = logger.level, list(logger.handlers)
+    yield
+    logger.setLevel(level)
+    logger.handlers[:] = handlers
+
+
+def run_main(argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = cli.main(argv)
+    return rc, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def warm(tmp_path_factory) -> dict:
+    """`msa-jit warmup` of 8/1 bf16 sm_90a into a fresh cache (one real compile, in a worker)."""
+    d = tmp_path_factory.mktemp("cli-warm")
+    root, js = d / "cache", d / "warm.json"
+    with pytest.MonkeyPatch.context() as mp:  # runs before the function-scoped isolation
+        for name in env.VARIABLES:
+            mp.delenv(name, raising=False)
+        rc, out, err = run_main(["warmup", *WARM_ARGS, "--cache-dir", str(root), "--json", str(js)])
+    return {"root": root, "rc": rc, "out": out, "err": err, "json": json.loads(js.read_text()) if js.exists() else None}
+
+
+def copy_of(warm: dict, tmp_path: Path) -> Path:
+    dst = tmp_path / "cache"
+    shutil.copytree(warm["root"], dst, ignore=shutil.ignore_patterns("locks", "tmp"))
+    return dst
+
+
+# ----------------------------------------------------------------------------- warmup
+@pytest.mark.slow
+def test_warmup_compiles_and_reports(warm):
+    assert warm["rc"] == 0, warm["out"] + warm["err"]
+    lines = warm["out"].splitlines()
+    assert lines[0].split() == ["geometry", "q", "dtype", "arch", "status", "seconds", "artifact"]
+    row = lines[2].split()
+    assert row[:4] == ["8/1", "bf16", "sm_90a", "compiled"] and Path(row[5]).is_file()
+    assert lines[-1] == "1 compiled, 0 cached, 0 failed"
+    assert "[1/1] 8/1 bf16 sm_90a: compiled" in warm["err"]  # not a TTY: one line per item
+    doc = warm["json"]
+    assert doc["compiled"] == 1 and doc["cached"] == 0 and doc["failed"] == 0
+    r = doc["rows"][0]
+    assert (r["num_q_heads"], r["num_kv_heads"], r["q_dtype"], r["arch"], r["status"]) == (
+        8, 1, "bfloat16", "sm_90a", "compiled")
+    assert r["artifact"].startswith(str(warm["root"])) and r["seconds"] > 0 and len(r["key"]) == 64
+
+
+@pytest.mark.slow
+def test_warmup_again_is_cached_and_quiet(warm, tmp_path):
+    js = tmp_path / "again.json"
+    rc, out, err = run_main(["warmup", *WARM_ARGS, "--cache-dir", str(warm["root"]), "--json", str(js), "--quiet"])
+    assert rc == 0 and out.splitlines()[-1] == "0 compiled, 1 cached, 0 failed"
+    assert "[1/1]" not in err
+    assert json.loads(js.read_text())["rows"][0]["status"] == "cached"
+
+
+def ns(**kw) -> argparse.Namespace:
+    base = dict(preset=None, heads=None, q_dtype=None, arch=None, page_size=128, topk=16)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def test_geometry_flags(monkeypatch):
+    assert warmup.parse_heads(" 64/4") == (64, 4)
+    assert [warmup.parse_q_dtype(x) for x in ("bf16", "FP8", "bfloat16")] == ["bfloat16", "float8_e4m3fn", "bfloat16"]
+    assert [warmup.normalize_arch(a) for a in ("sm_100a", "sm90a", "100a", "10.0a")] == [
+        "sm_100a", "sm_90a", "sm_100a", "sm_100a"]
+    for bad in (lambda: warmup.parse_heads("64:4"), lambda: warmup.parse_q_dtype("fp16"),
+                lambda: warmup.normalize_arch("hopper")):
+        with pytest.raises(ValueError):
+            bad()
+    cfgs = warmup.configs_from_args(ns(heads=["64/4,16/1"], q_dtype=["bf16,fp8"], arch=["sm_90a,sm_100a"], topk=8))
+    assert len(cfgs) == 8 and all(c.topk == 8 for c in cfgs)
+    assert SparseDecodeConfig(16, 1, topk=8, q_dtype="float8_e4m3fn", arch="sm_100a") in cfgs
+    # --preset minimax-m3: 4 head layouts x bf16,fp8 x archs; explicit flags replace the preset's
+    assert len(warmup.configs_from_args(ns(preset="minimax-m3", arch=["sm_100a"]))) == 8
+    only = warmup.configs_from_args(ns(preset="minimax-m3", arch=["sm_90a"], q_dtype=["fp8"]))
+    assert len(only) == 4 and {c.q_dtype for c in only} == {"float8_e4m3fn"}
+    with pytest.raises(ValueError, match="--heads"):
+        warmup.configs_from_args(ns())
+    with pytest.raises(ValueError, match="multiple"):
+        warmup.configs_from_args(ns(heads=["64/3"], arch=["sm_90a"]))
+
+
+def test_default_arch(monkeypatch):
+    monkeypatch.setattr(warmup, "local_gpu_arch", lambda: None)
+    assert warmup.default_arches() == ["sm_90a", "sm_100a"]
+    assert {c.arch for c in warmup.configs_from_args(ns(heads=["8/1"], q_dtype=["bf16"]))} == {"sm_90a", "sm_100a"}
+    monkeypatch.setattr(warmup, "local_gpu_arch", lambda: "sm_100a")
+    assert warmup.default_arches() == ["sm_100a"]
+    monkeypatch.setenv("MSA_JIT_ARCH", "9.0a")
+    assert warmup.default_arches() == ["sm_90a"]
+    assert [c.arch for c in warmup.configs_from_args(ns(heads=["8/1"], arch=["sm_100a"]))] == ["sm_100a"] * 2
+
+
+def test_warmup_bad_geometry_exits_2():
+    rc, out, err = run_main(["warmup", "--heads", "12/5", "--arch", "sm_90a", "--quiet"])
+    assert rc == 2 and "multiple of num_kv_heads" in err and out == ""
+
+
+def test_failed_rows_exit_1(monkeypatch, tmp_path):
+    monkeypatch.setenv("MSA_JIT_NO_COMPILE", "1")
+    monkeypatch.setenv("MSA_JIT_CACHE_DIR", str(tmp_path / "empty"))
+    cfg = SparseDecodeConfig(8, 1, arch="sm_90a")
+    res = warmup.compile_one(cfg.to_dict())  # what a worker returns
+    assert res["status"] == "failed" and "ArtifactMissingError" in res["error"] and "msa-jit warmup" in res["error"]
+
+    def fake_run(configs, **kw):
+        rows = [warmup.WarmupRow(c) for c in configs]
+        rows[0].status, rows[0].error = "failed", res["error"]
+        return rows
+
+    monkeypatch.setattr(warmup, "run_warmup", fake_run)
+    js = tmp_path / "f.json"
+    rc, out, _ = run_main(["warmup", *WARM_ARGS, "--json", str(js)])
+    assert rc == 1 and "0 compiled, 0 cached, 1 failed" in out and "FAILED 8/1 bf16 sm_90a: ArtifactMissingError" in out
+    assert json.loads(js.read_text())["rows"][0]["error"].startswith("ArtifactMissingError")
+
+
+def test_progress_bar_on_a_tty(monkeypatch):
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    fake = Tty()
+    monkeypatch.setattr(sys, "stderr", fake)
+    advance, close = warmup._progress(2, quiet=False)
+    row = warmup.WarmupRow(SparseDecodeConfig(8, 1), status="cached")
+    advance(row)
+    advance(row)
+    close()
+    assert "msa-jit warmup" in fake.getvalue() and "2/2" in fake.getvalue() and "[1/2]" not in fake.getvalue()
+    monkeypatch.setattr(sys, "stderr", Tty())
+    advance, close = warmup._progress(1, quiet=True)
+    advance(row)
+    close()
+    assert sys.stderr.getvalue() == ""
+
+
+def test_logging_follows_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("MSA_JIT_LOG_LEVEL", "info")
+    run_main(["cache", "info", "--cache-dir", str(tmp_path / "c")])
+    logger = logging.getLogger("msa_jit")
+    assert logger.level == logging.INFO
+    assert sum(getattr(h, "_msa_jit_cli_handler", False) for h in logger.handlers) == 1
+    monkeypatch.setenv("MSA_JIT_LOG_LEVEL", "chatty")
+    rc, _, err = run_main(["cache", "info", "--cache-dir", str(tmp_path / "c")])
+    assert rc == 0 and "MSA_JIT_LOG_LEVEL" in err and logger.level == logging.WARNING
+
+
+# ----------------------------------------------------------------------------- cache
+@pytest.mark.slow
+def test_cache_list_and_info(warm, tmp_path):
+    root = copy_of(warm, tmp_path)
+    rc, out, _ = run_main(["cache", "list", "--cache-dir", str(root)])
+    key = warm["json"]["rows"][0]["key"]
+    assert rc == 0 and out.splitlines()[0].split()[:5] == ["key", "geometry", "arch", "q", "dtype"]
+    row = out.splitlines()[2].split()
+    assert row[:5] == [key[:12], "8/1", "sm_90a", "bf16", compiler_dsl_version()]
+    assert "1 entries in" in out
+    rc, out, _ = run_main(["cache", "list", "--json", "--cache-dir", str(root)])
+    (entry,) = json.loads(out)
+    assert entry["key"] == key and entry["size"] > 0 and entry["created"] and entry["last_used"]
+    rc, out, _ = run_main(["cache", "info", "--cache-dir", str(root)])
+    assert rc == 0 and str(root) in out and "entries:        1" in out and "cap:" in out and "fallback:       none" in out
+    rc, out, _ = run_main(["cache", "info", "--json", "--cache-dir", str(root)])
+    info = json.loads(out)
+    assert info["entries"] == 1 and info["cap_bytes"] == env.cache_max_bytes() and info["fallback_reason"] is None
+
+
+def compiler_dsl_version() -> str:
+    from msa_jit import compiler
+
+    return compiler.dsl_version()
+
+
+@pytest.mark.slow
+def test_cache_verify_prune_clear(warm, tmp_path):
+    root = copy_of(warm, tmp_path)
+    rc, out, _ = run_main(["cache", "verify", "--cache-dir", str(root)])
+    assert rc == 0 and "1 ok, 0 bad" in out
+    so = Path(warm["json"]["rows"][0]["artifact"].replace(str(warm["root"]), str(root)))
+    data = bytearray(so.read_bytes())
+    data[100] ^= 1
+    so.write_bytes(bytes(data))
+    rc, out, _ = run_main(["cache", "verify", "--cache-dir", str(root)])
+    assert rc == 1 and "BAD" in out and "sha256" in out and so.exists()
+    rc, out, _ = run_main(["cache", "verify", "--remove", "--cache-dir", str(root)])
+    assert rc == 1 and "(removed)" in out and not so.exists()
+    assert run_main(["cache", "verify", "--cache-dir", str(root)])[0] == 0
+
+    root2 = copy_of(warm, tmp_path / "b")
+    rc, out, _ = run_main(["cache", "prune", "--cache-dir", str(root2)])  # default cap: 2 GiB
+    assert rc == 0 and "pruned 0 path(s)" in out
+    rc, out, _ = run_main(["cache", "prune", "--max-bytes", "0", "--cache-dir", str(root2)])
+    assert rc == 0 and "pruned 1 path(s)" in out and cache.ArtifactCache(root2).entries() == []
+
+    root3 = copy_of(warm, tmp_path / "c")
+    rc, out, err = run_main(["cache", "clear", "--cache-dir", str(root3)])
+    assert rc == 2 and "--yes" in err and len(cache.ArtifactCache(root3).entries()) == 1
+    rc, out, _ = run_main(["cache", "clear", "--yes", "--cache-dir", str(root3)])
+    assert rc == 0 and "cleared 1 path(s)" in out and cache.ArtifactCache(root3).entries() == []
+
+
+def test_parse_size():
+    assert [cli.parse_size(s) for s in ("0", "1024", "512M", "2G", "2GiB", "1.5k")] == [
+        0, 1024, 512 << 20, 2 << 30, 2 << 30, 1536]
+    with pytest.raises(argparse.ArgumentTypeError):
+        cli.parse_size("lots")
+
+
+# ----------------------------------------------------------------------------- doctor
+@pytest.mark.slow
+def test_doctor_without_gpu(warm, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("MSA_JIT_ARCH", "sm_90a")
+    monkeypatch.setenv("MSA_JIT_LOCK_TIMEOUT", "soon")  # invalid values are shown, not raised
+    rc, out, _ = run_main(["doctor", "--cache-dir", str(warm["root"])])
+    assert rc == 0
+    assert "no CUDA GPU" in out
+    assert "portable mma.sync kernel compiled for sm_100a is the default" in out
+    assert "MSA_JIT_ENABLE_SM100_UMMA=1" in out
+    for name in env.VARIABLES:
+        assert name in out
+    assert "MSA_JIT_LOCK_TIMEOUT='soon'  INVALID" in out
+    assert "cute-dsl" in out and "libcute_dsl_runtime.so: /" in out and "DSL compiler (cutlass): importable" in out
+    assert "8/1   bf16 sm_90a   ready" in out and "1/8 ready" in out and "sm_100a" not in out.split("readiness")[1].split("Kernel")[0]
+    rc, out, _ = run_main(["doctor", "--json", "--cache-dir", str(warm["root"])])
+    rep = json.loads(out)
+    assert rc == 0 and rep["gpu"]["available"] is False and rep["target_arches"] == ["sm_90a"]
+    assert rep["kernel_selection"]["families"] == {"sm_90a": "portable"}
+    assert sum(r["ready"] for r in rep["presets"]) == 1 and rep["cache"]["entries"] == 1
+
+
+def test_doctor_survives_broken_probes(monkeypatch):
+    from msa_jit import doctor
+
+    def boom():
+        raise RuntimeError("probe exploded")
+
+    monkeypatch.setattr(doctor, "probe_versions", boom)
+    monkeypatch.setattr(doctor, "probe_toolchain", boom)
+    rc, out, _ = run_main(["doctor"])
+    assert rc == 0 and out.count("probe failed: RuntimeError: probe exploded") == 2
+
+
+@pytest.mark.slow
+def test_doctor_process_never_imports_cutlass(tmp_path):
+    code = ("import sys; from msa_jit.cli import main; rc = main(['doctor', '--json']); "
+            "assert rc == 0 and 'cutlass' not in sys.modules, sorted(m for m in sys.modules if 'cutlass' in m)")
+    e = {k: v for k, v in os.environ.items() if not k.startswith("MSA_JIT_")}
+    e.update(MSA_JIT_CACHE_DIR=str(tmp_path / "c"), MSA_JIT_ENABLE_SM100_UMMA="1",
+             PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, timeout=300)
+    assert p.returncode == 0, p.stderr
+    rep = json.loads(p.stdout)
+    assert rep["kernel_selection"]["enable_sm100_umma"] is True
+    # no SM100-specialized kernel is registered, so sm_100a still gets the portable one
+    assert rep["kernel_selection"]["families"].get("sm_100a", "portable") == "portable"
+
+
+# ----------------------------------------------------------------------------- inspect
+@pytest.mark.slow
+def test_inspect_one_geometry(warm, tmp_path, monkeypatch):
+    js = tmp_path / "inspect.json"
+    rc, out, _ = run_main(["inspect", *WARM_ARGS, "--cache-dir", str(warm["root"]), "--json", str(js), "-q"])
+    assert rc == 0, out
+    assert out.splitlines()[0].split() == ["geometry", "q", "arch", "kernel", "sm", "regs", "smem", "LDL/STL", "MMA"]
+    assert "HMMA:" in out and "0 with local-memory ops" in out
+    kernels = json.loads(js.read_text())["kernels"]
+    assert kernels and all(k["sm"] == 90 and k["local_ops"] == 0 and k["registers"] > 0 for k in kernels)
+    assert any(k["mma_ops"].get("HMMA") for k in kernels)
+
+    from msa_jit import sass
+
+    spilled = [dict(k, local_ops=7) for k in kernels]
+    monkeypatch.setattr(sass, "summarize", lambda path: spilled)
+    rc, out, _ = run_main(["inspect", *WARM_ARGS, "--cache-dir", str(warm["root"]), "-q"])
+    assert rc == 1 and "SPILL 8/1 bf16 sm_90a" in out
