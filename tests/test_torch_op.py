@@ -1,0 +1,168 @@
+"""The custom op `torch.ops.msa_jit.sparse_decode`: opcheck, torch.compile(fullgraph) vs eager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import FP8, Case, make_case
+
+import msa_jit
+from msa_jit import SparseDecodePlanner, sparse_decode_reference
+from msa_jit.torch_op import WORKSPACE_FIELDS, op_args, sparse_decode_op
+
+OP = torch.ops.msa_jit.sparse_decode.default
+
+
+def _case(q_dtype: torch.dtype, seed: int, device: str = "cpu", **kw) -> Case:
+    kw.setdefault("batch", 2)
+    kw.setdefault("qlen", 2)
+    b, q = kw.pop("batch"), kw.pop("qlen")
+    return make_case(b, q, 16, 1, q_dtype=q_dtype, seed=seed, device=device, **kw)
+
+
+def _plan(c: Case, planner: SparseDecodePlanner | None = None) -> msa_jit.SparseDecodePlan:
+    return (planner or SparseDecodePlanner()).prepare(*c.prepare_args(), **c.prepare_kwargs())
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double().cpu() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def test_schema_declares_every_write():
+    args = {a.name: a for a in OP._schema.arguments}
+    for name in ("out", "lse", "workspace"):
+        assert args[name].alias_info is not None and args[name].alias_info.is_write, name
+    for name in ("query", "kv_cache", "topk", "block_table", "seq_lens", "kv_lens"):
+        assert args[name].alias_info is None, name
+    assert OP._schema.returns == []
+    assert "partial_o" in WORKSPACE_FIELDS and "partial_lse" in WORKSPACE_FIELDS
+
+
+@pytest.mark.parametrize("with_lse", [True, False])
+def test_op_matches_eager_api_and_reference(with_lse):
+    c = _case(FP8, seed=3)
+    plan = _plan(c)
+    out, lse = c.new_out(), (c.new_lse() if with_lse else None)
+    sparse_decode_op(c.query, c.kv_cache, c.topk, out, plan, lse=lse, backend="reference", **c.scales())
+    out_e, lse_e = c.new_out(), c.new_lse()
+    msa_jit.sparse_decode(c.query, c.kv_cache, c.topk, out_e, plan, lse=lse_e,
+                          backend="reference", **c.scales())
+    assert torch.equal(out, out_e)
+    if with_lse:
+        assert torch.equal(lse, lse_e)
+    o64, _ = sparse_decode_reference(*c.reference_args(), **c.scales())
+    assert _rel(out, o64) < 1e-2
+
+
+def test_op_validates_like_the_api():
+    c = _case(torch.bfloat16, seed=4)
+    plan = _plan(c)
+    with pytest.raises(ValueError, match="query"):
+        sparse_decode_op(c.query[:-1], c.kv_cache, c.topk, c.new_out()[:-1], plan, **c.scales())
+    with pytest.raises(ValueError, match="sm_scale"):
+        sparse_decode_op(c.query, c.kv_cache, c.topk, c.new_out(), plan, sm_scale=-1.0)
+
+
+def test_opcheck_reference_cpu():
+    # fp8 tensors cannot go through opcheck's schema check on CPU (allclose has no fp8 CPU
+    # kernel): query bf16, kv_cache as its uint8 storage (which the contract allows).
+    c = _case(torch.bfloat16, seed=5)
+    plan = _plan(c)
+    args = op_args(c.query, c.kv_cache.view(torch.uint8), c.topk, c.new_out(), plan,
+                   lse=c.new_lse(), backend="reference", **c.scales())
+    torch.library.opcheck(OP, args)
+
+
+def test_opcheck_reference_cpu_fp8_query():
+    c = _case(FP8, seed=9, transposed_topk=True)
+    plan = _plan(c)
+    args = op_args(c.query, c.kv_cache, c.topk, c.new_out(), plan, backend="reference", **c.scales())
+    torch.library.opcheck(OP, args, test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def _step(q, kv, tk, o, plan, lse, scales):
+    sparse_decode_op(q, kv, tk, o, plan, lse=lse, backend="reference", **scales)
+    return o.float().sum(dim=-1) + lse  # something downstream of both writes
+
+
+def test_compile_fullgraph_matches_eager_cpu():
+    c = _case(FP8, seed=6, transposed_topk=True, padded=True)
+    plan = _plan(c)
+    scales = c.scales()
+    out_e, lse_e = c.new_out(), c.new_lse()
+    res_e = _step(c.query, c.kv_cache, c.topk, out_e, plan, lse_e, scales)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(_step, fullgraph=True, backend="aot_eager")
+    out_c, lse_c = c.new_out(), c.new_lse()
+    res_c = compiled(c.query, c.kv_cache, c.topk, out_c, plan, lse_c, scales)
+    assert torch.equal(out_c, out_e) and torch.equal(lse_c, lse_e)
+    assert torch.equal(res_c, res_e)
+
+    # a second plan of the same shape reuses the graph (plan tensors are graph inputs)
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
+    plan2 = _plan(c)
+    out_2 = c.new_out()
+    compiled(c.query, c.kv_cache, c.topk, out_2, plan2, c.new_lse(), scales)
+    assert torch.equal(out_2, out_e)
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+# ----------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, FP8])
+def test_opcheck_kernel_gpu(q_dtype):
+    c = _case(q_dtype, seed=7, device="cuda", batch=3, qlen=2)
+    plan = _plan(c)
+    args = op_args(c.query, c.kv_cache.view(torch.uint8), c.topk, c.new_out(), plan,
+                   lse=c.new_lse(), backend="kernel", **c.scales())
+    # the schema check compares fp8 tensors with allclose, which has no fp8 kernel
+    tests = ["test_faketensor", "test_aot_dispatch_dynamic"]
+    if q_dtype == torch.bfloat16:
+        tests += ["test_schema", "test_autograd_registration"]
+    torch.library.opcheck(OP, args, test_utils=tests)
+
+
+@pytest.mark.gpu
+def test_compile_inductor_and_cuda_graph_gpu():
+    c = _case(FP8, seed=8, device="cuda", batch=4, qlen=2, padded=True)
+    planner = SparseDecodePlanner()
+    scales = c.scales()
+
+    def step(q, kv, tk, o, lse):
+        plan = planner.prepare(*c.prepare_args(), **c.prepare_kwargs())
+        sparse_decode_op(q, kv, tk, o, plan, lse=lse, backend="kernel", **scales)
+
+    out_e, lse_e = c.new_out(), c.new_lse()
+    step(c.query, c.kv_cache, c.topk, out_e, lse_e)
+    o64, _ = sparse_decode_reference(*c.reference_args(), **scales)
+    assert _rel(out_e, o64) < 1e-2
+
+    plan = _plan(c, planner)
+    compiled = torch.compile(
+        lambda q, kv, tk, o, lse: sparse_decode_op(q, kv, tk, o, plan, lse=lse, backend="kernel", **scales),
+        fullgraph=True,
+    )
+    out_c, lse_c = c.new_out(), c.new_lse()
+    compiled(c.query, c.kv_cache, c.topk, out_c, lse_c)
+    torch.cuda.synchronize()
+    assert _rel(out_c, o64) < 1e-2
+    torch.testing.assert_close(out_c, out_e, rtol=1e-2, atol=1e-3)
+    torch.testing.assert_close(lse_c, lse_e, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+    out_g, lse_g = c.new_out(), c.new_lse()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step(c.query, c.kv_cache, c.topk, out_g, lse_g)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(c.query, c.kv_cache, c.topk, out_g, lse_g)
+    out_g.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert _rel(out_g, o64) < 1e-2
+    torch.testing.assert_close(out_g, out_e, rtol=1e-2, atol=1e-3)
