@@ -98,11 +98,6 @@ class SparseDecodeConfig:
         return asdict(self)
 
     def describe(self) -> str:
-        """Short human name, e.g. 'Hq64/Hkv4 d128 page128 top16 q=bfloat16'."""
-        return (f"Hq{self.num_q_heads}/Hkv{self.num_kv_heads} d{self.head_dim} page{self.page_size} "
-                f"top{self.topk} q={self.q_dtype}")
-
-    def describe(self) -> str:
         """Short human description (without the arch), e.g. for logs and cache-miss messages."""
         return (
             f"sparse_decode Hq={self.num_q_heads} Hkv={self.num_kv_heads} (G={self.group_size}) "
