@@ -1,4 +1,7 @@
-"""Portable MSA sparse decode kernel: warp-level `mma.sync` (SM80 .. SM120), bulk-copied KV.
+"""Portable MSA sparse decode kernel: warp-level `mma.sync` + 1-D bulk copies (SM90 and later).
+
+"Portable" = no arch-specific MMA (no wgmma / tcgen05): the same source compiles for sm_90a
+and sm_100a (the Blackwell default). The KV stream uses `cp.async.bulk` + mbarriers, SM90+.
 
 One CTA serves one (token t, KV head h, split): the whole GQA group of h (G <= 16 query
 heads) sits on the MMA M dimension, so every K/V byte is read from HBM once per (t, h).
@@ -257,60 +260,67 @@ class SparseDecodeMmaKernel:
             stage = buf_addr + s * self.stage_bytes
             blk = sBlocks[first + i]
 
-            for sub in cutlass.range_constexpr(self.keys_per_warp // 16):
-                self.consume_subtile(
-                    qa, acc, row_max, row_sum, stage, empty_ptr + s, blk, kv_len, scale,
-                    warp * self.keys_per_warp + 16 * sub, g, c, lane,
-                    sub == self.keys_per_warp // 16 - 1,
-                )
+            self.consume_block(
+                qa, acc, row_max, row_sum, stage, empty_ptr + s, blk, kv_len, scale,
+                warp * self.keys_per_warp, g, c, lane,
+            )
 
         self.epilogue(mOut, mLse, mPO, mPL, sML, buf_addr, acc, row_max, row_sum,
                       t, h, split, warp, lane, num_splits, v_scale)
 
     @cute.jit
-    def consume_subtile(self, qa, acc, row_max, row_sum, stage, empty_bar, blk, kv_len, scale,
-                        key_base, g, c, lane, release_stage: cutlass.Constexpr):
-        """Keys [key_base, key_base+16) of the block in `stage`: S, online softmax, O += P V."""
-        key_a = key_base + 4 * (g // 2) + g % 2  # this thread's K row for n-tile 0 (+2: n-tile 1)
-        # ---- S = Q K^T for these 16 keys (two n-tiles of 8 keys)
-        sv = cute.make_rmem_tensor(8, Float32)
-        for j in cutlass.range_constexpr(2):
-            row = stage + (key_a + 2 * j) * ROW_BYTES + 16 * c
-            klo = ptx.ld_shared_v4(row)
-            khi = ptx.ld_shared_v4(row + 64)
-            d = [Float32(0.0)] * 4
-            for ks in cutlass.range_constexpr(8):
-                w = klo[ks] if ks < 4 else khi[ks - 4]
+    def consume_block(self, qa, acc, row_max, row_sum, stage, empty_bar, blk, kv_len, scale,
+                      key_base, g, c, lane):
+        """This warp's keys [key_base, key_base + keys_per_warp) of the block in `stage`.
+
+        All shared-memory reads first (then the stage is released), S for every 16-key
+        sub-tile (independent MMA chains), ONE online-softmax update for the whole block,
+        then O = O * alpha + P V over the sub-tiles.
+        """
+        nsub = self.keys_per_warp // 16
+        # ---- shared memory -> registers: K rows (S n-tiles) and V words, every sub-tile
+        kw = []
+        vw = []
+        for sub in cutlass.range_constexpr(nsub):
+            kb = key_base + 16 * sub
+            key_a = kb + 4 * (g // 2) + g % 2  # K row of this thread for n-tile 0 (+2: n-tile 1)
+            for j in cutlass.range_constexpr(2):
+                row = stage + (key_a + 2 * j) * ROW_BYTES + 16 * c
+                kw.append(ptx.ld_shared_v4(row) + ptx.ld_shared_v4(row + 64))
+            vrow = stage + (kb + 4 * c) * ROW_BYTES + HEAD_DIM + 16 * g
+            vw.append([ptx.ld_shared_v4(vrow + i * ROW_BYTES) for i in range(4)])
+        cute.arch.sync_warp()
+        if lane == 0:  # this warp is done reading the stage
+            cute.arch.mbarrier_arrive(empty_bar)
+
+        # ---- S = Q K^T: 2 * nsub independent accumulation chains of 8 k-steps
+        nt_s = 2 * nsub
+        sv = cute.make_rmem_tensor(4 * nt_s, Float32)
+        d = [[Float32(0.0)] * 4 for _ in range(nt_s)]
+        for ks in cutlass.range_constexpr(8):
+            for n in cutlass.range_constexpr(nt_s):
+                w = kw[n][ks]
                 b0 = ptx.fp8x2_to_f16x2_scaled(w, w, 0x1000)
                 b1 = ptx.fp8x2_to_f16x2_scaled(w, w, 0x3020)
-                d = ptx.mma_f16_16816(
-                    qa[4 * ks], qa[4 * ks + 1], qa[4 * ks + 2], qa[4 * ks + 3], b0, b1, d[0], d[1], d[2], d[3]
+                d[n] = ptx.mma_f16_16816(
+                    qa[4 * ks], qa[4 * ks + 1], qa[4 * ks + 2], qa[4 * ks + 3], b0, b1, *d[n]
                 )
+        for n in cutlass.range_constexpr(nt_s):
             for e in cutlass.range_constexpr(4):
-                sv[4 * j + e] = d[e]
+                sv[4 * n + e] = d[n][e]
 
-        # ---- V words for this warp's keys (transposed in registers below)
-        vrow = stage + (key_base + 4 * c) * ROW_BYTES + HEAD_DIM + 16 * g
-        v0 = ptx.ld_shared_v4(vrow)
-        v1 = ptx.ld_shared_v4(vrow + ROW_BYTES)
-        v2 = ptx.ld_shared_v4(vrow + 2 * ROW_BYTES)
-        v3 = ptx.ld_shared_v4(vrow + 3 * ROW_BYTES)
-        if cutlass.const_expr(release_stage):  # this warp is done reading the stage
-            cute.arch.sync_warp()
-            if lane == 0:
-                cute.arch.mbarrier_arrive(empty_bar)
-
-        # ---- online softmax (rows g and g+8 of the MMA = heads h*G+g, h*G+g+8)
+        # ---- one online-softmax step for the block (rows g and g+8 = heads h*G+g, h*G+g+8).
+        # n-tile n = 2*sub + j, column 2c+e holds key key_base + 16*sub + 4c + 2j + e.
         key0 = blk * self.page + key_base + 4 * c
         alpha = cute.make_rmem_tensor(2, Float32)
         for r in cutlass.range_constexpr(2):
             mx = row_max[r]
-            for j in cutlass.range_constexpr(2):
+            for n in cutlass.range_constexpr(nt_s):
                 for e in cutlass.range_constexpr(2):
-                    x = sv[4 * j + 2 * r + e] * scale
-                    if key0 + 2 * j + e >= kv_len:
+                    x = sv[4 * n + 2 * r + e] * scale
+                    if key0 + 16 * (n // 2) + 2 * (n % 2) + e >= kv_len:
                         x = -Float32.inf
-                    sv[4 * j + 2 * r + e] = x
+                    sv[4 * n + 2 * r + e] = x
                     mx = cute.arch.fmax(mx, x)
             mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 1))
             mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 2))
@@ -320,31 +330,35 @@ class SparseDecodeMmaKernel:
             alpha[r] = ptx.ex2(row_max[r] - m_use)
             row_max[r] = mx
             psum = Float32(0.0)
-            for j in cutlass.range_constexpr(2):
+            for n in cutlass.range_constexpr(nt_s):
                 for e in cutlass.range_constexpr(2):
-                    p = ptx.ex2(sv[4 * j + 2 * r + e] - m_use)
-                    sv[4 * j + 2 * r + e] = p
+                    p = ptx.ex2(sv[4 * n + 2 * r + e] - m_use)
+                    sv[4 * n + 2 * r + e] = p
                     psum = psum + p
             row_sum[r] = row_sum[r] * alpha[r] + psum
-        pa0 = ptx.f32x2_to_f16x2(sv[0], sv[1])
-        pa1 = ptx.f32x2_to_f16x2(sv[2], sv[3])
-        pa2 = ptx.f32x2_to_f16x2(sv[4], sv[5])
-        pa3 = ptx.f32x2_to_f16x2(sv[6], sv[7])
-
-        # ---- O = O * alpha + P V (16 n-tiles of 8 dims)
         for nt in cutlass.range_constexpr(16):
-            u = nt // 4
-            e = nt % 4
-            sel = ((4 + e) << 12) | (e << 4)
-            b0 = ptx.fp8x2_to_f16x2_scaled(v0[u], v1[u], sel)
-            b1 = ptx.fp8x2_to_f16x2_scaled(v2[u], v3[u], sel)
-            d = ptx.mma_f16_16816(
-                pa0, pa1, pa2, pa3, b0, b1,
-                acc[4 * nt] * alpha[0], acc[4 * nt + 1] * alpha[0],
-                acc[4 * nt + 2] * alpha[1], acc[4 * nt + 3] * alpha[1],
-            )
             for k in cutlass.range_constexpr(4):
-                acc[4 * nt + k] = d[k]
+                acc[4 * nt + k] = acc[4 * nt + k] * alpha[k // 2]
+
+        # ---- O += P V, one 16-key k-chunk per sub-tile, 16 n-tiles of 8 dims each
+        for sub in cutlass.range_constexpr(nsub):
+            p0 = 8 * sub  # P A-fragment: n-tile 2*sub gives k 2c.., n-tile 2*sub+1 gives k 2c+8..
+            pa0 = ptx.f32x2_to_f16x2(sv[p0], sv[p0 + 1])
+            pa1 = ptx.f32x2_to_f16x2(sv[p0 + 2], sv[p0 + 3])
+            pa2 = ptx.f32x2_to_f16x2(sv[p0 + 4], sv[p0 + 5])
+            pa3 = ptx.f32x2_to_f16x2(sv[p0 + 6], sv[p0 + 7])
+            v0, v1, v2, v3 = vw[sub]
+            for nt in cutlass.range_constexpr(16):
+                u = nt // 4
+                e = nt % 4
+                sel = ((4 + e) << 12) | (e << 4)
+                b0 = ptx.fp8x2_to_f16x2_scaled(v0[u], v1[u], sel)
+                b1 = ptx.fp8x2_to_f16x2_scaled(v2[u], v3[u], sel)
+                dd = ptx.mma_f16_16816(
+                    pa0, pa1, pa2, pa3, b0, b1, acc[4 * nt], acc[4 * nt + 1], acc[4 * nt + 2], acc[4 * nt + 3]
+                )
+                for k in cutlass.range_constexpr(4):
+                    acc[4 * nt + k] = dd[k]
 
     @cute.jit
     def load_q(self, mQ, qa, t, h, g, c):
