@@ -170,6 +170,9 @@ def compile_sparse_decode(config: SparseDecodeConfig, out_dir: str | os.PathLike
     reason = check_config(config)
     if reason:
         raise ValueError(f"cannot compile {config}: {reason}")
+    # Our cache is the only one: the DSL's own file cache (in /tmp) would be a second,
+    # unmanaged layer. Takes effect when this process imports cutlass for the first time.
+    os.environ.setdefault("CUTE_DSL_DISABLE_FILE_CACHING", "1")
     import cutlass.cute as cute
 
     out_dir = Path(out_dir)
