@@ -40,6 +40,7 @@ __all__ = [
     "enable_sm100_umma",
     "log_level",
     "dsl_version_override",
+    "parse_arch",
     "describe",
 ]
 
@@ -170,21 +171,29 @@ _ARCH_SM_RE = re.compile(r"^(?:sm_?)?(\d{2,3})([af]?)$", re.IGNORECASE)
 _ARCH_CC_RE = re.compile(r"^(\d{1,2})\.(\d)([af]?)$", re.IGNORECASE)
 
 
-def target_arch() -> str | None:
-    """``MSA_JIT_ARCH`` normalized to ``sm_<NN>[a|f]`` (e.g. ``sm_100a``), or None when unset."""
-    value = _raw(ARCH)
-    if value is None:
-        return None
-    v = value.strip()
+def parse_arch(text: str) -> str | None:
+    """'sm_100a', 'sm100a', '100a', '10.0a' -> 'sm_100a'; None when it is not an arch spelling."""
+    v = text.strip()
     m = _ARCH_SM_RE.match(v)
     if m is not None:
         return f"sm_{int(m.group(1))}{m.group(2).lower()}"
     m = _ARCH_CC_RE.match(v)
     if m is not None:
         return f"sm_{int(m.group(1))}{m.group(2)}{m.group(3).lower()}"
-    raise ValueError(
-        f"{ARCH}={value!r} is not a GPU arch (expected e.g. sm_100a, sm_90a, 100a or 10.0a)"
-    )
+    return None
+
+
+def target_arch() -> str | None:
+    """``MSA_JIT_ARCH`` normalized to ``sm_<NN>[a|f]`` (e.g. ``sm_100a``), or None when unset."""
+    value = _raw(ARCH)
+    if value is None:
+        return None
+    arch = parse_arch(value)
+    if arch is None:
+        raise ValueError(
+            f"{ARCH}={value!r} is not a GPU arch (expected e.g. sm_100a, sm_90a, 100a or 10.0a)"
+        )
+    return arch
 
 
 def dsl_version_override() -> str | None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
+from . import env
 from .geometry import SparseDecodeConfig, check_config
 
 log = logging.getLogger("msa_jit")
@@ -37,8 +38,6 @@ Q_DTYPE_ALIASES = {
 }
 Q_DTYPE_SHORT = {"bfloat16": "bf16", "float8_e4m3fn": "fp8"}
 _HEADS_RE = re.compile(r"^\s*(\d+)\s*/\s*(\d+)\s*$")
-_ARCH_RE = re.compile(r"^(?:sm_?)?(\d{2,3})([af]?)$", re.IGNORECASE)
-_CC_RE = re.compile(r"^(\d{1,2})\.(\d)([af]?)$", re.IGNORECASE)
 
 
 # ----------------------------------------------------------------------------- parsing
@@ -68,14 +67,10 @@ def parse_q_dtype(text: str) -> str:
 
 def normalize_arch(text: str) -> str:
     """'sm_100a', 'sm100a', '100a', '10.0a' -> 'sm_100a' (same spellings as MSA_JIT_ARCH)."""
-    v = text.strip()
-    m = _ARCH_RE.match(v)
-    if m is not None:
-        return f"sm_{int(m.group(1))}{m.group(2).lower()}"
-    m = _CC_RE.match(v)
-    if m is not None:
-        return f"sm_{int(m.group(1))}{m.group(2)}{m.group(3).lower()}"
-    raise ValueError(f"--arch {text!r}: expected e.g. sm_90a or sm_100a")
+    arch = env.parse_arch(text)
+    if arch is None:
+        raise ValueError(f"--arch {text!r}: expected e.g. sm_90a or sm_100a")
+    return arch
 
 
 def local_gpu_arch() -> str | None:
@@ -94,7 +89,6 @@ def local_gpu_arch() -> str | None:
 
 def default_arches() -> list[str]:
     """MSA_JIT_ARCH if set, else the local GPU's arch, else both sm_90a and sm_100a."""
-    from . import env
 
     forced = env.target_arch()
     if forced:
