@@ -212,6 +212,12 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     return cmd_doctor(args)
 
 
+def _cmd_selftest(args: argparse.Namespace) -> int:
+    from . import selftest
+
+    return selftest.main(args)
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from . import bench
 
@@ -270,6 +276,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--iters", type=int, default=50)
     b.add_argument("--baseline", default=None, help="previous result JSON: flag points slower than it")
     b.set_defaults(func=_cmd_bench)
+
+    t = sub.add_parser("selftest", help="hardware check of this GPU: correctness on the full grid, then bench")
+    t.add_argument("--arch", default=None, help="expected arch of this GPU (e.g. sm_100a); refuse if it differs")
+    t.add_argument("--quick", action="store_true", help="a subset of the grid (qlen 1/4, batch 1/16)")
+    t.add_argument("--no-bench", action="store_true", help="stop after the correctness grid")
+    t.add_argument("--out", default="bench/results", help="folder for the bench JSON/PNG")
+    t.add_argument("--iters", type=int, default=50)
+    t.set_defaults(func=_cmd_selftest)
     return p
 
 

@@ -1,0 +1,287 @@
+"""Random valid (and adversarial) inputs for the sparse decode op: tests, `msa-jit selftest`.
+
+`make_case(...)` follows the operator contract (shared/spec/sparse-decode-contract.md): request-major tokens, fp8 KV cache
+[P, Hkv, page, 256] with a random permutation of physical pages, ascending unique topk rows
+padded with -1 that always hold the block of the current position.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+HEAD_DIM = 128
+
+
+@dataclass
+class Case:
+    """One step's inputs. Tensors live on `device`; `seq_lens_cpu` on the CPU.
+
+    query [T, Hq, 128] (bf16 or fp8), kv_cache [P, Hkv, page, 256] fp8 (contiguous),
+    topk [T, Hkv, K] int32 (a transposed view of a [Hkv, T, K] buffer when transposed_topk),
+    block_table [B, max_blocks] int32 (row stride > max_blocks when adversarial),
+    seq_lens [B] int32 (counts the qlen new tokens).
+    has_duplicates: a topk row lists a block twice (outside the contract; the reference uses
+    set semantics, a kernel may count it twice: compare only when False).
+    """
+
+    query: torch.Tensor
+    kv_cache: torch.Tensor
+    topk: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    seq_lens_cpu: torch.Tensor
+    batch: int
+    qlen: int
+    num_q_heads: int
+    num_kv_heads: int
+    page_size: int
+    topk_blocks: int
+    sm_scale: float
+    q_scale: float
+    k_scale: float
+    v_scale: float
+    adversarial: bool = False
+    transposed_topk: bool = False
+    has_duplicates: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return self.batch * self.qlen
+
+    @property
+    def device(self) -> torch.device:
+        return self.query.device
+
+    def prepare_args(self) -> tuple[Any, ...]:
+        """Positional args of prepare(): (block_table, seq_lens, seq_lens_cpu, qlen)."""
+        return (self.block_table, self.seq_lens, self.seq_lens_cpu, self.qlen)
+
+    def prepare_kwargs(self) -> dict[str, int]:
+        return dict(num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
+                    page_size=self.page_size, topk_blocks=self.topk_blocks)
+
+    def scales(self) -> dict[str, float]:
+        return dict(sm_scale=self.sm_scale, q_scale=self.q_scale,
+                    k_scale=self.k_scale, v_scale=self.v_scale)
+
+    def reference_args(self) -> tuple[Any, ...]:
+        """Positional args of sparse_decode_reference()."""
+        return (self.query, self.kv_cache, self.topk, self.block_table, self.seq_lens, self.qlen)
+
+    def new_out(self) -> torch.Tensor:
+        """A [T, Hq, 128] bf16 output poisoned with NaN."""
+        return torch.full((self.num_tokens, self.num_q_heads, HEAD_DIM), float("nan"),
+                          dtype=torch.bfloat16, device=self.device)
+
+    def new_lse(self) -> torch.Tensor:
+        """A [T, Hq] fp32 lse poisoned with NaN."""
+        return torch.full((self.num_tokens, self.num_q_heads), float("nan"),
+                          dtype=torch.float32, device=self.device)
+
+
+def _nonzero_normal(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """Standard normal values with |x| >= 0.02 (never rounds to zero in fp8 e4m3)."""
+    x = torch.randn(shape, generator=gen, dtype=torch.float32)
+    return torch.where(x >= 0, 1.0, -1.0) * x.abs().clamp_min(0.02)
+
+
+def _random_ctx_lens(rng: random.Random, batch: int, qlen: int, page: int, topk: int,
+                     padded: bool) -> list[int]:
+    """Context lengths mixing < page, exact multiples, > topk blocks and in-between."""
+    kinds = ["short", "multiple", "long", "mid"]
+    rng.shuffle(kinds)
+    lens = []
+    for i in range(batch):
+        kind = kinds[i % len(kinds)]
+        if kind == "short":
+            n = rng.randint(qlen, page - 1)
+        elif kind == "multiple":
+            n = page * rng.randint(1, topk + 3)
+        elif kind == "long":
+            n = rng.randint(topk * page + 1, (topk + 6) * page)
+        else:
+            n = rng.randint(page, topk * page)
+        lens.append(max(n, qlen))
+    if padded:
+        # padded requests (CUDA-graph filler): some tokens have a negative position
+        for i in rng.sample(range(batch), max(1, batch // 4)):
+            lens[i] = 0 if i % 2 == 0 or qlen == 1 else rng.randint(0, qlen - 1)
+    return lens
+
+
+def make_case(
+    batch: int,
+    qlen: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    *,
+    q_dtype: torch.dtype,
+    seed: int,
+    device: Any = "cpu",
+    ctx_lens: list[int] | None = None,
+    transposed_topk: bool = False,
+    adversarial: bool = False,
+    page_size: int = 128,
+    topk: int = 16,
+    padded: bool = False,
+) -> Case:
+    """Random inputs valid per the contract (see Case).
+
+    ctx_lens: per-request seq_lens (including the qlen new tokens); random when None.
+    padded: also make some requests padding (seq_len < qlen, so kv_len == 0 rows).
+    adversarial: garbage block-table entries past each request's blocks (out-of-range pages),
+    a wider block-table row stride, and topk rows with -1 in the middle, blocks past the
+    token's / request's blocks, duplicates, and garbage past nvalid. Never changes the
+    contract's answer except for duplicates (see Case.has_duplicates).
+    """
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    page, K = page_size, topk
+    T = batch * qlen
+    hkv = num_kv_heads
+    if ctx_lens is None:
+        ctx_lens = _random_ctx_lens(rng, batch, qlen, page, K, padded)
+    if len(ctx_lens) != batch:
+        raise ValueError("ctx_lens needs one entry per request")
+    nblocks = [-(-n // page) for n in ctx_lens]
+
+    # ---- physical pages: a random permutation, plus a few spare pages nobody owns
+    P = sum(nblocks) + rng.randint(1, 3)
+    perm = torch.randperm(P, generator=gen).tolist()
+    max_blocks = max(max(nblocks), 1) + rng.randint(0, 2)
+    extra_cols = 3 if adversarial else 0
+    storage = torch.zeros(batch, max_blocks + extra_cols, dtype=torch.int32)
+    garbage = [-1, -7, P, P + 1000, 2**31 - 1, -(2**31)]
+    nxt = 0
+    for r in range(batch):
+        for b in range(max_blocks + extra_cols):
+            if b < nblocks[r]:
+                storage[r, b] = perm[nxt]
+                nxt += 1
+            elif adversarial:
+                storage[r, b] = rng.choice(garbage)
+
+    # ---- topk rows
+    topk_rows = torch.full((T, hkv, K), -1, dtype=torch.int32)
+    has_dup = False
+    for t in range(T):
+        r, j = divmod(t, qlen)
+        pos = ctx_lens[r] - qlen + j
+        kv_len = max(pos + 1, 0)
+        nvis = -(-kv_len // page)
+        nvalid = min(K, nvis)
+        for h in range(hkv):
+            if nvalid == 0:
+                row = [-1] * K
+                if adversarial:  # never read: anything goes
+                    row = [rng.randint(-3, max_blocks + 3) for _ in range(K)]
+                topk_rows[t, h] = torch.tensor(row, dtype=torch.int32)
+                continue
+            cur = pos // page
+            others = rng.sample([b for b in range(nvis) if b != cur], nvalid - 1)
+            row = sorted(others + [cur]) + [-1] * (K - nvalid)
+            if adversarial:
+                cur_slot = row.index(cur)
+                for s in range(nvalid):
+                    if s == cur_slot or rng.random() < 0.5:
+                        continue
+                    kind = rng.randrange(4)
+                    if kind == 0:
+                        row[s] = -1
+                    elif kind == 1:  # past the request's blocks, maybe past the table
+                        row[s] = rng.choice([nblocks[r] + rng.randint(0, 3), max_blocks + 5, 2**30])
+                    elif kind == 2:  # within the request, not visible to this token (if any)
+                        if nvis < nblocks[r]:
+                            row[s] = rng.randint(nvis, nblocks[r] - 1)
+                    else:
+                        other = rng.randrange(nvalid)
+                        if other != s and row[other] >= 0 and row[other] != row[s]:
+                            row[s] = row[other]
+                for s in range(nvalid, K):
+                    row[s] = rng.randint(-3, max_blocks + 3)
+                valid = [b for b in row[:nvalid] if 0 <= b and b * page < kv_len]
+                has_dup = has_dup or len(valid) != len(set(valid))
+            topk_rows[t, h] = torch.tensor(row, dtype=torch.int32)
+
+    # ---- values
+    kv = _nonzero_normal((P, hkv, page, 2 * HEAD_DIM), gen).to(FP8)
+    if q_dtype == FP8:
+        query = _nonzero_normal((T, num_q_heads, HEAD_DIM), gen).to(FP8)
+        q_scale = rng.uniform(0.5, 2.0)
+    elif q_dtype == torch.bfloat16:
+        query = torch.randn((T, num_q_heads, HEAD_DIM), generator=gen).to(torch.bfloat16)
+        q_scale = 1.0
+    else:
+        raise ValueError(f"q_dtype {q_dtype} not supported")
+
+    dev = torch.device(device)
+    if transposed_topk:
+        buf = torch.empty((hkv, T, K), dtype=torch.int32, device=dev)  # real [Hkv, T, K] storage
+        buf.copy_(topk_rows.permute(1, 0, 2))
+        topk_t = buf.transpose(0, 1)
+    else:
+        topk_t = topk_rows.to(dev)
+    seq_lens_cpu = torch.tensor(ctx_lens, dtype=torch.int32)
+    return Case(
+        query=query.to(dev),
+        kv_cache=kv.to(dev),
+        topk=topk_t,
+        block_table=storage.to(dev)[:, :max_blocks],
+        seq_lens=seq_lens_cpu.to(dev),
+        seq_lens_cpu=seq_lens_cpu,
+        batch=batch,
+        qlen=qlen,
+        num_q_heads=num_q_heads,
+        num_kv_heads=hkv,
+        page_size=page,
+        topk_blocks=K,
+        sm_scale=1.0 / math.sqrt(HEAD_DIM),
+        q_scale=q_scale,
+        k_scale=rng.uniform(0.5, 2.0),
+        v_scale=rng.uniform(0.5, 2.0),
+        adversarial=adversarial,
+        transposed_topk=transposed_topk,
+        has_duplicates=has_dup,
+    )
+
+
+def compare_with_reference(case: Case, out: torch.Tensor, lse: torch.Tensor | None,
+                           *, tol: float = 1e-2, lse_atol: float = 2e-3) -> tuple[float, list[str]]:
+    """(relative L2 error of out, problems) against the float64 reference of `case`.
+
+    Problems: NaN left from the poison (not fully written), error above `tol`, -inf LSE rows
+    that differ, finite LSE off by more than `lse_atol`, non-zero rows without visible keys.
+    """
+    from .reference import sparse_decode_reference
+
+    args = [t.cpu() if isinstance(t, torch.Tensor) else t for t in case.reference_args()]
+    ref, ref_lse = sparse_decode_reference(*args, **case.scales())
+    got = out.detach().cpu().double()
+    problems = []
+    if got.isnan().any():
+        problems.append("output not fully written (NaN poison left)")
+    den = ref.norm().item()
+    err = (got - ref).norm().item() / (den if den > 0 else 1.0)
+    if not err <= tol:
+        problems.append(f"relative L2 error {err:.3e} > {tol}")
+    empty = torch.isinf(ref_lse)
+    if lse is not None:
+        lse_c = lse.detach().cpu().double()
+        if lse_c.isnan().any():
+            problems.append("lse not fully written")
+        elif not torch.equal(torch.isinf(lse_c) & (lse_c < 0), empty):
+            problems.append("rows with -inf lse differ from the reference")
+        elif (~empty).any():
+            lerr = (lse_c[~empty] - ref_lse[~empty]).abs().max().item()
+            if lerr > lse_atol:
+                problems.append(f"lse max abs error {lerr:.3e} > {lse_atol}")
+    rows = empty.nonzero()
+    if len(rows) and not torch.all(got[rows[:, 0], rows[:, 1]] == 0):
+        problems.append("rows with no visible key are not zero")
+    return err, problems
