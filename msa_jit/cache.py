@@ -17,13 +17,21 @@ dir that lookups ignore and ``prune``/``clear`` remove.
 
 Only the standard library and ``filelock`` are imported: the runtime-only
 loader uses this module on hosts without the compiler.
+
+The implementation is split into modules; this one stays the public one and
+re-exports every name they define (private helpers included)::
+
+    cache_key.py       canonical_json, make_key, source_fingerprint, key checks
+    cache_location.py  preferred_root, user_temp_root, writability / private-dir probes
+    cache_entry.py     FORMAT / LAYOUT / META_NAME, CacheEntry, entry-file helpers
+    cache.py           errors, counters, root fallback (_resolve), ArtifactCache,
+                       default_cache
 """
 
 from __future__ import annotations
 
 import atexit
 import dataclasses
-import enum
 import errno
 import hashlib
 import json
@@ -41,7 +49,6 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -49,6 +56,18 @@ from typing import Any
 import filelock
 
 from . import env
+from .cache_entry import (  # noqa: F401  (re-exported)
+    FORMAT, LAYOUT, META_NAME, CacheEntry, _Corrupt, _fsync_path, _host_tag, _parse_build_result,
+    _tree_size, _valid_artifact_name,
+)
+from .cache_key import (  # noqa: F401  (re-exported)
+    _CHUNK, _KEY_RE, _KEY_SCHEMA, _check_key, _jsonable, _sha256_file, canonical_json, make_key,
+    source_fingerprint,
+)
+from .cache_location import (  # noqa: F401  (re-exported)
+    _check_private_dir, _describe_oserror, _probe_writable, _readable_v1, _Resolution, _user_tag,
+    preferred_root, user_temp_root,
+)
 
 __all__ = [
     "FORMAT",
@@ -74,14 +93,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1  # meta.json "format"
-LAYOUT = "v1"  # directory under the root; bump when the layout changes
-META_NAME = "meta.json"
 STALE_TMP_AGE_S = 3600.0  # unrecognised files in tmp/ older than this are garbage
-_KEY_SCHEMA = 1
-_KEY_RE = re.compile(r"^[0-9a-f]{64}$")
 _SHARD_RE = re.compile(r"^[0-9a-f]{2}$")
-_CHUNK = 1 << 20
 
 
 # --------------------------------------------------------------------------- errors
@@ -151,213 +164,10 @@ def reset_stats() -> None:
             _global_stats[k] = 0
 
 
-# --------------------------------------------------------------------------- keys
-
-
-def _jsonable(obj: Any, where: str = "$") -> Any:
-    """Canonical JSON-compatible copy of ``obj``; TypeError on anything ambiguous."""
-    if isinstance(obj, enum.Enum):
-        return _jsonable(obj.value, where)
-    if obj is None or isinstance(obj, (bool, str)):
-        return obj
-    if isinstance(obj, int):
-        return int(obj)
-    if isinstance(obj, float):
-        if not math.isfinite(obj):
-            raise TypeError(f"{where}: non-finite float {obj!r} cannot be part of a cache key")
-        return float(obj)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return _jsonable(dataclasses.asdict(obj), where)
-    if isinstance(obj, Mapping):
-        out = {}
-        for k, v in obj.items():
-            if isinstance(k, enum.Enum):
-                k = k.value
-            if not isinstance(k, str):
-                raise TypeError(f"{where}: mapping key {k!r} is not a str")
-            out[k] = _jsonable(v, f"{where}.{k}")
-        return out
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v, f"{where}[{i}]") for i, v in enumerate(obj)]
-    raise TypeError(
-        f"{where}: {type(obj).__name__} value {obj!r} is not JSON-serializable; "
-        "put only str/int/float/bool/None/list/dict (or enums, dataclasses) in a cache key"
-    )
-
-
-def canonical_json(obj: Any) -> str:
-    """The canonical JSON text used for keys: sorted keys, no blanks, ASCII, no NaN."""
-    return json.dumps(
-        _jsonable(obj), sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
-    )
-
-
-def make_key(config: Mapping[str, Any], fingerprint: Mapping[str, Any]) -> str:
-    """sha256 (hex) of the canonical JSON of ``config`` and ``fingerprint``.
-
-    ``config`` is ``dataclasses.asdict`` of the frozen kernel config (a
-    dataclass instance is also accepted and converted); ``fingerprint`` holds
-    the kernel-source hash, DSL / tvm-ffi / package versions and compile
-    options — never mtimes, PATH, Python or torch versions.
-    """
-    if dataclasses.is_dataclass(config) and not isinstance(config, type):
-        config = dataclasses.asdict(config)
-    if not isinstance(config, Mapping):
-        raise TypeError(f"config must be a mapping (dataclasses.asdict(cfg)), got {type(config).__name__}")
-    if not isinstance(fingerprint, Mapping):
-        raise TypeError(f"fingerprint must be a mapping, got {type(fingerprint).__name__}")
-    payload = {"schema": _KEY_SCHEMA, "config": config, "fingerprint": fingerprint}
-    return hashlib.sha256(canonical_json(payload).encode("ascii")).hexdigest()
-
-
-def _sha256_file(path: Path) -> tuple[str, int]:
-    h = hashlib.sha256()
-    n = 0
-    with open(path, "rb") as f:
-        while True:
-            chunk = f.read(_CHUNK)
-            if not chunk:
-                break
-            h.update(chunk)
-            n += len(chunk)
-    return h.hexdigest(), n
-
-
-def source_fingerprint(
-    paths: Iterable[os.PathLike | str], root: os.PathLike | str | None = None
-) -> str:
-    """sha256 (hex) of the contents of ``paths`` (files, or directories walked
-    recursively, skipping ``__pycache__`` and ``*.pyc``), sorted by their path
-    relative to ``root`` (default: the common directory of the arguments), so
-    the result depends on names and contents only — not on where the checkout
-    lives, nor on mtimes or argument order."""
-    paths = [Path(p).absolute() for p in paths]
-    if not paths:
-        raise ValueError("source_fingerprint() needs at least one path")
-    files: set[Path] = set()
-    anchors: list[str] = []
-    for p in paths:
-        if p.is_dir():
-            anchors.append(str(p))
-            for dirpath, dirnames, filenames in os.walk(p):
-                dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
-                for fn in filenames:
-                    if not fn.endswith((".pyc", ".pyo")):
-                        files.add(Path(dirpath) / fn)
-        elif p.is_file():
-            anchors.append(str(p.parent))
-            files.add(p)
-        else:
-            raise FileNotFoundError(f"source_fingerprint: {p} does not exist")
-    base = Path(root).absolute() if root is not None else Path(os.path.commonpath(anchors))
-    rel = sorted((f.relative_to(base).as_posix(), f) for f in files)
-    h = hashlib.sha256(b"msa-jit-sources-v1\0")
-    for name, f in rel:
-        digest, size = _sha256_file(f)
-        h.update(f"{name}\0{size}\0{digest}\n".encode("utf-8", "surrogateescape"))
-    return h.hexdigest()
-
-
-def _check_key(key: str) -> None:
-    if not isinstance(key, str) or not _KEY_RE.match(key):
-        raise ValueError(f"invalid cache key {key!r}: expected 64 lower-case hex digits (make_key)")
-
-
 # --------------------------------------------------------------------------- locations
-
-
-def preferred_root() -> tuple[Path, str]:
-    """The configured cache root and where it came from (cache_dir_policy.md §1)."""
-    d = env.cache_dir()
-    if d is not None:
-        return d, env.CACHE_DIR
-    xdg = os.environ.get("XDG_CACHE_HOME", "")
-    if xdg and os.path.isabs(xdg):
-        return Path(xdg) / "msa-jit", "XDG_CACHE_HOME"
-    try:
-        home = Path.home()
-    except Exception:  # no HOME and no passwd entry (containers with arbitrary uids)
-        home = None
-    if home is not None and str(home) not in ("", "."):
-        return home / ".cache" / "msa-jit", "home directory"
-    return user_temp_root(), "per-user temp dir"
-
-
-def _user_tag() -> str:
-    if hasattr(os, "getuid"):
-        return str(os.getuid())
-    import getpass
-
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", getpass.getuser())
-
-
-def user_temp_root() -> Path:
-    """``tempfile.gettempdir()/msa-jit-<uid>`` (evaluated live)."""
-    return Path(tempfile.gettempdir()) / f"msa-jit-{_user_tag()}"
-
-
-def _describe_oserror(e: OSError) -> str:
-    name = errno.errorcode.get(e.errno, "") if e.errno else ""
-    text = e.strerror or str(e)
-    return f"{type(e).__name__}{' ' + name if name else ''}: {text}"
-
-
-def _probe_writable(root: Path) -> str | None:
-    """None if ``root/v1`` can be created and written (a probe file written,
-    fsynced and removed), else the reason."""
-    try:
-        v1 = root / LAYOUT
-        for d in (v1, v1 / "tmp", v1 / "locks"):
-            d.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(prefix=".probe-", dir=v1 / "tmp")
-        try:
-            os.write(fd, b"msa-jit write probe\n")
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-            os.unlink(name)
-    except OSError as e:
-        return _describe_oserror(e)
-    return None
-
-
-def _check_private_dir(path: Path) -> str | None:
-    """The per-user temp dir must be ours and private (we dlopen what is in it)."""
-    try:
-        try:
-            os.mkdir(path, 0o700)
-        except FileExistsError:
-            pass
-        st = os.lstat(path)
-    except OSError as e:
-        return _describe_oserror(e)
-    if stat.S_ISLNK(st.st_mode):
-        return "it is a symlink"
-    if not stat.S_ISDIR(st.st_mode):
-        return "it exists and is not a directory"
-    if hasattr(os, "getuid") and st.st_uid != os.getuid():
-        return f"it is owned by uid {st.st_uid}, not by this user ({os.getuid()})"
-    if st.st_mode & 0o022:
-        return f"it is group/world-writable (mode {stat.S_IMODE(st.st_mode):o})"
-    return None
-
-
-def _readable_v1(root: Path) -> bool:
-    v1 = root / LAYOUT
-    try:
-        return v1.is_dir() and os.access(v1, os.R_OK | os.X_OK)
-    except OSError:
-        return False
-
-
-@dataclass(frozen=True)
-class _Resolution:
-    requested: Path
-    source: str
-    root: Path
-    readonly: tuple[Path, ...]
-    ephemeral: bool
-    message: str | None
+# preferred_root, user_temp_root and the probes live in cache_location.py; the
+# fallback policy is here, so it calls them through this module's namespace
+# (what tests patch, e.g. msa_jit.cache._probe_writable).
 
 
 def _resolve(requested: os.PathLike | str | None) -> _Resolution:
@@ -411,81 +221,7 @@ def _resolve(requested: os.PathLike | str | None) -> _Resolution:
     return _Resolution(pref, source, chosen, tuple(readonly), ephemeral, message)
 
 
-# --------------------------------------------------------------------------- entries
-
-
-@dataclass(frozen=True)
-class CacheEntry:
-    """One complete cache entry: ``path`` holds the artifact file(s) and meta.json."""
-
-    path: Path
-    key: str
-    meta: dict = field(compare=False, repr=False)
-    readonly: bool = False  # lives in a read-only (pre-warmed) root
-
-    @property
-    def artifacts(self) -> list[str]:
-        return [a["name"] for a in self.meta.get("artifacts", [])]
-
-    def artifact_path(self, name: str | None = None) -> Path:
-        """Path of artifact ``name`` (default: the first/primary one)."""
-        names = self.artifacts
-        if name is None:
-            if not names:
-                raise KeyError(f"cache entry {self.key} lists no artifacts")
-            return self.path / names[0]
-        if name not in names:
-            raise KeyError(f"{name!r} is not an artifact of cache entry {self.key} (it has {names})")
-        return self.path / name
-
-    @property
-    def size_bytes(self) -> int:
-        return sum(int(a.get("size", 0)) for a in self.meta.get("artifacts", []))
-
-
-class _Corrupt(Exception):
-    def __init__(self, reason: str, sig: tuple | None) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.sig = sig
-
-
-def _valid_artifact_name(name: Any) -> bool:
-    return (
-        isinstance(name, str)
-        and name != ""
-        and name not in (".", "..", META_NAME)
-        and not name.startswith(".")
-        and not any(c in name for c in "/\\\0")
-    )
-
-
-def _fsync_path(path: Path, directory: bool = False) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some filesystems cannot fsync directories
-    finally:
-        os.close(fd)
-
-
-def _tree_size(path: Path) -> int:
-    total = 0
-    for dirpath, _dirs, files in os.walk(path):
-        for fn in files:
-            try:
-                total += os.lstat(os.path.join(dirpath, fn)).st_size
-            except OSError:
-                pass
-    return total
-
-
-def _host_tag() -> str:
-    return re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname())[:64] or "host"
+# --------------------------------------------------------------------------- the cache
 
 
 class ArtifactCache:
@@ -1013,33 +749,6 @@ class ArtifactCache:
                 removed.append(d)
         self._verified.clear()
         return removed
-
-
-def _parse_build_result(result: Any, tmp: Path) -> tuple[list[str], dict]:
-    if not isinstance(result, Mapping) or "artifacts" not in result:
-        raise TypeError(
-            "build(tmpdir) must return a dict {'artifacts': [file names], 'extra': {...}}, "
-            f"got {result!r}"
-        )
-    names = result["artifacts"]
-    if isinstance(names, (str, bytes)) or not isinstance(names, (list, tuple)) or not names:
-        raise TypeError(f"build result 'artifacts' must be a non-empty list of file names, got {names!r}")
-    if len(set(names)) != len(names):
-        raise ValueError(f"build result 'artifacts' has duplicates: {names!r}")
-    for n in names:
-        if not _valid_artifact_name(n):
-            raise ValueError(
-                f"invalid artifact name {n!r}: a plain file name (no '/', not {META_NAME!r}, not hidden)"
-            )
-        p = tmp / n
-        if not p.is_file() or p.is_symlink():
-            raise FileNotFoundError(f"build did not write artifact {n!r} as a regular file in {tmp}")
-    extra = result.get("extra", {})
-    if extra is None:
-        extra = {}
-    if not isinstance(extra, Mapping):
-        raise TypeError(f"build result 'extra' must be a dict, got {type(extra).__name__}")
-    return list(names), dict(extra)
 
 
 # --------------------------------------------------------------------------- default instance
