@@ -61,6 +61,9 @@ def kernels_dir() -> Path:
 # serves every arch; arch-specialized kernels register here and must beat it to be chosen.
 KERNEL_REGISTRY: dict[str, tuple[str, str]] = {
     "portable": ("sparse_decode_mma", "SparseDecodeMmaKernel"),
+    # tcgen05 kernel: compiles and its SASS is checked in CI, never run on hardware yet, so
+    # kernel_family() picks it only with MSA_JIT_ENABLE_SM100_UMMA=1 on sm_100*.
+    "sm100": ("sparse_decode_sm100", "SparseDecodeSm100Kernel"),
 }
 
 

@@ -297,8 +297,9 @@ def test_doctor_process_never_imports_cutlass(tmp_path):
     assert p.returncode == 0, p.stderr
     rep = json.loads(p.stdout)
     assert rep["kernel_selection"]["enable_sm100_umma"] is True
-    # no SM100-specialized kernel is registered, so sm_100a still gets the portable one
-    assert rep["kernel_selection"]["families"].get("sm_100a", "portable") == "portable"
+    # with the opt-in set, sm_100a gets the registered tcgen05 kernel; sm_90a never does
+    assert rep["kernel_selection"]["families"].get("sm_100a") == "sm100"
+    assert rep["kernel_selection"]["families"].get("sm_90a", "portable") == "portable"
 
 
 # ----------------------------------------------------------------------------- inspect

@@ -1,0 +1,640 @@
+"""SM100 (Blackwell, sm_100a) MSA sparse decode kernel: tcgen05 UMMA with TMEM accumulators.
+
+Same constructor keywords and the same `__call__` calling convention as
+`SparseDecodeMmaKernel` (docs/design.md), so `compiler.fake_arguments` and the op work
+unchanged. UNVERIFIED ON HARDWARE: it compiles for sm_100a (see tests/test_sm100_kernel.py
+and docs/logs/sm100-variants.md) but has never run; it is only selected when
+MSA_JIT_ENABLE_SM100_UMMA=1.
+
+One CTA serves one (token t, KV head h, split), like the portable kernel. The 128 tokens of a
+page sit on the UMMA M dimension and the GQA heads of h on N (padded to 16: M=128 needs
+N % 16 == 0):
+
+    S^T[key, head]  = K[key, :]  . Q[head, :]^T        (M=128 keys,  N=16 heads, K=128 dims)
+    O^T[dim, head] += V[:, dim]^T . P[head, :]^T        (M=128 dims,  N=16 heads, K=128 keys)
+
+Warp roles (192 threads):
+  * warps 0-3, "softmax/convert" warpgroup, thread `tid` = TMEM lane `tid`:
+      - converts key row `tid` of the fp8 page (K and V) into f16 operand tiles sK / sV
+        (exact fp8 -> f16 bit trick of kernels/ptx.py, times 2**-8, folded into the scales);
+      - reads S^T row `tid` (key `tid`, 16 heads) from TMEM, runs the online softmax (the
+        per-head max over the 128 keys goes through warp shuffles + shared memory), writes
+        P^T (f16) to sP;
+      - reads this page's O^T row `tid` (dim `tid`, 16 heads) from TMEM and accumulates it in
+        registers with the online-softmax rescale (acc = acc * alpha + O_page): each page's
+        PV product goes to a fresh TMEM accumulator (enable_input_d = 0 on its first k-step),
+        so TMEM never needs rescaling.
+  * warp 4, "MMA": allocates TMEM (TMEM_COLS columns), one lane issues the tcgen05.mma
+    instructions and tcgen05.commit's them to mbarriers; deallocates TMEM at the end.
+  * warp 5, "producer": one lane bulk-copies (cp.async.bulk, mbarrier complete_tx) the 32 KiB
+    chunk of each selected (page, KV head) into an fp8 stage, STAGES chunks in flight.
+
+Per page the pipeline is serialized (convert -> MMA1 -> softmax -> MMA2 -> accumulate); only
+the HBM stream (producer) runs ahead. This is the "simplest structure that can be right";
+double-buffering sK/sV/sP/TMEM to overlap pages is future work.
+
+Numerics: all MMAs are kind::f16 with f16 operands and fp32 accumulators.
+  * Q: bf16 -> f16 (exact inside the f16 range, like the portable kernel), or fp8 -> f16
+    (times 2**-8); K, V: fp8 -> f16 (times 2**-8); P: f32 -> f16 (round to nearest).
+  * S scale: qk_scale_log2 * 2**8 (* 2**8 more for an fp8 query); output scale v_scale * 2**8.
+  Same folds as the portable kernel, so the same accuracy (16-bit P and V).
+
+Shared-memory operand layouts (all SWIZZLE_NONE, "interleaved" core matrices of 8 rows x 16
+bytes = 8 x 8 f16, 128 contiguous bytes, row r of a core at +16*r). In cute's canonical
+terms (cute/arch/mma_sm100_desc.hpp, make_umma_desc): for SWIZZLE_NONE
+  K-major : ((8,m),(8,2)) : ((16B, SBO), (2B, LBO))   SBO = MN core stride, LBO = K core stride
+  MN-major: ((8,m),(8,k)) : ((2B, SBO), (16B, LBO))   SBO = MN core stride, LBO = K core stride
+  * sQ  (B of MMA1, K-major,  N=head, K=dim): core (head//8, dim//8) at (head//8)*2048 +
+        (dim//8)*128, row head%8. LBO=128, SBO=2048. k-step s (dims 16s..16s+15) at +256*s.
+  * sK  (A of MMA1, K-major,  M=key,  K=dim): core (key//8, dim//8) at (key//8)*2048 +
+        (dim//8)*128, row key%8. LBO=128, SBO=2048. k-step s at +256*s.
+  * sV  (A of MMA2, MN-major, M=dim,  K=key): core (dim//8, key//8) at (key//8)*2048 +
+        (dim//8)*128, row key%8 (16 bytes = 8 consecutive dims of one key).
+        SBO=128 (dim cores), LBO=2048 (key cores). k-step s (keys 16s..16s+15) at +4096*s.
+        (The address a key-row thread writes is the same formula as for sK.)
+  * sP  (B of MMA2, MN-major, N=head, K=key): core (head//8, key//8) at (key//8)*256 +
+        (head//8)*128, row key%8 (8 consecutive heads of one key). SBO=128, LBO=256.
+        k-step s at +512*s.
+  Descriptor: start>>4 in bits [0,14), LBO>>4 in [16,30), SBO>>4 in [32,46), version 1 in
+  [46,48), base offset 0, lbo mode 0, layout type 0 (SWIZZLE_NONE) in [61,64).
+  Instruction descriptor (kind::f16): D f32 (bit 4), A/B f16 (format 0), a_major bit 15,
+  b_major bit 16 (1 = MN-major), N>>3 in [17,23), M>>4 in [24,29).
+
+TMEM (TMEM_COLS = 32 columns, fp32, lane = accumulator row for M=128, cta_group::1):
+  columns [0,16): S^T (lane = key, column = head); columns [16,32): this page's O^T
+  (lane = dim, column = head). Warp w of the softmax group reads lanes [32w, 32w+32) with
+  tcgen05.ld.32x32b.x16 (the warp-to-lane-quarter rule: warp w % 4 owns that quarter).
+
+mbarriers (phase = page index & 1 for the four per-page ones):
+  full[s] (1 arrive + tx), empty[s] (128), kv_ready (128: sK/sV written, after
+  fence.proxy.async), s_full (tcgen05.commit after MMA1), p_ready (128: sP written, TMEM S
+  read), o_full (tcgen05.commit after MMA2). sK/sV/sP/TMEM reuse is safe because the softmax
+  group waits o_full(i) (commit covers every earlier MMA) before it writes page i+1.
+"""
+
+# no `from __future__ import annotations`: cute.struct must see evaluated annotations in
+# storage_type(), which also runs outside a trace (smem_bytes).
+import math
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from . import ptx
+from .sparse_decode_mma import SparseDecodeMmaKernel
+
+HEAD_DIM = 128
+ROW_BYTES = 2 * HEAD_DIM
+LN2 = math.log(2.0)
+PAGE = 128  # tokens per page == UMMA M
+N_PAD = 16  # GQA heads padded to the UMMA N granule for M=128
+CORE = 128  # bytes of one 8 x 16-byte core matrix
+TILE_BYTES = PAGE * HEAD_DIM * 2  # one f16 128 x 128 operand tile (sK, sV)
+Q_BYTES = N_PAD * HEAD_DIM * 2
+P_BYTES = N_PAD * PAGE * 2
+SOFTMAX_WARPS = 4
+SOFTMAX_THREADS = 32 * SOFTMAX_WARPS
+MMA_WARP = 4
+PRODUCER_WARP = 5
+THREADS = 32 * 6
+SOFTMAX_BAR = 1  # named barrier id of the softmax warpgroup
+
+# instruction descriptors (kind::f16, f16 x f16 -> f32, M=128, N=16)
+_IDESC_BASE = (1 << 4) | ((N_PAD >> 3) << 17) | ((PAGE >> 4) << 24)
+IDESC_S = _IDESC_BASE  # A (K) K-major, B (Q) K-major
+IDESC_O = _IDESC_BASE | (1 << 15) | (1 << 16)  # A (V^T) MN-major, B (P^T) MN-major
+
+
+def _smem_desc_hi_lo(lbo: int, sbo: int) -> tuple[int, int]:
+    """Constant parts (low word without the address, high word) of a SWIZZLE_NONE descriptor."""
+    lo = (lbo >> 4) << 16
+    hi = (sbo >> 4) | (1 << 14)  # version 1 at bit 46 = bit 14 of the high word
+    return lo, hi
+
+
+DESC_K = _smem_desc_hi_lo(lbo=CORE, sbo=16 * CORE)
+DESC_Q = _smem_desc_hi_lo(lbo=CORE, sbo=16 * CORE)
+DESC_V = _smem_desc_hi_lo(lbo=16 * CORE, sbo=CORE)
+DESC_P = _smem_desc_hi_lo(lbo=2 * CORE, sbo=CORE)
+
+
+# ----------------------------------------------------------------------------- PTX helpers
+def _asm(ret, args, text, constraints, side_effects=True):
+    return llvm.inline_asm(
+        ret, args, text, constraints,
+        has_side_effects=side_effects, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+def _i32(v, loc, ip):
+    return Int32(v).ir_value(loc=loc, ip=ip)
+
+
+@dsl_user_op
+def st_shared_v4(addr: Int32, w0, w1, w2, w3, *, loc=None, ip=None) -> None:
+    _asm(None, [_i32(x, loc, ip) for x in (addr, w0, w1, w2, w3)],
+         "st.shared.v4.b32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r")
+
+
+@dsl_user_op
+def ld_shared_u32(addr: Int32, *, loc=None, ip=None) -> Int32:
+    return Int32(_asm(T.i32(), [_i32(addr, loc, ip)], "ld.shared.b32 $0, [$1];", "=r,r"))
+
+
+@dsl_user_op
+def fence_proxy_async_shared(*, loc=None, ip=None) -> None:
+    """Make this thread's generic-proxy shared-memory writes visible to the async proxy (UMMA)."""
+    _asm(None, [], "fence.proxy.async.shared::cta;", "")
+
+
+@dsl_user_op
+def tc_fence_before(*, loc=None, ip=None) -> None:
+    _asm(None, [], "tcgen05.fence::before_thread_sync;", "")
+
+
+@dsl_user_op
+def tc_fence_after(*, loc=None, ip=None) -> None:
+    _asm(None, [], "tcgen05.fence::after_thread_sync;", "")
+
+
+@dsl_user_op
+def tmem_alloc(holder_smem: Int32, ncols: int, *, loc=None, ip=None) -> None:
+    """Warp-wide: allocate ncols TMEM columns, the address is written to holder_smem."""
+    _asm(None, [_i32(holder_smem, loc, ip)],
+         f"tcgen05.alloc.cta_group::1.sync.aligned.shared::cta.b32 [$0], {ncols};", "r")
+    _asm(None, [], "tcgen05.relinquish_alloc_permit.cta_group::1.sync.aligned;", "")
+
+
+@dsl_user_op
+def tmem_dealloc(taddr: Int32, ncols: int, *, loc=None, ip=None) -> None:
+    _asm(None, [_i32(taddr, loc, ip)], f"tcgen05.dealloc.cta_group::1.sync.aligned.b32 $0, {ncols};", "r")
+
+
+@dsl_user_op
+def umma_f16(d_taddr: Int32, a_lo: Int32, a_hi: int, b_lo: Int32, b_hi: int, idesc: int, accumulate: Int32,
+             *, loc=None, ip=None) -> None:
+    """tcgen05.mma.cta_group::1.kind::f16 [d], a_desc, b_desc, idesc, accumulate != 0."""
+    _asm(
+        None,
+        [_i32(x, loc, ip) for x in (d_taddr, a_lo, a_hi, b_lo, b_hi, idesc, accumulate)],
+        "{\n\t.reg .pred p;\n\t.reg .b64 ad, bd;\n\t"
+        "mov.b64 ad, {$1, $2};\n\t"
+        "mov.b64 bd, {$3, $4};\n\t"
+        "setp.ne.b32 p, $6, 0;\n\t"
+        "tcgen05.mma.cta_group::1.kind::f16 [$0], ad, bd, $5, p;\n\t}",
+        "r,r,r,r,r,r,r",
+    )
+
+
+@dsl_user_op
+def umma_commit(mbar_smem: Int32, *, loc=None, ip=None) -> None:
+    """Arrive once on the mbarrier when every tcgen05.mma issued so far by this thread is done."""
+    _asm(None, [_i32(mbar_smem, loc, ip)],
+         "tcgen05.commit.cta_group::1.mbarrier::arrive::one.shared::cluster.b64 [$0];", "r")
+
+
+@dsl_user_op
+def tmem_ld16(taddr: Int32, *, loc=None, ip=None):
+    """tcgen05.ld.32x32b.x16 (+ wait::ld in the same asm): this lane's row, 16 fp32 columns."""
+    s = _asm(
+        llvm.StructType.get_literal([T.f32()] * 16),
+        [_i32(taddr, loc, ip)],
+        "tcgen05.ld.sync.aligned.32x32b.x16.b32 "
+        "{$0, $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15}, [$16];\n\t"
+        "tcgen05.wait::ld.sync.aligned;",
+        ",".join(["=f"] * 16) + ",r",
+    )
+    return tuple(Float32(llvm.extractvalue(T.f32(), s, [i], loc=loc, ip=ip)) for i in range(16))
+
+
+def _fp8x4_to_f16x4(w):
+    """One word of 4 e4m3 (elements 0..3) -> two f16x2 words (elements 0,1 and 2,3), times 2**-8."""
+    return ptx.fp8x2_to_f16x2_scaled(w, w, 0x1000), ptx.fp8x2_to_f16x2_scaled(w, w, 0x3020)
+
+
+# ----------------------------------------------------------------------------- kernel
+class SparseDecodeSm100Kernel(SparseDecodeMmaKernel):
+    """tcgen05 UMMA + TMEM variant; reuses the portable kernel's split merge (merge_kernel)."""
+
+    arch_family = "sm100"
+    TMEM_COLS = 32  # S^T (16 columns) + one page's O^T (16 columns); power of two >= 32
+
+    def __init__(
+        self,
+        *,
+        num_q_heads: int,
+        num_kv_heads: int,
+        page_size: int = 128,
+        topk: int = 16,
+        q_dtype: str = "bfloat16",
+        stages: int = 3,
+        consumer_warps: int = 4,
+    ):
+        if num_q_heads % num_kv_heads:
+            raise ValueError("num_q_heads must be a multiple of num_kv_heads")
+        self.hq = num_q_heads
+        self.hkv = num_kv_heads
+        self.group = num_q_heads // num_kv_heads
+        if not 1 <= self.group <= N_PAD:
+            raise ValueError(f"group size {self.group} not in 1..{N_PAD} (sm100 kernel)")
+        if page_size != PAGE:
+            raise ValueError(f"the sm100 kernel needs page_size {PAGE} (the UMMA M dimension), got {page_size}")
+        if not 1 <= topk <= 32:
+            raise ValueError(f"topk {topk} not in 1..32")
+        if consumer_warps != SOFTMAX_WARPS:
+            raise ValueError(f"the sm100 kernel needs consumer_warps={SOFTMAX_WARPS} (one thread per TMEM lane)")
+        if not 1 <= stages <= 4:
+            raise ValueError(f"stages {stages} not in 1..4")
+        self.page = page_size
+        self.topk = topk
+        self.q_fp8 = q_dtype == "float8_e4m3fn"
+        self.stages = stages
+        self.warps = consumer_warps
+        self.threads = THREADS
+        self.stage_bytes = page_size * ROW_BYTES
+        self.s_fold = 2.0**8 * (2.0**8 if self.q_fp8 else 1.0)
+
+    def storage_type(self):
+        """The shared-memory struct of the main kernel (also usable outside a trace)."""
+
+        @cute.struct
+        class Storage:
+            stages: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.stages * self.stage_bytes], 1024]
+            sk: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, TILE_BYTES], 1024]
+            sv: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, TILE_BYTES], 1024]
+            sq: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, Q_BYTES], 1024]
+            sp: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, P_BYTES], 1024]
+            full: cute.struct.Align[cute.struct.MemRange[Int64, self.stages], 8]
+            empty: cute.struct.Align[cute.struct.MemRange[Int64, self.stages], 8]
+            bars: cute.struct.Align[cute.struct.MemRange[Int64, 4], 8]  # kv_ready, s_full, p_ready, o_full
+            tmem: cute.struct.Align[cute.struct.MemRange[Int32, 4], 16]  # tcgen05.alloc writes the address here
+            pages: cute.struct.MemRange[Int32, 32]
+            blocks: cute.struct.MemRange[Int32, 32]
+            nvalid: cute.struct.MemRange[Int32, 4]
+            red: cute.struct.MemRange[Float32, 3 * SOFTMAX_WARPS * N_PAD]
+
+        return Storage
+
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory of the main kernel: the Storage struct's size."""
+        return int(self.storage_type().size_in_bytes())
+
+    # ------------------------------------------------------------------ host side
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # [T, Hq, 128] bf16, or uint8 holding e4m3
+        mKV: cute.Tensor,  # [P, Hkv, page, 256] uint8
+        mTopk: cute.Tensor,  # [T, Hkv, topk] int32, any strides
+        mBT: cute.Tensor,  # [B, max_blocks] int32
+        mKvLens: cute.Tensor,  # [T] int32
+        mOut: cute.Tensor,  # [T, Hq, 128] bf16
+        mLse: cute.Tensor,  # [T, Hq] fp32
+        mPO: cute.Tensor,  # [T*Hkv*S, G, 128] fp32
+        mPL: cute.Tensor,  # [T*Hkv*S, G] fp32
+        qlen: Int32,
+        num_splits: Int32,
+        qk_scale_log2: Float32,
+        v_scale: Float32,
+        stream: cuda.CUstream,
+    ):
+        num_tokens = mQ.shape[0]
+        Storage = self.storage_type()
+
+        self.kernel(
+            mQ, mKV, mTopk, mBT, mKvLens, mOut, mLse, mPO, mPL, qlen, num_splits, qk_scale_log2, v_scale, Storage
+        ).launch(
+            grid=(num_tokens, self.hkv, num_splits),
+            block=(self.threads, 1, 1),
+            stream=stream,
+            preferred_smem_carveout=100,  # explicit, so compiling needs no GPU to query
+        )
+        if num_splits > 1:
+            self.merge_kernel(mOut, mLse, mPO, mPL, num_splits).launch(
+                grid=(num_tokens, self.hkv, self.group), block=(HEAD_DIM, 1, 1), stream=stream
+            )
+
+    # ---------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mKV: cute.Tensor,
+        mTopk: cute.Tensor,
+        mBT: cute.Tensor,
+        mKvLens: cute.Tensor,
+        mOut: cute.Tensor,
+        mLse: cute.Tensor,
+        mPO: cute.Tensor,
+        mPL: cute.Tensor,
+        qlen: Int32,
+        num_splits: Int32,
+        qk_scale_log2: Float32,
+        v_scale: Float32,
+        Storage: cutlass.Constexpr,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        t, h, split = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(tidx // 32)
+        lane = tidx % 32
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(Storage)
+        stage_addr = ptx.smem_addr(storage.stages.data_ptr())
+        sk_addr = ptx.smem_addr(storage.sk.data_ptr())
+        sv_addr = ptx.smem_addr(storage.sv.data_ptr())
+        sq_addr = ptx.smem_addr(storage.sq.data_ptr())
+        sp_addr = ptx.smem_addr(storage.sp.data_ptr())
+        tmem_holder = ptx.smem_addr(storage.tmem.data_ptr())
+        full_ptr = storage.full.data_ptr()
+        empty_ptr = storage.empty.data_ptr()
+        bars = storage.bars.data_ptr()
+        kv_ready = bars + 0
+        s_full = bars + 1
+        p_ready = bars + 2
+        o_full = bars + 3
+        sPages = storage.pages.get_tensor(cute.make_layout(32))
+        sBlocks = storage.blocks.get_tensor(cute.make_layout(32))
+        sNvalid = storage.nvalid.get_tensor(cute.make_layout(4))
+        sRed = storage.red.get_tensor(cute.make_layout(3 * SOFTMAX_WARPS * N_PAD))
+
+        kv_len = mKvLens[t]
+        req = t // qlen
+        num_pages = mKV.shape[0]
+        max_blocks = mBT.shape[1]
+
+        # ---- 1. setup: slot compaction + barriers (warp 0), TMEM alloc (MMA warp), Q -> sQ (softmax group)
+        if warp == 0:
+            slot_ok = False
+            page = Int32(0)
+            blk = Int32(-1)
+            if lane < self.topk:
+                blk = mTopk[t, h, lane]
+            nvalid = cutlass.min(Int32(self.topk), (kv_len + (self.page - 1)) // self.page)
+            if lane < nvalid and blk >= 0 and blk < max_blocks and blk * self.page < kv_len:
+                page = mBT[req, blk]
+                if page >= 0 and page < num_pages:
+                    slot_ok = True
+            ballot = cute.arch.vote_ballot_sync(slot_ok)
+            rank = cute.arch.popc(ballot & cute.arch.lanemask_lt())
+            if slot_ok:
+                sPages[rank] = page
+                sBlocks[rank] = blk
+            if lane == 0:
+                sNvalid[0] = cute.arch.popc(ballot)
+                for s in cutlass.range_constexpr(self.stages):
+                    cute.arch.mbarrier_init(full_ptr + s, 1)
+                    cute.arch.mbarrier_init(empty_ptr + s, SOFTMAX_THREADS)
+                cute.arch.mbarrier_init(kv_ready, SOFTMAX_THREADS)
+                cute.arch.mbarrier_init(s_full, 1)
+                cute.arch.mbarrier_init(p_ready, SOFTMAX_THREADS)
+                cute.arch.mbarrier_init(o_full, 1)
+        if warp == MMA_WARP:
+            tmem_alloc(tmem_holder, self.TMEM_COLS)
+        if warp < SOFTMAX_WARPS:
+            self.load_q(mQ, sq_addr, t, h, tidx)
+            fence_proxy_async_shared()
+        cute.arch.mbarrier_init_fence()
+        tc_fence_before()
+        cute.arch.sync_threads()
+        tc_fence_after()
+        taddr = ld_shared_u32(tmem_holder)
+
+        n_valid = sNvalid[0]
+        per_split = (n_valid + num_splits - 1) // num_splits
+        first = split * per_split
+        n_iter = cutlass.max(cutlass.min(n_valid - first, per_split), Int32(0))
+
+        if warp == PRODUCER_WARP:
+            # ---- 2a. producer: one lane streams the selected chunks into the fp8 stages
+            if lane == 0:
+                kv_base = mKV.iterator.toint()
+                for i in range(n_iter):
+                    s = i % self.stages
+                    phase = (i // self.stages) & 1
+                    cute.arch.mbarrier_wait(empty_ptr + s, phase ^ 1)
+                    cute.arch.mbarrier_arrive_and_expect_tx(full_ptr + s, self.stage_bytes)
+                    chunk = Int64(sPages[first + i]) * self.hkv + Int64(h)
+                    ptx.bulk_copy_g2s(
+                        stage_addr + s * self.stage_bytes,
+                        kv_base + chunk * self.stage_bytes,
+                        self.stage_bytes,
+                        ptx.smem_addr(full_ptr + s),
+                    )
+        elif warp == MMA_WARP:
+            # ---- 2b. MMA issuer: one lane
+            if lane == 0:
+                kv_ready_a = ptx.smem_addr(kv_ready)
+                p_ready_a = ptx.smem_addr(p_ready)
+                s_full_a = ptx.smem_addr(s_full)
+                o_full_a = ptx.smem_addr(o_full)
+                for i in range(n_iter):
+                    ph = i & 1
+                    cute.arch.mbarrier_wait(kv_ready, ph)
+                    tc_fence_after()
+                    for ks in cutlass.range_constexpr(HEAD_DIM // 16):
+                        umma_f16(
+                            taddr,
+                            ((sk_addr + 256 * ks) >> 4) | DESC_K[0], DESC_K[1],
+                            ((sq_addr + 256 * ks) >> 4) | DESC_Q[0], DESC_Q[1],
+                            IDESC_S, Int32(1 if ks > 0 else 0),
+                        )
+                    umma_commit(s_full_a)
+                    cute.arch.mbarrier_wait(p_ready, ph)
+                    tc_fence_after()
+                    for ks in cutlass.range_constexpr(PAGE // 16):
+                        umma_f16(
+                            taddr + N_PAD,
+                            ((sv_addr + 4096 * ks) >> 4) | DESC_V[0], DESC_V[1],
+                            ((sp_addr + 512 * ks) >> 4) | DESC_P[0], DESC_P[1],
+                            IDESC_O, Int32(1 if ks > 0 else 0),
+                        )
+                    umma_commit(o_full_a)
+        else:
+            # ---- 2c. softmax / convert warpgroup
+            self.softmax_loop(
+                mOut, mLse, mPO, mPL, sBlocks, sRed, stage_addr, sk_addr, sv_addr, sp_addr,
+                full_ptr, empty_ptr, kv_ready, s_full, p_ready, o_full, taddr,
+                t, h, split, warp, lane, tidx, kv_len, first, n_iter, num_splits, qk_scale_log2, v_scale,
+            )
+
+        # ---- 3. teardown: everyone is done with TMEM
+        tc_fence_before()
+        cute.arch.sync_threads()
+        if warp == MMA_WARP:
+            tc_fence_after()
+            tmem_dealloc(taddr, self.TMEM_COLS)
+
+    @cute.jit
+    def load_q(self, mQ, sq_addr, t, h, tidx):
+        """Thread tidx: head n = tidx // 8 (zeros past the group), dims [16c, 16c+16), c = tidx % 8."""
+        G = self.group
+        n = tidx // 8
+        c = tidx % 8
+        words = cute.make_rmem_tensor(8, Int32)
+        for k in cutlass.range_constexpr(8):
+            words[k] = Int32(0)
+        if n < G:
+            q_base = mQ.iterator.toint()
+            row_elem = Int64(t) * Int64(mQ.stride[0]) + Int64(h * G + n) * HEAD_DIM + 16 * c
+            if cutlass.const_expr(self.q_fp8):
+                w = ptx.ld_global_nc_v4(q_base + row_elem)
+                for k in cutlass.range_constexpr(4):
+                    lo, hi = _fp8x4_to_f16x4(w[k])
+                    words[2 * k] = lo
+                    words[2 * k + 1] = hi
+            else:
+                for part in cutlass.range_constexpr(2):
+                    w = ptx.ld_global_nc_v4(q_base + (row_elem + 8 * part) * 2)
+                    for k in cutlass.range_constexpr(4):
+                        words[4 * part + k] = ptx.bf16x2_to_f16x2(w[k])
+        # K-major core (head//8, dim//8): dims 16c..16c+7 -> kb 2c, 16c+8.. -> kb 2c+1
+        dst = sq_addr + (n // 8) * (16 * CORE) + (2 * c) * CORE + (n % 8) * 16
+        st_shared_v4(dst, words[0], words[1], words[2], words[3])
+        st_shared_v4(dst + CORE, words[4], words[5], words[6], words[7])
+
+    @cute.jit
+    def convert_row(self, stage, sk_addr, sv_addr, tidx):
+        """Key row tidx of the fp8 stage -> f16 rows of sK (K-major) and sV (MN-major).
+
+        The 16-byte chunk order is rotated by the thread index so the 8 threads of a
+        shared-memory phase read 8 different bank groups (rows are 256 bytes apart).
+        """
+        row = stage + tidx * ROW_BYTES
+        dst_row = (tidx // 8) * (16 * CORE) + (tidx % 8) * 16
+        for j in cutlass.range_constexpr(16):
+            cc = (tidx + j) % 16  # chunk: 0..7 K dims 16cc.., 8..15 V dims 16(cc-8)..
+            w = ptx.ld_shared_v4(row + 16 * cc)
+            f = []
+            for k in cutlass.range_constexpr(4):
+                lo, hi = _fp8x4_to_f16x4(w[k])
+                f.append(lo)
+                f.append(hi)
+            c = cc % 8
+            base = sk_addr
+            if cc >= 8:
+                base = sv_addr
+            dst = base + dst_row + (2 * c) * CORE
+            st_shared_v4(dst, f[0], f[1], f[2], f[3])
+            st_shared_v4(dst + CORE, f[4], f[5], f[6], f[7])
+
+    @cute.jit
+    def softmax_loop(
+        self, mOut, mLse, mPO, mPL, sBlocks, sRed, stage_addr, sk_addr, sv_addr, sp_addr,
+        full_ptr, empty_ptr, kv_ready, s_full, p_ready, o_full, taddr,
+        t, h, split, warp, lane, tidx, kv_len, first, n_iter, num_splits, qk_scale_log2, v_scale,
+    ):
+        G = self.group
+        acc = cute.make_rmem_tensor(N_PAD, Float32)  # O^T row `tidx` (dim tidx), per head
+        m_run = cute.make_rmem_tensor(N_PAD, Float32)  # running max per head (uniform over threads)
+        l_run = cute.make_rmem_tensor(N_PAD, Float32)  # this thread's keys' share of the row sum
+        for n in cutlass.range_constexpr(N_PAD):
+            acc[n] = Float32(0.0)
+            m_run[n] = -Float32.inf
+            l_run[n] = Float32(0.0)
+        scale = qk_scale_log2 * self.s_fold
+        lane_taddr = taddr + ((warp * 32) << 16)
+        p_row = sp_addr + (tidx // 8) * (2 * CORE) + (tidx % 8) * 16
+
+        for i in range(n_iter):
+            s = i % self.stages
+            phs = (i // self.stages) & 1
+            ph = i & 1
+            # -- fp8 stage -> f16 operand tiles
+            cute.arch.mbarrier_wait(full_ptr + s, phs)
+            self.convert_row(stage_addr + s * self.stage_bytes, sk_addr, sv_addr, tidx)
+            cute.arch.mbarrier_arrive(empty_ptr + s)
+            fence_proxy_async_shared()
+            cute.arch.mbarrier_arrive(kv_ready)
+
+            # -- S^T row tidx: key tidx of the block, one column per head
+            cute.arch.mbarrier_wait(s_full, ph)
+            tc_fence_after()
+            sv = tmem_ld16(lane_taddr)
+            blk = sBlocks[first + i]
+            masked = blk * self.page + tidx >= kv_len
+            x = []
+            for n in cutlass.range_constexpr(G):
+                v = sv[n] * scale
+                if masked:
+                    v = -Float32.inf
+                x.append(v)
+            # per-head block max over the 128 keys: warp butterfly, then across the 4 warps
+            red = (i % 2) * (SOFTMAX_WARPS * N_PAD)
+            for n in cutlass.range_constexpr(G):
+                mx = x[n]
+                for sh in cutlass.range_constexpr(5):
+                    mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 1 << sh))
+                if lane == 0:
+                    sRed[red + warp * N_PAD + n] = mx
+            cute.arch.barrier(barrier_id=SOFTMAX_BAR, number_of_threads=SOFTMAX_THREADS)
+            alpha = cute.make_rmem_tensor(N_PAD, Float32)
+            p = []
+            for n in cutlass.range_constexpr(G):
+                mb = m_run[n]
+                for w in cutlass.range_constexpr(SOFTMAX_WARPS):
+                    mb = cute.arch.fmax(mb, sRed[red + w * N_PAD + n])
+                m_use = mb
+                if mb == -Float32.inf:
+                    m_use = Float32(0.0)
+                alpha[n] = ptx.ex2(m_run[n] - m_use)
+                m_run[n] = mb
+                pv = ptx.ex2(x[n] - m_use)
+                l_run[n] = l_run[n] * alpha[n] + pv
+                p.append(pv)
+            for n in cutlass.range_constexpr(G, N_PAD):
+                p.append(Float32(0.0))
+            # -- P^T (f16): key tidx, heads 0..7 then 8..15 (MN-major B tile)
+            pw = [ptx.f32x2_to_f16x2(p[2 * k], p[2 * k + 1]) for k in range(N_PAD // 2)]
+            st_shared_v4(p_row, pw[0], pw[1], pw[2], pw[3])
+            st_shared_v4(p_row + CORE, pw[4], pw[5], pw[6], pw[7])
+            fence_proxy_async_shared()
+            tc_fence_before()
+            cute.arch.mbarrier_arrive(p_ready)
+
+            # -- this page's O^T row tidx (dim tidx) -> rescaled register accumulator
+            cute.arch.mbarrier_wait(o_full, ph)
+            tc_fence_after()
+            ov = tmem_ld16(lane_taddr + N_PAD)
+            for n in cutlass.range_constexpr(G):
+                acc[n] = acc[n] * alpha[n] + ov[n]
+            tc_fence_before()
+
+        self.epilogue_sm100(mOut, mLse, mPO, mPL, sRed, acc, m_run, l_run,
+                            t, h, split, warp, lane, tidx, num_splits, v_scale)
+
+    @cute.jit
+    def epilogue_sm100(self, mOut, mLse, mPO, mPL, sRed, acc, m_run, l_run,
+                       t, h, split, warp, lane, tidx, num_splits, v_scale):
+        G = self.group
+        red = 2 * SOFTMAX_WARPS * N_PAD  # third region: never used by the per-page max
+        for n in cutlass.range_constexpr(G):
+            sm = l_run[n]
+            for sh in cutlass.range_constexpr(5):
+                sm = sm + cute.arch.shuffle_sync_bfly(sm, 1 << sh)
+            if lane == 0:
+                sRed[red + warp * N_PAD + n] = sm
+        cute.arch.barrier(barrier_id=SOFTMAX_BAR, number_of_threads=SOFTMAX_THREADS)
+        d = tidx
+        for n in cutlass.range_constexpr(G):
+            l_all = Float32(0.0)
+            for w in cutlass.range_constexpr(SOFTMAX_WARPS):
+                l_all = l_all + sRed[red + w * N_PAD + n]
+            inv = Float32(0.0)
+            lse2 = -Float32.inf
+            if l_all > Float32(0.0):
+                inv = v_scale * 256.0 / l_all
+                lse2 = m_run[n] + ptx.lg2(l_all)
+            hq = h * G + n
+            if num_splits == 1:
+                mOut[t, hq, d] = (acc[n] * inv).to(cutlass.BFloat16)
+                if d == 0:
+                    mLse[t, hq] = lse2 * LN2
+            else:
+                idx = (t * self.hkv + h) * num_splits + split
+                mPO[idx, n, d] = acc[n] * inv
+                if d == 0:
+                    mPL[idx, n] = lse2
