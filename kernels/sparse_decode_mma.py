@@ -20,7 +20,7 @@ page_size * 256 bytes, K in bytes [0,128) and V in [128,256) of every token row)
     kernel in the same launch sequence merges the splits.
 """
 
-from __future__ import annotations
+# no `from __future__ import annotations`: cute.struct in storage_type() needs evaluated annotations
 
 import math
 
@@ -29,7 +29,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
-from . import ptx
+from . import common, ptx
 
 HEAD_DIM = 128
 ROW_BYTES = 2 * HEAD_DIM  # one token row of a page: K (128 B) then V (128 B)
@@ -112,6 +112,24 @@ class SparseDecodeMmaKernel:
         stream: cuda.CUstream,
     ):
         num_tokens = mQ.shape[0]
+        self.kernel(
+            mQ, mKV, mTopk, mBT, mKvLens, mOut, mLse, mPO, mPL, qlen, num_splits, qk_scale_log2, v_scale,
+            self.storage_type(),
+        ).launch(
+            grid=(num_tokens, self.hkv, num_splits),
+            block=(self.threads, 1, 1),
+            stream=stream,
+            # explicit carveout, so compiling needs no GPU to query the shared-memory size
+            preferred_smem_carveout=100,
+            **self.launch_options(),
+        )
+        if num_splits > 1:
+            self.merge_kernel(mOut, mLse, mPO, mPL, num_splits).launch(
+                grid=(num_tokens, self.hkv, self.group), block=(HEAD_DIM, 1, 1), stream=stream
+            )
+
+    def storage_type(self):
+        """The shared-memory struct of the main kernel (subclasses lay out their own)."""
 
         @cute.struct
         class Storage:
@@ -123,20 +141,12 @@ class SparseDecodeMmaKernel:
             nvalid: cute.struct.MemRange[Int32, 4]
             ml: cute.struct.MemRange[Float32, self.warps * 32]
 
-        self.kernel(
-            mQ, mKV, mTopk, mBT, mKvLens, mOut, mLse, mPO, mPL, qlen, num_splits, qk_scale_log2, v_scale, Storage
-        ).launch(
-            grid=(num_tokens, self.hkv, num_splits),
-            block=(self.threads, 1, 1),
-            stream=stream,
-            # two CTAs per SM: one streams KV while the other runs its prologue / epilogue
-            min_blocks_per_mp=2,
-            preferred_smem_carveout=100,  # explicit, so compiling needs no GPU to query
-        )
-        if num_splits > 1:
-            self.merge_kernel(mOut, mLse, mPO, mPL, num_splits).launch(
-                grid=(num_tokens, self.hkv, self.group), block=(HEAD_DIM, 1, 1), stream=stream
-            )
+        return Storage
+
+    def launch_options(self) -> dict:
+        """Extra launch options of the main kernel."""
+        # two CTAs per SM: one streams KV while the other runs its prologue / epilogue
+        return {"min_blocks_per_mp": 2}
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
@@ -176,25 +186,12 @@ class SparseDecodeMmaKernel:
         kv_len = mKvLens[t]
         req = t // qlen
         num_pages = mKV.shape[0]
-        max_blocks = mBT.shape[1]
 
         # ---- 1. compact the valid slots of this (t, h) into shared memory (warp 0)
         if warp == 0:
-            slot_ok = False
-            page = Int32(0)
-            blk = Int32(-1)
-            if lane < self.topk:  # issued together with the kv_len load above
-                blk = mTopk[t, h, lane]
-            nvalid = cutlass.min(Int32(self.topk), (kv_len + (self.page - 1)) // self.page)
-            if lane < nvalid and blk >= 0 and blk < max_blocks and blk * self.page < kv_len:
-                page = mBT[req, blk]
-                if page >= 0 and page < num_pages:
-                    slot_ok = True
-            ballot = cute.arch.vote_ballot_sync(slot_ok)
-            rank = cute.arch.popc(ballot & cute.arch.lanemask_lt())
-            if slot_ok:
-                sPages[rank] = page
-                sBlocks[rank] = blk
+            ballot = common.compact_valid_slots(
+                mTopk, mBT, t, h, req, kv_len, num_pages, lane, sPages, sBlocks, self.topk, self.page
+            )
             if lane == 0:
                 sNvalid[0] = cute.arch.popc(ballot)
                 for s in cutlass.range_constexpr(self.stages):
@@ -204,26 +201,15 @@ class SparseDecodeMmaKernel:
         cute.arch.sync_threads()
 
         n_valid = sNvalid[0]
-        per_split = (n_valid + num_splits - 1) // num_splits
-        first = split * per_split
-        n_iter = cutlass.max(cutlass.min(n_valid - first, per_split), Int32(0))
+        first, n_iter = common.split_range(n_valid, num_splits, split)
 
         if warp == self.warps:
             # ---- 2a. producer warp: one lane streams the selected chunks into the stages
             if lane == 0:
-                kv_base = mKV.iterator.toint()
-                for i in range(n_iter):
-                    s = i % self.stages
-                    phase = (i // self.stages) & 1
-                    cute.arch.mbarrier_wait(empty_ptr + s, phase ^ 1)
-                    cute.arch.mbarrier_arrive_and_expect_tx(full_ptr + s, self.stage_bytes)
-                    chunk = Int64(sPages[first + i]) * self.hkv + Int64(h)
-                    ptx.bulk_copy_g2s(
-                        buf_addr + s * self.stage_bytes,
-                        kv_base + chunk * self.stage_bytes,
-                        self.stage_bytes,
-                        ptx.smem_addr(full_ptr + s),
-                    )
+                common.stream_pages(
+                    mKV, sPages, h, first, n_iter, buf_addr, full_ptr, empty_ptr,
+                    self.stages, self.stage_bytes, self.hkv,
+                )
         else:
             # ---- 2b. consumer warps
             self.consume(

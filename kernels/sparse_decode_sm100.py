@@ -83,7 +83,7 @@ from cutlass import Float32, Int32, Int64
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from . import ptx
+from . import common, ptx
 from .sparse_decode_mma import SparseDecodeMmaKernel
 
 HEAD_DIM = 128
@@ -122,15 +122,12 @@ DESC_P = _smem_desc_hi_lo(lbo=2 * CORE, sbo=CORE)
 
 
 # ----------------------------------------------------------------------------- PTX helpers
-def _asm(ret, args, text, constraints, side_effects=True):
-    return llvm.inline_asm(
-        ret, args, text, constraints,
-        has_side_effects=side_effects, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
+def _asm(ret, args, text, constraints):
+    # tcgen05 / fence / barrier instructions: always ordered (side effects)
+    return ptx._asm(ret, args, text, constraints, side_effects=True)
 
 
-def _i32(v, loc, ip):
-    return Int32(v).ir_value(loc=loc, ip=ip)
+_i32 = ptx._i32
 
 
 @dsl_user_op
@@ -282,40 +279,9 @@ class SparseDecodeSm100Kernel(SparseDecodeMmaKernel):
         """Dynamic shared memory of the main kernel: the Storage struct's size."""
         return int(self.storage_type().size_in_bytes())
 
-    # ------------------------------------------------------------------ host side
-    @cute.jit
-    def __call__(
-        self,
-        mQ: cute.Tensor,  # [T, Hq, 128] bf16, or uint8 holding e4m3
-        mKV: cute.Tensor,  # [P, Hkv, page, 256] uint8
-        mTopk: cute.Tensor,  # [T, Hkv, topk] int32, any strides
-        mBT: cute.Tensor,  # [B, max_blocks] int32
-        mKvLens: cute.Tensor,  # [T] int32
-        mOut: cute.Tensor,  # [T, Hq, 128] bf16
-        mLse: cute.Tensor,  # [T, Hq] fp32
-        mPO: cute.Tensor,  # [T*Hkv*S, G, 128] fp32
-        mPL: cute.Tensor,  # [T*Hkv*S, G] fp32
-        qlen: Int32,
-        num_splits: Int32,
-        qk_scale_log2: Float32,
-        v_scale: Float32,
-        stream: cuda.CUstream,
-    ):
-        num_tokens = mQ.shape[0]
-        Storage = self.storage_type()
-
-        self.kernel(
-            mQ, mKV, mTopk, mBT, mKvLens, mOut, mLse, mPO, mPL, qlen, num_splits, qk_scale_log2, v_scale, Storage
-        ).launch(
-            grid=(num_tokens, self.hkv, num_splits),
-            block=(self.threads, 1, 1),
-            stream=stream,
-            preferred_smem_carveout=100,  # explicit, so compiling needs no GPU to query
-        )
-        if num_splits > 1:
-            self.merge_kernel(mOut, mLse, mPO, mPL, num_splits).launch(
-                grid=(num_tokens, self.hkv, self.group), block=(HEAD_DIM, 1, 1), stream=stream
-            )
+    def launch_options(self) -> dict:
+        """One CTA per SM (shared memory), nothing to ask of the compiler."""
+        return {}
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
@@ -364,25 +330,12 @@ class SparseDecodeSm100Kernel(SparseDecodeMmaKernel):
         kv_len = mKvLens[t]
         req = t // qlen
         num_pages = mKV.shape[0]
-        max_blocks = mBT.shape[1]
 
         # ---- 1. setup: slot compaction + barriers (warp 0), TMEM alloc (MMA warp), Q -> sQ (softmax group)
         if warp == 0:
-            slot_ok = False
-            page = Int32(0)
-            blk = Int32(-1)
-            if lane < self.topk:
-                blk = mTopk[t, h, lane]
-            nvalid = cutlass.min(Int32(self.topk), (kv_len + (self.page - 1)) // self.page)
-            if lane < nvalid and blk >= 0 and blk < max_blocks and blk * self.page < kv_len:
-                page = mBT[req, blk]
-                if page >= 0 and page < num_pages:
-                    slot_ok = True
-            ballot = cute.arch.vote_ballot_sync(slot_ok)
-            rank = cute.arch.popc(ballot & cute.arch.lanemask_lt())
-            if slot_ok:
-                sPages[rank] = page
-                sBlocks[rank] = blk
+            ballot = common.compact_valid_slots(
+                mTopk, mBT, t, h, req, kv_len, num_pages, lane, sPages, sBlocks, self.topk, self.page
+            )
             if lane == 0:
                 sNvalid[0] = cute.arch.popc(ballot)
                 for s in cutlass.range_constexpr(self.stages):
@@ -404,26 +357,15 @@ class SparseDecodeSm100Kernel(SparseDecodeMmaKernel):
         taddr = ld_shared_u32(tmem_holder)
 
         n_valid = sNvalid[0]
-        per_split = (n_valid + num_splits - 1) // num_splits
-        first = split * per_split
-        n_iter = cutlass.max(cutlass.min(n_valid - first, per_split), Int32(0))
+        first, n_iter = common.split_range(n_valid, num_splits, split)
 
         if warp == PRODUCER_WARP:
             # ---- 2a. producer: one lane streams the selected chunks into the fp8 stages
             if lane == 0:
-                kv_base = mKV.iterator.toint()
-                for i in range(n_iter):
-                    s = i % self.stages
-                    phase = (i // self.stages) & 1
-                    cute.arch.mbarrier_wait(empty_ptr + s, phase ^ 1)
-                    cute.arch.mbarrier_arrive_and_expect_tx(full_ptr + s, self.stage_bytes)
-                    chunk = Int64(sPages[first + i]) * self.hkv + Int64(h)
-                    ptx.bulk_copy_g2s(
-                        stage_addr + s * self.stage_bytes,
-                        kv_base + chunk * self.stage_bytes,
-                        self.stage_bytes,
-                        ptx.smem_addr(full_ptr + s),
-                    )
+                common.stream_pages(
+                    mKV, sPages, h, first, n_iter, stage_addr, full_ptr, empty_ptr,
+                    self.stages, self.stage_bytes, self.hkv,
+                )
         elif warp == MMA_WARP:
             # ---- 2b. MMA issuer: one lane
             if lane == 0:
