@@ -286,16 +286,38 @@ def regressions(result: dict[str, Any], baseline: dict[str, Any], slack: float =
     return out
 
 
-def main(out_dir: str, baseline: str | None = None, **kw) -> dict[str, Any]:
+def latest_result(out_dir: str | Path) -> Path | None:
+    """The newest bench-*.json in out_dir (by its recorded date), or None."""
+    best, best_date = None, ""
+    for path in Path(out_dir).glob("bench-*.json"):
+        try:
+            date = json.loads(path.read_text())["environment"]["date"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if date > best_date:
+            best, best_date = path, date
+    return best
+
+
+def main(out_dir: str, baseline: str | None = "auto", **kw) -> dict[str, Any]:
+    """Run the grid, write bench-<date>T<time>.json/.png into out_dir, compare with a baseline.
+
+    baseline: a result JSON, "auto" (the newest result already in out_dir) or None/"none".
+    Points slower than the baseline by more than 5% are listed in result["regressions"].
+    """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if baseline == "auto":
+        baseline = latest_result(out)
+    elif baseline in (None, "none"):
+        baseline = None
     result = run_grid(**kw)
     if baseline:
         result["baseline"] = str(baseline)
         result["regressions"] = regressions(result, json.loads(Path(baseline).read_text()))
         for line in result["regressions"]:
             print("REGRESSION", line)
-    stamp = result["environment"]["date"][:10]
+    stamp = result["environment"]["date"][:16].replace(":", "")
     (out / f"bench-{stamp}.json").write_text(json.dumps(result, indent=1))
     try:
         plot(result, out / f"bench-{stamp}.png")

@@ -274,7 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--qlens", default="1,4")
     b.add_argument("--q-dtype", default="bfloat16", choices=["bfloat16", "float8_e4m3fn"])
     b.add_argument("--iters", type=int, default=50)
-    b.add_argument("--baseline", default=None, help="previous result JSON: flag points slower than it")
+    b.add_argument("--baseline", default="auto",
+                   help="result JSON to compare with (default: the newest in --out; 'none' to skip); "
+                        "exit 1 if a point is >5%% slower")
     b.set_defaults(func=_cmd_bench)
 
     t = sub.add_parser("selftest", help="hardware check of this GPU: correctness on the full grid, then bench")
