@@ -167,7 +167,6 @@ class SparseDecodeMmaKernel:
         v_scale: Float32,
         Storage: cutlass.Constexpr,
     ):
-        G = self.group
         tidx, _, _ = cute.arch.thread_idx()
         t, h, split = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(tidx // 32)
@@ -222,7 +221,6 @@ class SparseDecodeMmaKernel:
         self, mQ, mOut, mLse, mPO, mPL, sBlocks, sML, buf_addr, full_ptr, empty_ptr,
         t, h, split, warp, lane, kv_len, first, n_iter, num_splits, qk_scale_log2, v_scale,
     ):
-        G = self.group
         g = lane // 4
         c = lane % 4
         # Q fragments (A operand), loaded once: 8 k-steps x 4 f16x2 registers.

@@ -76,7 +76,6 @@ mbarriers (phase = page index & 1 for the four per-page ones):
 # storage_type(), which also runs outside a trace (smem_bytes).
 import math
 
-import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
@@ -369,8 +368,6 @@ class SparseDecodeSm100Kernel(SparseDecodeMmaKernel):
         elif warp == MMA_WARP:
             # ---- 2b. MMA issuer: one lane
             if lane == 0:
-                kv_ready_a = ptx.smem_addr(kv_ready)
-                p_ready_a = ptx.smem_addr(p_ready)
                 s_full_a = ptx.smem_addr(s_full)
                 o_full_a = ptx.smem_addr(o_full)
                 for i in range(n_iter):

@@ -7,7 +7,6 @@ layouts; outputs poisoned with NaN before each run and checked fully written.
 
 from __future__ import annotations
 
-import itertools
 import os
 import subprocess
 import sys
