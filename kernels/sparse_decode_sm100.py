@@ -13,10 +13,16 @@ N % 16 == 0):
     S^T[key, head]  = K[key, :]  . Q[head, :]^T        (M=128 keys,  N=16 heads, K=128 dims)
     O^T[dim, head] += V[:, dim]^T . P[head, :]^T        (M=128 dims,  N=16 heads, K=128 keys)
 
+MMA1 (S^T) depends on the query dtype: bf16 query -> kind::f16 on f16 K and Q (8 MMAs of
+K=16 per page); fp8 (e4m3) query -> kind::f8f6f4 on e4m3 K and Q as stored (4 MMAs of K=32
+per page). MMA2 (O^T) is kind::f16 in both variants.
+
 Warp roles (192 threads):
   * warps 0-3, "softmax/convert" warpgroup, thread `tid` = TMEM lane `tid`:
       - converts key row `tid` of the fp8 page (K and V) into f16 operand tiles sK / sV
         (exact fp8 -> f16 bit trick of kernels/ptx.py, times 2**-8, folded into the scales);
+        fp8-query variant: K is only repacked (e4m3 bytes copied, 16 bytes at a time, into the
+        K-major core-matrix tile sK8, see below), V is converted as above;
       - reads S^T row `tid` (key `tid`, 16 heads) from TMEM, runs the online softmax (the
         per-head max over the 128 keys goes through warp shuffles + shared memory), writes
         P^T (f16) to sP;
@@ -33,11 +39,17 @@ Per page the pipeline is serialized (convert -> MMA1 -> softmax -> MMA2 -> accum
 the HBM stream (producer) runs ahead. This is the "simplest structure that can be right";
 double-buffering sK/sV/sP/TMEM to overlap pages is future work.
 
-Numerics: all MMAs are kind::f16 with f16 operands and fp32 accumulators.
-  * Q: bf16 -> f16 (exact inside the f16 range, like the portable kernel), or fp8 -> f16
-    (times 2**-8); K, V: fp8 -> f16 (times 2**-8); P: f32 -> f16 (round to nearest).
-  * S scale: qk_scale_log2 * 2**8 (* 2**8 more for an fp8 query); output scale v_scale * 2**8.
-  Same folds as the portable kernel, so the same accuracy (16-bit P and V).
+Numerics: fp32 accumulators everywhere.
+  * bf16 query: MMA1 kind::f16, Q bf16 -> f16 (exact inside the f16 range, like the portable
+    kernel), K fp8 -> f16 (times 2**-8); S scale qk_scale_log2 * 2**8.
+  * fp8 query: MMA1 kind::f8f6f4, a_format = b_format = E4M3 (the cache's float8_e4m3fn:
+    OCP e4m3, no inf), raw e4m3 values, no 2**-8 factor; S scale = qk_scale_log2 alone
+    (= q_scale * k_scale * sm_scale * log2(e), computed on the host in msa_jit/op.py).
+    ASSUMED (unverified): the tensor core's fp32 accumulation of e4m3 products is accurate
+    enough for K = 128 (Hopper's fp8 WGMMA is reported to accumulate with fewer than 23
+    mantissa bits; each e4m3 x e4m3 product is exact, the sums are where error can enter).
+  * MMA2 (both): V fp8 -> f16 (times 2**-8), P f32 -> f16 (round to nearest); output scale
+    v_scale * 2**8. Same folds as the portable kernel (16-bit P and V).
 
 Shared-memory operand layouts (all SWIZZLE_NONE, "interleaved" core matrices of 8 rows x 16
 bytes = 8 x 8 f16, 128 contiguous bytes, row r of a core at +16*r). In cute's canonical
@@ -55,10 +67,36 @@ terms (cute/arch/mma_sm100_desc.hpp, make_umma_desc): for SWIZZLE_NONE
   * sP  (B of MMA2, MN-major, N=head, K=key): core (head//8, key//8) at (key//8)*256 +
         (head//8)*128, row key%8 (8 consecutive heads of one key). SBO=128, LBO=256.
         k-step s at +512*s.
+  fp8-query variant (MMA1 kind::f8f6f4, 8-bit elements: a core matrix is 8 rows x 16 bytes
+  = 8 x 16 e4m3, still 128 contiguous bytes, row r at +16*r; cute's canonical K-major
+  SWIZZLE_NONE form in uint128 units ((8,m),2):((1,SBO),LBO), i.e. T = 16 elements):
+  * sK8 (A, K-major, M=key, K=dim, 16 KiB; Storage field sk, which holds the f16 sK in the
+        bf16 variant): core (key//8, dim//16) at (key//8)*1024 + (dim//16)*128, row key%8.
+        LBO=128, SBO=1024. One MMA covers K=32 dims = 2 K-cores: k-step s (dims
+        32s..32s+31) at +256*s, 4 steps per page.
+  * sQ8 (B, K-major, N=head, K=dim, 2 KiB; Storage field sq): core (head//8, dim//16) at
+        (head//8)*1024 + (dim//16)*128, row head%8. LBO=128, SBO=1024, k-step +256*s.
+  Why K is repacked rather than read from the fp8 stage in place: a token row of the stage
+  is 256 bytes (K in bytes [0,128), V in [128,256)), so K-major rows of the page are 256 B
+  apart. Every K-major UMMA shared-memory layout fixes the row pitch inside an 8-row group:
+  16 B for SWIZZLE_NONE (the core matrix is 128 contiguous bytes; cute's make_umma_desc
+  asserts stride<0,0> == 1 uint128) and 32/64/128 B for SWIZZLE_32B/64B/128B (the swizzle
+  width); nothing takes 256 B. (An MN-major A would need the keys of one dim contiguous,
+  the stage has the dims of one key contiguous.)
+  So each softmax thread copies its key's 8 x 16 K bytes into sK8 (ld.shared.v4 +
+  st.shared.v4, no conversion): 8 + 8 instead of 8 + 16 accesses, 16 KiB less shared memory.
+  A 2-D TMA of the K half (box 128 B x 128 rows) could land K directly in an SW128 K-major
+  tile and drop the repack; not done (the stage also feeds V's conversion).
   Descriptor: start>>4 in bits [0,14), LBO>>4 in [16,30), SBO>>4 in [32,46), version 1 in
   [46,48), base offset 0, lbo mode 0, layout type 0 (SWIZZLE_NONE) in [61,64).
   Instruction descriptor (kind::f16): D f32 (bit 4), A/B f16 (format 0), a_major bit 15,
   b_major bit 16 (1 = MN-major), N>>3 in [17,23), M>>4 in [24,29).
+  Instruction descriptor (kind::f8f6f4, IDESC_S8): same fields, a_format [7,10) and b_format
+  [10,13) = E4M3 = 0, both K-major; numerically equal to IDESC_S (0x08040010): the .kind
+  selects the operand width. Checked against Tcgen05InstrDesc.build (c_dtype=Float32,
+  a_dtype=b_dtype=Float8E4M3FN, n_dim=16, m_dim=128) == 0x08040010, and cute's
+  UMMA::InstrDescriptor bitfields (mma_sm100_desc.hpp: MXF8F6F4Format::E4M3 = 0). ptxas
+  emits UTCQMMA for it (UTCHMMA for kind::f16).
 
 TMEM (TMEM_COLS = 32 columns, fp32, lane = accumulator row for M=128, cta_group::1):
   columns [0,16): S^T (lane = key, column = head); columns [16,32): this page's O^T
@@ -93,6 +131,8 @@ N_PAD = 16  # GQA heads padded to the UMMA N granule for M=128
 CORE = 128  # bytes of one 8 x 16-byte core matrix
 TILE_BYTES = PAGE * HEAD_DIM * 2  # one f16 128 x 128 operand tile (sK, sV)
 Q_BYTES = N_PAD * HEAD_DIM * 2
+TILE8_BYTES = PAGE * HEAD_DIM  # the e4m3 K tile of the fp8-query variant (kind::f8f6f4 MMA1)
+Q8_BYTES = N_PAD * HEAD_DIM  # the e4m3 Q tile of the fp8-query variant
 P_BYTES = N_PAD * PAGE * 2
 SOFTMAX_WARPS = 4
 SOFTMAX_THREADS = 32 * SOFTMAX_WARPS
@@ -106,6 +146,16 @@ _IDESC_BASE = (1 << 4) | ((N_PAD >> 3) << 17) | ((PAGE >> 4) << 24)
 IDESC_S = _IDESC_BASE  # A (K) K-major, B (Q) K-major
 IDESC_O = _IDESC_BASE | (1 << 15) | (1 << 16)  # A (V^T) MN-major, B (P^T) MN-major
 
+# instruction descriptor of the fp8-query MMA1 (kind::f8f6f4, e4m3 x e4m3 -> f32, M=128, N=16,
+# A (K) and B (Q) K-major). Field by field: c_format F32 = 1 at [4,6), a_format E4M3 = 0 at
+# [7,10), b_format E4M3 = 0 at [10,13), majors 0, N>>3 at [17,23), M>>4 at [24,29). E4M3 = 0
+# = F16, so the value equals IDESC_S: the .kind of the instruction tells the formats apart
+# (cross-checked against Tcgen05InstrDesc.build(c_dtype=Float32, a_dtype=b_dtype=
+# Float8E4M3FN, n_dim=16, m_dim=128) and cute's UMMA::make_instr_desc<float_e4m3_t, ...>).
+E4M3 = 0
+IDESC_S8 = (1 << 4) | (E4M3 << 7) | (E4M3 << 10) | ((N_PAD >> 3) << 17) | ((PAGE >> 4) << 24)
+K8_STEP = 32  # K (head dims) per kind::f8f6f4 MMA for 8-bit operands: 32 bytes = 2 core matrices
+
 
 def _smem_desc_hi_lo(lbo: int, sbo: int) -> tuple[int, int]:
     """Constant parts (low word without the address, high word) of a SWIZZLE_NONE descriptor."""
@@ -118,6 +168,9 @@ DESC_K = _smem_desc_hi_lo(lbo=CORE, sbo=16 * CORE)
 DESC_Q = _smem_desc_hi_lo(lbo=CORE, sbo=16 * CORE)
 DESC_V = _smem_desc_hi_lo(lbo=16 * CORE, sbo=CORE)
 DESC_P = _smem_desc_hi_lo(lbo=2 * CORE, sbo=CORE)
+# e4m3 K-major tiles (fp8-query MMA1): core (mn//8, dim//16), 8 K-cores per 8 rows
+DESC_K8 = _smem_desc_hi_lo(lbo=CORE, sbo=(HEAD_DIM // 16) * CORE)
+DESC_Q8 = _smem_desc_hi_lo(lbo=CORE, sbo=(HEAD_DIM // 16) * CORE)
 
 
 # ----------------------------------------------------------------------------- PTX helpers
@@ -169,10 +222,7 @@ def tmem_dealloc(taddr: Int32, ncols: int, *, loc=None, ip=None) -> None:
     _asm(None, [_i32(taddr, loc, ip)], f"tcgen05.dealloc.cta_group::1.sync.aligned.b32 $0, {ncols};", "r")
 
 
-@dsl_user_op
-def umma_f16(d_taddr: Int32, a_lo: Int32, a_hi: int, b_lo: Int32, b_hi: int, idesc: int, accumulate: Int32,
-             *, loc=None, ip=None) -> None:
-    """tcgen05.mma.cta_group::1.kind::f16 [d], a_desc, b_desc, idesc, accumulate != 0."""
+def _umma(kind, d_taddr, a_lo, a_hi, b_lo, b_hi, idesc, accumulate, loc, ip):
     _asm(
         None,
         [_i32(x, loc, ip) for x in (d_taddr, a_lo, a_hi, b_lo, b_hi, idesc, accumulate)],
@@ -180,9 +230,23 @@ def umma_f16(d_taddr: Int32, a_lo: Int32, a_hi: int, b_lo: Int32, b_hi: int, ide
         "mov.b64 ad, {$1, $2};\n\t"
         "mov.b64 bd, {$3, $4};\n\t"
         "setp.ne.b32 p, $6, 0;\n\t"
-        "tcgen05.mma.cta_group::1.kind::f16 [$0], ad, bd, $5, p;\n\t}",
+        f"tcgen05.mma.cta_group::1.kind::{kind} [$0], ad, bd, $5, p;\n\t}}",
         "r,r,r,r,r,r,r",
     )
+
+
+@dsl_user_op
+def umma_f16(d_taddr: Int32, a_lo: Int32, a_hi: int, b_lo: Int32, b_hi: int, idesc: int, accumulate: Int32,
+             *, loc=None, ip=None) -> None:
+    """tcgen05.mma.cta_group::1.kind::f16 [d], a_desc, b_desc, idesc, accumulate != 0."""
+    _umma("f16", d_taddr, a_lo, a_hi, b_lo, b_hi, idesc, accumulate, loc, ip)
+
+
+@dsl_user_op
+def umma_f8f6f4(d_taddr: Int32, a_lo: Int32, a_hi: int, b_lo: Int32, b_hi: int, idesc: int, accumulate: Int32,
+                *, loc=None, ip=None) -> None:
+    """tcgen05.mma.cta_group::1.kind::f8f6f4 [d], a_desc, b_desc, idesc, accumulate != 0 (K = 32 per MMA)."""
+    _umma("f8f6f4", d_taddr, a_lo, a_hi, b_lo, b_hi, idesc, accumulate, loc, ip)
 
 
 @dsl_user_op
@@ -251,7 +315,12 @@ class SparseDecodeSm100Kernel(SparseDecodeMmaKernel):
         self.warps = consumer_warps
         self.threads = THREADS
         self.stage_bytes = page_size * ROW_BYTES
-        self.s_fold = 2.0**8 * (2.0**8 if self.q_fp8 else 1.0)
+        # fp8 query: MMA1 multiplies the raw e4m3 values (kind::f8f6f4), so qk_scale_log2
+        # (= q_scale * k_scale * sm_scale * log2(e)) is the whole fold; bf16 query: K is f16
+        # holding K * 2**-8.
+        self.s_fold = 1.0 if self.q_fp8 else 2.0**8
+        self.sk_bytes = TILE8_BYTES if self.q_fp8 else TILE_BYTES
+        self.sq_bytes = Q8_BYTES if self.q_fp8 else Q_BYTES
 
     def storage_type(self):
         """The shared-memory struct of the main kernel (also usable outside a trace)."""
@@ -259,9 +328,9 @@ class SparseDecodeSm100Kernel(SparseDecodeMmaKernel):
         @cute.struct
         class Storage:
             stages: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.stages * self.stage_bytes], 1024]
-            sk: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, TILE_BYTES], 1024]
+            sk: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.sk_bytes], 1024]
             sv: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, TILE_BYTES], 1024]
-            sq: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, Q_BYTES], 1024]
+            sq: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.sq_bytes], 1024]
             sp: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, P_BYTES], 1024]
             full: cute.struct.Align[cute.struct.MemRange[Int64, self.stages], 8]
             empty: cute.struct.Align[cute.struct.MemRange[Int64, self.stages], 8]
@@ -374,13 +443,23 @@ class SparseDecodeSm100Kernel(SparseDecodeMmaKernel):
                     ph = i & 1
                     cute.arch.mbarrier_wait(kv_ready, ph)
                     tc_fence_after()
-                    for ks in cutlass.range_constexpr(HEAD_DIM // 16):
-                        umma_f16(
-                            taddr,
-                            ((sk_addr + 256 * ks) >> 4) | DESC_K[0], DESC_K[1],
-                            ((sq_addr + 256 * ks) >> 4) | DESC_Q[0], DESC_Q[1],
-                            IDESC_S, Int32(1 if ks > 0 else 0),
-                        )
+                    if cutlass.const_expr(self.q_fp8):
+                        # e4m3 K x e4m3 Q: 32 dims (2 K-cores, 256 B) per MMA
+                        for ks in cutlass.range_constexpr(HEAD_DIM // K8_STEP):
+                            umma_f8f6f4(
+                                taddr,
+                                ((sk_addr + 2 * CORE * ks) >> 4) | DESC_K8[0], DESC_K8[1],
+                                ((sq_addr + 2 * CORE * ks) >> 4) | DESC_Q8[0], DESC_Q8[1],
+                                IDESC_S8, Int32(1 if ks > 0 else 0),
+                            )
+                    else:
+                        for ks in cutlass.range_constexpr(HEAD_DIM // 16):
+                            umma_f16(
+                                taddr,
+                                ((sk_addr + 256 * ks) >> 4) | DESC_K[0], DESC_K[1],
+                                ((sq_addr + 256 * ks) >> 4) | DESC_Q[0], DESC_Q[1],
+                                IDESC_S, Int32(1 if ks > 0 else 0),
+                            )
                     umma_commit(s_full_a)
                     cute.arch.mbarrier_wait(p_ready, ph)
                     tc_fence_after()
@@ -413,27 +492,34 @@ class SparseDecodeSm100Kernel(SparseDecodeMmaKernel):
         G = self.group
         n = tidx // 8
         c = tidx % 8
-        words = cute.make_rmem_tensor(8, Int32)
-        for k in cutlass.range_constexpr(8):
-            words[k] = Int32(0)
-        if n < G:
-            q_base = mQ.iterator.toint()
-            row_elem = Int64(t) * Int64(mQ.stride[0]) + Int64(h * G + n) * HEAD_DIM + 16 * c
-            if cutlass.const_expr(self.q_fp8):
+        if cutlass.const_expr(self.q_fp8):
+            # e4m3 kept as is: 16 dims = 16 bytes = one row of the K-major e4m3 core (n//8, c)
+            words = cute.make_rmem_tensor(4, Int32)
+            for k in cutlass.range_constexpr(4):
+                words[k] = Int32(0)
+            if n < G:
+                q_base = mQ.iterator.toint()
+                row_elem = Int64(t) * Int64(mQ.stride[0]) + Int64(h * G + n) * HEAD_DIM + 16 * c
                 w = ptx.ld_global_nc_v4(q_base + row_elem)
                 for k in cutlass.range_constexpr(4):
-                    lo, hi = _fp8x4_to_f16x4(w[k])
-                    words[2 * k] = lo
-                    words[2 * k + 1] = hi
-            else:
+                    words[k] = w[k]
+            dst = sq_addr + (n // 8) * ((HEAD_DIM // 16) * CORE) + c * CORE + (n % 8) * 16
+            st_shared_v4(dst, words[0], words[1], words[2], words[3])
+        else:
+            words = cute.make_rmem_tensor(8, Int32)
+            for k in cutlass.range_constexpr(8):
+                words[k] = Int32(0)
+            if n < G:
+                q_base = mQ.iterator.toint()
+                row_elem = Int64(t) * Int64(mQ.stride[0]) + Int64(h * G + n) * HEAD_DIM + 16 * c
                 for part in cutlass.range_constexpr(2):
                     w = ptx.ld_global_nc_v4(q_base + (row_elem + 8 * part) * 2)
                     for k in cutlass.range_constexpr(4):
                         words[4 * part + k] = ptx.bf16x2_to_f16x2(w[k])
-        # K-major core (head//8, dim//8): dims 16c..16c+7 -> kb 2c, 16c+8.. -> kb 2c+1
-        dst = sq_addr + (n // 8) * (16 * CORE) + (2 * c) * CORE + (n % 8) * 16
-        st_shared_v4(dst, words[0], words[1], words[2], words[3])
-        st_shared_v4(dst + CORE, words[4], words[5], words[6], words[7])
+            # K-major core (head//8, dim//8): dims 16c..16c+7 -> kb 2c, 16c+8.. -> kb 2c+1
+            dst = sq_addr + (n // 8) * (16 * CORE) + (2 * c) * CORE + (n % 8) * 16
+            st_shared_v4(dst, words[0], words[1], words[2], words[3])
+            st_shared_v4(dst + CORE, words[4], words[5], words[6], words[7])
 
     @cute.jit
     def convert_row(self, stage, sk_addr, sv_addr, tidx):
@@ -461,6 +547,33 @@ class SparseDecodeSm100Kernel(SparseDecodeMmaKernel):
             st_shared_v4(dst + CORE, f[4], f[5], f[6], f[7])
 
     @cute.jit
+    def convert_row_fp8q(self, stage, sk_addr, sv_addr, tidx):
+        """fp8-query variant: key row tidx of the fp8 stage -> e4m3 row of sK8 (repacked, not
+        converted: K-major core (key//8, dim//16)) and f16 row of sV (as convert_row).
+
+        The chunk order is rotated by the thread index (mod 8 within the K half and within the
+        V half) so the 8 threads of a shared-memory phase read 8 different bank groups.
+        """
+        row = stage + tidx * ROW_BYTES
+        k_row = sk_addr + (tidx // 8) * ((HEAD_DIM // 16) * CORE) + (tidx % 8) * 16
+        for j in cutlass.range_constexpr(8):
+            c = (tidx + j) % 8  # K dims 16c..16c+15
+            w = ptx.ld_shared_v4(row + 16 * c)
+            st_shared_v4(k_row + c * CORE, w[0], w[1], w[2], w[3])
+        dst_row = sv_addr + (tidx // 8) * (16 * CORE) + (tidx % 8) * 16
+        for j in cutlass.range_constexpr(8):
+            c = (tidx + j) % 8  # V dims 16c..16c+15
+            w = ptx.ld_shared_v4(row + HEAD_DIM + 16 * c)
+            f = []
+            for k in cutlass.range_constexpr(4):
+                lo, hi = _fp8x4_to_f16x4(w[k])
+                f.append(lo)
+                f.append(hi)
+            dst = dst_row + (2 * c) * CORE
+            st_shared_v4(dst, f[0], f[1], f[2], f[3])
+            st_shared_v4(dst + CORE, f[4], f[5], f[6], f[7])
+
+    @cute.jit
     def softmax_loop(
         self, mOut, mLse, mPO, mPL, sBlocks, sRed, stage_addr, sk_addr, sv_addr, sp_addr,
         full_ptr, empty_ptr, kv_ready, s_full, p_ready, o_full, taddr,
@@ -484,7 +597,10 @@ class SparseDecodeSm100Kernel(SparseDecodeMmaKernel):
             ph = i & 1
             # -- fp8 stage -> f16 operand tiles
             cute.arch.mbarrier_wait(full_ptr + s, phs)
-            self.convert_row(stage_addr + s * self.stage_bytes, sk_addr, sv_addr, tidx)
+            if cutlass.const_expr(self.q_fp8):
+                self.convert_row_fp8q(stage_addr + s * self.stage_bytes, sk_addr, sv_addr, tidx)
+            else:
+                self.convert_row(stage_addr + s * self.stage_bytes, sk_addr, sv_addr, tidx)
             cute.arch.mbarrier_arrive(empty_ptr + s)
             fence_proxy_async_shared()
             cute.arch.mbarrier_arrive(kv_ready)
