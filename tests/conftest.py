@@ -6,6 +6,8 @@ import os
 import sys
 from pathlib import Path
 
+import tempfile
+
 import pytest
 import torch
 
@@ -30,3 +32,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def isolated_env(monkeypatch, tmp_path):
+    """No MSA_JIT_* from the outside, a private tempfile.gettempdir(), fresh cache counters."""
+    from msa_jit import cache, env
+
+    for name in env.VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    systmp = tmp_path / "systmp"
+    systmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(systmp))
+    cache.reset_stats()

@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import warnings
@@ -38,16 +37,7 @@ FP = {"source": "fake", "dsl": "0"}  # the worker's default fingerprint
 ENV_VARS = [name for name, _v, _d in env.describe()]
 
 
-@pytest.fixture(autouse=True)
-def _isolated(monkeypatch, tmp_path):
-    """No MSA_JIT_* from the outside; a private tempfile.gettempdir(); fresh counters."""
-    for name in ENV_VARS:
-        monkeypatch.delenv(name, raising=False)
-    systmp = tmp_path / "systmp"
-    systmp.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(systmp))
-    cache.reset_stats()
-    yield
+pytestmark = pytest.mark.usefixtures("isolated_env")  # tests/conftest.py
 
 
 def key_of(config: dict, fingerprint: dict = FP) -> str:

@@ -15,7 +15,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -28,13 +27,8 @@ WARM_ARGS = ["--heads", "8/1", "--q-dtype", "bf16", "--arch", "sm_90a"]
 
 
 @pytest.fixture(autouse=True)
-def _isolated(monkeypatch, tmp_path):
-    for name in env.VARIABLES:
-        monkeypatch.delenv(name, raising=False)
-    systmp = tmp_path / "systmp"
-    systmp.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(systmp))
-    cache.reset_stats()
+def _isolated(isolated_env):
+    """tests/conftest.py isolation, plus the msa_jit logger restored after each test."""
     logger = logging.getLogger("msa_jit")  # main() configures it: restore it for other tests
     level, handlers = logger.level, list(logger.handlers)
     yield

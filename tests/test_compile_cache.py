@@ -14,7 +14,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -32,14 +31,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(autouse=True)
-def _isolated(monkeypatch, tmp_path):
-    """No MSA_JIT_* from the outside, a private tempfile.gettempdir(), fresh counters."""
-    for name in env.VARIABLES:
-        monkeypatch.delenv(name, raising=False)
-    systmp = tmp_path / "systmp"
-    systmp.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(systmp))
-    cache.reset_stats()
+def _isolated(isolated_env):
+    """tests/conftest.py: no MSA_JIT_* from outside, private temp dir, fresh counters."""
 
 
 def sub_env(cache_dir: Path, **extra: str) -> dict[str, str]:
