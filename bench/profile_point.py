@@ -2,6 +2,8 @@
 
     ncu --clock-control none -k regex:kernel_cutlass_kernel -c 1 --section SpeedOfLight \
         --section Occupancy --section WarpStateStats python3 bench/profile_point.py 64/4 64 1
+
+Arguments: geometry batch qlen [shared_blocks (consecutive tokens share that many blocks)].
 """
 
 import math
@@ -13,12 +15,14 @@ from msa_jit import SparseDecodePlanner, sparse_decode
 from msa_jit.bench import GEOMETRIES, make_step
 
 geo, batch, qlen = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+shared = int(sys.argv[4]) if len(sys.argv) > 4 else 0
 hq, hkv = GEOMETRIES[geo]
-step = make_step(hq, hkv, batch, qlen, "bfloat16")
+step = make_step(hq, hkv, batch, qlen, "bfloat16", shared_blocks=shared)
 planner = SparseDecodePlanner()
 for _ in range(3):
     plan = planner.prepare(step["block_table"], step["seq_lens"], step["seq_lens_cpu"], qlen,
                            num_q_heads=hq, num_kv_heads=hkv, page_size=128, topk_blocks=16)
     sparse_decode(step["query"], step["kv_cache"], step["topk"], step["out"], plan, sm_scale=1 / math.sqrt(128))
 torch.cuda.synchronize()
-print("profiled", geo, batch, qlen, "splits", plan.num_splits)
+print("profiled", geo, batch, qlen, "shared", shared, "splits", plan.num_splits,
+      "kv_bytes", step["kv_bytes"], "logical_bytes", step["logical_bytes"])

@@ -57,6 +57,12 @@ def ld_shared_v4(addr: Int32, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def ld_shared_b32(addr: Int32, *, loc=None, ip=None) -> Int32:
+    """ld.shared.b32 at a 4-byte aligned shared address."""
+    return Int32(_asm(T.i32(), [_i32(addr, loc, ip)], "ld.shared.b32 $0, [$1];", "=r,r", side_effects=True))
+
+
+@dsl_user_op
 def ld_shared_v4_f32(addr: Int32, *, loc=None, ip=None):
     s = _asm(
         llvm.StructType.get_literal([T.f32()] * 4),
@@ -133,6 +139,44 @@ def fp8x2_to_f16x2_scaled(lo: Int32, hi: Int32, selector: int, *, loc=None, ip=N
             "and.b32 u, u, 0x3f803f80;\n\t"
             "and.b32 t, t, 0x80008000;\n\t"
             "or.b32 $0, t, u;\n\t}",
+            "=r,r,r",
+        )
+    )
+
+
+@dsl_user_op
+def e4m3x2_to_f16x2(w: Int32, half: int, *, loc=None, ip=None) -> Int32:
+    """The two e4m3 bytes in 16-bit half `half` (0 low, 1 high) of w -> f16x2, exact (SM89+).
+
+    One `cvt.rn.f16x2.e4m3x2` (one F2FP on SM90): the lower byte lands in the lower half.
+    """
+    pick = "l" if half == 0 else "h"
+    return Int32(
+        _asm(
+            T.i32(),
+            [_i32(w, loc, ip)],
+            "{\n\t.reg .b16 l, h;\n\t"
+            "mov.b32 {l, h}, $1;\n\t"
+            f"cvt.rn.f16x2.e4m3x2 $0, {pick};\n\t}}",
+            "=r,r",
+        )
+    )
+
+
+@dsl_user_op
+def e4m3_bytes_to_f16x2(lo: Int32, hi: Int32, selector: int, *, loc=None, ip=None) -> Int32:
+    """Byte `selector & 7` of {hi:lo} -> low half, byte `(selector >> 4) & 7` -> high half (exact).
+
+    `prmt` gathers the two bytes into 16 bits, one `cvt.rn.f16x2.e4m3x2` converts them.
+    """
+    return Int32(
+        _asm(
+            T.i32(),
+            [_i32(lo, loc, ip), _i32(hi, loc, ip)],
+            "{\n\t.reg .b32 t;\n\t.reg .b16 l, h;\n\t"
+            f"prmt.b32 t, $1, $2, {selector:#x};\n\t"
+            "mov.b32 {l, h}, t;\n\t"
+            "cvt.rn.f16x2.e4m3x2 $0, l;\n\t}",
             "=r,r,r",
         )
     )

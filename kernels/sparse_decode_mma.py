@@ -10,11 +10,13 @@ Data path per selected block (one page of one KV head = one contiguous chunk of
 page_size * 256 bytes, K in bytes [0,128) and V in [128,256) of every token row):
   * a producer warp bulk-copies the chunk into a shared-memory stage (`cp.async.bulk`,
     completion on an mbarrier), STAGES chunks in flight;
-  * consumer warp w owns keys [16w, 16w+16) of every block and keeps its own online
+  * consumer warp w owns keys [32w, 32w+32) of every block and keeps its own online
     softmax; S = Q K^T and O += P V run on m16n8k16 f16 MMAs with fp32 accumulators;
-  * fp8 K/V become f16 with a 4-instruction bit trick (exact, times 2**-8, folded into the
-    fp32 scales); the reduction indices (head_dim for S, keys for O) are permuted so that
-    each thread reads 16-byte words of shared memory and no transpose is needed;
+  * fp8 K/V become f16 exactly with one `cvt.rn.f16x2.e4m3x2` per pair (`convert="cvt"`;
+    the older 4-instruction bit trick, `"bittrick"`, scales by 2**-8 and is kept for A/B
+    runs: bench/variants.py); the reduction indices (head_dim for S, keys for O) are
+    permuted so that no transpose is needed; K is read with 16-byte shared loads, V with
+    bank-conflict-free rotated 32-bit loads (`v_loads="rotated"`, see ld_v_rotated);
   * at the end the warps' partial (m, l, O) are merged through shared memory; with
     num_splits > 1 the CTA writes a normalized partial O and its log2-LSE, and a second
     kernel in the same launch sequence merges the splits.
@@ -63,6 +65,8 @@ class SparseDecodeMmaKernel:
         q_dtype: str = "bfloat16",
         stages: int = 3,
         consumer_warps: int = 4,
+        convert: str = "cvt",
+        v_loads: str = "rotated",
     ):
         if num_q_heads % num_kv_heads:
             raise ValueError("num_q_heads must be a multiple of num_kv_heads")
@@ -89,8 +93,15 @@ class SparseDecodeMmaKernel:
         self.buf_bytes = max(stages * self.stage_bytes, self.warps * RED_WARP)
         # elements of the 16 x 128 output tile each consumer thread finalizes
         self.out_elems = 16 * HEAD_DIM // self.consumer_threads
-        # fp8 -> f16 trick scales K and V by 2**-8 (and an fp8 query too)
-        self.s_fold = 2.0**8 * (2.0**8 if self.q_fp8 else 1.0)
+        if convert not in ("bittrick", "cvt"):
+            raise ValueError(f"convert {convert!r} not in ('bittrick', 'cvt')")
+        self.cvt = convert == "cvt"
+        # the fp8 -> f16 bit trick scales K and V by 2**-8 (and an fp8 query too); cvt is exact
+        self.fp8_fold = 1.0 if self.cvt else 2.0**8
+        self.s_fold = self.fp8_fold * (self.fp8_fold if self.q_fp8 else 1.0)
+        if v_loads not in ("v4", "rotated"):
+            raise ValueError(f"v_loads {v_loads!r} not in ('v4', 'rotated')")
+        self.v_rotated = v_loads == "rotated"
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -272,7 +283,10 @@ class SparseDecodeMmaKernel:
                 row = stage + (key_a + 2 * j) * ROW_BYTES + 16 * c
                 kw.append(ptx.ld_shared_v4(row) + ptx.ld_shared_v4(row + 64))
             vrow = stage + (kb + 4 * c) * ROW_BYTES + HEAD_DIM + 16 * g
-            vw.append([ptx.ld_shared_v4(vrow + i * ROW_BYTES) for i in range(4)])
+            if cutlass.const_expr(self.v_rotated):
+                vw.append([self.ld_v_rotated(vrow + i * ROW_BYTES, c) for i in range(4)])
+            else:
+                vw.append([ptx.ld_shared_v4(vrow + i * ROW_BYTES) for i in range(4)])
         cute.arch.sync_warp()
         if lane == 0:  # this warp is done reading the stage
             cute.arch.mbarrier_arrive(empty_bar)
@@ -283,9 +297,7 @@ class SparseDecodeMmaKernel:
         d = [[Float32(0.0)] * 4 for _ in range(nt_s)]
         for ks in cutlass.range_constexpr(8):
             for n in cutlass.range_constexpr(nt_s):
-                w = kw[n][ks]
-                b0 = ptx.fp8x2_to_f16x2_scaled(w, w, 0x1000)
-                b1 = ptx.fp8x2_to_f16x2_scaled(w, w, 0x3020)
+                b0, b1 = self.fp8x4_to_f16x2x2(kw[n][ks])
                 d[n] = ptx.mma_f16_16816(
                     qa[4 * ks], qa[4 * ks + 1], qa[4 * ks + 2], qa[4 * ks + 3], b0, b1, *d[n]
                 )
@@ -335,14 +347,39 @@ class SparseDecodeMmaKernel:
             for nt in cutlass.range_constexpr(16):
                 u = nt // 4
                 e = nt % 4
-                sel = ((4 + e) << 12) | (e << 4)
-                b0 = ptx.fp8x2_to_f16x2_scaled(v0[u], v1[u], sel)
-                b1 = ptx.fp8x2_to_f16x2_scaled(v2[u], v3[u], sel)
+                b0 = self.fp8_bytes_to_f16x2(v0[u], v1[u], e)
+                b1 = self.fp8_bytes_to_f16x2(v2[u], v3[u], e)
                 dd = ptx.mma_f16_16816(
                     pa0, pa1, pa2, pa3, b0, b1, acc[4 * nt], acc[4 * nt + 1], acc[4 * nt + 2], acc[4 * nt + 3]
                 )
                 for k in cutlass.range_constexpr(4):
                     acc[4 * nt + k] = dd[k]
+
+    @cute.jit
+    def ld_v_rotated(self, addr, c):
+        """The 16 bytes at addr as 4 words, read with 4 bank-conflict-free 32-bit loads.
+
+        Lane c reads word (j + c) & 3 in its j-th load, so the 4 lanes of a row group that
+        share banks (all V rows alias modulo 128 B) hit 4 different banks; the words are then
+        rotated back into place by c (2 rounds of selects).
+        """
+        r = [ptx.ld_shared_b32(addr + 4 * ((j + c) & 3)) for j in range(4)]
+        t = [r[(u - 1) & 3] if c & 1 else r[u] for u in range(4)]
+        return [t[(u - 2) & 3] if c & 2 else t[u] for u in range(4)]
+
+    @cute.jit
+    def fp8x4_to_f16x2x2(self, w):
+        """e4m3 bytes 0..3 of w -> (f16x2 of bytes 0,1; f16x2 of bytes 2,3), times 1 / fp8_fold."""
+        if cutlass.const_expr(self.cvt):
+            return ptx.e4m3x2_to_f16x2(w, 0), ptx.e4m3x2_to_f16x2(w, 1)
+        return ptx.fp8x2_to_f16x2_scaled(w, w, 0x1000), ptx.fp8x2_to_f16x2_scaled(w, w, 0x3020)
+
+    @cute.jit
+    def fp8_bytes_to_f16x2(self, lo, hi, e: cutlass.Constexpr):
+        """f16x2 {byte e of lo, byte e of hi} (e4m3), times 1 / fp8_fold."""
+        if cutlass.const_expr(self.cvt):
+            return ptx.e4m3_bytes_to_f16x2(lo, hi, ((4 + e) << 4) | e)
+        return ptx.fp8x2_to_f16x2_scaled(lo, hi, ((4 + e) << 12) | (e << 4))
 
     @cute.jit
     def load_q(self, mQ, qa, t, h, g, c):
@@ -373,9 +410,7 @@ class SparseDecodeMmaKernel:
                 half = ks // 4
                 sub = ks % 4
                 if cutlass.const_expr(self.q_fp8):
-                    w = words[8 * half + sub]
-                    lo = ptx.fp8x2_to_f16x2_scaled(w, w, 0x1000)
-                    hi = ptx.fp8x2_to_f16x2_scaled(w, w, 0x3020)
+                    lo, hi = self.fp8x4_to_f16x2x2(words[8 * half + sub])
                 else:
                     lo = ptx.bf16x2_to_f16x2(words[8 * half + 2 * sub])
                     hi = ptx.bf16x2_to_f16x2(words[8 * half + 2 * sub + 1])
@@ -440,7 +475,7 @@ class SparseDecodeMmaKernel:
                 l_all = l_all + sML[w * 32 + 2 * row + 1] * ptx.ex2(sML[w * 32 + 2 * row] - m_use)
             inv = Float32(0.0)
             if l_all > Float32(0.0):
-                inv = v_scale * 256.0 / l_all
+                inv = v_scale * self.fp8_fold / l_all
             lse2 = -Float32.inf
             if l_all > Float32(0.0):
                 lse2 = m_all + ptx.lg2(l_all)

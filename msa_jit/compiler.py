@@ -166,8 +166,13 @@ def _linker() -> str:
     raise RuntimeError("no C compiler/linker (cc, gcc or clang) found to link the exported kernel; set CC")
 
 
-def compile_sparse_decode(config: SparseDecodeConfig, out_dir: str | os.PathLike) -> dict[str, Any]:
-    """Compile + export + link one geometry into out_dir/sparse_decode.so. Needs the DSL, not a GPU."""
+def compile_sparse_decode(config: SparseDecodeConfig, out_dir: str | os.PathLike,
+                          kernel_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Compile + export + link one geometry into out_dir/sparse_decode.so. Needs the DSL, not a GPU.
+
+    kernel_options: extra constructor arguments of the kernel class, for experiments
+    (bench/variants.py); the cache never passes any, so cached artifacts are the defaults.
+    """
     from .geometry import check_config
 
     reason = check_config(config)
@@ -186,6 +191,7 @@ def compile_sparse_decode(config: SparseDecodeConfig, out_dir: str | os.PathLike
         page_size=config.page_size,
         topk=config.topk,
         q_dtype=config.q_dtype,
+        **(kernel_options or {}),
     )
     t0 = time.perf_counter()
     compiled = cute.compile(kernel, *fake_arguments(config), options=f"{COMPILE_OPTIONS} --gpu-arch {config.arch}")

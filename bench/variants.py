@@ -1,0 +1,270 @@
+"""Kernel variant screening: build here (no GPU), check and time there, in one device run.
+
+    python bench/variants.py build --arch sm_90a --dir .variants      # here: compile + export
+    python bench/variants.py run --dir .variants --out $OUT           # GPU host: check + time
+
+A variant is a set of constructor options of the portable kernel (`VARIANTS`); each one is
+checked against the float64 reference before it is timed, and every variant is timed on the
+same inputs, interleaved, in the same process (CUDA-graph replay, L2 flushed by reading,
+medians; `msa_jit.bench`). `run` also splits the batch-1 step and the host-side cost into
+their parts. Results: one JSON file (device, versions, date, command inside).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+# "base" is the kernel as it was before the 2026-12-02 variant run (bit-trick conversion,
+# 16-byte V loads); the defaults are now cvt + rotated V loads.
+VARIANTS: dict[str, dict[str, Any]] = {
+    "base": {"convert": "bittrick", "v_loads": "v4"},
+    "cvt": {"convert": "cvt", "v_loads": "v4"},
+    "cvt_vrot": {"convert": "cvt", "v_loads": "rotated"},
+}
+GEOMETRIES = [(64, 4, "bfloat16"), (8, 1, "bfloat16"), (16, 1, "bfloat16"), (64, 4, "float8_e4m3fn")]
+BF16, FP8 = "bfloat16", "float8_e4m3fn"
+# (geometry, batch, qlen, shared_blocks, query dtype)
+POINTS = [("64/4", 256, 1, 0, BF16), ("64/4", 64, 1, 0, BF16), ("8/1", 256, 1, 0, BF16),
+          ("16/1", 256, 1, 0, BF16), ("64/4", 1, 1, 0, BF16), ("64/4", 64, 4, 12, BF16),
+          ("64/4", 256, 1, 0, FP8), ("64/4", 64, 1, 0, FP8)]
+
+
+def _so(root: Path, variant: str, hq: int, hkv: int, q_dtype: str) -> Path:
+    return root / variant / f"{hq}x{hkv}-{q_dtype}" / "sparse_decode.so"
+
+
+def build(args: argparse.Namespace) -> int:
+    from msa_jit.compiler import compile_sparse_decode
+    from msa_jit.geometry import SparseDecodeConfig
+
+    root = Path(args.dir)
+    for name in args.variants or VARIANTS:
+        for hq, hkv, qd in GEOMETRIES:
+            cfg = SparseDecodeConfig(num_q_heads=hq, num_kv_heads=hkv, q_dtype=qd, arch=args.arch)
+            out = _so(root, name, hq, hkv, qd).parent
+            out.mkdir(parents=True, exist_ok=True)
+            t0 = time.perf_counter()
+            compile_sparse_decode(cfg, out, kernel_options=VARIANTS[name])
+            print(f"{name:>8} {hq}/{hkv} {qd}: {time.perf_counter() - t0:.1f} s", flush=True)
+    return 0
+
+
+def _check(fn, hq: int, hkv: int, qd: str) -> list[dict[str, Any]]:
+    """Reference comparison of one loaded variant on a few small cases (splits forced both ways)."""
+    import torch
+
+    from msa_jit import SparseDecodePlanner, sparse_decode
+    from msa_jit.testing import compare_with_reference, make_case
+
+    rows = []
+    for batch, qlen, num_sms, padded in ((1, 1, None, False), (3, 4, None, True), (16, 1, 1, False),
+                                         (5, 2, 100000, True)):
+        case = make_case(batch, qlen, hq, hkv, q_dtype=getattr(torch, qd), seed=hq * 1000 + batch * 10 + qlen,
+                         device="cuda", padded=padded, transposed_topk=batch % 2 == 1)
+        plan = SparseDecodePlanner(num_sms=num_sms).prepare(*case.prepare_args(), **case.prepare_kwargs())
+        plan.kernels[case.query.dtype] = fn
+        out, lse = case.new_out(), case.new_lse()
+        sparse_decode(case.query, case.kv_cache, case.topk, out, plan, lse=lse, backend="kernel", **case.scales())
+        torch.cuda.synchronize()
+        err, problems = compare_with_reference(case, out, lse)
+        rows.append(dict(batch=batch, qlen=qlen, num_splits=plan.num_splits, rel_l2=err, problems=problems))
+    return rows
+
+
+def _time_points(fns: dict[tuple[str, str], Any], copy_bw: float, iters: int, rounds: int) -> list[dict]:
+    import torch
+
+    from msa_jit import SparseDecodePlanner, sparse_decode
+    from msa_jit.bench import GEOMETRIES as BENCH_GEOMS
+    from msa_jit.bench import make_step, time_graph
+
+    rows = []
+    for geom, batch, qlen, shared, qd in POINTS:
+        hq, hkv = BENCH_GEOMS[geom]
+        step = make_step(hq, hkv, batch, qlen, qd, shared_blocks=shared)
+        planner = SparseDecodePlanner()
+
+        def prepare():
+            return planner.prepare(step["block_table"], step["seq_lens"], step["seq_lens_cpu"], qlen,
+                                   num_q_heads=hq, num_kv_heads=hkv, page_size=128, topk_blocks=16)
+
+        def run():
+            sparse_decode(step["query"], step["kv_cache"], step["topk"], step["out"], prepare(), sm_scale=0.088)
+
+        plan = prepare()  # the same object every step; its kernels are swapped per variant below
+        times: dict[str, list[float]] = {}
+        for _ in range(rounds):  # interleaved, so clock / thermal drift hits every variant alike
+            for name in VARIANTS:
+                fn = fns.get((name, f"{hq}x{hkv}-{qd}"))
+                if fn is None:
+                    continue
+                plan.kernels[step["query"].dtype] = fn
+                times.setdefault(name, []).extend(time_graph(run, iters=iters))
+        for name, ts in times.items():
+            med = statistics.median(ts)
+            rows.append(dict(variant=name, geometry=geom, q_dtype=qd, batch=batch, qlen=qlen, shared_blocks=shared,
+                             num_splits=plan.num_splits, us=round(med, 2),
+                             pct_of_copy=round(100 * step["kv_bytes"] / (med * 1e-6) / copy_bw, 1),
+                             logical_pct_of_copy=round(100 * step["logical_bytes"] / (med * 1e-6) / copy_bw, 1)))
+            print(f"{name:>8} {geom} {qd} B={batch} q={qlen} shared={shared}: {med:.2f} us "
+                  f"{rows[-1]['pct_of_copy']}% of copy", flush=True)
+        del step
+    return rows
+
+
+def _batch1_parts(fn) -> dict[str, Any]:
+    """Graph time of the batch-1 step and of its parts, plus per-kernel GPU durations."""
+    import torch
+
+    from msa_jit import SparseDecodePlanner, sparse_decode
+    from msa_jit.bench import make_step, time_graph
+
+    step = make_step(64, 4, 1, 1, "bfloat16")
+    planner = SparseDecodePlanner()
+    args = (step["block_table"], step["seq_lens"], step["seq_lens_cpu"], 1)
+    kw = dict(num_q_heads=64, num_kv_heads=4, page_size=128, topk_blocks=16)
+    plan = planner.prepare(*args, **kw)
+    plan.kernels[torch.bfloat16] = fn
+
+    def op():
+        sparse_decode(step["query"], step["kv_cache"], step["topk"], step["out"], plan, sm_scale=0.088)
+
+    tiny = torch.zeros(1, device="cuda")
+    parts = {
+        "step": lambda: (planner.prepare(*args, **kw), op()),
+        "prologue_only": lambda: planner.prepare(*args, **kw),
+        "op_only": op,
+        "one_tiny_kernel": lambda: tiny.add_(1),
+    }
+    res = {name: round(statistics.median(time_graph(f, iters=100)), 2) for name, f in parts.items()}
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(5):
+        parts["step"]()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(20):
+            parts["step"]()
+        torch.cuda.synchronize()
+    kernels = {}
+    for ev in prof.key_averages():
+        if ev.device_type.name == "CUDA" and ev.count:
+            kernels[ev.key[:60]] = round(ev.device_time_total / ev.count, 2) if hasattr(ev, "device_time_total") \
+                else round(ev.cuda_time_total / ev.count, 2)
+    res["kernel_us"] = kernels
+    res["num_splits"] = plan.num_splits
+    return res
+
+
+def _host_parts(fn, iters: int = 3000) -> dict[str, float]:
+    """CPU microseconds of each piece of prepare() and sparse_decode() on the batch-1 step."""
+    import torch
+
+    from msa_jit import SparseDecodePlanner, sparse_decode
+    from msa_jit.bench import make_step
+    from msa_jit.prologue import refresh_plan_tensors
+    from msa_jit.validation import validate_prepare, validate_sparse_decode
+
+    step = make_step(64, 4, 1, 1, "bfloat16")
+    planner = SparseDecodePlanner()
+    args = (step["block_table"], step["seq_lens"], step["seq_lens_cpu"], 1)
+    kw = dict(num_q_heads=64, num_kv_heads=4, page_size=128, topk_blocks=16)
+    plan = planner.prepare(*args, **kw)
+    plan.kernels[torch.bfloat16] = fn
+    q, kv, tk, out = step["query"], step["kv_cache"], step["topk"], step["out"]
+    kv8 = kv.view(torch.uint8)
+    pieces = {
+        "prepare": lambda: planner.prepare(*args, **kw),
+        "validate_prepare": lambda: validate_prepare(*args, **kw),
+        "triton_refresh_launch": lambda: refresh_plan_tensors(step["seq_lens"], plan.kv_lens, plan.qo_offset, 1),
+        "sparse_decode": lambda: sparse_decode(q, kv, tk, out, plan, sm_scale=0.088),
+        "validate_sparse_decode": lambda: validate_sparse_decode(q, kv, tk, out, plan, None, "auto"),
+        "tvm_ffi_call": lambda: fn(q, kv8, tk, plan.block_table, plan.kv_lens, out, plan.lse_scratch,
+                                   plan.partial_o, plan.partial_lse, 1, plan.num_splits, 0.1, 1.0),
+        "empty_torch_op": lambda: out.data_ptr(),
+    }
+    res = {}
+    for name, f in pieces.items():
+        for _ in range(100):
+            f()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            f()
+        res[name] = round((time.perf_counter() - t0) / iters * 1e6, 2)
+        torch.cuda.synchronize()
+    return res
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from msa_jit.bench import copy_bandwidth, environment
+    from msa_jit.loader import load_artifact
+
+    root = Path(args.dir)
+    fns = {}
+    for name in VARIANTS:
+        for hq, hkv, qd in GEOMETRIES:
+            so = _so(root, name, hq, hkv, qd)
+            if so.is_file():
+                fns[(name, f"{hq}x{hkv}-{qd}")] = load_artifact(so)[0]
+    result: dict[str, Any] = {"environment": environment(), "command": " ".join(sys.argv),
+                              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                              "variants": VARIANTS, "checks": {}}
+    bad = 0
+    for (name, geom), fn in fns.items():
+        hq, rest = geom.split("x")
+        hkv, qd = rest.split("-", 1)
+        rows = _check(fn, int(hq), int(hkv), qd)
+        result["checks"][f"{name} {geom}"] = rows
+        worst = max(r["rel_l2"] for r in rows)
+        fails = [p for r in rows for p in r["problems"]]
+        bad += bool(fails)
+        print(f"check {name:>8} {geom}: worst rel L2 {worst:.2e} {'FAIL ' + '; '.join(fails) if fails else 'ok'}",
+              flush=True)
+    ok = {k: v for k, v in fns.items() if not any(r["problems"] for r in result["checks"][f"{k[0]} {k[1]}"])}
+    result["copy_tbps"] = round(copy_bandwidth() / 1e12, 3)
+    print(f"copy bandwidth {result['copy_tbps']} TB/s", flush=True)
+    result["points"] = _time_points(ok, result["copy_tbps"] * 1e12, args.iters, args.rounds)
+    base = ok.get(("base", "64x4-bfloat16"))
+    if base is not None:
+        result["batch1_parts_us"] = _batch1_parts(base)
+        print("batch-1 parts:", json.dumps(result["batch1_parts_us"]), flush=True)
+        result["host_parts_us"] = _host_parts(base)
+        print("host parts:", json.dumps(result["host_parts_us"]), flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"variants-{time.strftime('%Y-%m-%dT%H%M', time.gmtime())}.json"
+    path.write_text(json.dumps(result, indent=1))
+    print(f"wrote {path}")
+    del torch
+    return 1 if bad else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build")
+    b.add_argument("--arch", default="sm_90a")
+    b.add_argument("--dir", default=".variants")
+    b.add_argument("--variants", nargs="*")
+    r = sub.add_parser("run")
+    r.add_argument("--dir", default=".variants")
+    r.add_argument("--out", required=True)
+    r.add_argument("--iters", type=int, default=30)
+    r.add_argument("--rounds", type=int, default=3)
+    a = ap.parse_args(argv)
+    return build(a) if a.cmd == "build" else run(a)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    raise SystemExit(main())
