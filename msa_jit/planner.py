@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 
 from .geometry import HEAD_DIM, SparseDecodeConfig, device_arch, dtype_name, torch_dtype
-from .validation import validate_prepare, validate_seq_lens_cpu
+from .validation import validate_prepare, validate_prepare_tensors, validate_seq_lens_cpu
 
 __all__ = [
     "DEFAULT_NUM_SMS",
@@ -93,6 +93,10 @@ class SparseDecodePlan:
     seq_lens: torch.Tensor
     arch: str | None = None
     kernels: dict[torch.dtype, Callable[..., Any]] = field(default_factory=dict)
+    # refresh(seq_lens): the per-step prologue launch bound to this plan's tensors (planner sets it)
+    refresh: Callable[[torch.Tensor], None] | None = None
+    # kv_lens, lse_scratch, partial_o, partial_lse as TVM-FFI tensors (kernel_tensors())
+    _ffi_tensors: tuple[Any, ...] | None = field(default=None, repr=False)
     num_tokens: int = field(init=False)
     group_size: int = field(init=False)
     is_cuda: bool = field(init=False)
@@ -125,6 +129,23 @@ class SparseDecodePlan:
             arch=self.arch,
         )
 
+    def kernel_tensors(self) -> tuple[Any, ...]:
+        """(kv_lens, lse_scratch, partial_o, partial_lse) in the form the kernel call takes best.
+
+        The plan owns them for its whole life, so they are wrapped as TVM-FFI tensors once
+        (a torch tensor argument costs a DLPack exchange on every call); torch tensors when
+        tvm_ffi is not importable.
+        """
+        if self._ffi_tensors is None:
+            ts = (self.kv_lens, self.lse_scratch, self.partial_o, self.partial_lse)
+            try:
+                import tvm_ffi
+
+                self._ffi_tensors = tuple(tvm_ffi.from_dlpack(t) for t in ts)
+            except ImportError:  # pragma: no cover - the kernel path needs tvm_ffi anyway
+                self._ffi_tensors = ts
+        return self._ffi_tensors
+
     def resolve_kernel(self, q_dtype: Any) -> Callable[..., Any]:
         """Compiled kernel for this plan's geometry and `q_dtype` (cached in `self.kernels`).
 
@@ -155,16 +176,7 @@ class SparseDecodePlanner:
         self.num_sms = num_sms
         self.arch = arch
         self._lock = threading.Lock()
-        self._refresh: Callable[..., None] | None = None
 
-    def _refresh_fn(self) -> Callable[..., None]:
-        if self._refresh is None:
-            from .prologue import refresh_plan_tensors_auto
-
-            self._refresh = refresh_plan_tensors_auto
-        return self._refresh
-
-    @torch.no_grad()
     def prepare(
         self,
         block_table: torch.Tensor,
@@ -183,27 +195,45 @@ class SparseDecodePlanner:
         same device (counts the qlen new tokens); seq_lens_cpu: optional CPU copy, read only
         when the plan is first built; decode_query_len: qlen in 1..32.
         """
-        validate_prepare(
-            block_table, seq_lens, seq_lens_cpu, decode_query_len,
-            num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-            page_size=page_size, topk_blocks=topk_blocks,
-        )
-        key: PlanKey = (
-            seq_lens.shape[0], decode_query_len, block_table.stride(0), num_q_heads,
-            num_kv_heads, page_size, topk_blocks, seq_lens.device,
-        )
-        plan = self.plans.get(key)
-        if plan is None:
-            with self._lock:
-                plan = self.plans.get(key)
-                if plan is None:
-                    if seq_lens_cpu is not None:
-                        validate_seq_lens_cpu(seq_lens_cpu, block_table, page_size)
-                    plan = self._build(key, block_table, seq_lens)
-                    self.plans[key] = plan
+        plan = None
+        # Fast path (a cached step): the ints are exactly those of a validated key, so only the
+        # tensors are checked again. Everything else goes through the full validation.
+        if (type(decode_query_len) is int and type(num_q_heads) is int and type(num_kv_heads) is int
+                and type(page_size) is int and type(topk_blocks) is int
+                and isinstance(seq_lens, torch.Tensor) and isinstance(block_table, torch.Tensor)
+                and seq_lens.dim() == 1 and block_table.dim() == 2):
+            plan = self.plans.get((
+                seq_lens.shape[0], decode_query_len, block_table.stride(0), num_q_heads,
+                num_kv_heads, page_size, topk_blocks, seq_lens.device,
+            ))
+        if plan is not None:
+            validate_prepare_tensors(block_table, seq_lens, seq_lens_cpu)
+        else:
+            validate_prepare(
+                block_table, seq_lens, seq_lens_cpu, decode_query_len,
+                num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                page_size=page_size, topk_blocks=topk_blocks,
+            )
+            plan = self._get_or_build(
+                (seq_lens.shape[0], decode_query_len, block_table.stride(0), num_q_heads,
+                 num_kv_heads, page_size, topk_blocks, seq_lens.device),
+                block_table, seq_lens, seq_lens_cpu,
+            )
         plan.block_table = block_table
         plan.seq_lens = seq_lens
-        self._refresh_fn()(seq_lens, plan.kv_lens, plan.qo_offset, decode_query_len)
+        plan.refresh(seq_lens)
+        return plan
+
+    def _get_or_build(self, key: PlanKey, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                      seq_lens_cpu: torch.Tensor | None) -> SparseDecodePlan:
+        with self._lock:
+            plan = self.plans.get(key)
+            if plan is None:
+                if seq_lens_cpu is not None:
+                    validate_seq_lens_cpu(seq_lens_cpu, block_table, key[5])
+                with torch.no_grad():
+                    plan = self._build(key, block_table, seq_lens)
+                self.plans[key] = plan
         return plan
 
     def _build(self, key: PlanKey, block_table: torch.Tensor, seq_lens: torch.Tensor) -> SparseDecodePlan:
@@ -214,7 +244,7 @@ class SparseDecodePlanner:
         splits = choose_num_splits(T * hkv, topk, num_sms)
         arch = device_arch(device) if device.type == "cuda" else self.arch
         f32 = dict(dtype=torch.float32, device=device)
-        return SparseDecodePlan(
+        plan = SparseDecodePlan(
             num_q_heads=hq,
             num_kv_heads=hkv,
             page_size=page,
@@ -234,6 +264,10 @@ class SparseDecodePlanner:
             seq_lens=seq_lens,
             arch=arch,
         )
+        from .prologue import bind_refresh  # imports triton: only once a plan is built
+
+        plan.refresh = bind_refresh(seq_lens, plan.kv_lens, plan.qo_offset, qlen)
+        return plan
 
     def clear(self) -> None:
         """Forget every cached plan (their tensors are freed once no one references them)."""

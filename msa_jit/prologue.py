@@ -13,11 +13,14 @@ test oracle). Importing this module imports triton, so the package imports it la
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import triton
 import triton.language as tl
 
 __all__ = [
+    "bind_refresh",
     "refresh_plan_tensors",
     "refresh_plan_tensors_torch",
     "refresh_plan_tensors_auto",
@@ -89,3 +92,49 @@ def refresh_plan_tensors_auto(
         refresh_plan_tensors(seq_lens, kv_lens, qo_offset, qlen)
     else:
         refresh_plan_tensors_torch(seq_lens, kv_lens, qo_offset, qlen)
+
+
+def bind_refresh(
+    seq_lens: torch.Tensor, kv_lens: torch.Tensor, qo_offset: torch.Tensor, qlen: int
+) -> Callable[[torch.Tensor], None]:
+    """`refresh(seq_lens)` for one plan's kv_lens / qo_offset, with the launch bound once.
+
+    `JITFunction.__call__` re-binds and re-specializes every argument on every launch (~17 us of
+    CPU on the H200 host); for a plan everything but the seq_lens pointer is fixed, so the first
+    launch's CompiledKernel is called directly (Triton's `compiled[grid](*args)`). That path is
+    checked once against the PyTorch formula when the plan is built (outside graph capture) and
+    dropped for the plain launch if it differs or fails; a seq_lens whose 16-byte alignment
+    differs from the one the kernel was specialized for also takes the plain launch.
+    """
+    num_rows = kv_lens.numel()
+
+    def plain(s: torch.Tensor) -> None:
+        refresh_plan_tensors_auto(s, kv_lens, qo_offset, qlen)
+
+    if num_rows == 0 or not seq_lens.is_cuda or torch.cuda.is_current_stream_capturing():
+        return plain
+    grid = (triton.cdiv(num_rows, BLOCK_ROWS),)
+    try:
+        runner = _refresh_plan_kernel[grid](seq_lens, kv_lens, qo_offset, num_rows, qlen, BLOCK=BLOCK_ROWS)[grid]
+    except Exception:  # noqa: BLE001 - an older / newer Triton without the CompiledKernel runner
+        return plain
+    aligned = seq_lens.data_ptr() % 16 == 0
+
+    def bound(s: torch.Tensor) -> None:
+        if (s.data_ptr() % 16 == 0) != aligned:
+            refresh_plan_tensors(s, kv_lens, qo_offset, qlen)
+        else:
+            runner(s, kv_lens, qo_offset, num_rows, qlen, BLOCK_ROWS)
+
+    want_kv, want_qo = kv_lens.clone(), qo_offset.clone()
+    refresh_plan_tensors_torch(seq_lens, want_kv, want_qo, qlen)
+    try:
+        kv_lens.fill_(-1)
+        bound(seq_lens)
+        ok = torch.equal(kv_lens, want_kv) and torch.equal(qo_offset, want_qo)
+    except Exception:  # noqa: BLE001
+        ok = False
+    if not ok:
+        plain(seq_lens)
+        return plain
+    return bound

@@ -26,6 +26,7 @@ __all__ = [
     "validate_geometry",
     "validate_kernel_layout",
     "validate_prepare",
+    "validate_prepare_tensors",
     "validate_seq_lens_cpu",
     "validate_sparse_decode",
 ]
@@ -154,7 +155,15 @@ def validate_prepare(
     check_int("decode_query_len", decode_query_len, MIN_QLEN, MAX_QLEN)
     validate_geometry(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                       page_size=page_size, topk_blocks=topk_blocks)
+    validate_prepare_tensors(block_table, seq_lens, seq_lens_cpu)
 
+
+def validate_prepare_tensors(block_table: Any, seq_lens: Any, seq_lens_cpu: Any) -> None:
+    """The tensor part of `validate_prepare` (the planner's cached-step path runs only this)."""
+    check_tensor("block_table", block_table)
+    check_tensor("seq_lens", seq_lens)
+    if seq_lens_cpu is not None:
+        check_tensor("seq_lens_cpu", seq_lens_cpu)
     check_dtype("seq_lens", seq_lens, (torch.int32,))
     check_dim("seq_lens", seq_lens, 1, "[batch]")
     if seq_lens.shape[0] < 1:

@@ -69,6 +69,49 @@ def test_prepare_runs_the_triton_prologue(monkeypatch):
     assert p.kv_lens.cpu().tolist() == exp_kv and p.qo_offset.cpu().tolist() == exp_qo
 
 
+@pytest.mark.gpu
+def test_bound_refresh_takes_the_direct_launch_and_stays_correct():
+    """On CUDA the plan's refresh is the bound CompiledKernel launch (not the fallback), it
+    follows the live seq_lens values, and a seq_lens with another 16-byte alignment than the
+    one the kernel was specialized for still gets the right answer (plain launch)."""
+    from msa_jit import prologue
+
+    qlen, batch = 3, 37
+    seq = torch.randint(0, 5000, (batch,), dtype=torch.int32, device="cuda")
+    kv = torch.empty(batch * qlen, dtype=torch.int32, device="cuda")
+    qo = torch.empty_like(kv)
+    refresh = prologue.bind_refresh(seq, kv, qo, qlen)
+    assert refresh.__name__ == "bound"
+    for _ in range(3):
+        seq.random_(0, 5000)
+        refresh(seq)
+        exp_kv, exp_qo = _expected(seq.cpu().tolist(), qlen)
+        assert kv.cpu().tolist() == exp_kv and qo.cpu().tolist() == exp_qo
+    buf = torch.randint(0, 5000, (batch + 1,), dtype=torch.int32, device="cuda")
+    odd = buf[1:]  # 4-byte offset: not 16-byte aligned
+    refresh(odd)
+    exp_kv, exp_qo = _expected(odd.cpu().tolist(), qlen)
+    assert kv.cpu().tolist() == exp_kv and qo.cpu().tolist() == exp_qo
+
+
+def test_cached_prepare_still_validates():
+    """The cached-step fast path re-checks the tensors, and odd-typed ints miss it (full checks)."""
+    planner = SparseDecodePlanner()
+    c = _case(batch=4, qlen=2, seed=11)
+    plan = planner.prepare(*c.prepare_args(), **c.prepare_kwargs())
+    args = list(c.prepare_args())
+    with pytest.raises(TypeError, match="seq_lens"):
+        planner.prepare(args[0], args[1].to(torch.int64), *args[2:], **c.prepare_kwargs())
+    with pytest.raises(ValueError, match="block_table"):
+        planner.prepare(args[0][:, :1].expand(4, 8).t().contiguous().t(), *args[1:], **c.prepare_kwargs())
+    kw = dict(c.prepare_kwargs(), num_q_heads=float(c.prepare_kwargs()["num_q_heads"]))
+    with pytest.raises(TypeError, match="num_q_heads"):
+        planner.prepare(*args, **kw)
+    with pytest.raises(TypeError, match="decode_query_len"):
+        planner.prepare(*args[:3], True, **c.prepare_kwargs())
+    assert planner.prepare(*c.prepare_args(), **c.prepare_kwargs()) is plan
+
+
 # ----------------------------------------------------------------------------- caching
 def _case(batch=3, qlen=2, seed=0, **kw):
     kw.setdefault("ctx_lens", None)
