@@ -113,7 +113,7 @@ def bind_refresh(
 
     if num_rows == 0 or not seq_lens.is_cuda or torch.cuda.is_current_stream_capturing():
         return plain
-    grid = (triton.cdiv(num_rows, BLOCK_ROWS),)
+    grid = (triton.cdiv(num_rows, BLOCK_ROWS), 1, 1)  # CompiledKernel's runner reads all three
     try:
         runner = _refresh_plan_kernel[grid](seq_lens, kv_lens, qo_offset, num_rows, qlen, BLOCK=BLOCK_ROWS)[grid]
     except Exception:  # noqa: BLE001 - an older / newer Triton without the CompiledKernel runner
