@@ -62,9 +62,12 @@ def test_prepare_runs_the_triton_prologue(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("torch fallback used although the Triton prologue can run")
 
-    monkeypatch.setattr(prologue, "refresh_plan_tensors_torch", boom)
+    if DEV == "cpu":  # on CUDA the torch formula runs once, to verify the bound launch
+        monkeypatch.setattr(prologue, "refresh_plan_tensors_torch", boom)
     c = _case(batch=5, qlen=3, seed=4)
     p = SparseDecodePlanner().prepare(*c.prepare_args(), **c.prepare_kwargs())
+    if DEV == "cuda":
+        assert p.refresh.__name__ == "bound"
     exp_kv, exp_qo = _expected(c.seq_lens_cpu.tolist(), c.qlen)
     assert p.kv_lens.cpu().tolist() == exp_kv and p.qo_offset.cpu().tolist() == exp_qo
 
@@ -283,13 +286,29 @@ def test_kernel_backend_passes_calling_convention(monkeypatch):
     assert len(a) == 13
     assert a[0].dtype == torch.uint8 and a[0].data_ptr() == c.query.data_ptr()
     assert a[1].dtype == torch.uint8 and a[2] is c.topk and a[3] is plan.block_table
-    assert a[4] is plan.kv_lens and a[5] is out and a[6] is plan.lse_scratch
-    assert a[7] is plan.partial_o and a[8] is plan.partial_lse
+    # the plan's own tensors travel as the TVM-FFI views made once per plan (same memory)
+    kv_lens, lse_scratch, partial_o, partial_lse = plan.kernel_tensors()
+    assert a[4] is kv_lens and a[5] is out and a[6] is lse_scratch
+    assert a[7] is partial_o and a[8] is partial_lse
     assert (a[9], a[10]) == (plan.qlen, plan.num_splits)
     import math
 
     assert math.isclose(a[11], c.sm_scale * c.q_scale * c.k_scale / math.log(2))
     assert a[12] == c.v_scale
+
+
+def test_kernel_tensors_alias_the_plan_tensors():
+    """The TVM-FFI views handed to the kernel are the plan's memory, so in-place refreshes reach it."""
+    pytest.importorskip("tvm_ffi")
+    c = _case(batch=3, qlen=2, seed=5)
+    plan = SparseDecodePlanner().prepare(*c.prepare_args(), **c.prepare_kwargs())
+    views = plan.kernel_tensors()
+    assert plan.kernel_tensors() is views  # converted once
+    for view, t in zip(views, (plan.kv_lens, plan.lse_scratch, plan.partial_o, plan.partial_lse)):
+        back = torch.from_dlpack(view)
+        assert back.data_ptr() == t.data_ptr() and back.shape == t.shape and back.dtype == t.dtype
+    plan.kv_lens.fill_(1234)
+    assert torch.from_dlpack(views[0]).eq(1234).all()
 
 
 @pytest.mark.gpu
