@@ -119,12 +119,12 @@ def _time_points(fns: dict[tuple[str, str], Any], copy_bw: float, iters: int, ro
     return rows
 
 
-def _batch1_parts(fn) -> dict[str, Any]:
-    """Graph time of the batch-1 step and of its parts, plus per-kernel GPU durations."""
+def _batch1_step(fn):
+    """The 64/4 batch-1 bf16 step with its planner, prepare() arguments and plan running `fn`."""
     import torch
 
-    from msa_jit import SparseDecodePlanner, sparse_decode
-    from msa_jit.bench import make_step, time_graph
+    from msa_jit import SparseDecodePlanner
+    from msa_jit.bench import make_step
 
     step = make_step(64, 4, 1, 1, "bfloat16")
     planner = SparseDecodePlanner()
@@ -132,6 +132,17 @@ def _batch1_parts(fn) -> dict[str, Any]:
     kw = dict(num_q_heads=64, num_kv_heads=4, page_size=128, topk_blocks=16)
     plan = planner.prepare(*args, **kw)
     plan.kernels[torch.bfloat16] = fn
+    return step, planner, args, kw, plan
+
+
+def _batch1_parts(fn) -> dict[str, Any]:
+    """Graph time of the batch-1 step and of its parts, plus per-kernel GPU durations."""
+    import torch
+
+    from msa_jit import sparse_decode
+    from msa_jit.bench import time_graph
+
+    step, planner, args, kw, plan = _batch1_step(fn)
 
     def op():
         sparse_decode(step["query"], step["kv_cache"], step["topk"], step["out"], plan, sm_scale=0.088)
@@ -167,17 +178,11 @@ def _host_parts(fn, iters: int = 3000) -> dict[str, float]:
     """CPU microseconds of each piece of prepare() and sparse_decode() on the batch-1 step."""
     import torch
 
-    from msa_jit import SparseDecodePlanner, sparse_decode
-    from msa_jit.bench import make_step
+    from msa_jit import sparse_decode
     from msa_jit.prologue import refresh_plan_tensors
     from msa_jit.validation import validate_prepare, validate_sparse_decode
 
-    step = make_step(64, 4, 1, 1, "bfloat16")
-    planner = SparseDecodePlanner()
-    args = (step["block_table"], step["seq_lens"], step["seq_lens_cpu"], 1)
-    kw = dict(num_q_heads=64, num_kv_heads=4, page_size=128, topk_blocks=16)
-    plan = planner.prepare(*args, **kw)
-    plan.kernels[torch.bfloat16] = fn
+    step, planner, args, kw, plan = _batch1_step(fn)
     q, kv, tk, out = step["query"], step["kv_cache"], step["topk"], step["out"]
     kv8 = kv.view(torch.uint8)
     pieces = {
