@@ -144,6 +144,11 @@ def fp8x2_to_f16x2_scaled(lo: Int32, hi: Int32, selector: int, *, loc=None, ip=N
     )
 
 
+def fp8x4_to_f16x2x2_scaled(w):
+    """Bytes 0..3 of w (e4m3) -> (f16x2 of bytes 0,1; f16x2 of bytes 2,3), times 2**-8 (bit trick)."""
+    return fp8x2_to_f16x2_scaled(w, w, 0x1000), fp8x2_to_f16x2_scaled(w, w, 0x3020)
+
+
 @dsl_user_op
 def e4m3x2_to_f16x2(w: Int32, half: int, *, loc=None, ip=None) -> Int32:
     """The two e4m3 bytes in 16-bit half `half` (0 low, 1 high) of w -> f16x2, exact (SM89+).

@@ -372,7 +372,7 @@ class SparseDecodeMmaKernel:
         """e4m3 bytes 0..3 of w -> (f16x2 of bytes 0,1; f16x2 of bytes 2,3), times 1 / fp8_fold."""
         if cutlass.const_expr(self.cvt):
             return ptx.e4m3x2_to_f16x2(w, 0), ptx.e4m3x2_to_f16x2(w, 1)
-        return ptx.fp8x2_to_f16x2_scaled(w, w, 0x1000), ptx.fp8x2_to_f16x2_scaled(w, w, 0x3020)
+        return ptx.fp8x4_to_f16x2x2_scaled(w)
 
     @cute.jit
     def fp8_bytes_to_f16x2(self, lo, hi, e: cutlass.Constexpr):

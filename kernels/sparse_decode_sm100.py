@@ -270,11 +270,6 @@ def tmem_ld16(taddr: Int32, *, loc=None, ip=None):
     return tuple(Float32(llvm.extractvalue(T.f32(), s, [i], loc=loc, ip=ip)) for i in range(16))
 
 
-def _fp8x4_to_f16x4(w):
-    """One word of 4 e4m3 (elements 0..3) -> two f16x2 words (elements 0,1 and 2,3), times 2**-8."""
-    return ptx.fp8x2_to_f16x2_scaled(w, w, 0x1000), ptx.fp8x2_to_f16x2_scaled(w, w, 0x3020)
-
-
 # ----------------------------------------------------------------------------- kernel
 class SparseDecodeSm100Kernel(SparseDecodeMmaKernel):
     """tcgen05 UMMA + TMEM variant; reuses the portable kernel's split merge (merge_kernel)."""
@@ -535,7 +530,7 @@ class SparseDecodeSm100Kernel(SparseDecodeMmaKernel):
             w = ptx.ld_shared_v4(row + 16 * cc)
             f = []
             for k in cutlass.range_constexpr(4):
-                lo, hi = _fp8x4_to_f16x4(w[k])
+                lo, hi = ptx.fp8x4_to_f16x2x2_scaled(w[k])
                 f.append(lo)
                 f.append(hi)
             c = cc % 8
@@ -566,7 +561,7 @@ class SparseDecodeSm100Kernel(SparseDecodeMmaKernel):
             w = ptx.ld_shared_v4(row + HEAD_DIM + 16 * c)
             f = []
             for k in cutlass.range_constexpr(4):
-                lo, hi = _fp8x4_to_f16x4(w[k])
+                lo, hi = ptx.fp8x4_to_f16x2x2_scaled(w[k])
                 f.append(lo)
                 f.append(hi)
             dst = dst_row + (2 * c) * CORE
