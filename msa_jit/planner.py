@@ -36,6 +36,13 @@ TARGET_WAVES = 2
 PlanKey = tuple[int, int, int, int, int, int, int, torch.device]
 
 
+def _plan_key(block_table: torch.Tensor, seq_lens: torch.Tensor, qlen: int, num_q_heads: int,
+              num_kv_heads: int, page_size: int, topk: int) -> PlanKey:
+    """The planner cache key of a prepare() call (same order as SparseDecodePlan.key)."""
+    return (seq_lens.shape[0], qlen, block_table.stride(0), num_q_heads, num_kv_heads,
+            page_size, topk, seq_lens.device)
+
+
 def choose_num_splits(num_rows_heads: int, topk: int, num_sms: int) -> int:
     """Split-KV factor in [1, topk] for a grid of `num_rows_heads` = T*Hkv CTAs per split.
 
@@ -195,17 +202,15 @@ class SparseDecodePlanner:
         same device (counts the qlen new tokens); seq_lens_cpu: optional CPU copy, read only
         when the plan is first built; decode_query_len: qlen in 1..32.
         """
-        plan = None
+        ints = (decode_query_len, num_q_heads, num_kv_heads, page_size, topk_blocks)
+        key: PlanKey | None = None
         # Fast path (a cached step): the ints are exactly those of a validated key, so only the
         # tensors are checked again. Everything else goes through the full validation.
-        if (type(decode_query_len) is int and type(num_q_heads) is int and type(num_kv_heads) is int
-                and type(page_size) is int and type(topk_blocks) is int
+        if (all(type(v) is int for v in ints)
                 and isinstance(seq_lens, torch.Tensor) and isinstance(block_table, torch.Tensor)
                 and seq_lens.dim() == 1 and block_table.dim() == 2):
-            plan = self.plans.get((
-                seq_lens.shape[0], decode_query_len, block_table.stride(0), num_q_heads,
-                num_kv_heads, page_size, topk_blocks, seq_lens.device,
-            ))
+            key = _plan_key(block_table, seq_lens, *ints)
+        plan = self.plans.get(key) if key is not None else None
         if plan is not None:
             validate_prepare_tensors(block_table, seq_lens, seq_lens_cpu)
         else:
@@ -214,11 +219,9 @@ class SparseDecodePlanner:
                 num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                 page_size=page_size, topk_blocks=topk_blocks,
             )
-            plan = self._get_or_build(
-                (seq_lens.shape[0], decode_query_len, block_table.stride(0), num_q_heads,
-                 num_kv_heads, page_size, topk_blocks, seq_lens.device),
-                block_table, seq_lens, seq_lens_cpu,
-            )
+            if key is None:
+                key = _plan_key(block_table, seq_lens, *ints)
+            plan = self._get_or_build(key, block_table, seq_lens, seq_lens_cpu)
         plan.block_table = block_table
         plan.seq_lens = seq_lens
         plan.refresh(seq_lens)
@@ -230,7 +233,8 @@ class SparseDecodePlanner:
             plan = self.plans.get(key)
             if plan is None:
                 if seq_lens_cpu is not None:
-                    validate_seq_lens_cpu(seq_lens_cpu, block_table, key[5])
+                    page_size = key[5]
+                    validate_seq_lens_cpu(seq_lens_cpu, block_table, page_size)
                 with torch.no_grad():
                     plan = self._build(key, block_table, seq_lens)
                 self.plans[key] = plan
