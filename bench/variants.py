@@ -210,8 +210,6 @@ def _host_parts(fn, iters: int = 3000) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     from msa_jit.bench import copy_bandwidth, environment
     from msa_jit.loader import load_artifact
 
@@ -251,7 +249,6 @@ def run(args: argparse.Namespace) -> int:
     path = out / f"variants-{time.strftime('%Y-%m-%dT%H%M', time.gmtime())}.json"
     path.write_text(json.dumps(result, indent=1))
     print(f"wrote {path}")
-    del torch
     return 1 if bad else 0
 
 
