@@ -86,6 +86,13 @@ def st_shared_v4_f32(addr: Int32, v0, v1, v2, v3, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def st_shared_v4(addr: Int32, w0, w1, w2, w3, *, loc=None, ip=None) -> None:
+    """st.shared.v4.b32 of 4 words at a 16-byte aligned shared address."""
+    _asm(None, [_i32(x, loc, ip) for x in (addr, w0, w1, w2, w3)],
+         "st.shared.v4.b32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r", side_effects=True)
+
+
+@dsl_user_op
 def ld_global_nc_v4(addr: Int64, *, loc=None, ip=None):
     """Read-only 16-byte global load (ld.global.nc.v4.b32) -> 4 x Int32."""
     s = _asm(
@@ -203,19 +210,40 @@ def f32x2_to_bf16x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
-def bf16x2_to_f16x2(w: Int32, *, loc=None, ip=None) -> Int32:
-    """bf16x2 -> f16x2 (exact inside the f16 range; values past it become inf)."""
+def bf16x2_to_f16x2(w: Int32, scale: Float32 | None = None, *, loc=None, ip=None) -> Int32:
+    """bf16x2 (times scale, in fp32) -> f16x2, rounded once; values past the f16 range become inf."""
+    mul = "" if scale is None else "mul.f32 x, x, $2;\n\tmul.f32 y, y, $2;\n\t"
+    args = [_i32(w, loc, ip)] + ([] if scale is None else [_f32(scale, loc, ip)])
     return Int32(
         _asm(
             T.i32(),
-            [_i32(w, loc, ip)],
+            args,
             "{\n\t.reg .b32 a, b;\n\t.reg .f32 x, y;\n\t"
             "shl.b32 a, $1, 16;\n\t"
             "and.b32 b, $1, 0xffff0000;\n\t"
             "mov.b32 x, a;\n\t"
-            "mov.b32 y, b;\n\t"
+            "mov.b32 y, b;\n\t" + mul +
             "cvt.rn.f16x2.f32 $0, y, x;\n\t}",
-            "=r,r",
+            "=r,r" + ("" if scale is None else ",f"),
+        )
+    )
+
+
+@dsl_user_op
+def f16x2_scaled(w: Int32, scale: Float32, *, loc=None, ip=None) -> Int32:
+    """f16x2 * scale -> f16x2 (each product computed in fp32, rounded once)."""
+    return Int32(
+        _asm(
+            T.i32(),
+            [_i32(w, loc, ip), _f32(scale, loc, ip)],
+            "{\n\t.reg .b16 l, h;\n\t.reg .f32 x, y;\n\t"
+            "mov.b32 {l, h}, $1;\n\t"
+            "cvt.f32.f16 x, l;\n\t"
+            "cvt.f32.f16 y, h;\n\t"
+            "mul.f32 x, x, $2;\n\t"
+            "mul.f32 y, y, $2;\n\t"
+            "cvt.rn.f16x2.f32 $0, y, x;\n\t}",
+            "=r,r,f",
         )
     )
 

@@ -34,6 +34,8 @@ from cutlass import Float32, Int32, Int64
 from . import common, ptx
 
 HEAD_DIM = 128
+Q_FRAG_BYTES = 8 * 32 * 16  # 8 k-steps x 32 lanes x one 16-byte A fragment
+LAZY_RESCALE = 8.0  # log2 units: P stays <= 256 between rescales
 ROW_BYTES = 2 * HEAD_DIM  # one token row of a page: K (128 B) then V (128 B)
 LN2 = math.log(2.0)
 # Cross-warp reduction buffer: per warp 16 rows x 4 chunks of (32 fp32 + 4 pad); the
@@ -67,6 +69,12 @@ class SparseDecodeMmaKernel:
         consumer_warps: int = 4,
         convert: str = "cvt",
         v_loads: str = "rotated",
+        q_frags: str = "regs",
+        softmax: str = "plain",
+        smem_reads: str = "block",
+        ctas_per_sm: int = 2,
+        probe: str = "full",
+        pdl: bool = False,
     ):
         if num_q_heads % num_kv_heads:
             raise ValueError("num_q_heads must be a multiple of num_kv_heads")
@@ -93,15 +101,40 @@ class SparseDecodeMmaKernel:
         self.buf_bytes = max(stages * self.stage_bytes, self.warps * RED_WARP)
         # elements of the 16 x 128 output tile each consumer thread finalizes
         self.out_elems = 16 * HEAD_DIM // self.consumer_threads
-        if convert not in ("bittrick", "cvt"):
-            raise ValueError(f"convert {convert!r} not in ('bittrick', 'cvt')")
+        for name, value, allowed in (
+            ("convert", convert, ("bittrick", "cvt")), ("v_loads", v_loads, ("v4", "rotated")),
+            ("q_frags", q_frags, ("regs", "smem")), ("softmax", softmax, ("plain", "lean")),
+            ("smem_reads", smem_reads, ("block", "staged")), ("ctas_per_sm", ctas_per_sm, (1, 2, 3)),
+            ("probe", probe, ("full", "no_math", "no_copy")),
+        ):
+            if value not in allowed:
+                raise ValueError(f"{name} {value!r} not in {allowed}")
         self.cvt = convert == "cvt"
         # the fp8 -> f16 bit trick scales K and V by 2**-8 (and an fp8 query too); cvt is exact
         self.fp8_fold = 1.0 if self.cvt else 2.0**8
         self.s_fold = self.fp8_fold * (self.fp8_fold if self.q_fp8 else 1.0)
-        if v_loads not in ("v4", "rotated"):
-            raise ValueError(f"v_loads {v_loads!r} not in ('v4', 'rotated')")
         self.v_rotated = v_loads == "rotated"
+        # "smem": the Q A-fragments (the same for every consumer warp) live in shared memory,
+        # read per k-step, which frees 32 registers per thread for more CTAs per SM
+        self.q_smem = q_frags == "smem"
+        # "lean": qk_scale_log2 folded into Q, the kv_len mask only on a block that crosses
+        # kv_len, and O / l rescaled only when a row max grows by more than LAZY_RESCALE
+        # (then P <= 2**LAZY_RESCALE, exact in f16 / fp32: the result is unchanged)
+        self.lean = softmax == "lean"
+        if self.lean and not self.cvt:
+            raise ValueError("softmax='lean' needs convert='cvt' (the bit trick's 2**8 fold could overflow f16 Q)")
+        # "block": all K and V words of a block are read before any math (the stage is released
+        # early, more registers live); "staged": K per half of head_dim, V per sub-tile after the
+        # softmax (fewer live registers, the stage is released after the last V read)
+        self.staged = smem_reads == "staged"
+        self.ctas_per_sm = ctas_per_sm
+        # timing probes that leave one stage out (wrong results, bench/variants.py only):
+        # "no_math" releases every stage unread, "no_copy" computes on stale shared memory
+        self.probe = probe
+        # programmatic dependent launch: both kernels may be scheduled before the previous
+        # kernel in the stream has finished; each waits (griddepcontrol.wait) before its first
+        # global-memory access, so only the launch latency overlaps, never data
+        self.pdl = bool(pdl)
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -132,11 +165,12 @@ class SparseDecodeMmaKernel:
             stream=stream,
             # explicit carveout, so compiling needs no GPU to query the shared-memory size
             preferred_smem_carveout=100,
+            use_pdl=self.pdl,
             **self.launch_options(),
         )
         if num_splits > 1:
             self.merge_kernel(mOut, mLse, mPO, mPL, num_splits).launch(
-                grid=(num_tokens, self.hkv, self.group), block=(HEAD_DIM, 1, 1), stream=stream
+                grid=(num_tokens, self.hkv, self.group), block=(HEAD_DIM, 1, 1), stream=stream, use_pdl=self.pdl
             )
 
     def storage_type(self):
@@ -151,13 +185,14 @@ class SparseDecodeMmaKernel:
             blocks: cute.struct.MemRange[Int32, 32]
             nvalid: cute.struct.MemRange[Int32, 4]
             ml: cute.struct.MemRange[Float32, self.warps * 32]
+            q: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, Q_FRAG_BYTES if self.q_smem else 16], 16]
 
         return Storage
 
     def launch_options(self) -> dict:
         """Extra launch options of the main kernel."""
-        # two CTAs per SM: one streams KV while the other runs its prologue / epilogue
-        return {"min_blocks_per_mp": 2}
+        # >= two CTAs per SM: one streams KV while another runs its prologue / epilogue
+        return {"min_blocks_per_mp": self.ctas_per_sm}
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
@@ -181,6 +216,9 @@ class SparseDecodeMmaKernel:
         tidx, _, _ = cute.arch.thread_idx()
         t, h, split = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(tidx // 32)
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()  # the previous kernel's writes (kv_lens) are visible
+            cute.arch.griddepcontrol_launch_dependents()  # the split merge may be scheduled now
         lane = tidx % 32
 
         smem = cutlass.utils.SmemAllocator()
@@ -192,6 +230,7 @@ class SparseDecodeMmaKernel:
         sBlocks = storage.blocks.get_tensor(cute.make_layout(32))
         sNvalid = storage.nvalid.get_tensor(cute.make_layout(4))
         sML = storage.ml.get_tensor(cute.make_layout(self.warps * 32))
+        q_addr = ptx.smem_addr(storage.q.data_ptr())
 
         kv_len = mKvLens[t]
         req = t // qlen
@@ -207,6 +246,9 @@ class SparseDecodeMmaKernel:
                 for s in cutlass.range_constexpr(self.stages):
                     cute.arch.mbarrier_init(full_ptr + s, 1)
                     cute.arch.mbarrier_init(empty_ptr + s, self.warps)
+        if cutlass.const_expr(self.q_smem):
+            if warp == self.warps:  # the producer warp is idle until the slots are compacted
+                self.stage_q(mQ, q_addr, t, h, lane, qk_scale_log2)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -218,25 +260,34 @@ class SparseDecodeMmaKernel:
             if lane == 0:
                 common.stream_pages(
                     mKV, sPages, h, first, n_iter, buf_addr, full_ptr, empty_ptr,
-                    self.stages, self.stage_bytes, self.hkv,
+                    self.stages, self.stage_bytes, self.hkv, self.probe != "no_copy",
                 )
         else:
             # ---- 2b. consumer warps
             self.consume(
-                mQ, mOut, mLse, mPO, mPL, sBlocks, sML, buf_addr, full_ptr, empty_ptr,
+                mQ, mOut, mLse, mPO, mPL, sBlocks, sML, buf_addr, q_addr, full_ptr, empty_ptr,
                 t, h, split, warp, lane, kv_len, first, n_iter, num_splits, qk_scale_log2, v_scale,
             )
 
     @cute.jit
+    def stage_q(self, mQ, q_addr, t, h, lane, qk_scale_log2):
+        """Q A-fragments -> shared memory, [k-step][lane][4 words]: conflict-free 16-byte reads."""
+        qa = cute.make_rmem_tensor(32, Int32)
+        self.load_q(mQ, qa, t, h, lane // 4, lane % 4, qk_scale_log2)
+        for ks in cutlass.range_constexpr(8):
+            ptx.st_shared_v4(q_addr + ks * 512 + 16 * lane, qa[4 * ks], qa[4 * ks + 1], qa[4 * ks + 2], qa[4 * ks + 3])
+
+    @cute.jit
     def consume(
-        self, mQ, mOut, mLse, mPO, mPL, sBlocks, sML, buf_addr, full_ptr, empty_ptr,
+        self, mQ, mOut, mLse, mPO, mPL, sBlocks, sML, buf_addr, q_addr, full_ptr, empty_ptr,
         t, h, split, warp, lane, kv_len, first, n_iter, num_splits, qk_scale_log2, v_scale,
     ):
         g = lane // 4
         c = lane % 4
-        # Q fragments (A operand), loaded once: 8 k-steps x 4 f16x2 registers.
+        # Q fragments (A operand), loaded once: 8 k-steps x 4 f16x2 registers (or in shared memory).
         qa = cute.make_rmem_tensor(32, Int32)
-        self.load_q(mQ, qa, t, h, g, c)
+        if cutlass.const_expr(not self.q_smem):
+            self.load_q(mQ, qa, t, h, g, c, qk_scale_log2)
 
         acc = cute.make_rmem_tensor(64, Float32)  # 16 n-tiles (dims) x 4
         for i in cutlass.range_constexpr(64):
@@ -247,24 +298,26 @@ class SparseDecodeMmaKernel:
             row_max[r] = -Float32.inf
             row_sum[r] = Float32(0.0)
 
-        scale = qk_scale_log2 * self.s_fold
+        scale = Float32(1.0) if self.lean else qk_scale_log2 * self.s_fold  # lean: folded into Q
         for i in range(n_iter):
             s = i % self.stages
             phase = (i // self.stages) & 1
             cute.arch.mbarrier_wait(full_ptr + s, phase)
             stage = buf_addr + s * self.stage_bytes
             blk = sBlocks[first + i]
-
-            self.consume_block(
-                qa, acc, row_max, row_sum, stage, empty_ptr + s, blk, kv_len, scale,
-                warp * self.keys_per_warp, g, c, lane,
-            )
+            if cutlass.const_expr(self.probe == "no_math"):
+                self.release_stage(empty_ptr + s, lane)
+            else:
+                self.consume_block(
+                    qa, q_addr + 16 * lane, acc, row_max, row_sum, stage, empty_ptr + s, blk, kv_len, scale,
+                    warp * self.keys_per_warp, g, c, lane,
+                )
 
         self.epilogue(mOut, mLse, mPO, mPL, sML, buf_addr, acc, row_max, row_sum,
                       t, h, split, warp, lane, num_splits, v_scale)
 
     @cute.jit
-    def consume_block(self, qa, acc, row_max, row_sum, stage, empty_bar, blk, kv_len, scale,
+    def consume_block(self, qa, q_lane, acc, row_max, row_sum, stage, empty_bar, blk, kv_len, scale,
                       key_base, g, c, lane):
         """This warp's keys [key_base, key_base + keys_per_warp) of the block in `stage`.
 
@@ -273,34 +326,36 @@ class SparseDecodeMmaKernel:
         then O = O * alpha + P V over the sub-tiles.
         """
         nsub = self.keys_per_warp // 16
-        # ---- shared memory -> registers: K rows (S n-tiles) and V words, every sub-tile
-        kw = []
-        vw = []
-        for sub in cutlass.range_constexpr(nsub):
-            kb = key_base + 16 * sub
-            key_a = kb + 4 * (g // 2) + g % 2  # K row of this thread for n-tile 0 (+2: n-tile 1)
-            for j in cutlass.range_constexpr(2):
-                row = stage + (key_a + 2 * j) * ROW_BYTES + 16 * c
-                kw.append(ptx.ld_shared_v4(row) + ptx.ld_shared_v4(row + 64))
-            vrow = stage + (kb + 4 * c) * ROW_BYTES + HEAD_DIM + 16 * g
-            if cutlass.const_expr(self.v_rotated):
-                vw.append([self.ld_v_rotated(vrow + i * ROW_BYTES, c) for i in range(4)])
-            else:
-                vw.append([ptx.ld_shared_v4(vrow + i * ROW_BYTES) for i in range(4)])
-        cute.arch.sync_warp()
-        if lane == 0:  # this warp is done reading the stage
-            cute.arch.mbarrier_arrive(empty_bar)
+        nt_s = 2 * nsub
+        # K rows of this thread: S n-tile n = 2*sub + j holds key key_base + 16*sub + 4(g//2) + g%2 + 2j;
+        # K half kh covers k-steps 4kh..4kh+3 (head dims 64kh + 16c.. in K's word order)
+        k_rows = [stage + (key_base + 16 * (n // 2) + 4 * (g // 2) + g % 2 + 2 * (n % 2)) * ROW_BYTES + 16 * c
+                  for n in range(nt_s)]
+        if cutlass.const_expr(self.staged):
+            kw = None
+            vw = None
+        else:  # every read first, then the stage is released
+            kw = [[ptx.ld_shared_v4(k_rows[n] + 64 * kh) for n in range(nt_s)] for kh in range(2)]
+            vw = [self.load_v(stage, key_base, sub, g, c) for sub in range(nsub)]
+            self.release_stage(empty_bar, lane)
 
         # ---- S = Q K^T: 2 * nsub independent accumulation chains of 8 k-steps
-        nt_s = 2 * nsub
         sv = cute.make_rmem_tensor(4 * nt_s, Float32)
         d = [[Float32(0.0)] * 4 for _ in range(nt_s)]
-        for ks in cutlass.range_constexpr(8):
-            for n in cutlass.range_constexpr(nt_s):
-                b0, b1 = self.fp8x4_to_f16x2x2(kw[n][ks])
-                d[n] = ptx.mma_f16_16816(
-                    qa[4 * ks], qa[4 * ks + 1], qa[4 * ks + 2], qa[4 * ks + 3], b0, b1, *d[n]
-                )
+        for kh in cutlass.range_constexpr(2):
+            if cutlass.const_expr(self.staged):  # only this half's K words are live
+                kw_h = [ptx.ld_shared_v4(k_rows[n] + 64 * kh) for n in range(nt_s)]
+            else:
+                kw_h = kw[kh]
+            for kk in cutlass.range_constexpr(4):
+                ks = 4 * kh + kk
+                if cutlass.const_expr(self.q_smem):
+                    a = ptx.ld_shared_v4(q_lane + 512 * ks)
+                else:
+                    a = [qa[4 * ks + k] for k in range(4)]
+                for n in cutlass.range_constexpr(nt_s):
+                    b0, b1 = self.fp8x4_to_f16x2x2(kw_h[n][kk])
+                    d[n] = ptx.mma_f16_16816(a[0], a[1], a[2], a[3], b0, b1, *d[n])
         for n in cutlass.range_constexpr(nt_s):
             for e in cutlass.range_constexpr(4):
                 sv[4 * n + e] = d[n][e]
@@ -308,6 +363,53 @@ class SparseDecodeMmaKernel:
         # ---- one online-softmax step for the block (rows g and g+8 = heads h*G+g, h*G+g+8).
         # n-tile n = 2*sub + j, column 2c+e holds key key_base + 16*sub + 4c + 2j + e.
         key0 = blk * self.page + key_base + 4 * c
+        if cutlass.const_expr(self.lean):
+            self.softmax_lean(sv, acc, row_max, row_sum, key0, blk, kv_len, nt_s)
+        else:
+            self.softmax_plain(sv, acc, row_max, row_sum, key0, kv_len, scale, nt_s)
+
+        # ---- O += P V, one 16-key k-chunk per sub-tile, 16 n-tiles of 8 dims each
+        for sub in cutlass.range_constexpr(nsub):
+            if cutlass.const_expr(self.staged):  # V read just before it is used
+                v0, v1, v2, v3 = self.load_v(stage, key_base, sub, g, c)
+                if sub == nsub - 1:
+                    self.release_stage(empty_bar, lane)
+            else:
+                v0, v1, v2, v3 = vw[sub]
+            p0 = 8 * sub  # P A-fragment: n-tile 2*sub gives k 2c.., n-tile 2*sub+1 gives k 2c+8..
+            pa0 = ptx.f32x2_to_f16x2(sv[p0], sv[p0 + 1])
+            pa1 = ptx.f32x2_to_f16x2(sv[p0 + 2], sv[p0 + 3])
+            pa2 = ptx.f32x2_to_f16x2(sv[p0 + 4], sv[p0 + 5])
+            pa3 = ptx.f32x2_to_f16x2(sv[p0 + 6], sv[p0 + 7])
+            for nt in cutlass.range_constexpr(16):
+                u = nt // 4
+                e = nt % 4
+                b0 = self.fp8_bytes_to_f16x2(v0[u], v1[u], e)
+                b1 = self.fp8_bytes_to_f16x2(v2[u], v3[u], e)
+                dd = ptx.mma_f16_16816(
+                    pa0, pa1, pa2, pa3, b0, b1, acc[4 * nt], acc[4 * nt + 1], acc[4 * nt + 2], acc[4 * nt + 3]
+                )
+                for k in cutlass.range_constexpr(4):
+                    acc[4 * nt + k] = dd[k]
+
+    @cute.jit
+    def load_v(self, stage, key_base, sub, g, c):
+        """V words of sub-tile sub: rows key_base + 16 sub + 4c + i (i < 4), dims 16g.. (4 x 4 words)."""
+        vrow = stage + (key_base + 16 * sub + 4 * c) * ROW_BYTES + HEAD_DIM + 16 * g
+        if cutlass.const_expr(self.v_rotated):
+            return [self.ld_v_rotated(vrow + i * ROW_BYTES, c) for i in range(4)]
+        return [ptx.ld_shared_v4(vrow + i * ROW_BYTES) for i in range(4)]
+
+    @cute.jit
+    def release_stage(self, empty_bar, lane):
+        """This warp is done reading the stage: one arrival on its `empty` barrier."""
+        cute.arch.sync_warp()
+        if lane == 0:
+            cute.arch.mbarrier_arrive(empty_bar)
+
+    @cute.jit
+    def softmax_plain(self, sv, acc, row_max, row_sum, key0, kv_len, scale, nt_s: cutlass.Constexpr):
+        """S -> P in place (scaled, masked against kv_len), O and l rescaled every block."""
         alpha = cute.make_rmem_tensor(2, Float32)
         for r in cutlass.range_constexpr(2):
             mx = row_max[r]
@@ -325,35 +427,65 @@ class SparseDecodeMmaKernel:
                 m_use = Float32(0.0)
             alpha[r] = ptx.ex2(row_max[r] - m_use)
             row_max[r] = mx
-            psum = Float32(0.0)
-            for n in cutlass.range_constexpr(nt_s):
-                for e in cutlass.range_constexpr(2):
-                    p = ptx.ex2(sv[4 * n + 2 * r + e] - m_use)
-                    sv[4 * n + 2 * r + e] = p
-                    psum = psum + p
-            row_sum[r] = row_sum[r] * alpha[r] + psum
+            row_sum[r] = row_sum[r] * alpha[r] + self.exp_rows(sv, r, m_use, nt_s)
         for nt in cutlass.range_constexpr(16):
             for k in cutlass.range_constexpr(4):
                 acc[4 * nt + k] = acc[4 * nt + k] * alpha[k // 2]
 
-        # ---- O += P V, one 16-key k-chunk per sub-tile, 16 n-tiles of 8 dims each
-        for sub in cutlass.range_constexpr(nsub):
-            p0 = 8 * sub  # P A-fragment: n-tile 2*sub gives k 2c.., n-tile 2*sub+1 gives k 2c+8..
-            pa0 = ptx.f32x2_to_f16x2(sv[p0], sv[p0 + 1])
-            pa1 = ptx.f32x2_to_f16x2(sv[p0 + 2], sv[p0 + 3])
-            pa2 = ptx.f32x2_to_f16x2(sv[p0 + 4], sv[p0 + 5])
-            pa3 = ptx.f32x2_to_f16x2(sv[p0 + 6], sv[p0 + 7])
-            v0, v1, v2, v3 = vw[sub]
+    @cute.jit
+    def softmax_lean(self, sv, acc, row_max, row_sum, key0, blk, kv_len, nt_s: cutlass.Constexpr):
+        """S (already in log2 units: the scale is in Q) -> P in place, lazily rescaled.
+
+        Only the block that crosses kv_len is masked (warp-uniform branch); O and l are
+        rescaled, for the whole warp, only when some row max grew by more than LAZY_RESCALE.
+        """
+        if (blk + 1) * self.page > kv_len:
+            for r in cutlass.range_constexpr(2):
+                for n in cutlass.range_constexpr(nt_s):
+                    for e in cutlass.range_constexpr(2):
+                        if key0 + 16 * (n // 2) + 2 * (n % 2) + e >= kv_len:
+                            sv[4 * n + 2 * r + e] = -Float32.inf
+        mxs = cute.make_rmem_tensor(2, Float32)
+        grow = Int32(0)
+        for r in cutlass.range_constexpr(2):
+            mx = -Float32.inf
+            for n in cutlass.range_constexpr(nt_s):
+                for e in cutlass.range_constexpr(2):
+                    mx = cute.arch.fmax(mx, sv[4 * n + 2 * r + e])
+            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 1))
+            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 2))
+            mxs[r] = mx
+            if mx > row_max[r] + LAZY_RESCALE:  # row_max = -inf: any finite mx
+                grow = Int32(1)
+        if cute.arch.vote_any_sync(grow != 0):
+            alpha = cute.make_rmem_tensor(2, Float32)
+            for r in cutlass.range_constexpr(2):
+                m_new = cute.arch.fmax(row_max[r], mxs[r])
+                m_use = m_new
+                if m_new == -Float32.inf:
+                    m_use = Float32(0.0)
+                alpha[r] = ptx.ex2(row_max[r] - m_use)
+                row_max[r] = m_new
+                row_sum[r] = row_sum[r] * alpha[r]
             for nt in cutlass.range_constexpr(16):
-                u = nt // 4
-                e = nt % 4
-                b0 = self.fp8_bytes_to_f16x2(v0[u], v1[u], e)
-                b1 = self.fp8_bytes_to_f16x2(v2[u], v3[u], e)
-                dd = ptx.mma_f16_16816(
-                    pa0, pa1, pa2, pa3, b0, b1, acc[4 * nt], acc[4 * nt + 1], acc[4 * nt + 2], acc[4 * nt + 3]
-                )
                 for k in cutlass.range_constexpr(4):
-                    acc[4 * nt + k] = dd[k]
+                    acc[4 * nt + k] = acc[4 * nt + k] * alpha[k // 2]
+        for r in cutlass.range_constexpr(2):
+            m_use = row_max[r]
+            if m_use == -Float32.inf:  # every key so far masked: P = ex2(-inf) = 0
+                m_use = Float32(0.0)
+            row_sum[r] = row_sum[r] + self.exp_rows(sv, r, m_use, nt_s)
+
+    @cute.jit
+    def exp_rows(self, sv, r, m_use, nt_s: cutlass.Constexpr):
+        """P = 2**(S - m_use) in place for row r of every S n-tile; returns this thread's sum."""
+        psum = Float32(0.0)
+        for n in cutlass.range_constexpr(nt_s):
+            for e in cutlass.range_constexpr(2):
+                p = ptx.ex2(sv[4 * n + 2 * r + e] - m_use)
+                sv[4 * n + 2 * r + e] = p
+                psum = psum + p
+        return psum
 
     @cute.jit
     def ld_v_rotated(self, addr, c):
@@ -382,9 +514,13 @@ class SparseDecodeMmaKernel:
         return ptx.fp8x2_to_f16x2_scaled(lo, hi, ((4 + e) << 12) | (e << 4))
 
     @cute.jit
-    def load_q(self, mQ, qa, t, h, g, c):
-        """Q rows g and g+8 of the group into A fragments, dims permuted like K's words."""
+    def load_q(self, mQ, qa, t, h, g, c, qk_scale_log2):
+        """Q rows g and g+8 of the group into A fragments, dims permuted like K's words.
+
+        softmax="lean": Q * qk_scale_log2 * s_fold, so that S comes out in log2 units.
+        """
         G = self.group
+        qscale = qk_scale_log2 * self.s_fold
         q_base = mQ.iterator.toint()
         q_row_stride = Int64(mQ.stride[0])
         elem = 1 if self.q_fp8 else 2
@@ -411,6 +547,12 @@ class SparseDecodeMmaKernel:
                 sub = ks % 4
                 if cutlass.const_expr(self.q_fp8):
                     lo, hi = self.fp8x4_to_f16x2x2(words[8 * half + sub])
+                    if cutlass.const_expr(self.lean):
+                        lo = ptx.f16x2_scaled(lo, qscale)
+                        hi = ptx.f16x2_scaled(hi, qscale)
+                elif cutlass.const_expr(self.lean):
+                    lo = ptx.bf16x2_to_f16x2(words[8 * half + 2 * sub], qscale)
+                    hi = ptx.bf16x2_to_f16x2(words[8 * half + 2 * sub + 1], qscale)
                 else:
                     lo = ptx.bf16x2_to_f16x2(words[8 * half + 2 * sub])
                     hi = ptx.bf16x2_to_f16x2(words[8 * half + 2 * sub + 1])
@@ -510,6 +652,8 @@ class SparseDecodeMmaKernel:
         """
         d, _, _ = cute.arch.thread_idx()
         t, h, row = cute.arch.block_idx()
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()  # every split's partial is written
         idx0 = (t * self.hkv + h) * num_splits
         lse = cute.make_rmem_tensor(self.topk, Float32)
         part = cute.make_rmem_tensor(self.topk, Float32)

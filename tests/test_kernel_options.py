@@ -1,0 +1,79 @@
+"""Constructor options of the portable kernel (bench/variants.py A/Bs them on the GPU).
+
+Here, without a GPU: bad options fail with a clear error, and the compiled SASS has what
+each option promises (registers for 3 CTAs per SM, the PDL instructions, a probe's missing
+stage, an unchanged default).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from msa_jit import sass
+from msa_jit.compiler import compile_sparse_decode
+from msa_jit.geometry import SparseDecodeConfig
+
+pytestmark = pytest.mark.slow
+
+C3_LEAN = {"q_frags": "smem", "smem_reads": "staged", "ctas_per_sm": 3, "stages": 2, "softmax": "lean"}
+
+
+def _kernel_class():
+    from msa_jit.kernels.sparse_decode_mma import SparseDecodeMmaKernel
+
+    return SparseDecodeMmaKernel
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ({"q_frags": "global"}, "q_frags"),
+        ({"softmax": "fast"}, "softmax"),
+        ({"smem_reads": "lazy"}, "smem_reads"),
+        ({"ctas_per_sm": 4}, "ctas_per_sm"),
+        ({"probe": "no_store"}, "probe"),
+        ({"softmax": "lean", "convert": "bittrick"}, "lean"),
+    ],
+)
+def test_bad_options_are_rejected(bad, match):
+    with pytest.raises(ValueError, match=match):
+        _kernel_class()(num_q_heads=64, num_kv_heads=4, **bad)
+
+
+def _main_kernel(tmp_path, options, hq=64, hkv=4, q_dtype="bfloat16"):
+    """(resources, SASS text) of the decode kernel (not the split merge) for sm_90a."""
+    cfg = SparseDecodeConfig(num_q_heads=hq, num_kv_heads=hkv, q_dtype=q_dtype, arch="sm_90a")
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    compile_sparse_decode(cfg, tmp_path, kernel_options=options)
+    (cubin,) = sass.extract_cubins(tmp_path / "sparse_decode.so")
+    res = [r for r in sass.kernel_resources(cubin) if "merge" not in r.name]
+    funcs = sass.split_functions(sass.disassemble(cubin))
+    text = "".join(body for name, body in funcs.items() if "merge" not in name)
+    merge = "".join(body for name, body in funcs.items() if "merge" in name)
+    return res[0], text, merge
+
+
+@pytest.mark.parametrize("hq, hkv", [(64, 4), (8, 1)])
+def test_three_ctas_per_sm_fit_in_128_registers(tmp_path, hq, hkv):
+    res, text, _ = _main_kernel(tmp_path, C3_LEAN, hq, hkv)
+    assert res.registers <= 128  # 15 warps per SM: 4 per scheduler x 32 lanes x 128 = 16K registers
+    ops = sass.opcode_counts(text)
+    # one loop-carried row sum spills (1 LDL + 1 STL per block, L1-resident): more would be a regression
+    assert ops["LDL"] + ops["STL"] <= 6, ops
+
+
+def test_pdl_waits_before_reading_and_default_does_not(tmp_path):
+    _, text, merge = _main_kernel(tmp_path / "pdl", {"pdl": True})
+    assert "ACQBULK" in text and "ACQBULK" in merge  # griddepcontrol.wait in both kernels
+    assert "PREEXIT" in text  # launch_dependents: the merge may be scheduled early
+    _, text, merge = _main_kernel(tmp_path / "plain", {})
+    assert "ACQBULK" not in text and "ACQBULK" not in merge
+
+
+def test_probes_leave_their_stage_out(tmp_path):
+    _, no_math, _ = _main_kernel(tmp_path / "m", {"probe": "no_math"})
+    assert "HMMA" not in no_math
+    _, no_copy, _ = _main_kernel(tmp_path / "c", {"probe": "no_copy"})
+    assert "UBLKCP" not in no_copy and "HMMA" in no_copy
+    _, full, _ = _main_kernel(tmp_path / "f", {})
+    assert "UBLKCP" in full
