@@ -27,9 +27,8 @@ from typing import Any
 C3 = {"q_frags": "smem", "smem_reads": "staged", "ctas_per_sm": 3, "stages": 2}
 VARIANTS: dict[str, dict[str, Any]] = {
     "now": {},
+    "no_pdl": {"pdl": False},  # the default until 2026-12-02 T1511
     "c3_lean": {**C3, "softmax": "lean"},
-    "c3_lean_pdl": {**C3, "softmax": "lean", "pdl": True},
-    "pdl": {"pdl": True},
     # timing probes (kernel `probe` option: one stage left out, results wrong, not checked)
     "now_nomath": {"probe": "no_math"},
     "c3_nomath": {**C3, "probe": "no_math"},

@@ -62,11 +62,13 @@ def test_three_ctas_per_sm_fit_in_128_registers(tmp_path, hq, hkv):
     assert ops["LDL"] + ops["STL"] <= 6, ops
 
 
-def test_pdl_waits_before_reading_and_default_does_not(tmp_path):
-    _, text, merge = _main_kernel(tmp_path / "pdl", {"pdl": True})
+def test_pdl_by_default_waits_before_reading(tmp_path):
+    _, text, merge = _main_kernel(tmp_path / "pdl", {})
     assert "ACQBULK" in text and "ACQBULK" in merge  # griddepcontrol.wait in both kernels
+    # the wait comes before the first global load of the decode kernel
+    assert text.index("ACQBULK") < text.index("LDG")
     assert "PREEXIT" in text  # launch_dependents: the merge may be scheduled early
-    _, text, merge = _main_kernel(tmp_path / "plain", {})
+    _, text, merge = _main_kernel(tmp_path / "plain", {"pdl": False})
     assert "ACQBULK" not in text and "ACQBULK" not in merge
 
 
