@@ -289,6 +289,20 @@ def plot(result: dict[str, Any], path: str | Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def readme_table(result: dict[str, Any], geometries=("64/4", "16/1", "8/1"), batches=(1, 4, 16, 64, 256),
+                 qlens=(1, 4)) -> str:
+    """The README's markdown table (µs and % of copy per point) of a result file."""
+    points = {(p["geometry"], p["qlen"], p["batch"]): p for p in result["points"] if not p["shared_blocks"]}
+    lines = ["| geometry | qlen | " + " | ".join(f"B={b}" for b in batches) + " |",
+             "|---|---|" + "---|" * len(batches)]
+    for geo in geometries:
+        for qlen in qlens:
+            cells = [f"{points[(geo, qlen, b)]['us']:.1f} µs ({points[(geo, qlen, b)]['pct_of_copy']:.0f}%)"
+                     for b in batches]
+            lines.append(f"| {geo} | {qlen} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def regressions(result: dict[str, Any], baseline: dict[str, Any], slack: float = 1.05) -> list[str]:
     """Points slower than the same point of a previous result file by more than `slack`."""
     def key(p):

@@ -221,6 +221,9 @@ def _cmd_selftest(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from . import bench
 
+    if args.table:  # no GPU: print the README table of a result file
+        print(bench.readme_table(json.loads(Path(args.table).read_text())))
+        return 0
     geos = tuple(args.geometries.split(","))
     batches = tuple(int(b) for b in args.batches.split(","))
     qlens = tuple(int(q) for q in args.qlens.split(","))
@@ -277,6 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--baseline", default="auto",
                    help="result JSON to compare with (default: the newest in --out; 'none' to skip); "
                         "exit 1 if a point is >5%% slower")
+    b.add_argument("--table", metavar="RESULT_JSON",
+                   help="print the README's markdown table of a result file and exit (no GPU)")
     b.set_defaults(func=_cmd_bench)
 
     t = sub.add_parser("selftest", help="hardware check of this GPU: correctness on the full grid, then bench")

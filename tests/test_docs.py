@@ -21,3 +21,12 @@ def test_readme_table_matches_the_committed_bench_result():
             p = points[(geo, int(qlen), batch)]
             assert abs(float(us) - p["us"]) < 0.06, (geo, qlen, batch, us, p["us"])
             assert abs(int(pct) - p["pct_of_copy"]) <= 0.5 + 1e-9, (geo, qlen, batch, pct, p["pct_of_copy"])
+
+
+def test_readme_table_is_the_generated_one():
+    """`msa-jit bench --table <result>` prints exactly the README's table."""
+    from msa_jit.bench import readme_table
+
+    readme = (ROOT / "README.md").read_text()
+    path = re.search(r"Raw data:\s*`(bench/results/[^`]+\.json)`", readme).group(1)
+    assert readme_table(json.loads((ROOT / path).read_text())) in readme
