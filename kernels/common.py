@@ -14,15 +14,25 @@ from . import ptx
 
 @cute.jit
 def compact_valid_slots(mTopk, mBT, t, h, req, kv_len, num_pages, lane, sPages, sBlocks,
-                        topk: cutlass.Constexpr, page_size: cutlass.Constexpr):
+                        topk: cutlass.Constexpr, page_size: cutlass.Constexpr,
+                        prefetch_bt: cutlass.Constexpr = False):
     """One warp: the usable slots of topk[t, h, :] -> sPages / sBlocks at ranks 0..n-1.
 
     A slot is used when s < nvalid = min(topk, ceil(kv_len / page)), its block is in
     [0, max_blocks) and starts before kv_len, and the block table maps it to a page in
     [0, num_pages): anything else (-1, past the request, garbage) is never dereferenced.
+    prefetch_bt: first ask L2 for the request's whole block-table row, so the table lookup
+    that depends on topk hits L2 instead of making a second HBM round trip.
     Returns the warp's ballot of used slots (popc = how many).
     """
     max_blocks = mBT.shape[1]
+    if cutlass.const_expr(prefetch_bt):
+        row = mBT.iterator.toint() + Int64(req) * Int64(mBT.stride[0]) * 4
+        row_bytes = max_blocks * 4
+        for off in range(lane * 128, row_bytes, 32 * 128):
+            ptx.prefetch_l2(row + Int64(off))
+        if lane == 0:  # the row's last line when the row does not start on a line
+            ptx.prefetch_l2(row + Int64(row_bytes - 4))
     slot_ok = False
     page = Int32(0)
     blk = Int32(-1)

@@ -106,6 +106,12 @@ def ld_global_nc_v4(addr: Int64, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def prefetch_l2(addr: Int64, *, loc=None, ip=None) -> None:
+    """prefetch.global.L2: start bringing the 128-byte line of addr into L2 (no result)."""
+    _asm(None, [Int64(addr).ir_value(loc=loc, ip=ip)], "prefetch.global.L2 [$0];", "l", side_effects=True)
+
+
+@dsl_user_op
 def st_global_v4(addr: Int64, w0, w1, w2, w3, *, loc=None, ip=None) -> None:
     _asm(
         None,

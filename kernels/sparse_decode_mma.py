@@ -75,6 +75,7 @@ class SparseDecodeMmaKernel:
         ctas_per_sm: int = 2,
         probe: str = "full",
         pdl: bool = True,
+        prefetch_bt: bool = True,
     ):
         if num_q_heads % num_kv_heads:
             raise ValueError("num_q_heads must be a multiple of num_kv_heads")
@@ -136,6 +137,8 @@ class SparseDecodeMmaKernel:
         # global-memory access, so only the launch latency overlaps, never data
         # (H200, bench/results/variants-2026-12-02T1511.json: batch 1 -1.2 us, never slower)
         self.pdl = bool(pdl)
+        # L2 prefetch of the request's block-table row before the topk-dependent lookup
+        self.prefetch_bt = bool(prefetch_bt)
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -240,7 +243,8 @@ class SparseDecodeMmaKernel:
         # ---- 1. compact the valid slots of this (t, h) into shared memory (warp 0)
         if warp == 0:
             ballot = common.compact_valid_slots(
-                mTopk, mBT, t, h, req, kv_len, num_pages, lane, sPages, sBlocks, self.topk, self.page
+                mTopk, mBT, t, h, req, kv_len, num_pages, lane, sPages, sBlocks, self.topk, self.page,
+                self.prefetch_bt,
             )
             if lane == 0:
                 sNvalid[0] = cute.arch.popc(ballot)

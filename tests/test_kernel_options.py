@@ -79,3 +79,10 @@ def test_probes_leave_their_stage_out(tmp_path):
     assert "UBLKCP" not in no_copy and "HMMA" in no_copy
     _, full, _ = _main_kernel(tmp_path / "f", {})
     assert "UBLKCP" in full
+
+
+def test_block_table_row_is_prefetched_by_default(tmp_path):
+    _, text, _ = _main_kernel(tmp_path / "on", {})
+    assert "CCTL.E.PF2" in text  # prefetch.global.L2
+    _, text, _ = _main_kernel(tmp_path / "off", {"prefetch_bt": False})
+    assert "CCTL.E.PF2" not in text
