@@ -27,8 +27,8 @@ from typing import Any
 C3 = {"q_frags": "smem", "smem_reads": "staged", "ctas_per_sm": 3, "stages": 2}
 VARIANTS: dict[str, dict[str, Any]] = {
     "now": {},
-    "no_prefetch": {"prefetch_bt": False},  # the default until 2026-12-02 T1530
-    "no_pdl": {"pdl": False, "prefetch_bt": False},  # the default until 2026-12-02 T1511
+    "bt_prefetch": {"prefetch_bt": True},  # rejected 2026-12-02 T1617 (spec decode +7.7%)
+    "no_pdl": {"pdl": False},  # the default until 2026-12-02 T1511
     "c3_lean": {**C3, "softmax": "lean"},
     # timing probes (kernel `probe` option: one stage left out, results wrong, not checked)
     "now_nomath": {"probe": "no_math"},

@@ -75,7 +75,7 @@ class SparseDecodeMmaKernel:
         ctas_per_sm: int = 2,
         probe: str = "full",
         pdl: bool = True,
-        prefetch_bt: bool = True,
+        prefetch_bt: bool = False,
     ):
         if num_q_heads % num_kv_heads:
             raise ValueError("num_q_heads must be a multiple of num_kv_heads")
@@ -138,6 +138,7 @@ class SparseDecodeMmaKernel:
         # (H200, bench/results/variants-2026-12-02T1511.json: batch 1 -1.2 us, never slower)
         self.pdl = bool(pdl)
         # L2 prefetch of the request's block-table row before the topk-dependent lookup
+        # (off: measured slower, bench/results/variants-2026-12-02T1617.json)
         self.prefetch_bt = bool(prefetch_bt)
 
     # ------------------------------------------------------------------ host side

@@ -81,8 +81,9 @@ def test_probes_leave_their_stage_out(tmp_path):
     assert "UBLKCP" in full
 
 
-def test_block_table_row_is_prefetched_by_default(tmp_path):
-    _, text, _ = _main_kernel(tmp_path / "on", {})
+def test_block_table_prefetch_only_when_asked(tmp_path):
+    _, text, _ = _main_kernel(tmp_path / "on", {"prefetch_bt": True})
     assert "CCTL.E.PF2" in text  # prefetch.global.L2
-    _, text, _ = _main_kernel(tmp_path / "off", {"prefetch_bt": False})
+    assert text.index("CCTL.E.PF2") > text.index("ACQBULK")  # never before the PDL wait
+    _, text, _ = _main_kernel(tmp_path / "off", {})
     assert "CCTL.E.PF2" not in text
