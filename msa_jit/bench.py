@@ -72,6 +72,9 @@ def make_step(hq: int, hkv: int, batch: int, qlen: int, q_dtype: str, *, ctx_len
     """Random decode step where every (token, KV head) selects `topk` full blocks."""
     import torch
 
+    # every point starts from the same allocator state: memory cached from earlier (smaller)
+    # points would otherwise decide where this step's KV cache lands
+    torch.cuda.empty_cache()
     g = torch.Generator(device="cpu").manual_seed(seed)
     page = 128
     nblk = ctx_len // page
@@ -112,8 +115,13 @@ def make_step(hq: int, hkv: int, batch: int, qlen: int, q_dtype: str, *, ctx_len
     }
 
 
-def time_graph(fn, iters: int = 50, flush_bytes: int = 256 << 20) -> list[float]:
-    """Capture fn once in a CUDA graph; time `iters` replays, L2 flushed before each."""
+def time_graph(fn, iters: int = 50, flush_bytes: int = 256 << 20, warmup_ms: float = 50.0) -> list[float]:
+    """Capture fn once in a CUDA graph; time `iters` replays, L2 flushed before each.
+
+    The replays (with their flushes) first run untimed for `warmup_ms`: right after an idle
+    stretch (the CPU building the next point's inputs) the first ~30 replays of 64/4 B=256
+    ran ~7% slower on the H200 (bench/results/warmup-probe-2026-12-02.txt).
+    """
     import torch
 
     flush = torch.ones(flush_bytes, dtype=torch.uint8, device="cuda")
@@ -128,6 +136,11 @@ def time_graph(fn, iters: int = 50, flush_bytes: int = 256 << 20) -> list[float]
         fn()
     graph.replay()
     _sync()
+    t_end = time.perf_counter() + warmup_ms * 1e-3
+    while time.perf_counter() < t_end:
+        flush.sum(dtype=torch.int32)
+        graph.replay()
+        _sync()
     times = []
     for _ in range(iters):
         # Flush L2 by READING a buffer larger than it: a write (zero_()) would leave ~60 MB
