@@ -222,7 +222,8 @@ class SparseDecodeMmaKernel:
         t, h, split = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(tidx // 32)
         if cutlass.const_expr(self.pdl):
-            cute.arch.griddepcontrol_wait()  # the previous kernel's writes (kv_lens) are visible
+            # every write of the previous kernel (the prologue's kv_lens, or a caller's q / topk) is visible
+            cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()  # the split merge may be scheduled now
         lane = tidx % 32
 
