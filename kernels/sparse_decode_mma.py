@@ -528,6 +528,7 @@ class SparseDecodeMmaKernel:
         """
         G = self.group
         qscale = qk_scale_log2 * self.s_fold
+        bf16_scale = qscale if self.lean else None  # None: the plain conversion, no multiply
         q_base = mQ.iterator.toint()
         q_row_stride = Int64(mQ.stride[0])
         elem = 1 if self.q_fp8 else 2
@@ -557,12 +558,9 @@ class SparseDecodeMmaKernel:
                     if cutlass.const_expr(self.lean):
                         lo = ptx.f16x2_scaled(lo, qscale)
                         hi = ptx.f16x2_scaled(hi, qscale)
-                elif cutlass.const_expr(self.lean):
-                    lo = ptx.bf16x2_to_f16x2(words[8 * half + 2 * sub], qscale)
-                    hi = ptx.bf16x2_to_f16x2(words[8 * half + 2 * sub + 1], qscale)
                 else:
-                    lo = ptx.bf16x2_to_f16x2(words[8 * half + 2 * sub])
-                    hi = ptx.bf16x2_to_f16x2(words[8 * half + 2 * sub + 1])
+                    lo = ptx.bf16x2_to_f16x2(words[8 * half + 2 * sub], bf16_scale)
+                    hi = ptx.bf16x2_to_f16x2(words[8 * half + 2 * sub + 1], bf16_scale)
                 # A registers: {row g, k 2c..}, {row g+8, k 2c..}, {row g, k 2c+8..}, {row g+8, k 2c+8..}
                 qa[4 * ks + r] = lo
                 qa[4 * ks + 2 + r] = hi
