@@ -193,6 +193,7 @@ def _host_parts(fn, iters: int = 3000) -> dict[str, float]:
     import torch
 
     from msa_jit import sparse_decode
+    from msa_jit.bench import per_call_us
     from msa_jit.prologue import refresh_plan_tensors
     from msa_jit.validation import validate_prepare, validate_sparse_decode
 
@@ -210,16 +211,8 @@ def _host_parts(fn, iters: int = 3000) -> dict[str, float]:
                                    plan.partial_o, plan.partial_lse, 1, plan.num_splits, 0.1, 1.0),
         "empty_torch_op": lambda: out.data_ptr(),
     }
-    res = {}
-    for name, f in pieces.items():
-        for _ in range(100):
-            f()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            f()
-        res[name] = round((time.perf_counter() - t0) / iters * 1e6, 2)
-        torch.cuda.synchronize()
+    res = {name: round(per_call_us(f, iters, warmup=100), 2) for name, f in pieces.items()}
+    torch.cuda.synchronize()
     return res
 
 

@@ -182,6 +182,25 @@ def bench_point(geometry: str, batch: int, qlen: int, q_dtype: str, copy_bw: flo
     )
 
 
+def per_call_us(fn, n: int, *, warmup: int = 0, sync: str = "none") -> float:
+    """Host wall-clock microseconds per call of fn over n calls, the GPU idle at the start.
+
+    sync: "none" (CPU cost only: launches queue up), "each" (synchronize after every call),
+    "end" (one synchronize after the last call, inside the timed region).
+    """
+    for _ in range(warmup):
+        fn()
+    _sync()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+        if sync == "each":
+            _sync()
+    if sync == "end":
+        _sync()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
 def host_overheads(iters: int = 2000, batch: int = 1) -> dict[str, float]:
     """CPU cost of a cached prepare (no sync) and of an eager op call beyond its GPU time (64/4).
 
@@ -205,27 +224,11 @@ def host_overheads(iters: int = 2000, batch: int = 1) -> dict[str, float]:
 
     plan = planner.prepare(*args, **kw)
     eager_step()
-    _sync()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        planner.prepare(*args, **kw)
-    prep_us = (time.perf_counter() - t0) / iters * 1e6
-    _sync()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        sparse_decode(step["query"], step["kv_cache"], step["topk"], step["out"], plan, sm_scale=0.088)
-    op_us = (time.perf_counter() - t0) / iters * 1e6
-    _sync()
-    t0 = time.perf_counter()
-    for _ in range(200):
-        eager_step()
-        torch.cuda.synchronize()
-    eager_us = (time.perf_counter() - t0) / 200 * 1e6
-    t0 = time.perf_counter()
-    for _ in range(200):
-        eager_step()
-    torch.cuda.synchronize()
-    pipelined_us = (time.perf_counter() - t0) / 200 * 1e6
+    prep_us = per_call_us(lambda: planner.prepare(*args, **kw), iters)
+    op_us = per_call_us(lambda: sparse_decode(step["query"], step["kv_cache"], step["topk"], step["out"], plan,
+                                              sm_scale=0.088), iters)
+    eager_us = per_call_us(eager_step, 200, sync="each")
+    pipelined_us = per_call_us(eager_step, 200, sync="end")
     gpu_us = statistics.median(time_graph(eager_step, iters=50))
     return {"batch": batch, "prepare_cpu_us": round(prep_us, 2), "op_call_cpu_us": round(op_us, 2),
             "eager_step_wall_us": round(eager_us, 2), "graph_step_gpu_us": round(gpu_us, 2),

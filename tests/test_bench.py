@@ -32,3 +32,15 @@ def test_plot_writes_a_png(tmp_path):
     path = tmp_path / "p.png"
     bench.plot(_result("2026-01-01T00:00:00", [10.0, 100.0]), path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_per_call_us_syncs_where_asked(monkeypatch):
+    events = []
+    monkeypatch.setattr(bench, "_sync", lambda: events.append("sync"))
+    call = lambda: events.append("call")  # noqa: E731
+    for sync, want in (("none", ["call", "sync", "call", "call"]),
+                       ("each", ["call", "sync", "call", "sync", "call", "sync"]),
+                       ("end", ["call", "sync", "call", "call", "sync"])):
+        events.clear()
+        assert bench.per_call_us(call, 2, warmup=1, sync=sync) >= 0
+        assert events == want, sync
