@@ -72,8 +72,8 @@ def make_step(hq: int, hkv: int, batch: int, qlen: int, q_dtype: str, *, ctx_len
     """Random decode step where every (token, KV head) selects `topk` full blocks."""
     import torch
 
-    # every point starts from the same allocator state: memory cached from earlier (smaller)
-    # points would otherwise decide where this step's KV cache lands
+    # every point starts from the same allocator state, whatever ran before it (this did not
+    # move the 64/4 B=256 time, bench-2026-12-02T1623 vs T1618: the warm-up in time_graph did)
     torch.cuda.empty_cache()
     g = torch.Generator(device="cpu").manual_seed(seed)
     page = 128
