@@ -221,10 +221,6 @@ class SparseDecodeMmaKernel:
         tidx, _, _ = cute.arch.thread_idx()
         t, h, split = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(tidx // 32)
-        if cutlass.const_expr(self.pdl):
-            # every write of the previous kernel (the prologue's kv_lens, or a caller's q / topk) is visible
-            cute.arch.griddepcontrol_wait()
-            cute.arch.griddepcontrol_launch_dependents()  # the split merge may be scheduled now
         lane = tidx % 32
 
         smem = cutlass.utils.SmemAllocator()
@@ -237,6 +233,17 @@ class SparseDecodeMmaKernel:
         sNvalid = storage.nvalid.get_tensor(cute.make_layout(4))
         sML = storage.ml.get_tensor(cute.make_layout(self.warps * 32))
         q_addr = ptx.smem_addr(storage.q.data_ptr())
+        # the barriers touch no global memory: set them up while the previous kernel may still run
+        if warp == 0:
+            if lane == 0:
+                for s in cutlass.range_constexpr(self.stages):
+                    cute.arch.mbarrier_init(full_ptr + s, 1)
+                    cute.arch.mbarrier_init(empty_ptr + s, self.warps)
+        if cutlass.const_expr(self.pdl):
+            # every write of the previous kernel (the prologue's kv_lens, or a caller's q / topk)
+            # is visible after this; nothing above reads global memory
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()  # the split merge may be scheduled now
 
         kv_len = mKvLens[t]
         req = t // qlen
@@ -250,9 +257,6 @@ class SparseDecodeMmaKernel:
             )
             if lane == 0:
                 sNvalid[0] = cute.arch.popc(ballot)
-                for s in cutlass.range_constexpr(self.stages):
-                    cute.arch.mbarrier_init(full_ptr + s, 1)
-                    cute.arch.mbarrier_init(empty_ptr + s, self.warps)
         if cutlass.const_expr(self.q_smem):
             if warp == self.warps:  # the producer warp is idle until the slots are compacted
                 self.stage_q(mQ, q_addr, t, h, lane, qk_scale_log2)

@@ -6,7 +6,10 @@ For every token row t < T = B * qlen (r = t // qlen, j = t % qlen):
     kv_lens[t]   = max(qo_offset[t] + 1, 0)        (causal: keys at positions < kv_lens[t])
 
 `refresh_plan_tensors` is one Triton launch: no host sync, no allocation, so it can be
-captured in a CUDA graph. On CPU tensors it needs TRITON_INTERPRET=1 set before this module
+captured in a CUDA graph. On a GPU it first signals programmatic dependent launch
+(`griddepcontrol.launch_dependents`), so the decode kernel that follows (launched with PDL)
+is scheduled while this one runs; that kernel waits (`griddepcontrol.wait`) for this grid to
+complete and its writes to be visible before it reads kv_lens. On CPU tensors it needs TRITON_INTERPRET=1 set before this module
 is imported; `refresh_plan_tensors_torch` is the same computation in PyTorch (CPU fallback and
 test oracle). Importing this module imports triton, so the package imports it lazily.
 """
@@ -18,6 +21,11 @@ from typing import Callable
 import torch
 import triton
 import triton.language as tl
+
+try:  # Triton >= 3.3
+    from triton.language.extra.cuda import gdc_launch_dependents
+except ImportError:  # pragma: no cover - older Triton: no early launch of the next kernel
+    gdc_launch_dependents = None
 
 __all__ = [
     "bind_refresh",
@@ -38,7 +46,10 @@ def _refresh_plan_kernel(
     num_rows,
     qlen,
     BLOCK: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr,
 ):
+    if LAUNCH_DEPENDENTS:
+        gdc_launch_dependents()
     t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = t < num_rows
     r = t // qlen
@@ -58,18 +69,26 @@ def kernel_is_interpreted() -> bool:
     return isinstance(_refresh_plan_kernel, InterpretedFunction)
 
 
+def _launch_dependents(wanted: bool) -> bool:
+    """Whether the launch may carry the PDL trigger (a GPU build with a Triton that has it)."""
+    return wanted and gdc_launch_dependents is not None and not kernel_is_interpreted()
+
+
 def refresh_plan_tensors(
-    seq_lens: torch.Tensor, kv_lens: torch.Tensor, qo_offset: torch.Tensor, qlen: int
+    seq_lens: torch.Tensor, kv_lens: torch.Tensor, qo_offset: torch.Tensor, qlen: int,
+    launch_dependents: bool = True,
 ) -> None:
     """Triton: write kv_lens [T] int32 and qo_offset [T] int32 from seq_lens [B] int32, in place.
 
     T = kv_lens.numel() must equal B * qlen (not checked here; the planner guarantees it).
+    launch_dependents: signal PDL at the start (ignored under the interpreter).
     """
     num_rows = kv_lens.numel()
     if num_rows == 0:
         return
     grid = (triton.cdiv(num_rows, BLOCK_ROWS),)
-    _refresh_plan_kernel[grid](seq_lens, kv_lens, qo_offset, num_rows, qlen, BLOCK=BLOCK_ROWS)
+    _refresh_plan_kernel[grid](seq_lens, kv_lens, qo_offset, num_rows, qlen, BLOCK=BLOCK_ROWS,
+                               LAUNCH_DEPENDENTS=_launch_dependents(launch_dependents))
 
 
 def refresh_plan_tensors_torch(
@@ -85,17 +104,19 @@ def refresh_plan_tensors_torch(
 
 
 def refresh_plan_tensors_auto(
-    seq_lens: torch.Tensor, kv_lens: torch.Tensor, qo_offset: torch.Tensor, qlen: int
+    seq_lens: torch.Tensor, kv_lens: torch.Tensor, qo_offset: torch.Tensor, qlen: int,
+    launch_dependents: bool = True,
 ) -> None:
     """Triton on CUDA (or on CPU under TRITON_INTERPRET=1), the torch path otherwise."""
     if seq_lens.is_cuda or kernel_is_interpreted():
-        refresh_plan_tensors(seq_lens, kv_lens, qo_offset, qlen)
+        refresh_plan_tensors(seq_lens, kv_lens, qo_offset, qlen, launch_dependents)
     else:
         refresh_plan_tensors_torch(seq_lens, kv_lens, qo_offset, qlen)
 
 
 def bind_refresh(
-    seq_lens: torch.Tensor, kv_lens: torch.Tensor, qo_offset: torch.Tensor, qlen: int
+    seq_lens: torch.Tensor, kv_lens: torch.Tensor, qo_offset: torch.Tensor, qlen: int,
+    launch_dependents: bool = True,
 ) -> Callable[[torch.Tensor], None]:
     """`refresh(seq_lens)` for one plan's kv_lens / qo_offset, with the launch bound once.
 
@@ -105,26 +126,30 @@ def bind_refresh(
     checked once against the PyTorch formula when the plan is built (outside graph capture) and
     dropped for the plain launch if it differs or fails; a seq_lens whose 16-byte alignment
     differs from the one the kernel was specialized for also takes the plain launch.
+    launch_dependents: the PDL trigger (see the module docstring); False only for A/B runs.
     """
     num_rows = kv_lens.numel()
+    pdl = _launch_dependents(launch_dependents)
 
     def plain(s: torch.Tensor) -> None:
-        refresh_plan_tensors_auto(s, kv_lens, qo_offset, qlen)
+        refresh_plan_tensors_auto(s, kv_lens, qo_offset, qlen, pdl)
 
     if num_rows == 0 or not seq_lens.is_cuda or torch.cuda.is_current_stream_capturing():
         return plain
     grid = (triton.cdiv(num_rows, BLOCK_ROWS), 1, 1)  # CompiledKernel's runner reads all three
     try:
-        runner = _refresh_plan_kernel[grid](seq_lens, kv_lens, qo_offset, num_rows, qlen, BLOCK=BLOCK_ROWS)[grid]
+        compiled = _refresh_plan_kernel[grid](seq_lens, kv_lens, qo_offset, num_rows, qlen, BLOCK=BLOCK_ROWS,
+                                              LAUNCH_DEPENDENTS=pdl)
+        runner = compiled[grid]
     except Exception:  # noqa: BLE001 - an older / newer Triton without the CompiledKernel runner
         return plain
     aligned = seq_lens.data_ptr() % 16 == 0
 
     def bound(s: torch.Tensor) -> None:
         if (s.data_ptr() % 16 == 0) != aligned:
-            refresh_plan_tensors(s, kv_lens, qo_offset, qlen)
+            refresh_plan_tensors(s, kv_lens, qo_offset, qlen, pdl)
         else:
-            runner(s, kv_lens, qo_offset, num_rows, qlen, BLOCK_ROWS)
+            runner(s, kv_lens, qo_offset, num_rows, qlen, BLOCK_ROWS, pdl)
 
     want_kv, want_qo = kv_lens.clone(), qo_offset.clone()
     refresh_plan_tensors_torch(seq_lens, want_kv, want_qo, qlen)
@@ -137,4 +162,5 @@ def bind_refresh(
     if not ok:
         plain(seq_lens)
         return plain
+    bound.compiled = compiled  # its .asm["ptx"] shows the trigger (tests)
     return bound

@@ -67,6 +67,8 @@ def test_pdl_by_default_waits_before_reading(tmp_path):
     assert "ACQBULK" in text and "ACQBULK" in merge  # griddepcontrol.wait in both kernels
     # the wait comes before the first global load of the decode kernel
     assert text.index("ACQBULK") < text.index("LDG")
+    # the mbarrier inits (no global memory) run before the wait, while the prologue may still run
+    assert text.index("SYNCS.EXCH.64") < text.index("ACQBULK")
     assert "PREEXIT" in text  # launch_dependents: the merge may be scheduled early
     _, text, merge = _main_kernel(tmp_path / "plain", {"pdl": False})
     assert "ACQBULK" not in text and "ACQBULK" not in merge
@@ -87,3 +89,4 @@ def test_block_table_prefetch_only_when_asked(tmp_path):
     assert text.index("CCTL.E.PF2") > text.index("ACQBULK")  # never before the PDL wait
     _, text, _ = _main_kernel(tmp_path / "off", {})
     assert "CCTL.E.PF2" not in text
+

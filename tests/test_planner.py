@@ -345,3 +345,19 @@ def test_import_is_light():
 
 def test_plan_is_plain_object():
     assert SparseDecodePlan.__eq__ is object.__eq__
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("trigger", [True, False])
+def test_prologue_signals_dependent_launch(trigger):
+    """The bound prologue starts with griddepcontrol.launch_dependents (unless asked not to)."""
+    from msa_jit.prologue import bind_refresh
+
+    c = make_case(4, 2, 8, 2, q_dtype=torch.bfloat16, seed=9, device="cuda", page_size=64, topk=4)
+    kv = torch.zeros(8, dtype=torch.int32, device="cuda")
+    qo = torch.zeros(8, dtype=torch.int32, device="cuda")
+    refresh = bind_refresh(c.seq_lens, kv, qo, 2, launch_dependents=trigger)
+    ptx = refresh.compiled.asm["ptx"]
+    assert ("griddepcontrol.launch_dependents" in ptx) == trigger
+    exp_kv, exp_qo = _expected(c.seq_lens.cpu().tolist(), 2)
+    assert kv.cpu().tolist() == exp_kv and qo.cpu().tolist() == exp_qo
