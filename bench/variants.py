@@ -25,24 +25,32 @@ from typing import Any
 # the run. Earlier runs (their JSON files carry their own option sets): 2026-12-02 T1413 /
 # T1425 "base" (bittrick + 16-byte V loads), "cvt", "cvt_vrot" (now the default).
 C3 = {"q_frags": "smem", "smem_reads": "staged", "ctas_per_sm": 3, "stages": 2}
+# "prologue_trigger" is not a kernel option: False binds the plan's Triton prologue without
+# its griddepcontrol.launch_dependents (the default until 2026-12-02 session 4).
 VARIANTS: dict[str, dict[str, Any]] = {
     "now": {},
-    "bt_prefetch": {"prefetch_bt": True},  # rejected 2026-12-02 T1617 (spec decode +7.7%)
+    "no_trigger": {"prologue_trigger": False},
     "no_pdl": {"pdl": False},  # the default until 2026-12-02 T1511
-    "c3_lean": {**C3, "softmax": "lean"},
     # timing probes (kernel `probe` option: one stage left out, results wrong, not checked)
     "now_nomath": {"probe": "no_math"},
-    "c3_nomath": {**C3, "probe": "no_math"},
-    "s6_nomath": {"ctas_per_sm": 1, "stages": 6, "probe": "no_math"},
     "now_nocopy": {"probe": "no_copy"},
-    "c3_lean_nocopy": {**C3, "softmax": "lean", "probe": "no_copy"},
 }
+PLAN_OPTIONS = ("prologue_trigger",)
 GEOMETRIES = [(64, 4, "bfloat16"), (8, 1, "bfloat16"), (16, 1, "bfloat16"), (64, 4, "float8_e4m3fn")]
 BF16, FP8 = "bfloat16", "float8_e4m3fn"
 # (geometry, batch, qlen, shared_blocks, query dtype)
 POINTS = [("64/4", 256, 1, 0, BF16), ("64/4", 128, 1, 0, BF16), ("64/4", 64, 1, 0, BF16), ("8/1", 256, 1, 0, BF16),
           ("16/1", 256, 1, 0, BF16), ("64/4", 1, 1, 0, BF16), ("64/4", 64, 4, 12, BF16),
           ("64/4", 256, 1, 0, FP8), ("64/4", 64, 1, 0, FP8)]
+
+
+def _kernel_options(name: str) -> dict[str, Any]:
+    return {k: v for k, v in VARIANTS[name].items() if k not in PLAN_OPTIONS}
+
+
+def _artifact_variant(name: str) -> str:
+    """The first variant with the same kernel options (whose artifacts `name` reuses)."""
+    return next(v for v in VARIANTS if _kernel_options(v) == _kernel_options(name))
 
 
 def _is_probe(name: str) -> bool:
@@ -60,12 +68,14 @@ def build(args: argparse.Namespace) -> int:
 
     root = Path(args.dir)
     for name in args.variants or VARIANTS:
+        if _artifact_variant(name) != name:
+            continue
         for hq, hkv, qd in GEOMETRIES:
             cfg = SparseDecodeConfig(num_q_heads=hq, num_kv_heads=hkv, q_dtype=qd, arch=args.arch)
             out = _so(root, name, hq, hkv, qd).parent
             out.mkdir(parents=True, exist_ok=True)
             t0 = time.perf_counter()
-            compile_sparse_decode(cfg, out, kernel_options=VARIANTS[name])
+            compile_sparse_decode(cfg, out, kernel_options=_kernel_options(name))
             print(f"{name:>8} {hq}/{hkv} {qd}: {time.perf_counter() - t0:.1f} s", flush=True)
     return 0
 
@@ -98,6 +108,7 @@ def _time_points(fns: dict[tuple[str, str], Any], copy_bw: float, iters: int, ro
     from msa_jit import SparseDecodePlanner, sparse_decode
     from msa_jit.bench import GEOMETRIES as BENCH_GEOMS
     from msa_jit.bench import make_step, time_graph
+    from msa_jit.prologue import bind_refresh
 
     rows = []
     for geom, batch, qlen, shared, qd in POINTS:
@@ -113,6 +124,8 @@ def _time_points(fns: dict[tuple[str, str], Any], copy_bw: float, iters: int, ro
             sparse_decode(step["query"], step["kv_cache"], step["topk"], step["out"], prepare(), sm_scale=0.088)
 
         plan = prepare()  # the same object every step; its kernels are swapped per variant below
+        refresh = {trig: bind_refresh(step["seq_lens"], plan.kv_lens, plan.qo_offset, qlen, launch_dependents=trig)
+                   for trig in (True, False)}
         times: dict[str, list[float]] = {}
         for _ in range(rounds):  # interleaved, so clock / thermal drift hits every variant alike
             for name in VARIANTS:
@@ -120,6 +133,7 @@ def _time_points(fns: dict[tuple[str, str], Any], copy_bw: float, iters: int, ro
                 if fn is None:
                     continue
                 plan.kernels[step["query"].dtype] = fn
+                plan.refresh = refresh[VARIANTS[name].get("prologue_trigger", True)]
                 times.setdefault(name, []).extend(time_graph(run, iters=iters))
         for name, ts in times.items():
             med = statistics.median(ts)
@@ -224,15 +238,18 @@ def run(args: argparse.Namespace) -> int:
     fns = {}
     for name in VARIANTS:
         for hq, hkv, qd in GEOMETRIES:
-            so = _so(root, name, hq, hkv, qd)
-            if so.is_file():
-                fns[(name, f"{hq}x{hkv}-{qd}")] = load_artifact(so)[0]
+            geom = f"{hq}x{hkv}-{qd}"
+            so = _so(root, _artifact_variant(name), hq, hkv, qd)
+            if (_artifact_variant(name), geom) in fns:  # same artifact: one load
+                fns[(name, geom)] = fns[(_artifact_variant(name), geom)]
+            elif so.is_file():
+                fns[(name, geom)] = load_artifact(so)[0]
     result: dict[str, Any] = {"environment": environment(), "command": " ".join(sys.argv),
                               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                               "variants": VARIANTS, "checks": {}}
     bad = 0
     for (name, geom), fn in fns.items():
-        if _is_probe(name):
+        if _is_probe(name) or _artifact_variant(name) != name:  # probes; artifacts checked once
             continue
         hq, rest = geom.split("x")
         hkv, qd = rest.split("-", 1)
@@ -244,7 +261,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"check {name:>8} {geom}: worst rel L2 {worst:.2e} {'FAIL ' + '; '.join(fails) if fails else 'ok'}",
               flush=True)
     ok = {k: v for k, v in fns.items()
-          if _is_probe(k[0]) or not any(r["problems"] for r in result["checks"][f"{k[0]} {k[1]}"])}
+          if _is_probe(k[0]) or not any(r["problems"] for r in result["checks"][f"{_artifact_variant(k[0])} {k[1]}"])}
     result["copy_tbps"] = round(copy_bandwidth() / 1e12, 3)
     print(f"copy bandwidth {result['copy_tbps']} TB/s", flush=True)
     result["points"] = _time_points({} if args.host_only else ok, result["copy_tbps"] * 1e12, args.iters, args.rounds)
