@@ -31,14 +31,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "now": {},
     "no_trigger": {"prologue_trigger": False},
     "no_pdl": {"pdl": False},  # the default until 2026-12-02 T1511
-    "l2a2": {"l2_ahead": 2},
-    "l2a4": {"l2_ahead": 4},
-    "l2a8": {"l2_ahead": 8},
-    "l2a13": {"l2_ahead": 13},  # every chunk after the ring (16 slots)
     # timing probes (kernel `probe` option: one stage left out, results wrong, not checked)
     "now_nomath": {"probe": "no_math"},
     "now_nocopy": {"probe": "no_copy"},
-    "l2a4_nomath": {"l2_ahead": 4, "probe": "no_math"},
 }
 PLAN_OPTIONS = ("prologue_trigger",)
 GEOMETRIES = [(64, 4, "bfloat16"), (8, 1, "bfloat16"), (16, 1, "bfloat16"), (64, 4, "float8_e4m3fn")]

@@ -63,20 +63,14 @@ def split_range(n_valid, num_splits, split):
 @cute.jit
 def stream_pages(mKV, sPages, h, first, n_iter, buf_addr, full_ptr, empty_ptr,
                  stages: cutlass.Constexpr, stage_bytes: cutlass.Constexpr, num_kv_heads: cutlass.Constexpr,
-                 copy: cutlass.Constexpr = True, l2_ahead: cutlass.Constexpr = 0):
+                 copy: cutlass.Constexpr = True):
     """Producer (one thread): bulk-copy each selected (page, KV head) chunk into the stage ring.
 
     Stage s = i % stages is reused once its `empty` barrier completed the previous phase;
     `full[s]` completes when the copy's bytes have landed. copy=False (timing probes only:
     the consumers then read stale shared memory) completes `full[s]` without copying.
-    l2_ahead: the `l2_ahead` chunks after the ring are also requested, into L2 only
-    (`cp.async.bulk.prefetch.L2`), so more bytes are in flight per SM than shared memory holds.
     """
     kv_base = mKV.iterator.toint()
-    if cutlass.const_expr(copy and l2_ahead > 0):
-        for j in range(stages, cutlass.min(n_iter, stages + l2_ahead)):
-            chunk = Int64(sPages[first + j]) * num_kv_heads + Int64(h)
-            ptx.bulk_prefetch_l2(kv_base + chunk * stage_bytes, stage_bytes)
     for i in range(n_iter):
         s = i % stages
         phase = (i // stages) & 1
@@ -90,9 +84,5 @@ def stream_pages(mKV, sPages, h, first, n_iter, buf_addr, full_ptr, empty_ptr,
                 stage_bytes,
                 ptx.smem_addr(full_ptr + s),
             )
-            if cutlass.const_expr(l2_ahead > 0):
-                if i >= stages and i + l2_ahead < n_iter:  # chunks before stages + l2_ahead: above
-                    ahead = Int64(sPages[first + i + l2_ahead]) * num_kv_heads + Int64(h)
-                    ptx.bulk_prefetch_l2(kv_base + ahead * stage_bytes, stage_bytes)
         else:
             cute.arch.mbarrier_arrive(full_ptr + s)

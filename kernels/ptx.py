@@ -280,18 +280,6 @@ def bulk_copy_g2s(dst_smem: Int32, src_gmem: Int64, nbytes: int, mbar_smem: Int3
 
 
 @dsl_user_op
-def bulk_prefetch_l2(src_gmem: Int64, nbytes: int, *, loc=None, ip=None) -> None:
-    """cp.async.bulk.prefetch.L2: start bringing nbytes (multiple of 16) at src into L2 (SM90+)."""
-    _asm(
-        None,
-        [Int64(src_gmem).ir_value(loc=loc, ip=ip), _i32(nbytes, loc, ip)],
-        "cp.async.bulk.prefetch.L2.global [$0], $1;",
-        "l,r",
-        side_effects=True,
-    )
-
-
-@dsl_user_op
 def ex2(x: Float32, *, loc=None, ip=None) -> Float32:
     """2**x with ex2.approx.ftz (ex2(-inf) == 0)."""
     return Float32(_asm(T.f32(), [_f32(x, loc, ip)], "ex2.approx.ftz.f32 $0, $1;", "=f,f"))

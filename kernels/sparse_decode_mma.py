@@ -76,7 +76,6 @@ class SparseDecodeMmaKernel:
         probe: str = "full",
         pdl: bool = True,
         prefetch_bt: bool = False,
-        l2_ahead: int = 0,
     ):
         if num_q_heads % num_kv_heads:
             raise ValueError("num_q_heads must be a multiple of num_kv_heads")
@@ -107,7 +106,7 @@ class SparseDecodeMmaKernel:
             ("convert", convert, ("bittrick", "cvt")), ("v_loads", v_loads, ("v4", "rotated")),
             ("q_frags", q_frags, ("regs", "smem")), ("softmax", softmax, ("plain", "lean")),
             ("smem_reads", smem_reads, ("block", "staged")), ("ctas_per_sm", ctas_per_sm, (1, 2, 3)),
-            ("probe", probe, ("full", "no_math", "no_copy")), ("l2_ahead", l2_ahead, tuple(range(17))),
+            ("probe", probe, ("full", "no_math", "no_copy")),
         ):
             if value not in allowed:
                 raise ValueError(f"{name} {value!r} not in {allowed}")
@@ -141,9 +140,6 @@ class SparseDecodeMmaKernel:
         # L2 prefetch of the request's block-table row before the topk-dependent lookup
         # (off: measured slower, bench/results/variants-2026-12-02T1617.json)
         self.prefetch_bt = bool(prefetch_bt)
-        # chunks requested into L2 ahead of the shared-memory ring (cp.async.bulk.prefetch.L2):
-        # shared memory caps the bulk copies in flight at 192 KiB per SM
-        self.l2_ahead = l2_ahead
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -275,7 +271,7 @@ class SparseDecodeMmaKernel:
             if lane == 0:
                 common.stream_pages(
                     mKV, sPages, h, first, n_iter, buf_addr, full_ptr, empty_ptr,
-                    self.stages, self.stage_bytes, self.hkv, self.probe != "no_copy", self.l2_ahead,
+                    self.stages, self.stage_bytes, self.hkv, self.probe != "no_copy",
                 )
         else:
             # ---- 2b. consumer warps

@@ -33,7 +33,6 @@ def _kernel_class():
         ({"ctas_per_sm": 4}, "ctas_per_sm"),
         ({"probe": "no_store"}, "probe"),
         ({"softmax": "lean", "convert": "bittrick"}, "lean"),
-        ({"l2_ahead": 17}, "l2_ahead"),
     ],
 )
 def test_bad_options_are_rejected(bad, match):
@@ -91,10 +90,3 @@ def test_block_table_prefetch_only_when_asked(tmp_path):
     _, text, _ = _main_kernel(tmp_path / "off", {})
     assert "CCTL.E.PF2" not in text
 
-
-def test_l2_prefetch_ahead_only_when_asked(tmp_path):
-    _, text, _ = _main_kernel(tmp_path / "on", {"l2_ahead": 4})
-    assert "UBLKPF.L2" in text  # cp.async.bulk.prefetch.L2 of the chunks after the ring
-    assert text.index("UBLKPF.L2") > text.index("ACQBULK")  # never before the PDL wait
-    _, text, _ = _main_kernel(tmp_path / "off", {})
-    assert "UBLKPF" not in text
