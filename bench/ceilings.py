@@ -10,18 +10,19 @@ What a kernel with no index chain and no math reaches, measured exactly like a d
 - `gather`: the same kernel reading N random 32 KiB chunks of a 4 GiB cache (the decode
   step's access pattern without topk / block table / math), at the bytes of the
   T·Hkv = 256 and 1024 points, and contiguous chunks at the same bytes.
+- `rows`: the same chunks, but one program reads 16 of them one after another (the decode
+  kernel's shape: one long-lived CTA per (token, KV head)); `indexed`: one program per chunk
+  whose id takes two dependent loads (topk slot -> block table), like the kernel's.
 - `floor`: a graph of one tiny kernel (the launch + event floor in every step figure).
 
-With `--layers` (needs the compiled kernels, like `msa-jit bench`): the decode op as an engine
-runs it, one prologue then L layers, each with its own KV cache, topk and query, in one
-graph; `marginal_us` = (time of L layers - time of 1) / (L - 1) is what one more layer costs.
+With `--layers` (needs the compiled kernels, like `msa-jit bench`): `msa_jit.bench.per_layer`,
+the op as an engine runs it (one prologue, then L layers in one graph).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 import time
@@ -41,6 +42,31 @@ def _read_chunks(src, chunk_ids, out, CHUNK_WORDS: tl.constexpr, BLOCK: tl.const
     """Program p sums the int32 words of chunk chunk_ids[p] (all loads issued before the adds)."""
     pid = tl.program_id(0)
     base = src + tl.load(chunk_ids + pid).to(tl.int64) * CHUNK_WORDS
+    acc = tl.zeros([BLOCK], dtype=tl.int32)
+    for off in tl.static_range(0, CHUNK_WORDS, BLOCK):
+        acc += tl.load(base + off + tl.arange(0, BLOCK))
+    tl.store(out + pid, tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _read_rows(src, chunk_ids, out, SLOTS: tl.constexpr, CHUNK_WORDS: tl.constexpr, BLOCK: tl.constexpr):
+    """Program r reads chunks chunk_ids[r*SLOTS : (r+1)*SLOTS] one after another (the decode
+    kernel's shape: one long-lived CTA per (token, KV head))."""
+    r = tl.program_id(0)
+    acc = tl.zeros([BLOCK], dtype=tl.int32)
+    for i in range(SLOTS):
+        base = src + tl.load(chunk_ids + r * SLOTS + i).to(tl.int64) * CHUNK_WORDS
+        for off in tl.static_range(0, CHUNK_WORDS, BLOCK):
+            acc += tl.load(base + off + tl.arange(0, BLOCK))
+    tl.store(out + r, tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _read_indexed(src, slots, table, out, CHUNK_WORDS: tl.constexpr, BLOCK: tl.constexpr):
+    """Like _read_chunks, but the chunk id takes two dependent loads (topk slot -> block table)."""
+    pid = tl.program_id(0)
+    page = tl.load(table + tl.load(slots + pid))
+    base = src + page.to(tl.int64) * CHUNK_WORDS
     acc = tl.zeros([BLOCK], dtype=tl.int32)
     for off in tl.static_range(0, CHUNK_WORDS, BLOCK):
         acc += tl.load(base + off + tl.arange(0, BLOCK))
@@ -91,47 +117,35 @@ def ceilings(copy_bw: float, log=print) -> dict[str, Any]:
                    "pct_of_copy": round(100 * n * CHUNK / (us * 1e-6) / copy_bw, 1)}
             res["gather"].append(row)
             log(f"gather {row}")
+    for n in (4096, 16384):  # one program per 16 chunks, like the decode kernel's CTAs
+        ids = torch.randperm(n_all, generator=g)[:n].to(torch.int32).cuda()
+        out = torch.empty(n // 16, dtype=torch.int32, device="cuda")
+        for warps, stages in ((4, 1), (4, 3), (8, 3)):
+            us = statistics.median(time_graph(
+                lambda: _read_rows[(n // 16,)](src, ids, out, SLOTS=16, CHUNK_WORDS=CHUNK // 4, BLOCK=2048,
+                                                num_warps=warps, num_stages=stages), iters=50))
+            row = {"chunks": n, "programs": n // 16, "num_warps": warps, "num_stages": stages, "us": round(us, 2),
+                   "pct_of_copy": round(100 * n * CHUNK / (us * 1e-6) / copy_bw, 1)}
+            res.setdefault("rows", []).append(row)
+            log(f"rows {row}")
+        # the same chunks through a topk -> block-table chain (two dependent loads first)
+        table = torch.randperm(n_all, generator=g).to(torch.int32).cuda()
+        inv = torch.empty_like(table)
+        inv[table.long()] = torch.arange(n_all, dtype=torch.int32, device="cuda")
+        slots = inv[ids.long()].contiguous()  # table[slots[p]] == ids[p]
+        out = torch.empty(n, dtype=torch.int32, device="cuda")
+        us = statistics.median(time_graph(
+            lambda: _read_indexed[(n,)](src, slots, table, out, CHUNK_WORDS=CHUNK // 4, BLOCK=2048, num_warps=4),
+            iters=50))
+        row = {"chunks": n, "us": round(us, 2), "pct_of_copy": round(100 * n * CHUNK / (us * 1e-6) / copy_bw, 1)}
+        res.setdefault("indexed", []).append(row)
+        log(f"indexed {row}")
     tiny = torch.zeros(1, device="cuda")
     res["floor_us"] = round(statistics.median(time_graph(lambda: tiny.add_(1), iters=100)), 2)
     log(f"graph floor (one tiny kernel): {res['floor_us']} us")
     del src
     torch.cuda.empty_cache()
     return res
-
-
-def layers(copy_bw: float, points=(("64/4", 64), ("8/1", 256), ("64/4", 256), ("64/4", 1)),
-           num_layers: int = 4, log=print) -> list[dict[str, Any]]:
-    """Per-layer time of the op in a graph of one prologue + L layers (distinct inputs each)."""
-    from msa_jit import SparseDecodePlanner, sparse_decode
-    from msa_jit.bench import GEOMETRIES, make_step, time_graph
-
-    rows = []
-    for geo, batch in points:
-        hq, hkv = GEOMETRIES[geo]
-        steps = [make_step(hq, hkv, batch, 1, "bfloat16", seed=i) for i in range(num_layers)]
-        bt, sl, slc = steps[0]["block_table"], steps[0]["seq_lens"], steps[0]["seq_lens_cpu"]
-        planner = SparseDecodePlanner()
-
-        def graph_of(n: int):
-            def run():
-                plan = planner.prepare(bt, sl, slc, 1, num_q_heads=hq, num_kv_heads=hkv, page_size=128, topk_blocks=16)
-                for s in steps[:n]:  # every layer's cache is a permutation of the same pages
-                    sparse_decode(s["query"], s["kv_cache"], s["topk"], s["out"], plan, sm_scale=1 / math.sqrt(128))
-            return run
-
-        t1 = statistics.median(time_graph(graph_of(1)))
-        tl_ = statistics.median(time_graph(graph_of(num_layers)))
-        marginal = (tl_ - t1) / (num_layers - 1)
-        kv = steps[0]["kv_bytes"]
-        row = {"geometry": geo, "batch": batch, "qlen": 1, "layers": num_layers, "one_layer_us": round(t1, 2),
-               "all_layers_us": round(tl_, 2), "marginal_us": round(marginal, 2),
-               "one_layer_pct_of_copy": round(100 * kv / (t1 * 1e-6) / copy_bw, 1),
-               "marginal_pct_of_copy": round(100 * kv / (marginal * 1e-6) / copy_bw, 1)}
-        rows.append(row)
-        log(f"layers {row}")
-        del steps
-        torch.cuda.empty_cache()
-    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,7 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"environment": environment(), "command": " ".join(sys.argv),
                               "copy_tbps": round(copy_bw / 1e12, 4), "ceilings": ceilings(copy_bw)}
     if a.layers:
-        result["layers"] = layers(copy_bw)
+        from msa_jit.bench import per_layer
+
+        result["layers"] = per_layer(copy_bw)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"ceilings-{time.strftime('%Y-%m-%dT%H%M', time.gmtime())}.json"

@@ -31,6 +31,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "now": {},
     "no_trigger": {"prologue_trigger": False},
     "no_pdl": {"pdl": False},  # the default until 2026-12-02 T1511
+    "pieces4": {"copy_pieces": 4},
+    "pieces4_nomath": {"copy_pieces": 4, "probe": "no_math"},
+    "lsu2": {"lsu_ahead": 2},
+    "lsu4": {"lsu_ahead": 4},
+    "lsu4_nomath": {"lsu_ahead": 4, "probe": "no_math"},
     # timing probes (kernel `probe` option: one stage left out, results wrong, not checked)
     "now_nomath": {"probe": "no_math"},
     "now_nocopy": {"probe": "no_copy"},

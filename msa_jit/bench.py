@@ -3,7 +3,8 @@
 Every point is timed by CUDA-graph replay of one decode step (prologue + kernel (+ merge)),
 with L2 flushed before each replay and the median taken; every bandwidth is also given as
 a ratio to a 2 GiB device-to-device copy measured in the same run (bytes read + written
-over time). Effective bandwidth = KV bytes the step must read / step time.
+over time). Effective bandwidth = KV bytes the step must read / step time. `per_layer` adds
+the engine's view: one prologue, then several layers in one graph (what one more layer costs).
 """
 
 from __future__ import annotations
@@ -182,6 +183,45 @@ def bench_point(geometry: str, batch: int, qlen: int, q_dtype: str, copy_bw: flo
     )
 
 
+def per_layer(copy_bw: float, points=(("64/4", 64), ("8/1", 256), ("64/4", 256), ("64/4", 1)),
+              num_layers: int = 4, log=print) -> list[dict[str, Any]]:
+    """The op as an engine runs it: one prologue, then L layers (each its own KV cache, topk,
+    query) in one graph, L2 flushed before the replay. `marginal_us` = (time of L layers - time
+    of 1) / (L - 1): what one more layer costs once the graph launch and the prologue are paid.
+    """
+    import torch
+
+    from . import SparseDecodePlanner, sparse_decode
+
+    rows = []
+    for geo, batch in points:
+        hq, hkv = GEOMETRIES[geo]
+        steps = [make_step(hq, hkv, batch, 1, "bfloat16", seed=i) for i in range(num_layers)]
+        bt, sl, slc = steps[0]["block_table"], steps[0]["seq_lens"], steps[0]["seq_lens_cpu"]
+        planner = SparseDecodePlanner()
+
+        def graph_of(n: int):
+            def run():
+                plan = planner.prepare(bt, sl, slc, 1, num_q_heads=hq, num_kv_heads=hkv, page_size=128, topk_blocks=16)
+                for s in steps[:n]:  # every layer's cache is a permutation of the same pages
+                    sparse_decode(s["query"], s["kv_cache"], s["topk"], s["out"], plan, sm_scale=1 / math.sqrt(128))
+            return run
+
+        t1 = statistics.median(time_graph(graph_of(1)))
+        t_all = statistics.median(time_graph(graph_of(num_layers)))
+        marginal = (t_all - t1) / (num_layers - 1)
+        kv = steps[0]["kv_bytes"]
+        row = {"geometry": geo, "batch": batch, "qlen": 1, "layers": num_layers, "one_layer_us": round(t1, 2),
+               "all_layers_us": round(t_all, 2), "marginal_us": round(marginal, 2),
+               "one_layer_pct_of_copy": round(100 * kv / (t1 * 1e-6) / copy_bw, 1),
+               "marginal_pct_of_copy": round(100 * kv / (marginal * 1e-6) / copy_bw, 1)}
+        rows.append(row)
+        log(f"layers {row}")
+        del steps
+        torch.cuda.empty_cache()
+    return rows
+
+
 def per_call_us(fn, n: int, *, warmup: int = 0, sync: str = "none") -> float:
     """Host wall-clock microseconds per call of fn over n calls, the GPU idle at the start.
 
@@ -271,7 +311,7 @@ def run_grid(geometries=("64/4", "16/1", "8/1"), batches=(1, 4, 16, 64, 256), ql
             log(f"shared12 64/4 q4 B{b:<4} {p.us:8.2f} us logical {p.logical_tbps:6.3f} TB/s")
     return {"environment": environment(), "copy_tbps": round(copy_bw / 1e12, 4),
             "host": host_overheads(), "host_b256": host_overheads(iters=500, batch=256),
-            "points": [asdict(p) for p in points]}
+            "per_layer": per_layer(copy_bw, log=log), "points": [asdict(p) for p in points]}
 
 
 def plot(result: dict[str, Any], path: str | Path) -> None:
