@@ -22,8 +22,10 @@ from pathlib import Path
 from typing import Any
 
 # Constructor options of the portable kernel to compare. "now" = the defaults at the time of
-# the run. Earlier runs (their JSON files carry their own option sets): 2026-12-02 T1413 /
-# T1425 "base" (bittrick + 16-byte V loads), "cvt", "cvt_vrot" (now the default).
+# the run. Options measured and dropped again (their commits carry them): l2_ahead (T1719),
+# copy_pieces and lsu_ahead (T1734). Earlier runs (their JSON files carry their own option
+# sets): 2026-12-02 T1413 / T1425 "base" (bittrick + 16-byte V loads), "cvt", "cvt_vrot" (now
+# the default); T1453-T1617 c3_lean, bt_prefetch, the 3-CTA and 6-stage probes.
 C3 = {"q_frags": "smem", "smem_reads": "staged", "ctas_per_sm": 3, "stages": 2}
 # "prologue_trigger" is not a kernel option: False binds the plan's Triton prologue without
 # its griddepcontrol.launch_dependents (the default until 2026-12-02 session 4).
@@ -31,11 +33,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "now": {},
     "no_trigger": {"prologue_trigger": False},
     "no_pdl": {"pdl": False},  # the default until 2026-12-02 T1511
-    "pieces4": {"copy_pieces": 4},
-    "pieces4_nomath": {"copy_pieces": 4, "probe": "no_math"},
-    "lsu2": {"lsu_ahead": 2},
-    "lsu4": {"lsu_ahead": 4},
-    "lsu4_nomath": {"lsu_ahead": 4, "probe": "no_math"},
     # timing probes (kernel `probe` option: one stage left out, results wrong, not checked)
     "now_nomath": {"probe": "no_math"},
     "now_nocopy": {"probe": "no_copy"},

@@ -61,58 +61,28 @@ def split_range(n_valid, num_splits, split):
 
 
 @cute.jit
-def prefetch_chunk_l2(kv_base, chunk, lane, stage_bytes: cutlass.Constexpr):
-    """The warp asks L2 for one chunk: lane l prefetches the 128-byte lines l, l + 32, ..."""
-    for k in cutlass.range_constexpr(stage_bytes // 4096):
-        ptx.prefetch_l2(kv_base + chunk * stage_bytes + Int64(lane * 128 + k * 4096))
-
-
-@cute.jit
 def stream_pages(mKV, sPages, h, first, n_iter, buf_addr, full_ptr, empty_ptr,
                  stages: cutlass.Constexpr, stage_bytes: cutlass.Constexpr, num_kv_heads: cutlass.Constexpr,
-                 copy: cutlass.Constexpr = True, pieces: cutlass.Constexpr = 1,
-                 lane=None, lsu_ahead: cutlass.Constexpr = 0):
-    """Producer: bulk-copy each selected (page, KV head) chunk into the stage ring.
+                 copy: cutlass.Constexpr = True):
+    """Producer (one thread): bulk-copy each selected (page, KV head) chunk into the stage ring.
 
     Stage s = i % stages is reused once its `empty` barrier completed the previous phase;
     `full[s]` completes when the copy's bytes have landed. copy=False (timing probes only:
     the consumers then read stale shared memory) completes `full[s]` without copying.
-    pieces: each chunk as that many bulk copies (all completing on `full[s]`).
-    lsu_ahead = 0: called by one thread. > 0: called by the whole producer warp (`lane`), lane 0
-    issues the copies and every lane also asks L2 (prefetch.global.L2) for the `lsu_ahead`
-    chunks after the ring, so more bytes are in flight than the shared-memory stages hold.
     """
     kv_base = mKV.iterator.toint()
-    if cutlass.const_expr(lsu_ahead > 0):
-        for j in range(stages, cutlass.min(n_iter, stages + lsu_ahead)):
-            prefetch_chunk_l2(kv_base, Int64(sPages[first + j]) * num_kv_heads + Int64(h), lane, stage_bytes)
     for i in range(n_iter):
         s = i % stages
         phase = (i // stages) & 1
         cute.arch.mbarrier_wait(empty_ptr + s, phase ^ 1)
-        if cutlass.const_expr(lsu_ahead > 0):
-            if lane == 0:
-                _fill_stage(kv_base, sPages, h, first, i, s, buf_addr, full_ptr, stage_bytes, num_kv_heads, copy, pieces)
-            if i >= stages and i + lsu_ahead < n_iter:  # the earlier ones were asked for above
-                prefetch_chunk_l2(kv_base, Int64(sPages[first + i + lsu_ahead]) * num_kv_heads + Int64(h),
-                                  lane, stage_bytes)
-        else:
-            _fill_stage(kv_base, sPages, h, first, i, s, buf_addr, full_ptr, stage_bytes, num_kv_heads, copy, pieces)
-
-
-@cute.jit
-def _fill_stage(kv_base, sPages, h, first, i, s, buf_addr, full_ptr, stage_bytes: cutlass.Constexpr,
-                num_kv_heads: cutlass.Constexpr, copy: cutlass.Constexpr, pieces: cutlass.Constexpr):
-    """One thread: the bulk copy of slot first + i into stage s, completing on full[s]."""
-    if cutlass.const_expr(copy):
-        cute.arch.mbarrier_arrive_and_expect_tx(full_ptr + s, stage_bytes)
-        chunk = Int64(sPages[first + i]) * num_kv_heads + Int64(h)
-        for k in cutlass.range_constexpr(pieces):
+        if cutlass.const_expr(copy):
+            cute.arch.mbarrier_arrive_and_expect_tx(full_ptr + s, stage_bytes)
+            chunk = Int64(sPages[first + i]) * num_kv_heads + Int64(h)
             ptx.bulk_copy_g2s(
-                buf_addr + s * stage_bytes + k * (stage_bytes // pieces),
-                kv_base + chunk * stage_bytes + k * (stage_bytes // pieces),
-                stage_bytes // pieces,
+                buf_addr + s * stage_bytes,
+                kv_base + chunk * stage_bytes,
+                stage_bytes,
                 ptx.smem_addr(full_ptr + s),
             )
-    else:
-        cute.arch.mbarrier_arrive(full_ptr + s)
+        else:
+            cute.arch.mbarrier_arrive(full_ptr + s)

@@ -76,8 +76,6 @@ class SparseDecodeMmaKernel:
         probe: str = "full",
         pdl: bool = True,
         prefetch_bt: bool = False,
-        copy_pieces: int = 1,
-        lsu_ahead: int = 0,
     ):
         if num_q_heads % num_kv_heads:
             raise ValueError("num_q_heads must be a multiple of num_kv_heads")
@@ -108,8 +106,7 @@ class SparseDecodeMmaKernel:
             ("convert", convert, ("bittrick", "cvt")), ("v_loads", v_loads, ("v4", "rotated")),
             ("q_frags", q_frags, ("regs", "smem")), ("softmax", softmax, ("plain", "lean")),
             ("smem_reads", smem_reads, ("block", "staged")), ("ctas_per_sm", ctas_per_sm, (1, 2, 3)),
-            ("probe", probe, ("full", "no_math", "no_copy")), ("copy_pieces", copy_pieces, (1, 2, 4, 8)),
-            ("lsu_ahead", lsu_ahead, tuple(range(17))),
+            ("probe", probe, ("full", "no_math", "no_copy")),
         ):
             if value not in allowed:
                 raise ValueError(f"{name} {value!r} not in {allowed}")
@@ -143,10 +140,6 @@ class SparseDecodeMmaKernel:
         # L2 prefetch of the request's block-table row before the topk-dependent lookup
         # (off: measured slower, bench/results/variants-2026-12-02T1617.json)
         self.prefetch_bt = bool(prefetch_bt)
-        # each chunk as `copy_pieces` bulk copies (A/B: does the copy engine overlap smaller ones better?)
-        self.copy_pieces = copy_pieces
-        # chunks after the ring that the producer warp asks L2 for (prefetch.global.L2, per line)
-        self.lsu_ahead = lsu_ahead
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -275,16 +268,10 @@ class SparseDecodeMmaKernel:
 
         if warp == self.warps:
             # ---- 2a. producer warp: one lane streams the selected chunks into the stages
-            if cutlass.const_expr(self.lsu_ahead > 0):  # the whole warp: lane 0 copies, all prefetch
+            if lane == 0:
                 common.stream_pages(
                     mKV, sPages, h, first, n_iter, buf_addr, full_ptr, empty_ptr,
-                    self.stages, self.stage_bytes, self.hkv, self.probe != "no_copy", self.copy_pieces,
-                    lane, self.lsu_ahead,
-                )
-            elif lane == 0:
-                common.stream_pages(
-                    mKV, sPages, h, first, n_iter, buf_addr, full_ptr, empty_ptr,
-                    self.stages, self.stage_bytes, self.hkv, self.probe != "no_copy", self.copy_pieces,
+                    self.stages, self.stage_bytes, self.hkv, self.probe != "no_copy",
                 )
         else:
             # ---- 2b. consumer warps
