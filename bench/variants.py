@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 import time
@@ -27,8 +26,9 @@ from typing import Any
 # sets): 2026-12-02 T1413 / T1425 "base" (bittrick + 16-byte V loads), "cvt", "cvt_vrot" (now
 # the default); T1453-T1617 c3_lean, bt_prefetch, the 3-CTA and 6-stage probes.
 C3 = {"q_frags": "smem", "smem_reads": "staged", "ctas_per_sm": 3, "stages": 2}
-# "prologue_trigger" is not a kernel option: False binds the plan's Triton prologue without
-# its griddepcontrol.launch_dependents (the default until 2026-12-02 session 4).
+# Plan options (PLAN_OPTIONS), not kernel options: "prologue_trigger" False binds the plan's
+# Triton prologue without its griddepcontrol.launch_dependents (the default until 2026-12-02
+# session 4); "num_splits" forces the split-KV factor where the planner can be made to pick it.
 VARIANTS: dict[str, dict[str, Any]] = {
     "now": {},
     "no_trigger": {"prologue_trigger": False},
@@ -36,8 +36,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # timing probes (kernel `probe` option: one stage left out, results wrong, not checked)
     "now_nomath": {"probe": "no_math"},
     "now_nocopy": {"probe": "no_copy"},
+    # more, shorter CTAs at one wave (docs/performance.md, "Ceilings"): splits forced per point
+    # where choose_num_splits can give them (3 and 4 at T*Hkv = 256)
+    "split3": {"num_splits": 3},
+    "split4": {"num_splits": 4},
+    "split4_nomath": {"num_splits": 4, "probe": "no_math"},
 }
-PLAN_OPTIONS = ("prologue_trigger",)
+PLAN_OPTIONS = ("prologue_trigger", "num_splits")
 GEOMETRIES = [(64, 4, "bfloat16"), (8, 1, "bfloat16"), (16, 1, "bfloat16"), (64, 4, "float8_e4m3fn")]
 BF16, FP8 = "bfloat16", "float8_e4m3fn"
 # (geometry, batch, qlen, shared_blocks, query dtype)
@@ -104,10 +109,20 @@ def _check(fn, hq: int, hkv: int, qd: str) -> list[dict[str, Any]]:
     return rows
 
 
-def _time_points(fns: dict[tuple[str, str], Any], copy_bw: float, iters: int, rounds: int) -> list[dict]:
-    import torch
+def _planner_for_splits(rows: int, topk: int, want: int | None):
+    """A planner whose plans for `rows` = T*Hkv get `want` splits (None: the default), or None
+    when no SM count makes choose_num_splits give it."""
+    from msa_jit import SparseDecodePlanner
+    from msa_jit.planner import choose_num_splits
 
-    from msa_jit import SparseDecodePlanner, sparse_decode
+    if want is None:
+        return SparseDecodePlanner()
+    n = next((n for n in range(1, 1 << 16) if choose_num_splits(rows, topk, n) == want), None)
+    return SparseDecodePlanner(num_sms=n) if n else None
+
+
+def _time_points(fns: dict[tuple[str, str], Any], copy_bw: float, iters: int, rounds: int) -> list[dict]:
+    from msa_jit import sparse_decode
     from msa_jit.bench import GEOMETRIES as BENCH_GEOMS
     from msa_jit.bench import make_step, time_graph
     from msa_jit.prologue import bind_refresh
@@ -116,35 +131,43 @@ def _time_points(fns: dict[tuple[str, str], Any], copy_bw: float, iters: int, ro
     for geom, batch, qlen, shared, qd in POINTS:
         hq, hkv = BENCH_GEOMS[geom]
         step = make_step(hq, hkv, batch, qlen, qd, shared_blocks=shared)
-        planner = SparseDecodePlanner()
-
-        def prepare():
-            return planner.prepare(step["block_table"], step["seq_lens"], step["seq_lens_cpu"], qlen,
-                                   num_q_heads=hq, num_kv_heads=hkv, page_size=128, topk_blocks=16)
-
-        def run():
-            sparse_decode(step["query"], step["kv_cache"], step["topk"], step["out"], prepare(), sm_scale=0.088)
-
-        plan = prepare()  # the same object every step; its kernels are swapped per variant below
-        refresh = {trig: bind_refresh(step["seq_lens"], plan.kv_lens, plan.qo_offset, qlen, launch_dependents=trig)
-                   for trig in (True, False)}
+        args = (step["block_table"], step["seq_lens"], step["seq_lens_cpu"], qlen)
+        kw = dict(num_q_heads=hq, num_kv_heads=hkv, page_size=128, topk_blocks=16)
+        # one plan per split choice (each the same object every step; kernels swapped per variant)
+        plans, refresh = {}, {}
+        for name in VARIANTS:
+            want = VARIANTS[name].get("num_splits")
+            if want not in plans:
+                planner = _planner_for_splits(batch * qlen * hkv, 16, want)
+                plans[want] = planner and (planner, planner.prepare(*args, **kw))
+                if planner:
+                    plan = plans[want][1]
+                    refresh[want] = {trig: bind_refresh(step["seq_lens"], plan.kv_lens, plan.qo_offset, qlen,
+                                                        launch_dependents=trig) for trig in (True, False)}
         times: dict[str, list[float]] = {}
         for _ in range(rounds):  # interleaved, so clock / thermal drift hits every variant alike
             for name in VARIANTS:
                 fn = fns.get((name, f"{hq}x{hkv}-{qd}"))
-                if fn is None:
+                want = VARIANTS[name].get("num_splits")
+                if fn is None or not plans[want]:
                     continue
+                planner, plan = plans[want]
                 plan.kernels[step["query"].dtype] = fn
-                plan.refresh = refresh[VARIANTS[name].get("prologue_trigger", True)]
+                plan.refresh = refresh[want][VARIANTS[name].get("prologue_trigger", True)]
+
+                def run(planner=planner):
+                    sparse_decode(step["query"], step["kv_cache"], step["topk"], step["out"],
+                                  planner.prepare(*args, **kw), sm_scale=0.088)
+
                 times.setdefault(name, []).extend(time_graph(run, iters=iters))
         for name, ts in times.items():
             med = statistics.median(ts)
             rows.append(dict(variant=name, geometry=geom, q_dtype=qd, batch=batch, qlen=qlen, shared_blocks=shared,
-                             num_splits=plan.num_splits, us=round(med, 2),
+                             num_splits=plans[VARIANTS[name].get("num_splits")][1].num_splits, us=round(med, 2),
                              pct_of_copy=round(100 * step["kv_bytes"] / (med * 1e-6) / copy_bw, 1),
                              logical_pct_of_copy=round(100 * step["logical_bytes"] / (med * 1e-6) / copy_bw, 1)))
-            print(f"{name:>8} {geom} {qd} B={batch} q={qlen} shared={shared}: {med:.2f} us "
-                  f"{rows[-1]['pct_of_copy']}% of copy", flush=True)
+            print(f"{name:>8} {geom} {qd} B={batch} q={qlen} shared={shared} S={rows[-1]['num_splits']}: "
+                  f"{med:.2f} us {rows[-1]['pct_of_copy']}% of copy", flush=True)
         del step
     return rows
 
