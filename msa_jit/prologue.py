@@ -10,8 +10,9 @@ captured in a CUDA graph. On a GPU it first signals programmatic dependent launc
 (`griddepcontrol.launch_dependents`), so the decode kernel that follows (launched with PDL)
 is scheduled while this one runs; that kernel waits (`griddepcontrol.wait`) for this grid to
 complete and its writes to be visible before it reads kv_lens. On CPU tensors it needs
-TRITON_INTERPRET=1 set before this module is imported; `refresh_plan_tensors_torch` is the same computation in PyTorch (CPU fallback and
-test oracle). Importing this module imports triton, so the package imports it lazily.
+TRITON_INTERPRET=1 set before this module is imported; `refresh_plan_tensors_torch` is the
+same computation in PyTorch (CPU fallback and test oracle). Importing this module imports
+triton, so the package imports it lazily.
 """
 
 from __future__ import annotations
