@@ -38,13 +38,19 @@ CACHE_BYTES = 4 << 30
 
 
 @triton.jit
-def _read_chunks(src, chunk_ids, out, CHUNK_WORDS: tl.constexpr, BLOCK: tl.constexpr):
-    """Program p sums the int32 words of chunk chunk_ids[p] (all loads issued before the adds)."""
-    pid = tl.program_id(0)
-    base = src + tl.load(chunk_ids + pid).to(tl.int64) * CHUNK_WORDS
+def _sum_chunk(base, CHUNK_WORDS: tl.constexpr, BLOCK: tl.constexpr):
+    """Sum of the int32 words at base[0 : CHUNK_WORDS] as a [BLOCK] vector (all loads issued first)."""
     acc = tl.zeros([BLOCK], dtype=tl.int32)
     for off in tl.static_range(0, CHUNK_WORDS, BLOCK):
         acc += tl.load(base + off + tl.arange(0, BLOCK))
+    return acc
+
+
+@triton.jit
+def _read_chunks(src, chunk_ids, out, CHUNK_WORDS: tl.constexpr, BLOCK: tl.constexpr):
+    """Program p sums the int32 words of chunk chunk_ids[p]."""
+    pid = tl.program_id(0)
+    acc = _sum_chunk(src + tl.load(chunk_ids + pid).to(tl.int64) * CHUNK_WORDS, CHUNK_WORDS, BLOCK)
     tl.store(out + pid, tl.sum(acc, axis=0))
 
 
@@ -55,9 +61,7 @@ def _read_rows(src, chunk_ids, out, SLOTS: tl.constexpr, CHUNK_WORDS: tl.constex
     r = tl.program_id(0)
     acc = tl.zeros([BLOCK], dtype=tl.int32)
     for i in range(SLOTS):
-        base = src + tl.load(chunk_ids + r * SLOTS + i).to(tl.int64) * CHUNK_WORDS
-        for off in tl.static_range(0, CHUNK_WORDS, BLOCK):
-            acc += tl.load(base + off + tl.arange(0, BLOCK))
+        acc += _sum_chunk(src + tl.load(chunk_ids + r * SLOTS + i).to(tl.int64) * CHUNK_WORDS, CHUNK_WORDS, BLOCK)
     tl.store(out + r, tl.sum(acc, axis=0))
 
 
@@ -66,10 +70,7 @@ def _read_indexed(src, slots, table, out, CHUNK_WORDS: tl.constexpr, BLOCK: tl.c
     """Like _read_chunks, but the chunk id takes two dependent loads (topk slot -> block table)."""
     pid = tl.program_id(0)
     page = tl.load(table + tl.load(slots + pid))
-    base = src + page.to(tl.int64) * CHUNK_WORDS
-    acc = tl.zeros([BLOCK], dtype=tl.int32)
-    for off in tl.static_range(0, CHUNK_WORDS, BLOCK):
-        acc += tl.load(base + off + tl.arange(0, BLOCK))
+    acc = _sum_chunk(src + page.to(tl.int64) * CHUNK_WORDS, CHUNK_WORDS, BLOCK)
     tl.store(out + pid, tl.sum(acc, axis=0))
 
 
@@ -82,30 +83,18 @@ def _reader(src: torch.Tensor, ids: torch.Tensor):
     return run
 
 
-def _event_time(fn, iters: int = 20) -> float:
-    """Median seconds of fn between two events (after 3 untimed calls)."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e-3)
-    return statistics.median(times)
-
-
 def ceilings(copy_bw: float, log=print) -> dict[str, Any]:
-    from msa_jit.bench import time_graph
+    from msa_jit.bench import event_seconds, time_graph
+
+    def pct(nbytes: int, us: float) -> float:
+        return round(100 * nbytes / (us * 1e-6) / copy_bw, 1)
 
     res: dict[str, Any] = {}
     src = torch.randint(-2**31, 2**31 - 1, (CACHE_BYTES // 4,), dtype=torch.int32, device="cuda")
     n_all = CACHE_BYTES // CHUNK
     ids_2g = torch.arange((2 << 30) // CHUNK, dtype=torch.int32, device="cuda")
-    t = _event_time(_reader(src, ids_2g))
-    res["read_2g"] = {"tbps": round((2 << 30) / t / 1e12, 3), "pct_of_copy": round(100 * (2 << 30) / t / copy_bw, 1)}
+    us = event_seconds(_reader(src, ids_2g)) * 1e6
+    res["read_2g"] = {"tbps": round((2 << 30) / us / 1e6, 3), "pct_of_copy": pct(2 << 30, us)}
     log(f"read 2 GiB contiguous: {res['read_2g']}")
     g = torch.Generator(device="cpu").manual_seed(0)
     res["gather"] = []
@@ -113,8 +102,7 @@ def ceilings(copy_bw: float, log=print) -> dict[str, Any]:
         for kind in ("random", "contiguous"):
             ids = (torch.randperm(n_all, generator=g)[:n] if kind == "random" else torch.arange(n)).to(torch.int32).cuda()
             us = statistics.median(time_graph(_reader(src, ids), iters=50))
-            row = {"chunks": n, "bytes": n * CHUNK, "order": kind, "us": round(us, 2),
-                   "pct_of_copy": round(100 * n * CHUNK / (us * 1e-6) / copy_bw, 1)}
+            row = {"chunks": n, "bytes": n * CHUNK, "order": kind, "us": round(us, 2), "pct_of_copy": pct(n * CHUNK, us)}
             res["gather"].append(row)
             log(f"gather {row}")
     for n in (4096, 16384):  # one program per 16 chunks, like the decode kernel's CTAs
@@ -125,7 +113,7 @@ def ceilings(copy_bw: float, log=print) -> dict[str, Any]:
                 lambda: _read_rows[(n // 16,)](src, ids, out, SLOTS=16, CHUNK_WORDS=CHUNK // 4, BLOCK=2048,
                                                 num_warps=warps, num_stages=stages), iters=50))
             row = {"chunks": n, "programs": n // 16, "num_warps": warps, "num_stages": stages, "us": round(us, 2),
-                   "pct_of_copy": round(100 * n * CHUNK / (us * 1e-6) / copy_bw, 1)}
+                   "pct_of_copy": pct(n * CHUNK, us)}
             res.setdefault("rows", []).append(row)
             log(f"rows {row}")
         # the same chunks through a topk -> block-table chain (two dependent loads first)
@@ -137,7 +125,7 @@ def ceilings(copy_bw: float, log=print) -> dict[str, Any]:
         us = statistics.median(time_graph(
             lambda: _read_indexed[(n,)](src, slots, table, out, CHUNK_WORDS=CHUNK // 4, BLOCK=2048, num_warps=4),
             iters=50))
-        row = {"chunks": n, "us": round(us, 2), "pct_of_copy": round(100 * n * CHUNK / (us * 1e-6) / copy_bw, 1)}
+        row = {"chunks": n, "us": round(us, 2), "pct_of_copy": pct(n * CHUNK, us)}
         res.setdefault("indexed", []).append(row)
         log(f"indexed {row}")
     tiny = torch.zeros(1, device="cuda")

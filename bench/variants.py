@@ -135,15 +135,15 @@ def _time_points(fns: dict[tuple[str, str], Any], copy_bw: float, iters: int, ro
         kw = dict(num_q_heads=hq, num_kv_heads=hkv, page_size=128, topk_blocks=16)
         # one plan per split choice (each the same object every step; kernels swapped per variant)
         plans, refresh = {}, {}
-        for name in VARIANTS:
-            want = VARIANTS[name].get("num_splits")
-            if want not in plans:
-                planner = _planner_for_splits(batch * qlen * hkv, 16, want)
-                plans[want] = planner and (planner, planner.prepare(*args, **kw))
-                if planner:
-                    plan = plans[want][1]
-                    refresh[want] = {trig: bind_refresh(step["seq_lens"], plan.kv_lens, plan.qo_offset, qlen,
-                                                        launch_dependents=trig) for trig in (True, False)}
+        for want in {v.get("num_splits") for v in VARIANTS.values()}:
+            planner = _planner_for_splits(batch * qlen * hkv, 16, want)
+            if planner is None:  # no SM count gives that split factor at this point
+                plans[want] = None
+                continue
+            plan = planner.prepare(*args, **kw)
+            plans[want] = (planner, plan)
+            refresh[want] = {trig: bind_refresh(step["seq_lens"], plan.kv_lens, plan.qo_offset, qlen,
+                                                launch_dependents=trig) for trig in (True, False)}
         times: dict[str, list[float]] = {}
         for _ in range(rounds):  # interleaved, so clock / thermal drift hits every variant alike
             for name in VARIANTS:
@@ -263,10 +263,10 @@ def run(args: argparse.Namespace) -> int:
     fns = {}
     for name in VARIANTS:
         for hq, hkv, qd in GEOMETRIES:
-            geom = f"{hq}x{hkv}-{qd}"
-            so = _so(root, _artifact_variant(name), hq, hkv, qd)
-            if (_artifact_variant(name), geom) in fns:  # same artifact: one load
-                fns[(name, geom)] = fns[(_artifact_variant(name), geom)]
+            geom, art = f"{hq}x{hkv}-{qd}", _artifact_variant(name)
+            so = _so(root, art, hq, hkv, qd)
+            if (art, geom) in fns:  # same artifact: one load
+                fns[(name, geom)] = fns[(art, geom)]
             elif so.is_file():
                 fns[(name, geom)] = load_artifact(so)[0]
     result: dict[str, Any] = {"environment": environment(), "command": " ".join(sys.argv),

@@ -48,24 +48,32 @@ def _sync():
     torch.cuda.synchronize()
 
 
+def event_seconds(fn, iters: int = 20, warmup: int = 3) -> float:
+    """Median seconds of fn between two CUDA events, after `warmup` untimed calls."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) * 1e-3)
+    return statistics.median(times)
+
+
 def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20) -> float:
     """Device-to-device copy, bytes read + written per second (median of iters)."""
     import torch
 
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
     dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    times = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        dst.copy_(src)
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e-3)
+    seconds = event_seconds(lambda: dst.copy_(src), iters)
     del src, dst
-    return 2 * nbytes / statistics.median(times)
+    return 2 * nbytes / seconds
 
 
 def make_step(hq: int, hkv: int, batch: int, qlen: int, q_dtype: str, *, ctx_len: int = 16384,
