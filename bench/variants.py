@@ -41,6 +41,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "split3": {"num_splits": 3},
     "split4": {"num_splits": 4},
     "split4_nomath": {"num_splits": 4, "probe": "no_math"},
+    # the stages filled by the whole producer warp with 16-byte cp.async (LSU) instead of one
+    # bulk copy per chunk (the Triton readers of "Ceilings" reach 94-104% of copy through the LSU)
+    "lsu": {"copier": "lsu"},
+    "lsu_nomath": {"copier": "lsu", "probe": "no_math"},
+    # the same with 3 CTAs x 2 stages per SM (more, smaller producers per SM)
+    "c3_lsu": {**C3, "copier": "lsu"},
+    "c3_lsu_nomath": {**C3, "copier": "lsu", "probe": "no_math"},
 }
 PLAN_OPTIONS = ("prologue_trigger", "num_splits")
 GEOMETRIES = [(64, 4, "bfloat16"), (8, 1, "bfloat16"), (16, 1, "bfloat16"), (64, 4, "float8_e4m3fn")]
@@ -260,22 +267,26 @@ def run(args: argparse.Namespace) -> int:
     from msa_jit.loader import load_artifact
 
     root = Path(args.dir)
-    fns = {}
-    for name in VARIANTS:
+    unknown = set(args.variants or ()) - set(VARIANTS)
+    if unknown:
+        raise SystemExit(f"unknown variants {sorted(unknown)}; known: {list(VARIANTS)}")
+    fns, loaded = {}, {}
+    for name in args.variants or VARIANTS:
         for hq, hkv, qd in GEOMETRIES:
             geom, art = f"{hq}x{hkv}-{qd}", _artifact_variant(name)
             so = _so(root, art, hq, hkv, qd)
-            if (art, geom) in fns:  # same artifact: one load
-                fns[(name, geom)] = fns[(art, geom)]
-            elif so.is_file():
-                fns[(name, geom)] = load_artifact(so)[0]
+            if (art, geom) not in loaded and so.is_file():  # same artifact: one load
+                loaded[(art, geom)] = load_artifact(so)[0]
+            if (art, geom) in loaded:
+                fns[(name, geom)] = loaded[(art, geom)]
     result: dict[str, Any] = {"environment": environment(), "command": " ".join(sys.argv),
                               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                              "variants": VARIANTS, "checks": {}}
+                              "variants": {k: VARIANTS[k] for k in args.variants or VARIANTS}, "checks": {}}
     bad = 0
-    for (name, geom), fn in fns.items():
-        if _is_probe(name) or _artifact_variant(name) != name:  # probes; artifacts checked once
+    for (art, geom), fn in loaded.items():
+        if _is_probe(art):  # probes compute wrong results by design; each artifact checked once
             continue
+        name = art
         hq, rest = geom.split("x")
         hkv, qd = rest.split("-", 1)
         rows = _check(fn, int(hq), int(hkv), qd)
@@ -317,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--iters", type=int, default=30)
     r.add_argument("--rounds", type=int, default=3)
     r.add_argument("--host-only", action="store_true", help="skip the variant timing (batch-1 and host parts only)")
+    r.add_argument("--variants", nargs="*", help="time only these (default: every variant with artifacts)")
     a = ap.parse_args(argv)
     return build(a) if a.cmd == "build" else run(a)
 
