@@ -22,7 +22,8 @@ from typing import Any
 
 # Constructor options of the portable kernel to compare. "now" = the defaults at the time of
 # the run. Options measured and dropped again (their commits carry them): l2_ahead (T1719),
-# copy_pieces and lsu_ahead (T1734). Earlier runs (their JSON files carry their own option
+# copy_pieces and lsu_ahead (T1734), copier="lsu" (2026-12-03 T0750: lsu, c3_lsu and their
+# _nomath probes). Earlier runs (their JSON files carry their own option
 # sets): 2026-12-02 T1413 / T1425 "base" (bittrick + 16-byte V loads), "cvt", "cvt_vrot" (now
 # the default); T1453-T1617 c3_lean, bt_prefetch, the 3-CTA and 6-stage probes.
 C3 = {"q_frags": "smem", "smem_reads": "staged", "ctas_per_sm": 3, "stages": 2}
@@ -41,13 +42,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "split3": {"num_splits": 3},
     "split4": {"num_splits": 4},
     "split4_nomath": {"num_splits": 4, "probe": "no_math"},
-    # the stages filled by the whole producer warp with 16-byte cp.async (LSU) instead of one
-    # bulk copy per chunk (the Triton readers of "Ceilings" reach 94-104% of copy through the LSU)
-    "lsu": {"copier": "lsu"},
-    "lsu_nomath": {"copier": "lsu", "probe": "no_math"},
-    # the same with 3 CTAs x 2 stages per SM (more, smaller producers per SM)
-    "c3_lsu": {**C3, "copier": "lsu"},
-    "c3_lsu_nomath": {**C3, "copier": "lsu", "probe": "no_math"},
 }
 PLAN_OPTIONS = ("prologue_trigger", "num_splits")
 GEOMETRIES = [(64, 4, "bfloat16"), (8, 1, "bfloat16"), (16, 1, "bfloat16"), (64, 4, "float8_e4m3fn")]

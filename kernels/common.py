@@ -63,37 +63,26 @@ def split_range(n_valid, num_splits, split):
 @cute.jit
 def stream_pages(mKV, sPages, h, first, n_iter, buf_addr, full_ptr, empty_ptr,
                  stages: cutlass.Constexpr, stage_bytes: cutlass.Constexpr, num_kv_heads: cutlass.Constexpr,
-                 copy: cutlass.Constexpr = True, lsu: cutlass.Constexpr = False, lane=0):
-    """Producer: copy each selected (page, KV head) chunk into the stage ring.
+                 copy: cutlass.Constexpr = True):
+    """Producer (one thread): bulk-copy each selected (page, KV head) chunk into the stage ring.
 
     Stage s = i % stages is reused once its `empty` barrier completed the previous phase;
-    `full[s]` completes when the copy's bytes have landed. lsu=False: one thread issues one
-    bulk copy per chunk (`full` counts 1 arrival + the bytes); lsu=True: all 32 lanes of the
-    warp call this and copy 16-byte pieces with cp.async (`full` counts 32 arrivals, one per
-    lane once its pieces landed). copy=False (timing probes only: the consumers then read
-    stale shared memory) completes `full[s]` without copying.
+    `full[s]` completes when the copy's bytes have landed. copy=False (timing probes only:
+    the consumers then read stale shared memory) completes `full[s]` without copying.
     """
     kv_base = mKV.iterator.toint()
     for i in range(n_iter):
         s = i % stages
         phase = (i // stages) & 1
         cute.arch.mbarrier_wait(empty_ptr + s, phase ^ 1)
-        chunk = Int64(sPages[first + i]) * num_kv_heads + Int64(h)
-        if cutlass.const_expr(not copy):
-            cute.arch.mbarrier_arrive(full_ptr + s)
-        elif cutlass.const_expr(lsu):
-            # lane l copies bytes [16 l + 512 j, +16): each warp-wide cp.async covers 512
-            # contiguous bytes, 64 of them per 32 KiB chunk
-            src = kv_base + chunk * stage_bytes + Int64(16 * lane)
-            dst = buf_addr + s * stage_bytes + 16 * lane
-            for j in cutlass.range_constexpr(stage_bytes // 512):
-                ptx.cp_async_16(dst + 512 * j, src + 512 * j)
-            ptx.cp_async_arrive_noinc(ptx.smem_addr(full_ptr + s))
-        else:
+        if cutlass.const_expr(copy):
             cute.arch.mbarrier_arrive_and_expect_tx(full_ptr + s, stage_bytes)
+            chunk = Int64(sPages[first + i]) * num_kv_heads + Int64(h)
             ptx.bulk_copy_g2s(
                 buf_addr + s * stage_bytes,
                 kv_base + chunk * stage_bytes,
                 stage_bytes,
                 ptx.smem_addr(full_ptr + s),
             )
+        else:
+            cute.arch.mbarrier_arrive(full_ptr + s)

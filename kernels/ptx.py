@@ -280,25 +280,6 @@ def bulk_copy_g2s(dst_smem: Int32, src_gmem: Int64, nbytes: int, mbar_smem: Int3
 
 
 @dsl_user_op
-def cp_async_16(dst_smem: Int32, src_gmem: Int64, *, loc=None, ip=None) -> None:
-    """cp.async.cg 16 bytes global -> shared through the LSU (L2 only, no L1 allocation)."""
-    _asm(
-        None,
-        [_i32(dst_smem, loc, ip), Int64(src_gmem).ir_value(loc=loc, ip=ip)],
-        "cp.async.cg.shared.global.L2::128B [$0], [$1], 16;",
-        "r,l",
-        side_effects=True,
-    )
-
-
-@dsl_user_op
-def cp_async_arrive_noinc(mbar_smem: Int32, *, loc=None, ip=None) -> None:
-    """One arrival on the mbarrier once this thread's earlier cp.async copies have landed."""
-    _asm(None, [_i32(mbar_smem, loc, ip)], "cp.async.mbarrier.arrive.noinc.shared::cta.b64 [$0];", "r",
-         side_effects=True)
-
-
-@dsl_user_op
 def ex2(x: Float32, *, loc=None, ip=None) -> Float32:
     """2**x with ex2.approx.ftz (ex2(-inf) == 0)."""
     return Float32(_asm(T.f32(), [_f32(x, loc, ip)], "ex2.approx.ftz.f32 $0, $1;", "=f,f"))
@@ -307,4 +288,3 @@ def ex2(x: Float32, *, loc=None, ip=None) -> Float32:
 @dsl_user_op
 def lg2(x: Float32, *, loc=None, ip=None) -> Float32:
     return Float32(_asm(T.f32(), [_f32(x, loc, ip)], "lg2.approx.ftz.f32 $0, $1;", "=f,f"))
-

@@ -76,7 +76,6 @@ class SparseDecodeMmaKernel:
         probe: str = "full",
         pdl: bool = True,
         prefetch_bt: bool = False,
-        copier: str = "bulk",
     ):
         if num_q_heads % num_kv_heads:
             raise ValueError("num_q_heads must be a multiple of num_kv_heads")
@@ -107,7 +106,7 @@ class SparseDecodeMmaKernel:
             ("convert", convert, ("bittrick", "cvt")), ("v_loads", v_loads, ("v4", "rotated")),
             ("q_frags", q_frags, ("regs", "smem")), ("softmax", softmax, ("plain", "lean")),
             ("smem_reads", smem_reads, ("block", "staged")), ("ctas_per_sm", ctas_per_sm, (1, 2, 3)),
-            ("probe", probe, ("full", "no_math", "no_copy")), ("copier", copier, ("bulk", "lsu")),
+            ("probe", probe, ("full", "no_math", "no_copy")),
         ):
             if value not in allowed:
                 raise ValueError(f"{name} {value!r} not in {allowed}")
@@ -141,11 +140,6 @@ class SparseDecodeMmaKernel:
         # L2 prefetch of the request's block-table row before the topk-dependent lookup
         # (off: measured slower, bench/results/variants-2026-12-02T1617.json)
         self.prefetch_bt = bool(prefetch_bt)
-        # how the producer warp fills a stage: "bulk" = one cp.async.bulk per chunk (the copy
-        # engine), "lsu" = 64 warp-wide 16-byte cp.async per chunk through the load/store unit
-        self.lsu = copier == "lsu"
-        self.copy_lanes = 32 if self.lsu else 1
-        self.full_arrivals = self.copy_lanes
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -243,7 +237,7 @@ class SparseDecodeMmaKernel:
         if warp == 0:
             if lane == 0:
                 for s in cutlass.range_constexpr(self.stages):
-                    cute.arch.mbarrier_init(full_ptr + s, self.full_arrivals)
+                    cute.arch.mbarrier_init(full_ptr + s, 1)
                     cute.arch.mbarrier_init(empty_ptr + s, self.warps)
         if cutlass.const_expr(self.pdl):
             # every write of the previous kernel (the prologue's kv_lens, or a caller's q / topk)
@@ -273,12 +267,11 @@ class SparseDecodeMmaKernel:
         first, n_iter = common.split_range(n_valid, num_splits, split)
 
         if warp == self.warps:
-            # ---- 2a. producer warp streams the selected chunks into the stages (one lane, or
-            # the whole warp with copier="lsu")
-            if lane < self.copy_lanes:
+            # ---- 2a. producer warp: one lane streams the selected chunks into the stages
+            if lane == 0:
                 common.stream_pages(
                     mKV, sPages, h, first, n_iter, buf_addr, full_ptr, empty_ptr,
-                    self.stages, self.stage_bytes, self.hkv, self.probe != "no_copy", self.lsu, lane,
+                    self.stages, self.stage_bytes, self.hkv, self.probe != "no_copy",
                 )
         else:
             # ---- 2b. consumer warps

@@ -33,7 +33,6 @@ def _kernel_class():
         ({"ctas_per_sm": 4}, "ctas_per_sm"),
         ({"probe": "no_store"}, "probe"),
         ({"softmax": "lean", "convert": "bittrick"}, "lean"),
-        ({"copier": "tma"}, "copier"),
     ],
 )
 def test_bad_options_are_rejected(bad, match):
@@ -91,14 +90,3 @@ def test_block_table_prefetch_only_when_asked(tmp_path):
     _, text, _ = _main_kernel(tmp_path / "off", {})
     assert "CCTL.E.PF2" not in text
 
-
-
-def test_lsu_copier_fills_stages_through_the_lsu(tmp_path):
-    _, text, _ = _main_kernel(tmp_path / "lsu", {"copier": "lsu"})
-    ops = sass.opcode_counts(text)
-    assert "UBLKCP" not in text  # no bulk copy left
-    # one 32 KiB chunk = 64 warp-wide 16-byte cp.async (L1 bypassed), then one arrival per lane
-    # on the stage's mbarrier once that lane's copies have landed
-    assert sum(n for op, n in ops.items() if op.startswith("LDGSTS.E.BYPASS") and op.endswith(".128")) == 64, ops
-    assert sum(n for op, n in ops.items() if op.startswith("ARRIVES.LDGSTSBAR")) == 1, ops
-    assert text.index("ACQBULK") < text.index("LDGSTS")  # after the PDL wait
