@@ -288,3 +288,15 @@ def ex2(x: Float32, *, loc=None, ip=None) -> Float32:
 @dsl_user_op
 def lg2(x: Float32, *, loc=None, ip=None) -> Float32:
     return Float32(_asm(T.f32(), [_f32(x, loc, ip)], "lg2.approx.ftz.f32 $0, $1;", "=f,f"))
+
+
+@dsl_user_op
+def globaltimer_lo(*, loc=None, ip=None) -> Int32:
+    """Low 32 bits of %globaltimer (ns, one clock for every SM; timing probes only)."""
+    return Int32(_asm(T.i32(), [], "mov.u32 $0, %globaltimer_lo;", "=r", side_effects=True))
+
+
+@dsl_user_op
+def smid(*, loc=None, ip=None) -> Int32:
+    """%smid: the SM this thread runs on (timing probes only)."""
+    return Int32(_asm(T.i32(), [], "mov.u32 $0, %smid;", "=r", side_effects=True))

@@ -37,6 +37,7 @@ HEAD_DIM = 128
 Q_FRAG_BYTES = 8 * 32 * 16  # 8 k-steps x 32 lanes x one 16-byte A fragment
 LAZY_RESCALE = 8.0  # log2 units: P stays <= 256 between rescales
 ROW_BYTES = 2 * HEAD_DIM  # one token row of a page: K (128 B) then V (128 B)
+TRACE_WORDS = 8  # probe="trace": int32 words per CTA (see __init__)
 LN2 = math.log(2.0)
 # Cross-warp reduction buffer: per warp 16 rows x 4 chunks of (32 fp32 + 4 pad); the
 # 144-byte chunk and 576-byte row keep the 16-byte stores and loads bank-conflict free.
@@ -106,7 +107,7 @@ class SparseDecodeMmaKernel:
             ("convert", convert, ("bittrick", "cvt")), ("v_loads", v_loads, ("v4", "rotated")),
             ("q_frags", q_frags, ("regs", "smem")), ("softmax", softmax, ("plain", "lean")),
             ("smem_reads", smem_reads, ("block", "staged")), ("ctas_per_sm", ctas_per_sm, (1, 2, 3)),
-            ("probe", probe, ("full", "no_math", "no_copy")),
+            ("probe", probe, ("full", "no_math", "no_copy", "trace")),
         ):
             if value not in allowed:
                 raise ValueError(f"{name} {value!r} not in {allowed}")
@@ -130,8 +131,13 @@ class SparseDecodeMmaKernel:
         self.staged = smem_reads == "staged"
         self.ctas_per_sm = ctas_per_sm
         # timing probes that leave one stage out (wrong results, bench/variants.py only):
-        # "no_math" releases every stage unread, "no_copy" computes on stale shared memory
+        # "no_math" releases every stage unread, "no_copy" computes on stale shared memory;
+        # "trace" runs the full kernel and thread 0 of each CTA writes TRACE_WORDS words
+        # (smid, then %globaltimer_lo at entry, after the PDL wait, after the slots are compacted,
+        # at the first and the last full stage, after the epilogue; then n_iter) over the start
+        # of the CTA's partial_o slot (unused when num_splits == 1; bench/trace_ctas.py reads it)
         self.probe = probe
+        self.trace = probe == "trace"
         # programmatic dependent launch: both kernels may be scheduled before the previous
         # kernel in the stream has finished; each waits (griddepcontrol.wait) before its first
         # global-memory access, so only the launch latency overlaps, never data
@@ -233,6 +239,12 @@ class SparseDecodeMmaKernel:
         sNvalid = storage.nvalid.get_tensor(cute.make_layout(4))
         sML = storage.ml.get_tensor(cute.make_layout(self.warps * 32))
         q_addr = ptx.smem_addr(storage.q.data_ptr())
+        tr = cute.make_rmem_tensor(TRACE_WORDS, Int32)  # probe="trace" only (else never read)
+        if cutlass.const_expr(self.trace):
+            tr[0] = ptx.smid()
+            tr[1] = ptx.globaltimer_lo()
+            tr[4] = Int32(0)  # stays 0 when the CTA has no valid block
+            tr[5] = Int32(0)
         # the barriers touch no global memory: set them up while the previous kernel may still run
         if warp == 0:
             if lane == 0:
@@ -244,6 +256,8 @@ class SparseDecodeMmaKernel:
             # is visible after this; nothing above reads global memory
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()  # the split merge may be scheduled now
+        if cutlass.const_expr(self.trace):
+            tr[2] = ptx.globaltimer_lo()
 
         kv_len = mKvLens[t]
         req = t // qlen
@@ -265,6 +279,9 @@ class SparseDecodeMmaKernel:
 
         n_valid = sNvalid[0]
         first, n_iter = common.split_range(n_valid, num_splits, split)
+        if cutlass.const_expr(self.trace):
+            tr[3] = ptx.globaltimer_lo()
+            tr[7] = n_iter
 
         if warp == self.warps:
             # ---- 2a. producer warp: one lane streams the selected chunks into the stages
@@ -277,8 +294,15 @@ class SparseDecodeMmaKernel:
             # ---- 2b. consumer warps
             self.consume(
                 mQ, mOut, mLse, mPO, mPL, sBlocks, sML, buf_addr, q_addr, full_ptr, empty_ptr,
-                t, h, split, warp, lane, kv_len, first, n_iter, num_splits, qk_scale_log2, v_scale,
+                t, h, split, warp, lane, kv_len, first, n_iter, num_splits, qk_scale_log2, v_scale, tr,
             )
+            if cutlass.const_expr(self.trace):
+                if warp == 0 and lane == 0:
+                    tr[6] = ptx.globaltimer_lo()
+                    slot = mPO.iterator.toint() + Int64((t * self.hkv + h) * num_splits + split) * Int64(
+                        self.group * HEAD_DIM * 4)
+                    ptx.st_global_v4(slot, tr[0], tr[1], tr[2], tr[3])
+                    ptx.st_global_v4(slot + 16, tr[4], tr[5], tr[6], tr[7])
 
     @cute.jit
     def stage_q(self, mQ, q_addr, t, h, lane, qk_scale_log2):
@@ -291,7 +315,7 @@ class SparseDecodeMmaKernel:
     @cute.jit
     def consume(
         self, mQ, mOut, mLse, mPO, mPL, sBlocks, sML, buf_addr, q_addr, full_ptr, empty_ptr,
-        t, h, split, warp, lane, kv_len, first, n_iter, num_splits, qk_scale_log2, v_scale,
+        t, h, split, warp, lane, kv_len, first, n_iter, num_splits, qk_scale_log2, v_scale, tr,
     ):
         g = lane // 4
         c = lane % 4
@@ -314,6 +338,11 @@ class SparseDecodeMmaKernel:
             s = i % self.stages
             phase = (i // self.stages) & 1
             cute.arch.mbarrier_wait(full_ptr + s, phase)
+            if cutlass.const_expr(self.trace):
+                if i == 0:
+                    tr[4] = ptx.globaltimer_lo()
+                if i == n_iter - 1:
+                    tr[5] = ptx.globaltimer_lo()
             stage = buf_addr + s * self.stage_bytes
             blk = sBlocks[first + i]
             if cutlass.const_expr(self.probe == "no_math"):

@@ -124,12 +124,14 @@ def make_step(hq: int, hkv: int, batch: int, qlen: int, q_dtype: str, *, ctx_len
     }
 
 
-def time_graph(fn, iters: int = 50, flush_bytes: int = 256 << 20, warmup_ms: float = 50.0) -> list[float]:
+def time_graph(fn, iters: int = 50, flush_bytes: int = 256 << 20, warmup_ms: float = 50.0,
+               after_replay=None) -> list[float]:
     """Capture fn once in a CUDA graph; time `iters` replays, L2 flushed before each.
 
     The replays (with their flushes) first run untimed for `warmup_ms`: right after an idle
     stretch (the CPU building the next point's inputs) the first ~30 replays of 64/4 B=256
     ran ~7% slower on the H200 (bench/results/warmup-probe-2026-12-02.txt).
+    after_replay(): called once the timed replay has finished (e.g. to read a trace), untimed.
     """
     import torch
 
@@ -161,6 +163,8 @@ def time_graph(fn, iters: int = 50, flush_bytes: int = 256 << 20, warmup_ms: flo
         e.record()
         e.synchronize()
         times.append(s.elapsed_time(e) * 1e3)  # microseconds
+        if after_replay is not None:
+            after_replay()
     return times
 
 

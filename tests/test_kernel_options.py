@@ -81,6 +81,12 @@ def test_probes_leave_their_stage_out(tmp_path):
     assert "UBLKCP" not in no_copy and "HMMA" in no_copy
     _, full, _ = _main_kernel(tmp_path / "f", {})
     assert "UBLKCP" in full
+    assert "GLOBALTIMER" not in full and "SMID" not in full
+    _, trace, _ = _main_kernel(tmp_path / "t", {"probe": "trace"})
+    assert "HMMA" in trace and "UBLKCP" in trace  # the full kernel ...
+    # ... plus the timer reads and thread 0's two 16-byte trace stores
+    assert trace.count("SR_GLOBALTIMERLO") == 6 and "SR_VIRTUALSMID" in trace
+    assert sass.opcode_counts(trace)["STG.E.128"] == 2
 
 
 def test_block_table_prefetch_only_when_asked(tmp_path):

@@ -1,0 +1,168 @@
+"""Per-CTA timelines of decode steps: where a step's time goes, CTA by CTA and SM by SM.
+
+    python bench/variants.py build --variants trace          # here: the probe="trace" kernel
+    python3 bench/trace_ctas.py --dir .variants --out $OUT    # GPU host: JSON + PNG
+
+The `trace` variant is the full kernel plus a few stores: thread 0 of every CTA writes its SM
+and %globaltimer at entry, after the PDL wait, after the slot compaction (the topk -> block
+table chain), when the first and the last stage are full, and after the epilogue, over its
+(otherwise unused at num_splits == 1) partial_o slot. Each point is replayed as in the bench
+(CUDA graph, L2 flushed by reading before every replay), and each replay's trace is read back.
+
+Per point the JSON has, as medians over the replays: the step time (events), the kernel's span
+(first CTA entry to last CTA end), each phase's median / p90 over CTAs, the spread of CTA end
+times, and how much of span x SMs the SMs held no CTA ("SM idle"); plus the last replay's raw
+trace. The PNG draws that replay's CTAs on a time axis, grouped by SM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+PHASES = ("pdl_wait", "index_chain", "first_copy", "stream", "last_block_epilogue")
+POINTS = [("64/4", 64, 1), ("8/1", 256, 1), ("64/4", 256, 1), ("64/4", 1, 1)]
+
+
+def relative_ns(words: np.ndarray) -> np.ndarray:
+    """[n, 6] %globaltimer_lo stamps -> ns since the earliest entry (32-bit wrap handled)."""
+    ref = int(words[:, 0].min())
+    d = (words.astype(np.int64) - ref + (1 << 31)) % (1 << 32) - (1 << 31)
+    return d - d[:, 0].min()
+
+
+def summarize(trace: np.ndarray) -> dict[str, Any]:
+    """Summary of one replay's trace: rows [smid, 6 stamps, n_iter] of CTAs that had blocks."""
+    trace = trace[trace[:, 7] > 0]
+    sm, n_iter = trace[:, 0], trace[:, 7]
+    ts = relative_ns(trace[:, 1:7]) / 1e3  # us: entry, waited, indexed, first, last, end
+    span = float(ts[:, 5].max())
+    phases = {name: np.diff(ts, axis=1)[:, k] for k, name in enumerate(PHASES)}
+    busy = []
+    for s in np.unique(sm):
+        rows = ts[sm == s]
+        busy.append(rows[:, 5].max() - rows[:, 0].min())
+    return {
+        "ctas": int(len(trace)), "sms": int(len(busy)), "span_us": round(span, 2),
+        "phases_us": {k: {"median": round(float(np.median(v)), 2), "p90": round(float(np.percentile(v, 90)), 2)}
+                      for k, v in phases.items()},
+        "first_entry_to_last_entry_us": round(float(ts[:, 0].max()), 2),
+        "cta_end_us": {q: round(float(np.percentile(ts[:, 5], p)), 2) for q, p in (("min", 0), ("p10", 10),
+                                                                                    ("median", 50), ("max", 100))},
+        "stream_us_per_block": round(float(np.median(phases["stream"] / np.maximum(n_iter - 1, 1))), 3),
+        "sm_idle_pct": round(float(100 * (1 - sum(busy) / (len(busy) * span))), 1),
+    }
+
+
+def trace_point(fn, geom: str, batch: int, qlen: int, replays: int) -> dict[str, Any]:
+    import torch
+
+    from msa_jit import SparseDecodePlanner, sparse_decode
+    from msa_jit.bench import GEOMETRIES, make_step, time_graph
+
+    hq, hkv = GEOMETRIES[geom]
+    step = make_step(hq, hkv, batch, qlen, "bfloat16")
+    planner = SparseDecodePlanner()
+    args = (step["block_table"], step["seq_lens"], step["seq_lens_cpu"], qlen)
+    kw = dict(num_q_heads=hq, num_kv_heads=hkv, page_size=128, topk_blocks=16)
+    plan = planner.prepare(*args, **kw)
+    plan.kernels[step["query"].dtype] = fn
+    words = plan.partial_o.view(torch.int32).view(plan.partial_o.shape[0], -1)[:, :8]
+    traces: list[np.ndarray] = []
+
+    def run():
+        sparse_decode(step["query"], step["kv_cache"], step["topk"], step["out"], planner.prepare(*args, **kw),
+                      sm_scale=0.088)
+
+    def read():
+        traces.append(words.cpu().numpy().copy())
+        words.zero_()
+
+    times = time_graph(run, iters=replays, after_replay=read)
+    sums = [summarize(t) for t in traces]
+
+    def med(get):
+        return round(statistics.median(get(s) for s in sums), 2)
+
+    res = {
+        "geometry": geom, "batch": batch, "qlen": qlen, "num_splits": plan.num_splits,
+        "step_us": round(statistics.median(times), 2), "replays": replays,
+        "span_us": med(lambda s: s["span_us"]), "sm_idle_pct": med(lambda s: s["sm_idle_pct"]),
+        "phases_us": {k: {q: med(lambda s, k=k, q=q: s["phases_us"][k][q]) for q in ("median", "p90")}
+                      for k in PHASES},
+        "cta_end_us": {q: med(lambda s, q=q: s["cta_end_us"][q]) for q in ("min", "p10", "median", "max")},
+        "first_entry_to_last_entry_us": med(lambda s: s["first_entry_to_last_entry_us"]),
+        "stream_us_per_block": med(lambda s: s["stream_us_per_block"]),
+        "ctas": sums[-1]["ctas"], "sms": sums[-1]["sms"],
+        "last_trace": traces[-1].tolist(),
+    }
+    del step
+    return res
+
+
+def plot(points: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = ("0.75", "tab:orange", "tab:red", "tab:blue", "tab:green")
+    fig, axes = plt.subplots(len(points), 1, figsize=(11, 3.2 * len(points)))
+    for ax, p in zip(np.atleast_1d(axes), points):
+        tr = np.array(p["last_trace"], dtype=np.int64)
+        tr = tr[tr[:, 7] > 0]
+        ts = relative_ns(tr[:, 1:7]) / 1e3
+        order = np.lexsort((ts[:, 0], tr[:, 0]))  # by SM, then by entry
+        ts = ts[order]
+        for k in range(5):
+            ax.hlines(np.arange(len(ts)), ts[:, k], ts[:, k + 1], color=colors[k], lw=0.8 if len(ts) > 300 else 1.5)
+        ax.set_title(f"{p['geometry']} B={p['batch']} qlen={p['qlen']} S={p['num_splits']}: step {p['step_us']} us, "
+                     f"kernel span {p['span_us']} us, SM idle {p['sm_idle_pct']}%", fontsize=9)
+        ax.set_ylabel("CTA (grouped by SM)")
+        ax.set_xlabel("us since the first CTA entered")
+    handles = [plt.Line2D([], [], color=c, lw=3) for c in colors]
+    fig.legend(handles, PHASES, loc="upper center", ncol=5, fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    fig.savefig(path, dpi=90)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", default=".variants", help="bench/variants.py build folder (variant 'trace')")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--replays", type=int, default=7)
+    a = ap.parse_args(argv)
+    from msa_jit.bench import environment
+    from msa_jit.loader import load_artifact
+
+    fns = {}
+    for geom, batch, qlen in POINTS:
+        if geom not in fns:
+            hq, hkv = (int(x) for x in geom.split("/"))
+            fns[geom] = load_artifact(Path(a.dir) / "trace" / f"{hq}x{hkv}-bfloat16" / "sparse_decode.so")[0]
+    result: dict[str, Any] = {"environment": environment(), "command": " ".join(sys.argv),
+                              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "points": []}
+    for geom, batch, qlen in POINTS:
+        p = trace_point(fns[geom], geom, batch, qlen, a.replays)
+        result["points"].append(p)
+        short = {k: v for k, v in p.items() if k != "last_trace"}
+        print(json.dumps(short), flush=True)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"trace-{time.strftime('%Y-%m-%dT%H%M', time.gmtime())}"
+    (out / f"{stem}.json").write_text(json.dumps(result, separators=(",", ":")))
+    plot(result["points"], out / f"{stem}.png")
+    print(f"wrote {out / stem}.json and .png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    raise SystemExit(main())
