@@ -2,6 +2,7 @@
 
     python bench/variants.py build --variants trace          # here: the probe="trace" kernel
     python3 bench/trace_ctas.py --dir .variants --out $OUT    # GPU host: JSON + PNG
+        [--variants trace trace_pbt]                          # several trace variants, same points
 
 The `trace` variant is the full kernel plus a few stores: thread 0 of every CTA writes its SM
 and %globaltimer at entry, after the PDL wait, after the slot compaction (the topk -> block
@@ -138,27 +139,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default=".variants", help="bench/variants.py build folder (variant 'trace')")
     ap.add_argument("--out", required=True)
     ap.add_argument("--replays", type=int, default=7)
+    ap.add_argument("--variants", nargs="+", default=["trace"],
+                    help="probe='trace' variants built by bench/variants.py (the first one is plotted)")
     a = ap.parse_args(argv)
     from msa_jit.bench import environment
     from msa_jit.loader import load_artifact
 
-    fns = {}
-    for geom, batch, qlen in POINTS:
-        if geom not in fns:
-            hq, hkv = (int(x) for x in geom.split("/"))
-            fns[geom] = load_artifact(Path(a.dir) / "trace" / f"{hq}x{hkv}-bfloat16" / "sparse_decode.so")[0]
     result: dict[str, Any] = {"environment": environment(), "command": " ".join(sys.argv),
                               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "points": []}
-    for geom, batch, qlen in POINTS:
-        p = trace_point(fns[geom], geom, batch, qlen, a.replays)
-        result["points"].append(p)
-        short = {k: v for k, v in p.items() if k != "last_trace"}
-        print(json.dumps(short), flush=True)
+    for variant in a.variants:
+        fns = {}
+        for geom, batch, qlen in POINTS:
+            if geom not in fns:
+                hq, hkv = (int(x) for x in geom.split("/"))
+                fns[geom] = load_artifact(Path(a.dir) / variant / f"{hq}x{hkv}-bfloat16" / "sparse_decode.so")[0]
+        for geom, batch, qlen in POINTS:
+            p = {"variant": variant, **trace_point(fns[geom], geom, batch, qlen, a.replays)}
+            result["points"].append(p)
+            print(json.dumps({k: v for k, v in p.items() if k != "last_trace"}), flush=True)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"trace-{time.strftime('%Y-%m-%dT%H%M', time.gmtime())}"
     (out / f"{stem}.json").write_text(json.dumps(result, separators=(",", ":")))
-    plot(result["points"], out / f"{stem}.png")
+    plot([p for p in result["points"] if p["variant"] == a.variants[0]], out / f"{stem}.png")
     print(f"wrote {out / stem}.json and .png")
     return 0
 

@@ -44,6 +44,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "split4_nomath": {"num_splits": 4, "probe": "no_math"},
     # per-CTA timeline (bench/trace_ctas.py): the full kernel plus a few timer stores
     "trace": {"probe": "trace"},
+    "trace_pbt": {"probe": "trace", "prefetch_bt": True},  # does the block-table prefetch shorten the chain?
 }
 PLAN_OPTIONS = ("prologue_trigger", "num_splits")
 GEOMETRIES = [(64, 4, "bfloat16"), (8, 1, "bfloat16"), (16, 1, "bfloat16"), (64, 4, "float8_e4m3fn")]
