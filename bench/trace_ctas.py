@@ -6,8 +6,8 @@
 
 The `trace` variant is the full kernel plus a few stores: thread 0 of every CTA writes its SM
 and %globaltimer at entry, after the PDL wait, after the slot compaction (the topk -> block
-table chain), when the first and the last stage are full, and after the epilogue, over its
-(otherwise unused at num_splits == 1) partial_o slot. Each point is replayed as in the bench
+table chain), when the first and the last stage are full, after its warp's last block and
+after the epilogue, over its (otherwise unused at num_splits == 1) partial_o slot. Each point is replayed as in the bench
 (CUDA graph, L2 flushed by reading before every replay), and each replay's trace is read back.
 
 Per point the JSON has, as medians over the replays: the step time (events), the kernel's span
@@ -28,7 +28,10 @@ from typing import Any
 
 import numpy as np
 
-PHASES = ("pdl_wait", "index_chain", "first_copy", "stream", "last_block_epilogue")
+PHASES = ("pdl_wait", "index_chain", "first_copy", "stream", "last_block", "epilogue")
+# word layout of the kernel's trace (probe="trace"); 1 = trace-2026-12-03T0822.json: [smid, entry,
+# waited, indexed, first, last, end, n_iter] (its "last_block_epilogue" = last_block + epilogue)
+TRACE_LAYOUT = 2
 POINTS = [("64/4", 64, 1), ("8/1", 256, 1), ("64/4", 256, 1), ("64/4", 1, 1)]
 
 
@@ -39,23 +42,31 @@ def relative_ns(words: np.ndarray) -> np.ndarray:
     return d - d[:, 0].min()
 
 
+def decode(trace: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(smid, n_iter, stamps in us) of the CTAs that had blocks; trace rows are the kernel's
+    [smid | n_iter << 16, then %globaltimer_lo at entry, waited, indexed, first full, last full,
+    last block done, end]."""
+    trace = np.asarray(trace, dtype=np.int64)
+    sm, n_iter = trace[:, 0] & 0xFFFF, trace[:, 0] >> 16
+    keep = n_iter > 0
+    return sm[keep], n_iter[keep], relative_ns(trace[keep, 1:8]) / 1e3
+
+
 def summarize(trace: np.ndarray) -> dict[str, Any]:
-    """Summary of one replay's trace: rows [smid, 6 stamps, n_iter] of CTAs that had blocks."""
-    trace = trace[trace[:, 7] > 0]
-    sm, n_iter = trace[:, 0], trace[:, 7]
-    ts = relative_ns(trace[:, 1:7]) / 1e3  # us: entry, waited, indexed, first, last, end
-    span = float(ts[:, 5].max())
+    """Summary of one replay's trace (see decode)."""
+    sm, n_iter, ts = decode(trace)
+    span = float(ts[:, -1].max())
     phases = {name: np.diff(ts, axis=1)[:, k] for k, name in enumerate(PHASES)}
     busy = []
     for s in np.unique(sm):
         rows = ts[sm == s]
-        busy.append(rows[:, 5].max() - rows[:, 0].min())
+        busy.append(rows[:, -1].max() - rows[:, 0].min())
     return {
         "ctas": int(len(trace)), "sms": int(len(busy)), "span_us": round(span, 2),
         "phases_us": {k: {"median": round(float(np.median(v)), 2), "p90": round(float(np.percentile(v, 90)), 2)}
                       for k, v in phases.items()},
         "first_entry_to_last_entry_us": round(float(ts[:, 0].max()), 2),
-        "cta_end_us": {q: round(float(np.percentile(ts[:, 5], p)), 2) for q, p in (("min", 0), ("p10", 10),
+        "cta_end_us": {q: round(float(np.percentile(ts[:, -1], p)), 2) for q, p in (("min", 0), ("p10", 10),
                                                                                     ("median", 50), ("max", 100))},
         "stream_us_per_block": round(float(np.median(phases["stream"] / np.maximum(n_iter - 1, 1))), 3),
         "sm_idle_pct": round(float(100 * (1 - sum(busy) / (len(busy) * span))), 1),
@@ -114,22 +125,19 @@ def plot(points: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = ("0.75", "tab:orange", "tab:red", "tab:blue", "tab:green")
+    colors = ("0.75", "tab:orange", "tab:red", "tab:blue", "tab:green", "tab:purple")
     fig, axes = plt.subplots(len(points), 1, figsize=(11, 3.2 * len(points)))
     for ax, p in zip(np.atleast_1d(axes), points):
-        tr = np.array(p["last_trace"], dtype=np.int64)
-        tr = tr[tr[:, 7] > 0]
-        ts = relative_ns(tr[:, 1:7]) / 1e3
-        order = np.lexsort((ts[:, 0], tr[:, 0]))  # by SM, then by entry
-        ts = ts[order]
-        for k in range(5):
+        sm, _, ts = decode(p["last_trace"])
+        ts = ts[np.lexsort((ts[:, 0], sm))]  # by SM, then by entry
+        for k in range(len(PHASES)):
             ax.hlines(np.arange(len(ts)), ts[:, k], ts[:, k + 1], color=colors[k], lw=0.8 if len(ts) > 300 else 1.5)
         ax.set_title(f"{p['geometry']} B={p['batch']} qlen={p['qlen']} S={p['num_splits']}: step {p['step_us']} us, "
                      f"kernel span {p['span_us']} us, SM idle {p['sm_idle_pct']}%", fontsize=9)
         ax.set_ylabel("CTA (grouped by SM)")
         ax.set_xlabel("us since the first CTA entered")
     handles = [plt.Line2D([], [], color=c, lw=3) for c in colors]
-    fig.legend(handles, PHASES, loc="upper center", ncol=5, fontsize=8)
+    fig.legend(handles, PHASES, loc="upper center", ncol=len(PHASES), fontsize=8)
     fig.tight_layout(rect=(0, 0, 1, 0.97))
     fig.savefig(path, dpi=90)
 
@@ -146,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     from msa_jit.loader import load_artifact
 
     result: dict[str, Any] = {"environment": environment(), "command": " ".join(sys.argv),
-                              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "points": []}
+                              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                              "trace_layout": TRACE_LAYOUT, "points": []}
     for variant in a.variants:
         fns = {}
         for geom, batch, qlen in POINTS:

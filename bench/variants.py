@@ -42,6 +42,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "split3": {"num_splits": 3},
     "split4": {"num_splits": 4},
     "split4_nomath": {"num_splits": 4, "probe": "no_math"},
+    "scalar_out": {"out_stores": "scalar"},  # the default until 2026-12-03: one store per element
     # per-CTA timeline (bench/trace_ctas.py): the full kernel plus a few timer stores
     "trace": {"probe": "trace"},
     "trace_pbt": {"probe": "trace", "prefetch_bt": True},  # does the block-table prefetch shorten the chain?

@@ -77,6 +77,7 @@ class SparseDecodeMmaKernel:
         probe: str = "full",
         pdl: bool = True,
         prefetch_bt: bool = False,
+        out_stores: str = "v4",
     ):
         if num_q_heads % num_kv_heads:
             raise ValueError("num_q_heads must be a multiple of num_kv_heads")
@@ -108,6 +109,7 @@ class SparseDecodeMmaKernel:
             ("q_frags", q_frags, ("regs", "smem")), ("softmax", softmax, ("plain", "lean")),
             ("smem_reads", smem_reads, ("block", "staged")), ("ctas_per_sm", ctas_per_sm, (1, 2, 3)),
             ("probe", probe, ("full", "no_math", "no_copy", "trace")),
+            ("out_stores", out_stores, ("scalar", "v4")),
         ):
             if value not in allowed:
                 raise ValueError(f"{name} {value!r} not in {allowed}")
@@ -133,9 +135,10 @@ class SparseDecodeMmaKernel:
         # timing probes that leave one stage out (wrong results, bench/variants.py only):
         # "no_math" releases every stage unread, "no_copy" computes on stale shared memory;
         # "trace" runs the full kernel and thread 0 of each CTA writes TRACE_WORDS words
-        # (smid, then %globaltimer_lo at entry, after the PDL wait, after the slots are compacted,
-        # at the first and the last full stage, after the epilogue; then n_iter) over the start
-        # of the CTA's partial_o slot (unused when num_splits == 1; bench/trace_ctas.py reads it)
+        # (smid | n_iter << 16, then %globaltimer_lo at entry, after the PDL wait, after the slots
+        # are compacted, at the first and the last full stage, after its warp's last block, after
+        # the epilogue) over the start of the CTA's partial_o slot (unused when num_splits == 1;
+        # bench/trace_ctas.py reads it)
         self.probe = probe
         self.trace = probe == "trace"
         # programmatic dependent launch: both kernels may be scheduled before the previous
@@ -146,6 +149,11 @@ class SparseDecodeMmaKernel:
         # L2 prefetch of the request's block-table row before the topk-dependent lookup
         # (off: measured slower, bench/results/variants-2026-12-02T1617.json)
         self.prefetch_bt = bool(prefetch_bt)
+        # the finalized output (bf16) or split partial (fp32): "v4" = 16-byte stores, "scalar" =
+        # one store per element (16 per thread, the default until 2026-12-03)
+        self.v4_stores = out_stores == "v4"
+        if self.v4_stores and self.out_elems % 8:
+            raise ValueError(f"out_stores='v4' needs 8 | {self.out_elems} output elements per thread")
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -281,7 +289,7 @@ class SparseDecodeMmaKernel:
         first, n_iter = common.split_range(n_valid, num_splits, split)
         if cutlass.const_expr(self.trace):
             tr[3] = ptx.globaltimer_lo()
-            tr[7] = n_iter
+            tr[0] = tr[0] | (n_iter << 16)
 
         if warp == self.warps:
             # ---- 2a. producer warp: one lane streams the selected chunks into the stages
@@ -298,7 +306,7 @@ class SparseDecodeMmaKernel:
             )
             if cutlass.const_expr(self.trace):
                 if warp == 0 and lane == 0:
-                    tr[6] = ptx.globaltimer_lo()
+                    tr[7] = ptx.globaltimer_lo()
                     slot = mPO.iterator.toint() + Int64((t * self.hkv + h) * num_splits + split) * Int64(
                         self.group * HEAD_DIM * 4)
                     ptx.st_global_v4(slot, tr[0], tr[1], tr[2], tr[3])
@@ -353,6 +361,8 @@ class SparseDecodeMmaKernel:
                     warp * self.keys_per_warp, g, c, lane,
                 )
 
+        if cutlass.const_expr(self.trace):
+            tr[6] = ptx.globaltimer_lo()  # this warp's last block done (thread 0 stores the trace)
         self.epilogue(mOut, mLse, mPO, mPL, sML, buf_addr, acc, row_max, row_sum,
                       t, h, split, warp, lane, num_splits, v_scale)
 
@@ -669,15 +679,28 @@ class SparseDecodeMmaKernel:
                     for k in cutlass.range_constexpr(4):
                         vals[4 * q + k] = vals[4 * q + k] + f[k]
             hq = h * G + row
+            for k in cutlass.range_constexpr(self.out_elems):
+                vals[k] = vals[k] * inv
             if num_splits == 1:
-                for k in cutlass.range_constexpr(self.out_elems):
-                    mOut[t, hq, d0 + k] = (vals[k] * inv).to(cutlass.BFloat16)
+                if cutlass.const_expr(self.v4_stores):  # 16-byte stores of 8 bf16 (mOut is 16-byte aligned)
+                    dst = mOut.iterator.toint() + (Int64(t) * Int64(mOut.stride[0]) + Int64(hq * HEAD_DIM + d0)) * 2
+                    for q in cutlass.range_constexpr(self.out_elems // 8):
+                        w = [ptx.f32x2_to_bf16x2(vals[8 * q + 2 * k], vals[8 * q + 2 * k + 1]) for k in range(4)]
+                        ptx.st_global_v4(dst + 16 * q, w[0], w[1], w[2], w[3])
+                else:
+                    for k in cutlass.range_constexpr(self.out_elems):
+                        mOut[t, hq, d0 + k] = vals[k].to(cutlass.BFloat16)
                 if d0 == 0:
                     mLse[t, hq] = lse2 * LN2
             else:
                 idx = (t * self.hkv + h) * num_splits + split
-                for k in cutlass.range_constexpr(self.out_elems):
-                    mPO[idx, row, d0 + k] = vals[k] * inv
+                if cutlass.const_expr(self.v4_stores):
+                    dst = mPO.iterator.toint() + (Int64(idx) * Int64(mPO.stride[0]) + Int64(row * HEAD_DIM + d0)) * 4
+                    for q in cutlass.range_constexpr(self.out_elems // 4):
+                        ptx.st_global_v4_f32(dst + 16 * q, vals[4 * q], vals[4 * q + 1], vals[4 * q + 2], vals[4 * q + 3])
+                else:
+                    for k in cutlass.range_constexpr(self.out_elems):
+                        mPO[idx, row, d0 + k] = vals[k]
                 if d0 == 0:
                     mPL[idx, row] = lse2
 

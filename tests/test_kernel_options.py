@@ -32,6 +32,8 @@ def _kernel_class():
         ({"smem_reads": "lazy"}, "smem_reads"),
         ({"ctas_per_sm": 4}, "ctas_per_sm"),
         ({"probe": "no_store"}, "probe"),
+        ({"out_stores": "v2"}, "out_stores"),
+        ({"consumer_warps": 16, "page_size": 256}, "out_stores"),  # 4 output elements per thread
         ({"softmax": "lean", "convert": "bittrick"}, "lean"),
     ],
 )
@@ -85,8 +87,8 @@ def test_probes_leave_their_stage_out(tmp_path):
     _, trace, _ = _main_kernel(tmp_path / "t", {"probe": "trace"})
     assert "HMMA" in trace and "UBLKCP" in trace  # the full kernel ...
     # ... plus the timer reads and thread 0's two 16-byte trace stores
-    assert trace.count("SR_GLOBALTIMERLO") == 6 and "SR_VIRTUALSMID" in trace
-    assert sass.opcode_counts(trace)["STG.E.128"] == 2
+    assert trace.count("SR_GLOBALTIMERLO") == 7 and "SR_VIRTUALSMID" in trace
+    assert sass.opcode_counts(trace)["STG.E.128"] == sass.opcode_counts(full)["STG.E.128"] + 2
 
 
 def test_block_table_prefetch_only_when_asked(tmp_path):
@@ -96,3 +98,12 @@ def test_block_table_prefetch_only_when_asked(tmp_path):
     _, text, _ = _main_kernel(tmp_path / "off", {})
     assert "CCTL.E.PF2" not in text
 
+
+
+def test_output_goes_out_in_16_byte_stores(tmp_path):
+    _, v4, _ = _main_kernel(tmp_path / "v4", {})
+    ops = sass.opcode_counts(v4)
+    # 2 x 8 bf16 (num_splits == 1) or 4 x 4 fp32 (split partial) per thread, no 2-byte stores
+    assert ops["STG.E.128"] == 6 and "STG.E.U16" not in ops, ops
+    _, scalar, _ = _main_kernel(tmp_path / "scalar", {"out_stores": "scalar"})
+    assert sass.opcode_counts(scalar)["STG.E.U16"] == 16
