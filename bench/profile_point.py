@@ -3,7 +3,8 @@
     ncu --clock-control none -k regex:kernel_cutlass_kernel -c 1 --section SpeedOfLight \
         --section Occupancy --section WarpStateStats python3 bench/profile_point.py 64/4 64 1
 
-Arguments: geometry batch qlen [shared_blocks (consecutive tokens share that many blocks)].
+Arguments: geometry batch qlen [shared_blocks (consecutive tokens share that many blocks)]
+[artifact .so (e.g. .variants/scalar_out/64x4-bfloat16/sparse_decode.so) instead of the cache's].
 """
 
 import math
@@ -16,12 +17,20 @@ from msa_jit.bench import GEOMETRIES, make_step
 
 geo, batch, qlen = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 shared = int(sys.argv[4]) if len(sys.argv) > 4 else 0
+artifact = sys.argv[5] if len(sys.argv) > 5 else None
 hq, hkv = GEOMETRIES[geo]
 step = make_step(hq, hkv, batch, qlen, "bfloat16", shared_blocks=shared)
 planner = SparseDecodePlanner()
+kernel = None
+if artifact:
+    from msa_jit.loader import load_artifact
+
+    kernel = load_artifact(artifact)[0]
 for _ in range(3):
     plan = planner.prepare(step["block_table"], step["seq_lens"], step["seq_lens_cpu"], qlen,
                            num_q_heads=hq, num_kv_heads=hkv, page_size=128, topk_blocks=16)
+    if kernel is not None:
+        plan.kernels[step["query"].dtype] = kernel
     sparse_decode(step["query"], step["kv_cache"], step["topk"], step["out"], plan, sm_scale=1 / math.sqrt(128))
 torch.cuda.synchronize()
 print("profiled", geo, batch, qlen, "shared", shared, "splits", plan.num_splits,

@@ -307,8 +307,8 @@ class SparseDecodeMmaKernel:
             if cutlass.const_expr(self.trace):
                 if warp == 0 and lane == 0:
                     tr[7] = ptx.globaltimer_lo()
-                    slot = mPO.iterator.toint() + Int64((t * self.hkv + h) * num_splits + split) * Int64(
-                        self.group * HEAD_DIM * 4)
+                    idx = (t * self.hkv + h) * num_splits + split
+                    slot = mPO.iterator.toint() + Int64(idx) * Int64(mPO.stride[0]) * 4
                     ptx.st_global_v4(slot, tr[0], tr[1], tr[2], tr[3])
                     ptx.st_global_v4(slot + 16, tr[4], tr[5], tr[6], tr[7])
 
