@@ -7,8 +7,9 @@
 The `trace` variant is the full kernel plus a few stores: thread 0 of every CTA writes its SM
 and %globaltimer at entry, after the PDL wait, after the slot compaction (the topk -> block
 table chain), when the first and the last stage are full, after its warp's last block and
-after the epilogue, over its (otherwise unused at num_splits == 1) partial_o slot. Each point is replayed as in the bench
-(CUDA graph, L2 flushed by reading before every replay), and each replay's trace is read back.
+after the epilogue, over its (otherwise unused at num_splits == 1) partial_o slot. Each point
+is replayed as in the bench (CUDA graph, L2 flushed by reading before every replay), and each
+replay's trace is read back.
 
 Per point the JSON has, as medians over the replays: the step time (events), the kernel's span
 (first CTA entry to last CTA end), each phase's median / p90 over CTAs, the spread of CTA end
@@ -36,7 +37,7 @@ POINTS = [("64/4", 64, 1), ("8/1", 256, 1), ("64/4", 256, 1), ("64/4", 1, 1)]
 
 
 def relative_ns(words: np.ndarray) -> np.ndarray:
-    """[n, 6] %globaltimer_lo stamps -> ns since the earliest entry (32-bit wrap handled)."""
+    """[n, k] %globaltimer_lo stamps, column 0 the entry -> ns since the earliest entry (wraps handled)."""
     ref = int(words[:, 0].min())
     d = (words.astype(np.int64) - ref + (1 << 31)) % (1 << 32) - (1 << 31)
     return d - d[:, 0].min()
@@ -62,7 +63,7 @@ def summarize(trace: np.ndarray) -> dict[str, Any]:
         rows = ts[sm == s]
         busy.append(rows[:, -1].max() - rows[:, 0].min())
     return {
-        "ctas": int(len(trace)), "sms": int(len(busy)), "span_us": round(span, 2),
+        "ctas": int(len(ts)), "sms": int(len(busy)), "span_us": round(span, 2),
         "phases_us": {k: {"median": round(float(np.median(v)), 2), "p90": round(float(np.percentile(v, 90)), 2)}
                       for k, v in phases.items()},
         "first_entry_to_last_entry_us": round(float(ts[:, 0].max()), 2),
@@ -77,13 +78,12 @@ def trace_point(fn, geom: str, batch: int, qlen: int, replays: int) -> dict[str,
     import torch
 
     from msa_jit import SparseDecodePlanner, sparse_decode
-    from msa_jit.bench import GEOMETRIES, make_step, time_graph
+    from msa_jit.bench import GEOMETRIES, make_step, prepare_args, time_graph
 
     hq, hkv = GEOMETRIES[geom]
     step = make_step(hq, hkv, batch, qlen, "bfloat16")
     planner = SparseDecodePlanner()
-    args = (step["block_table"], step["seq_lens"], step["seq_lens_cpu"], qlen)
-    kw = dict(num_q_heads=hq, num_kv_heads=hkv, page_size=128, topk_blocks=16)
+    args, kw = prepare_args(step, hq, hkv, qlen)
     plan = planner.prepare(*args, **kw)
     plan.kernels[step["query"].dtype] = fn
     words = plan.partial_o.view(torch.int32).view(plan.partial_o.shape[0], -1)[:, :8]

@@ -129,15 +129,14 @@ def _planner_for_splits(rows: int, topk: int, want: int | None):
 def _time_points(fns: dict[tuple[str, str], Any], copy_bw: float, iters: int, rounds: int) -> list[dict]:
     from msa_jit import sparse_decode
     from msa_jit.bench import GEOMETRIES as BENCH_GEOMS
-    from msa_jit.bench import make_step, time_graph
+    from msa_jit.bench import make_step, prepare_args, time_graph
     from msa_jit.prologue import bind_refresh
 
     rows = []
     for geom, batch, qlen, shared, qd in POINTS:
         hq, hkv = BENCH_GEOMS[geom]
         step = make_step(hq, hkv, batch, qlen, qd, shared_blocks=shared)
-        args = (step["block_table"], step["seq_lens"], step["seq_lens_cpu"], qlen)
-        kw = dict(num_q_heads=hq, num_kv_heads=hkv, page_size=128, topk_blocks=16)
+        args, kw = prepare_args(step, hq, hkv, qlen)
         # one plan per split choice (each the same object every step; kernels swapped per variant)
         plans, refresh = {}, {}
         for want in {v.get("num_splits") for v in VARIANTS.values()}:
@@ -182,12 +181,11 @@ def _batch1_step(fn):
     import torch
 
     from msa_jit import SparseDecodePlanner
-    from msa_jit.bench import make_step
+    from msa_jit.bench import make_step, prepare_args
 
     step = make_step(64, 4, 1, 1, "bfloat16")
     planner = SparseDecodePlanner()
-    args = (step["block_table"], step["seq_lens"], step["seq_lens_cpu"], 1)
-    kw = dict(num_q_heads=64, num_kv_heads=4, page_size=128, topk_blocks=16)
+    args, kw = prepare_args(step, 64, 4, 1)
     plan = planner.prepare(*args, **kw)
     plan.kernels[torch.bfloat16] = fn
     return step, planner, args, kw, plan

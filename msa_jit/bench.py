@@ -124,6 +124,12 @@ def make_step(hq: int, hkv: int, batch: int, qlen: int, q_dtype: str, *, ctx_len
     }
 
 
+def prepare_args(step: dict[str, Any], hq: int, hkv: int, qlen: int) -> tuple[tuple, dict[str, int]]:
+    """(args, kwargs) of `SparseDecodePlanner.prepare` for a `make_step` step."""
+    return ((step["block_table"], step["seq_lens"], step["seq_lens_cpu"], qlen),
+            dict(num_q_heads=hq, num_kv_heads=hkv, page_size=128, topk_blocks=16))
+
+
 def time_graph(fn, iters: int = 50, flush_bytes: int = 256 << 20, warmup_ms: float = 50.0,
                after_replay=None) -> list[float]:
     """Capture fn once in a CUDA graph; time `iters` replays, L2 flushed before each.
@@ -267,8 +273,7 @@ def host_overheads(iters: int = 2000, batch: int = 1) -> dict[str, float]:
 
     step = make_step(64, 4, batch, 1, "bfloat16")
     planner = SparseDecodePlanner()
-    args = (step["block_table"], step["seq_lens"], step["seq_lens_cpu"], 1)
-    kw = dict(num_q_heads=64, num_kv_heads=4, page_size=128, topk_blocks=16)
+    args, kw = prepare_args(step, 64, 4, 1)
 
     def eager_step():
         plan = planner.prepare(*args, **kw)
