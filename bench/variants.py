@@ -46,6 +46,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # per-CTA timeline (bench/trace_ctas.py): the full kernel plus a few timer stores
     "trace": {"probe": "trace"},
     "trace_pbt": {"probe": "trace", "prefetch_bt": True},  # does the block-table prefetch shorten the chain?
+    # the split merge as a second kernel reading global partials (the default until 2026-12-03
+    # session 6; now the splits merge through distributed shared memory in their cluster)
+    "kmerge": {"split_merge": "kernel"},
+    # 2 stages per CTA (128 KiB in flight per SM instead of 192): does a shallower queue per CTA
+    # even out the HBM rate the CTAs get (the ragged end at one wave)?
+    "s2": {"stages": 2},
+    "s2_trace": {"stages": 2, "probe": "trace"},
 }
 PLAN_OPTIONS = ("prologue_trigger", "num_splits")
 GEOMETRIES = [(64, 4, "bfloat16"), (8, 1, "bfloat16"), (16, 1, "bfloat16"), (64, 4, "float8_e4m3fn")]
@@ -53,7 +60,8 @@ BF16, FP8 = "bfloat16", "float8_e4m3fn"
 # (geometry, batch, qlen, shared_blocks, query dtype)
 POINTS = [("64/4", 256, 1, 0, BF16), ("64/4", 128, 1, 0, BF16), ("64/4", 64, 1, 0, BF16), ("8/1", 256, 1, 0, BF16),
           ("16/1", 256, 1, 0, BF16), ("64/4", 1, 1, 0, BF16), ("64/4", 64, 4, 12, BF16),
-          ("64/4", 256, 1, 0, FP8), ("64/4", 64, 1, 0, FP8)]
+          ("64/4", 256, 1, 0, FP8), ("64/4", 64, 1, 0, FP8),
+          ("64/4", 4, 1, 0, BF16), ("64/4", 16, 1, 0, BF16), ("8/1", 16, 1, 0, BF16)]  # splits 16, 4, 8
 
 
 def _kernel_options(name: str) -> dict[str, Any]:

@@ -86,6 +86,11 @@ def st_shared_v4_f32(addr: Int32, v0, v1, v2, v3, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def st_shared_f32(addr: Int32, v, *, loc=None, ip=None) -> None:
+    _asm(None, [_i32(addr, loc, ip), _f32(v, loc, ip)], "st.shared.f32 [$0], $1;", "r,f", side_effects=True)
+
+
+@dsl_user_op
 def st_shared_v4(addr: Int32, w0, w1, w2, w3, *, loc=None, ip=None) -> None:
     """st.shared.v4.b32 of 4 words at a 16-byte aligned shared address."""
     _asm(None, [_i32(x, loc, ip) for x in (addr, w0, w1, w2, w3)],
@@ -300,3 +305,15 @@ def globaltimer_lo(*, loc=None, ip=None) -> Int32:
 def smid(*, loc=None, ip=None) -> Int32:
     """%smid: the SM this thread runs on (timing probes only)."""
     return Int32(_asm(T.i32(), [], "mov.u32 $0, %smid;", "=r", side_effects=True))
+
+
+@dsl_user_op
+def ld_dsmem_f32(addr: Int32, rank: Int32, *, loc=None, ip=None) -> Float32:
+    """The fp32 at shared address `addr` of cluster CTA `rank` (mapa + ld.shared::cluster)."""
+    return Float32(_asm(
+        T.f32(),
+        [_i32(addr, loc, ip), _i32(rank, loc, ip)],
+        "{\n.reg .b32 ra;\nmapa.shared::cluster.u32 ra, $1, $2;\nld.shared::cluster.f32 $0, [ra];\n}",
+        "=f,r,r",
+        side_effects=True,
+    ))

@@ -78,6 +78,7 @@ class SparseDecodeMmaKernel:
         pdl: bool = True,
         prefetch_bt: bool = False,
         out_stores: str = "v4",
+        split_merge: str = "cluster",
     ):
         if num_q_heads % num_kv_heads:
             raise ValueError("num_q_heads must be a multiple of num_kv_heads")
@@ -101,7 +102,6 @@ class SparseDecodeMmaKernel:
         self.consumer_threads = 32 * self.warps
         self.threads = self.consumer_threads + 32
         self.stage_bytes = page_size * ROW_BYTES
-        self.buf_bytes = max(stages * self.stage_bytes, self.warps * RED_WARP)
         # elements of the 16 x 128 output tile each consumer thread finalizes
         self.out_elems = 16 * HEAD_DIM // self.consumer_threads
         for name, value, allowed in (
@@ -109,7 +109,7 @@ class SparseDecodeMmaKernel:
             ("q_frags", q_frags, ("regs", "smem")), ("softmax", softmax, ("plain", "lean")),
             ("smem_reads", smem_reads, ("block", "staged")), ("ctas_per_sm", ctas_per_sm, (1, 2, 3)),
             ("probe", probe, ("full", "no_math", "no_copy", "trace")),
-            ("out_stores", out_stores, ("scalar", "v4")),
+            ("out_stores", out_stores, ("scalar", "v4")), ("split_merge", split_merge, ("kernel", "cluster")),
         ):
             if value not in allowed:
                 raise ValueError(f"{name} {value!r} not in {allowed}")
@@ -154,6 +154,17 @@ class SparseDecodeMmaKernel:
         self.v4_stores = out_stores == "v4"
         if self.v4_stores and self.out_elems % 8:
             raise ValueError(f"out_stores='v4' needs 8 | {self.out_elems} output elements per thread")
+        # how num_splits > 1 partials become the output: "kernel" = a second kernel reads them
+        # from global memory (merge_kernel); "cluster" = the splits of a (token, KV head) are one
+        # thread-block cluster (1, 1, num_splits) and merge through distributed shared memory
+        # (merge_cluster), no second launch. A cluster holds at most 16 CTAs and the merge takes
+        # one thread per dim, so topk > 16 or fewer than 128 threads keep the merge kernel.
+        self.cluster_merge = split_merge == "cluster" and topk <= 16 and self.threads >= HEAD_DIM
+        # shared memory: the stages, aliased after the loop by the cross-warp reduction and
+        # (cluster merge) this CTA's normalized partial O [16][128] fp32 + log2-LSE [16] behind it
+        self.merge_off = self.warps * RED_WARP
+        merge_bytes = 16 * HEAD_DIM * 4 + 16 * 4 if self.cluster_merge else 0
+        self.buf_bytes = max(stages * self.stage_bytes, self.merge_off + merge_bytes)
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -175,6 +186,9 @@ class SparseDecodeMmaKernel:
         stream: cuda.CUstream,
     ):
         num_tokens = mQ.shape[0]
+        options = self.launch_options()
+        if cutlass.const_expr(self.cluster_merge):
+            options["cluster"] = [1, 1, num_splits]
         self.kernel(
             mQ, mKV, mTopk, mBT, mKvLens, mOut, mLse, mPO, mPL, qlen, num_splits, qk_scale_log2, v_scale,
             self.storage_type(),
@@ -185,12 +199,13 @@ class SparseDecodeMmaKernel:
             # explicit carveout, so compiling needs no GPU to query the shared-memory size
             preferred_smem_carveout=100,
             use_pdl=self.pdl,
-            **self.launch_options(),
+            **options,
         )
-        if num_splits > 1:
-            self.merge_kernel(mOut, mLse, mPO, mPL, num_splits).launch(
-                grid=(num_tokens, self.hkv, self.group), block=(HEAD_DIM, 1, 1), stream=stream, use_pdl=self.pdl
-            )
+        if cutlass.const_expr(not self.cluster_merge):
+            if num_splits > 1:
+                self.merge_kernel(mOut, mLse, mPO, mPL, num_splits).launch(
+                    grid=(num_tokens, self.hkv, self.group), block=(HEAD_DIM, 1, 1), stream=stream, use_pdl=self.pdl
+                )
 
     def storage_type(self):
         """The shared-memory struct of the main kernel (subclasses lay out their own)."""
@@ -311,6 +326,9 @@ class SparseDecodeMmaKernel:
                     slot = mPO.iterator.toint() + Int64(idx) * Int64(mPO.stride[0]) * 4
                     ptx.st_global_v4(slot, tr[0], tr[1], tr[2], tr[3])
                     ptx.st_global_v4(slot + 16, tr[4], tr[5], tr[6], tr[7])
+        if cutlass.const_expr(self.cluster_merge):
+            if num_splits > 1:  # every thread of every split CTA (cluster barriers)
+                self.merge_cluster(mOut, mLse, buf_addr, t, h, split, tidx, num_splits)
 
     @cute.jit
     def stage_q(self, mQ, q_addr, t, h, lane, qk_scale_log2):
@@ -692,6 +710,12 @@ class SparseDecodeMmaKernel:
                         mOut[t, hq, d0 + k] = vals[k].to(cutlass.BFloat16)
                 if d0 == 0:
                     mLse[t, hq] = lse2 * LN2
+            elif cutlass.const_expr(self.cluster_merge):  # into this CTA's shared memory, for merge_cluster
+                part = buf_addr + self.merge_off + (row * HEAD_DIM + d0) * 4
+                for q in cutlass.range_constexpr(self.out_elems // 4):
+                    ptx.st_shared_v4_f32(part + 16 * q, vals[4 * q], vals[4 * q + 1], vals[4 * q + 2], vals[4 * q + 3])
+                if d0 == 0:
+                    ptx.st_shared_f32(buf_addr + self.merge_off + 16 * HEAD_DIM * 4 + 4 * row, lse2)
             else:
                 idx = (t * self.hkv + h) * num_splits + split
                 if cutlass.const_expr(self.v4_stores):
@@ -718,13 +742,47 @@ class SparseDecodeMmaKernel:
         idx0 = (t * self.hkv + h) * num_splits
         lse = cute.make_rmem_tensor(self.topk, Float32)
         part = cute.make_rmem_tensor(self.topk, Float32)
-        m_all = -Float32.inf
         for s in cutlass.range_constexpr(self.topk):
             lse[s] = -Float32.inf
             part[s] = Float32(0.0)
             if s < num_splits:
                 lse[s] = mPL[idx0 + s, row]
                 part[s] = mPO[idx0 + s, row, d]
+        self.store_merged(mOut, mLse, t, h * self.group + row, d, lse, part)
+
+    @cute.jit
+    def merge_cluster(self, mOut, mLse, buf_addr, t, h, split, d, num_splits):
+        """The split merge inside the (1, 1, num_splits) cluster of a (token t, KV head h).
+
+        Split CTA `split` (its rank in the cluster) merges rows split, split + num_splits, ...
+        of the group; thread d < 128 reads dim d of every split's partial O and the row's
+        log2-LSE from that split's shared memory (epilogue), all loads in flight at once.
+        """
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()  # every split's partial is in its shared memory
+        part_base = buf_addr + self.merge_off
+        lse_base = part_base + 16 * HEAD_DIM * 4
+        if d < HEAD_DIM:
+            for row in range(split, self.group, num_splits):
+                lse = cute.make_rmem_tensor(self.topk, Float32)
+                part = cute.make_rmem_tensor(self.topk, Float32)
+                for s in cutlass.range_constexpr(self.topk):
+                    lse[s] = -Float32.inf
+                    part[s] = Float32(0.0)
+                    if s < num_splits:
+                        lse[s] = ptx.ld_dsmem_f32(lse_base + 4 * row, Int32(s))
+                        part[s] = ptx.ld_dsmem_f32(part_base + (row * HEAD_DIM + d) * 4, Int32(s))
+                self.store_merged(mOut, mLse, t, h * self.group + row, d, lse, part)
+        # only execution order is needed here: every load above has been consumed
+        cute.arch.cluster_arrive_relaxed()
+        cute.arch.cluster_wait()  # no CTA exits while another still reads its shared memory
+
+    @cute.jit
+    def store_merged(self, mOut, mLse, t, hq, d, lse, part):
+        """out[t, hq, d] (bf16) and, for d == 0, lse[t, hq] (natural log) from the splits'
+        log2-LSEs lse[s] and normalized partials part[s] (topk entries; -inf / 0 pad the unused)."""
+        m_all = -Float32.inf
+        for s in cutlass.range_constexpr(self.topk):
             m_all = cute.arch.fmax(m_all, lse[s])
         num = Float32(0.0)
         den = Float32(0.0)
@@ -738,6 +796,6 @@ class SparseDecodeMmaKernel:
         if den > Float32(0.0):
             out = num / den
             lse_nat = (m_all + ptx.lg2(den)) * LN2
-        mOut[t, h * self.group + row, d] = out.to(cutlass.BFloat16)
+        mOut[t, hq, d] = out.to(cutlass.BFloat16)
         if d == 0:
-            mLse[t, h * self.group + row] = lse_nat
+            mLse[t, hq] = lse_nat
