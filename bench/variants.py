@@ -258,7 +258,7 @@ def _host_parts(fn, iters: int = 3000) -> dict[str, float]:
         "sparse_decode": lambda: sparse_decode(q, kv, tk, out, plan, sm_scale=0.088),
         "validate_sparse_decode": lambda: validate_sparse_decode(q, kv, tk, out, plan, None, "auto"),
         "tvm_ffi_call": lambda: fn(q, kv8, tk, plan.block_table, plan.kv_lens, out, plan.lse_scratch,
-                                   plan.partial_o, plan.partial_lse, 1, plan.num_splits, 0.1, 1.0),
+                                   plan.partial_o, plan.partial_lse, plan.steal_ws, 1, plan.num_splits, 0.1, 1.0),
         "empty_torch_op": lambda: out.data_ptr(),
     }
     res = {name: round(per_call_us(f, iters, warmup=100), 2) for name, f in pieces.items()}

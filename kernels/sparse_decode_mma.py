@@ -18,13 +18,11 @@ page_size * 256 bytes, K in bytes [0,128) and V in [128,256) of every token row)
     permuted so that no transpose is needed; K is read with 16-byte shared loads, V with
     bank-conflict-free rotated 32-bit loads (`v_loads="rotated"`, see ld_v_rotated);
   * at the end the warps' partial (m, l, O) are merged through shared memory; with
-    num_splits > 1 the CTA writes a normalized partial O and its log2-LSE, and a second
-    kernel in the same launch sequence merges the splits.
+    num_splits > 1 the CTA leaves a normalized partial O and its log2-LSE, and the splits
+    merge inside their thread-block cluster (or in a second kernel: split_merge.py).
 """
 
 # no `from __future__ import annotations`: cute.struct in storage_type() needs evaluated annotations
-
-import math
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -32,13 +30,13 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
 from . import common, ptx
+from .common import HEAD_DIM, LN2
+from .split_merge import SplitMergeMixin
 
-HEAD_DIM = 128
 Q_FRAG_BYTES = 8 * 32 * 16  # 8 k-steps x 32 lanes x one 16-byte A fragment
 LAZY_RESCALE = 8.0  # log2 units: P stays <= 256 between rescales
 ROW_BYTES = 2 * HEAD_DIM  # one token row of a page: K (128 B) then V (128 B)
 TRACE_WORDS = 8  # probe="trace": int32 words per CTA (see __init__)
-LN2 = math.log(2.0)
 # Cross-warp reduction buffer: per warp 16 rows x 4 chunks of (32 fp32 + 4 pad); the
 # 144-byte chunk and 576-byte row keep the 16-byte stores and loads bank-conflict free.
 RED_CHUNK = 144
@@ -53,7 +51,7 @@ def _phys_key(logical: int) -> int:
     return 4 * ((logical - 8) // 2) + 2 + logical % 2
 
 
-class SparseDecodeMmaKernel:
+class SparseDecodeMmaKernel(SplitMergeMixin):
     """Static config in __init__, host launch in __call__, device code in kernel()."""
 
     arch_family = "portable"
@@ -179,6 +177,7 @@ class SparseDecodeMmaKernel:
         mLse: cute.Tensor,  # [T, Hq] fp32
         mPO: cute.Tensor,  # [T*Hkv*S, G, 128] fp32
         mPL: cute.Tensor,  # [T*Hkv*S, G] fp32
+        mWS: cute.Tensor,  # [W] int32 scheduling workspace (only the block-stealing kernel uses it)
         qlen: Int32,
         num_splits: Int32,
         qk_scale_log2: Float32,
@@ -190,7 +189,7 @@ class SparseDecodeMmaKernel:
         if cutlass.const_expr(self.cluster_merge):
             options["cluster"] = [1, 1, num_splits]
         self.kernel(
-            mQ, mKV, mTopk, mBT, mKvLens, mOut, mLse, mPO, mPL, qlen, num_splits, qk_scale_log2, v_scale,
+            mQ, mKV, mTopk, mBT, mKvLens, mOut, mLse, mPO, mPL, mWS, qlen, num_splits, qk_scale_log2, v_scale,
             self.storage_type(),
         ).launch(
             grid=(num_tokens, self.hkv, num_splits),
@@ -241,6 +240,7 @@ class SparseDecodeMmaKernel:
         mLse: cute.Tensor,
         mPO: cute.Tensor,
         mPL: cute.Tensor,
+        mWS: cute.Tensor,
         qlen: Int32,
         num_splits: Int32,
         qk_scale_log2: Float32,
@@ -254,14 +254,8 @@ class SparseDecodeMmaKernel:
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(Storage)
-        buf_addr = ptx.smem_addr(storage.buf.data_ptr())
         full_ptr = storage.full.data_ptr()
         empty_ptr = storage.empty.data_ptr()
-        sPages = storage.pages.get_tensor(cute.make_layout(32))
-        sBlocks = storage.blocks.get_tensor(cute.make_layout(32))
-        sNvalid = storage.nvalid.get_tensor(cute.make_layout(4))
-        sML = storage.ml.get_tensor(cute.make_layout(self.warps * 32))
-        q_addr = ptx.smem_addr(storage.q.data_ptr())
         tr = cute.make_rmem_tensor(TRACE_WORDS, Int32)  # probe="trace" only (else never read)
         if cutlass.const_expr(self.trace):
             tr[0] = ptx.smid()
@@ -281,7 +275,21 @@ class SparseDecodeMmaKernel:
             cute.arch.griddepcontrol_launch_dependents()  # the split merge may be scheduled now
         if cutlass.const_expr(self.trace):
             tr[2] = ptx.globaltimer_lo()
+        self.cta(mQ, mKV, mTopk, mBT, mKvLens, mOut, mLse, mPO, mPL, mWS, qlen, num_splits, qk_scale_log2, v_scale,
+                 storage, t, h, split, tidx, warp, lane, tr)
 
+    @cute.jit
+    def cta(self, mQ, mKV, mTopk, mBT, mKvLens, mOut, mLse, mPO, mPL, mWS, qlen, num_splits, qk_scale_log2, v_scale,
+            storage, t, h, split, tidx, warp, lane, tr):
+        """One CTA's work after its set-up (barriers initialized, PDL wait done)."""
+        buf_addr = ptx.smem_addr(storage.buf.data_ptr())
+        full_ptr = storage.full.data_ptr()
+        empty_ptr = storage.empty.data_ptr()
+        sPages = storage.pages.get_tensor(cute.make_layout(32))
+        sBlocks = storage.blocks.get_tensor(cute.make_layout(32))
+        sNvalid = storage.nvalid.get_tensor(cute.make_layout(4))
+        sML = storage.ml.get_tensor(cute.make_layout(self.warps * 32))
+        q_addr = ptx.smem_addr(storage.q.data_ptr())
         kv_len = mKvLens[t]
         req = t // qlen
         num_pages = mKV.shape[0]
@@ -727,75 +735,3 @@ class SparseDecodeMmaKernel:
                         mPO[idx, row, d0 + k] = vals[k]
                 if d0 == 0:
                     mPL[idx, row] = lse2
-
-    @cute.kernel
-    def merge_kernel(self, mOut: cute.Tensor, mLse: cute.Tensor, mPO: cute.Tensor, mPL: cute.Tensor, num_splits: Int32):
-        """out[t, h*G+row, d] = sum_s w_s O_s / sum_s w_s with w_s = 2**(lse_s - max_s lse_s).
-
-        One CTA per (t, h, row), one thread per dim; the split loop is unrolled to topk with
-        predicated loads so all of them are in flight at once.
-        """
-        d, _, _ = cute.arch.thread_idx()
-        t, h, row = cute.arch.block_idx()
-        if cutlass.const_expr(self.pdl):
-            cute.arch.griddepcontrol_wait()  # every split's partial is written
-        idx0 = (t * self.hkv + h) * num_splits
-        lse = cute.make_rmem_tensor(self.topk, Float32)
-        part = cute.make_rmem_tensor(self.topk, Float32)
-        for s in cutlass.range_constexpr(self.topk):
-            lse[s] = -Float32.inf
-            part[s] = Float32(0.0)
-            if s < num_splits:
-                lse[s] = mPL[idx0 + s, row]
-                part[s] = mPO[idx0 + s, row, d]
-        self.store_merged(mOut, mLse, t, h * self.group + row, d, lse, part)
-
-    @cute.jit
-    def merge_cluster(self, mOut, mLse, buf_addr, t, h, split, d, num_splits):
-        """The split merge inside the (1, 1, num_splits) cluster of a (token t, KV head h).
-
-        Split CTA `split` (its rank in the cluster) merges rows split, split + num_splits, ...
-        of the group; thread d < 128 reads dim d of every split's partial O and the row's
-        log2-LSE from that split's shared memory (epilogue), all loads in flight at once.
-        """
-        cute.arch.cluster_arrive()
-        cute.arch.cluster_wait()  # every split's partial is in its shared memory
-        part_base = buf_addr + self.merge_off
-        lse_base = part_base + 16 * HEAD_DIM * 4
-        if d < HEAD_DIM:
-            for row in range(split, self.group, num_splits):
-                lse = cute.make_rmem_tensor(self.topk, Float32)
-                part = cute.make_rmem_tensor(self.topk, Float32)
-                for s in cutlass.range_constexpr(self.topk):
-                    lse[s] = -Float32.inf
-                    part[s] = Float32(0.0)
-                    if s < num_splits:
-                        lse[s] = ptx.ld_dsmem_f32(lse_base + 4 * row, Int32(s))
-                        part[s] = ptx.ld_dsmem_f32(part_base + (row * HEAD_DIM + d) * 4, Int32(s))
-                self.store_merged(mOut, mLse, t, h * self.group + row, d, lse, part)
-        # only execution order is needed here: every load above has been consumed
-        cute.arch.cluster_arrive_relaxed()
-        cute.arch.cluster_wait()  # no CTA exits while another still reads its shared memory
-
-    @cute.jit
-    def store_merged(self, mOut, mLse, t, hq, d, lse, part):
-        """out[t, hq, d] (bf16) and, for d == 0, lse[t, hq] (natural log) from the splits'
-        log2-LSEs lse[s] and normalized partials part[s] (topk entries; -inf / 0 pad the unused)."""
-        m_all = -Float32.inf
-        for s in cutlass.range_constexpr(self.topk):
-            m_all = cute.arch.fmax(m_all, lse[s])
-        num = Float32(0.0)
-        den = Float32(0.0)
-        if m_all != -Float32.inf:
-            for s in cutlass.range_constexpr(self.topk):
-                w = ptx.ex2(lse[s] - m_all)
-                num = num + w * part[s]
-                den = den + w
-        out = Float32(0.0)
-        lse_nat = -Float32.inf
-        if den > Float32(0.0):
-            out = num / den
-            lse_nat = (m_all + ptx.lg2(den)) * LN2
-        mOut[t, hq, d] = out.to(cutlass.BFloat16)
-        if d == 0:
-            mLse[t, hq] = lse_nat

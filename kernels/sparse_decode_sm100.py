@@ -355,6 +355,7 @@ class SparseDecodeSm100Kernel(SparseDecodeMmaKernel):
         mLse: cute.Tensor,
         mPO: cute.Tensor,
         mPL: cute.Tensor,
+        mWS: cute.Tensor,
         qlen: Int32,
         num_splits: Int32,
         qk_scale_log2: Float32,

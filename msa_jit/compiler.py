@@ -151,6 +151,7 @@ def fake_arguments(config: SparseDecodeConfig) -> list[Any]:
         make_fake_compact_tensor(Float32, (tokens, hq), stride_order=(1, 0)),
         make_fake_compact_tensor(Float32, (rows, g, d), stride_order=(2, 1, 0), assumed_align=16),
         make_fake_compact_tensor(Float32, (rows, g), stride_order=(1, 0)),
+        make_fake_compact_tensor(Int32, (cute.sym_int32(),), assumed_align=16),
         Int32(1),
         Int32(1),
         Float32(1.0),
