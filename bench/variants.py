@@ -53,6 +53,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # even out the HBM rate the CTAs get (the ragged end at one wave)?
     "s2": {"stages": 2},
     "s2_trace": {"stages": 2, "probe": "trace"},
+    # block stealing between CTAs at num_splits == 1 (kernels/sparse_decode_steal.py)
+    "steal": {"family": "steal"},
 }
 PLAN_OPTIONS = ("prologue_trigger", "num_splits")
 GEOMETRIES = [(64, 4, "bfloat16"), (8, 1, "bfloat16"), (16, 1, "bfloat16"), (64, 4, "float8_e4m3fn")]
@@ -108,17 +110,23 @@ def _check(fn, hq: int, hkv: int, qd: str) -> list[dict[str, Any]]:
     from msa_jit.testing import compare_with_reference, make_case
 
     rows = []
+    # num_sms=1: one split (the block-stealing path); padded: items of unequal length, so CTAs
+    # end at different times and steal. Each case runs 3 times on one plan (fresh, poisoned
+    # outputs): the stealing kernel's counters must be right for every launch, not just the first.
     for batch, qlen, num_sms, padded in ((1, 1, None, False), (3, 4, None, True), (16, 1, 1, False),
-                                         (5, 2, 100000, True)):
+                                         (5, 2, 100000, True), (64, 1, 1, True), (8, 4, 1, True)):
         case = make_case(batch, qlen, hq, hkv, q_dtype=getattr(torch, qd), seed=hq * 1000 + batch * 10 + qlen,
                          device="cuda", padded=padded, transposed_topk=batch % 2 == 1)
         plan = SparseDecodePlanner(num_sms=num_sms).prepare(*case.prepare_args(), **case.prepare_kwargs())
         plan.kernels[case.query.dtype] = fn
-        out, lse = case.new_out(), case.new_lse()
-        sparse_decode(case.query, case.kv_cache, case.topk, out, plan, lse=lse, backend="kernel", **case.scales())
-        torch.cuda.synchronize()
-        err, problems = compare_with_reference(case, out, lse)
-        rows.append(dict(batch=batch, qlen=qlen, num_splits=plan.num_splits, rel_l2=err, problems=problems))
+        worst = (-1.0, [])
+        for _ in range(3):
+            out, lse = case.new_out(), case.new_lse()
+            sparse_decode(case.query, case.kv_cache, case.topk, out, plan, lse=lse, backend="kernel", **case.scales())
+            torch.cuda.synchronize()
+            err, problems = compare_with_reference(case, out, lse)
+            worst = max(worst, (err, problems), key=lambda x: (bool(x[1]), x[0]))
+        rows.append(dict(batch=batch, qlen=qlen, num_splits=plan.num_splits, rel_l2=worst[0], problems=worst[1]))
     return rows
 
 

@@ -217,6 +217,7 @@ class SparseDecodeMmaKernel(SplitMergeMixin):
             pages: cute.struct.MemRange[Int32, 32]
             blocks: cute.struct.MemRange[Int32, 32]
             nvalid: cute.struct.MemRange[Int32, 4]
+            sched: cute.struct.MemRange[Int32, 16]  # block stealing: stage -> slot, broadcasts
             ml: cute.struct.MemRange[Float32, self.warps * 32]
             q: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, Q_FRAG_BYTES if self.q_smem else 16], 16]
 
@@ -636,7 +637,12 @@ class SparseDecodeMmaKernel(SplitMergeMixin):
 
     @cute.jit
     def epilogue(self, mOut, mLse, mPO, mPL, sML, buf_addr, acc, row_max, row_sum,
-                 t, h, split, warp, lane, num_splits, v_scale):
+                 t, h, split, warp, lane, num_splits, v_scale, slot=None):
+        """The warps' (m, l, O) -> the output of (t, h) (num_splits == 1) or a split partial.
+
+        slot (block-stealing kernel only): Int64 address of a partial slot in the workspace,
+        or 0 for the final output; None: num_splits decides.
+        """
         G = self.group
         g = lane // 4
         c = lane % 4
@@ -707,7 +713,10 @@ class SparseDecodeMmaKernel(SplitMergeMixin):
             hq = h * G + row
             for k in cutlass.range_constexpr(self.out_elems):
                 vals[k] = vals[k] * inv
-            if num_splits == 1:
+            final = num_splits == 1
+            if cutlass.const_expr(slot is not None):
+                final = slot == Int64(0)
+            if final:
                 if cutlass.const_expr(self.v4_stores):  # 16-byte stores of 8 bf16 (mOut is 16-byte aligned)
                     dst = mOut.iterator.toint() + (Int64(t) * Int64(mOut.stride[0]) + Int64(hq * HEAD_DIM + d0)) * 2
                     for q in cutlass.range_constexpr(self.out_elems // 8):
@@ -718,6 +727,12 @@ class SparseDecodeMmaKernel(SplitMergeMixin):
                         mOut[t, hq, d0 + k] = vals[k].to(cutlass.BFloat16)
                 if d0 == 0:
                     mLse[t, hq] = lse2 * LN2
+            elif cutlass.const_expr(slot is not None):  # a stolen / robbed item's partial: [16][128] O, [16] lse
+                for q in cutlass.range_constexpr(self.out_elems // 4):
+                    ptx.st_global_v4_f32(slot + Int64(row * HEAD_DIM + d0 + 4 * q) * 4,
+                                         vals[4 * q], vals[4 * q + 1], vals[4 * q + 2], vals[4 * q + 3])
+                if d0 == 0:
+                    ptx.st_global_f32(slot + Int64(16 * HEAD_DIM + row) * 4, lse2)
             elif cutlass.const_expr(self.cluster_merge):  # into this CTA's shared memory, for merge_cluster
                 part = buf_addr + self.merge_off + (row * HEAD_DIM + d0) * 4
                 for q in cutlass.range_constexpr(self.out_elems // 4):
