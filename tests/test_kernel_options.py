@@ -129,3 +129,16 @@ def test_cluster_merge_needs_at_most_16_splits():
     assert cls(num_q_heads=64, num_kv_heads=4, topk=16).cluster_merge
     assert not cls(num_q_heads=64, num_kv_heads=4, topk=17).cluster_merge  # splits may exceed 16
     assert not cls(num_q_heads=64, num_kv_heads=4, split_merge="kernel").cluster_merge
+
+
+def test_block_stealing_kernel_compiles_without_spills(tmp_path):
+    """The experimental stealing kernel (variant 'steal'): counters by atomics, no local memory."""
+    res, text, merge = _main_kernel(tmp_path / "steal", {"family": "steal"})
+    ops = sass.opcode_counts(text)
+    assert ops["ATOMG.E.ADD.STRONG.GPU"] >= 4, ops  # own claims (batch + single), thief claim, done word
+    assert ops["MEMBAR.ALL.GPU"] >= 3, ops  # publish lists, publish partial, acquire before merge
+    assert ops["LDL"] + ops["STL"] == 0 and res.registers <= 192, (ops, res)
+    with pytest.raises(ValueError, match="block stealing"):
+        from msa_jit.kernels.sparse_decode_steal import SparseDecodeStealKernel
+
+        SparseDecodeStealKernel(num_q_heads=64, num_kv_heads=4, q_frags="smem")
