@@ -279,17 +279,23 @@ class SparseDecodeMmaKernel(SplitMergeMixin):
         self.cta(mQ, mKV, mTopk, mBT, mKvLens, mOut, mLse, mPO, mPL, mWS, qlen, num_splits, qk_scale_log2, v_scale,
                  storage, t, h, split, tidx, warp, lane, tr)
 
+    def smem_views(self, storage):
+        """(buf_addr, full_ptr, empty_ptr, sPages, sBlocks, sNvalid, sML) of the shared-memory struct."""
+        return (
+            ptx.smem_addr(storage.buf.data_ptr()),
+            storage.full.data_ptr(),
+            storage.empty.data_ptr(),
+            storage.pages.get_tensor(cute.make_layout(32)),
+            storage.blocks.get_tensor(cute.make_layout(32)),
+            storage.nvalid.get_tensor(cute.make_layout(4)),
+            storage.ml.get_tensor(cute.make_layout(self.warps * 32)),
+        )
+
     @cute.jit
     def cta(self, mQ, mKV, mTopk, mBT, mKvLens, mOut, mLse, mPO, mPL, mWS, qlen, num_splits, qk_scale_log2, v_scale,
             storage, t, h, split, tidx, warp, lane, tr):
         """One CTA's work after its set-up (barriers initialized, PDL wait done)."""
-        buf_addr = ptx.smem_addr(storage.buf.data_ptr())
-        full_ptr = storage.full.data_ptr()
-        empty_ptr = storage.empty.data_ptr()
-        sPages = storage.pages.get_tensor(cute.make_layout(32))
-        sBlocks = storage.blocks.get_tensor(cute.make_layout(32))
-        sNvalid = storage.nvalid.get_tensor(cute.make_layout(4))
-        sML = storage.ml.get_tensor(cute.make_layout(self.warps * 32))
+        buf_addr, full_ptr, empty_ptr, sPages, sBlocks, sNvalid, sML = self.smem_views(storage)
         q_addr = ptx.smem_addr(storage.q.data_ptr())
         kv_len = mKvLens[t]
         req = t // qlen

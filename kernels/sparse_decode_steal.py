@@ -76,13 +76,7 @@ class SparseDecodeStealKernel(SparseDecodeMmaKernel):
     @cute.jit
     def steal_cta(self, mQ, mKV, mTopk, mBT, mKvLens, mOut, mLse, mPO, mPL, mWS, qlen, qk_scale_log2, v_scale,
                   storage, t, h, tidx, warp, lane):
-        buf_addr = ptx.smem_addr(storage.buf.data_ptr())
-        full_ptr = storage.full.data_ptr()
-        empty_ptr = storage.empty.data_ptr()
-        sPages = storage.pages.get_tensor(cute.make_layout(32))
-        sBlocks = storage.blocks.get_tensor(cute.make_layout(32))
-        sNvalid = storage.nvalid.get_tensor(cute.make_layout(4))
-        sML = storage.ml.get_tensor(cute.make_layout(self.warps * 32))
+        buf_addr, full_ptr, empty_ptr, sPages, sBlocks, sNvalid, sML = self.smem_views(storage)
         sS = storage.sched.get_tensor(cute.make_layout(16))
         n_items = mQ.shape[0] * self.hkv
         item = t * self.hkv + h

@@ -21,23 +21,15 @@ class SplitMergeMixin:
     def merge_kernel(self, mOut: cute.Tensor, mLse: cute.Tensor, mPO: cute.Tensor, mPL: cute.Tensor, num_splits: Int32):
         """out[t, h*G+row, d] = sum_s w_s O_s / sum_s w_s with w_s = 2**(lse_s - max_s lse_s).
 
-        One CTA per (t, h, row), one thread per dim; the split loop is unrolled to topk with
-        predicated loads so all of them are in flight at once.
+        One CTA per (t, h, row), one thread per dim.
         """
         d, _, _ = cute.arch.thread_idx()
         t, h, row = cute.arch.block_idx()
         if cutlass.const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()  # every split's partial is written
         idx0 = (t * self.hkv + h) * num_splits
-        lse = cute.make_rmem_tensor(self.topk, Float32)
-        part = cute.make_rmem_tensor(self.topk, Float32)
-        for s in cutlass.range_constexpr(self.topk):
-            lse[s] = -Float32.inf
-            part[s] = Float32(0.0)
-            if s < num_splits:
-                lse[s] = mPL[idx0 + s, row]
-                part[s] = mPO[idx0 + s, row, d]
-        self.store_merged(mOut, mLse, t, h * self.group + row, d, lse, part)
+        self.merge_row(mOut, mLse, t, h * self.group + row, d, num_splits,
+                       lambda s: (mPL[idx0 + s, row], mPO[idx0 + s, row, d]))
 
     @cute.jit
     def merge_cluster(self, mOut, mLse, buf_addr, t, h, split, d, num_splits):
@@ -53,23 +45,27 @@ class SplitMergeMixin:
         lse_base = part_base + 16 * HEAD_DIM * 4
         if d < HEAD_DIM:
             for row in range(split, self.group, num_splits):
-                lse = cute.make_rmem_tensor(self.topk, Float32)
-                part = cute.make_rmem_tensor(self.topk, Float32)
-                for s in cutlass.range_constexpr(self.topk):
-                    lse[s] = -Float32.inf
-                    part[s] = Float32(0.0)
-                    if s < num_splits:
-                        lse[s] = ptx.ld_dsmem_f32(lse_base + 4 * row, Int32(s))
-                        part[s] = ptx.ld_dsmem_f32(part_base + (row * HEAD_DIM + d) * 4, Int32(s))
-                self.store_merged(mOut, mLse, t, h * self.group + row, d, lse, part)
+                self.merge_row(mOut, mLse, t, h * self.group + row, d, num_splits,
+                               lambda s: (ptx.ld_dsmem_f32(lse_base + 4 * row, Int32(s)),
+                                          ptx.ld_dsmem_f32(part_base + (row * HEAD_DIM + d) * 4, Int32(s))))
         # only execution order is needed here: every load above has been consumed
         cute.arch.cluster_arrive_relaxed()
         cute.arch.cluster_wait()  # no CTA exits while another still reads its shared memory
 
     @cute.jit
-    def store_merged(self, mOut, mLse, t, hq, d, lse, part):
+    def merge_row(self, mOut, mLse, t, hq, d, num_splits, load):
         """out[t, hq, d] (bf16) and, for d == 0, lse[t, hq] (natural log) from the splits'
-        log2-LSEs lse[s] and normalized partials part[s] (topk entries; -inf / 0 pad the unused)."""
+        (log2-LSE, normalized partial) = load(s), s < num_splits; the loop is unrolled to topk
+        with predicated loads, so all of them are in flight at once."""
+        lse = cute.make_rmem_tensor(self.topk, Float32)
+        part = cute.make_rmem_tensor(self.topk, Float32)
+        for s in cutlass.range_constexpr(self.topk):
+            lse[s] = -Float32.inf
+            part[s] = Float32(0.0)
+            if s < num_splits:
+                ls, ps = load(s)
+                lse[s] = ls
+                part[s] = ps
         m_all = -Float32.inf
         for s in cutlass.range_constexpr(self.topk):
             m_all = cute.arch.fmax(m_all, lse[s])
