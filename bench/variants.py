@@ -23,9 +23,12 @@ from typing import Any
 # Constructor options of the portable kernel to compare. "now" = the defaults at the time of
 # the run. Options measured and dropped again (their commits carry them): l2_ahead (T1719),
 # copy_pieces and lsu_ahead (T1734), copier="lsu" (2026-12-03 T0750: lsu, c3_lsu and their
-# _nomath probes). Earlier runs (their JSON files carry their own option
-# sets): 2026-12-02 T1413 / T1425 "base" (bittrick + 16-byte V loads), "cvt", "cvt_vrot" (now
-# the default); T1453-T1617 c3_lean, bt_prefetch, the 3-CTA and 6-stage probes.
+# _nomath probes), split_merge="cluster" (2026-12-03 T1102: "now" there is the cluster merge,
+# "kmerge" the merge kernel; commit 1d46db4), block stealing (T1102 "steal", kernel family
+# "steal", commit 3486932); "s2" = {"stages": 2} and "s2_trace" (T1102, trace T1101) need no
+# code. Earlier runs (their JSON files carry their own option sets): 2026-12-02 T1413 / T1425
+# "base" (bittrick + 16-byte V loads), "cvt", "cvt_vrot" (now the default); T1453-T1617
+# c3_lean, bt_prefetch, the 3-CTA and 6-stage probes.
 C3 = {"q_frags": "smem", "smem_reads": "staged", "ctas_per_sm": 3, "stages": 2}
 # Plan options (PLAN_OPTIONS), not kernel options: "prologue_trigger" False binds the plan's
 # Triton prologue without its griddepcontrol.launch_dependents (the default until 2026-12-02
@@ -46,15 +49,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # per-CTA timeline (bench/trace_ctas.py): the full kernel plus a few timer stores
     "trace": {"probe": "trace"},
     "trace_pbt": {"probe": "trace", "prefetch_bt": True},  # does the block-table prefetch shorten the chain?
-    # the split merge as a second kernel reading global partials (the default until 2026-12-03
-    # session 6; now the splits merge through distributed shared memory in their cluster)
-    "kmerge": {"split_merge": "kernel"},
-    # 2 stages per CTA (128 KiB in flight per SM instead of 192): does a shallower queue per CTA
-    # even out the HBM rate the CTAs get (the ragged end at one wave)?
-    "s2": {"stages": 2},
-    "s2_trace": {"stages": 2, "probe": "trace"},
-    # block stealing between CTAs at num_splits == 1 (kernels/sparse_decode_steal.py)
-    "steal": {"family": "steal"},
 }
 PLAN_OPTIONS = ("prologue_trigger", "num_splits")
 GEOMETRIES = [(64, 4, "bfloat16"), (8, 1, "bfloat16"), (16, 1, "bfloat16"), (64, 4, "float8_e4m3fn")]
@@ -110,9 +104,9 @@ def _check(fn, hq: int, hkv: int, qd: str) -> list[dict[str, Any]]:
     from msa_jit.testing import compare_with_reference, make_case
 
     rows = []
-    # num_sms=1: one split (the block-stealing path); padded: items of unequal length, so CTAs
-    # end at different times and steal. Each case runs 3 times on one plan (fresh, poisoned
-    # outputs): the stealing kernel's counters must be right for every launch, not just the first.
+    # num_sms=1: one split; padded: items of unequal length (CTAs end at different times). Each
+    # case runs 3 times on one plan (fresh, poisoned outputs): a kernel that keeps state in the
+    # plan between launches must be right for every launch, not just the first.
     for batch, qlen, num_sms, padded in ((1, 1, None, False), (3, 4, None, True), (16, 1, 1, False),
                                          (5, 2, 100000, True), (64, 1, 1, True), (8, 4, 1, True)):
         case = make_case(batch, qlen, hq, hkv, q_dtype=getattr(torch, qd), seed=hq * 1000 + batch * 10 + qlen,
@@ -266,7 +260,7 @@ def _host_parts(fn, iters: int = 3000) -> dict[str, float]:
         "sparse_decode": lambda: sparse_decode(q, kv, tk, out, plan, sm_scale=0.088),
         "validate_sparse_decode": lambda: validate_sparse_decode(q, kv, tk, out, plan, None, "auto"),
         "tvm_ffi_call": lambda: fn(q, kv8, tk, plan.block_table, plan.kv_lens, out, plan.lse_scratch,
-                                   plan.partial_o, plan.partial_lse, plan.steal_ws, 1, plan.num_splits, 0.1, 1.0),
+                                   plan.partial_o, plan.partial_lse, 1, plan.num_splits, 0.1, 1.0),
         "empty_torch_op": lambda: out.data_ptr(),
     }
     res = {name: round(per_call_us(f, iters, warmup=100), 2) for name, f in pieces.items()}

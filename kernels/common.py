@@ -11,9 +11,6 @@ from cutlass import Int32, Int64
 
 from . import ptx
 
-HEAD_DIM = 128  # the only head_dim of the contract
-LN2 = 0.6931471805599453  # ln 2: log2-LSE -> natural-log LSE
-
 
 @cute.jit
 def compact_valid_slots(mTopk, mBT, t, h, req, kv_len, num_pages, lane, sPages, sBlocks,
@@ -79,16 +76,13 @@ def stream_pages(mKV, sPages, h, first, n_iter, buf_addr, full_ptr, empty_ptr,
         phase = (i // stages) & 1
         cute.arch.mbarrier_wait(empty_ptr + s, phase ^ 1)
         if cutlass.const_expr(copy):
-            copy_chunk(kv_base, sPages[first + i], h, s, buf_addr, full_ptr, stage_bytes, num_kv_heads)
+            cute.arch.mbarrier_arrive_and_expect_tx(full_ptr + s, stage_bytes)
+            chunk = Int64(sPages[first + i]) * num_kv_heads + Int64(h)
+            ptx.bulk_copy_g2s(
+                buf_addr + s * stage_bytes,
+                kv_base + chunk * stage_bytes,
+                stage_bytes,
+                ptx.smem_addr(full_ptr + s),
+            )
         else:
             cute.arch.mbarrier_arrive(full_ptr + s)
-
-
-@cute.jit
-def copy_chunk(kv_base, page, h, s, buf_addr, full_ptr, stage_bytes: cutlass.Constexpr,
-               num_kv_heads: cutlass.Constexpr):
-    """Producer: the (page, KV head h) chunk -> stage s; full[s] completes when its bytes land."""
-    cute.arch.mbarrier_arrive_and_expect_tx(full_ptr + s, stage_bytes)
-    chunk = Int64(page) * num_kv_heads + Int64(h)
-    ptx.bulk_copy_g2s(buf_addr + s * stage_bytes, kv_base + chunk * stage_bytes, stage_bytes,
-                      ptx.smem_addr(full_ptr + s))

@@ -86,11 +86,6 @@ def st_shared_v4_f32(addr: Int32, v0, v1, v2, v3, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def st_shared_f32(addr: Int32, v, *, loc=None, ip=None) -> None:
-    _asm(None, [_i32(addr, loc, ip), _f32(v, loc, ip)], "st.shared.f32 [$0], $1;", "r,f", side_effects=True)
-
-
-@dsl_user_op
 def st_shared_v4(addr: Int32, w0, w1, w2, w3, *, loc=None, ip=None) -> None:
     """st.shared.v4.b32 of 4 words at a 16-byte aligned shared address."""
     _asm(None, [_i32(x, loc, ip) for x in (addr, w0, w1, w2, w3)],
@@ -305,67 +300,3 @@ def globaltimer_lo(*, loc=None, ip=None) -> Int32:
 def smid(*, loc=None, ip=None) -> Int32:
     """%smid: the SM this thread runs on (timing probes only)."""
     return Int32(_asm(T.i32(), [], "mov.u32 $0, %smid;", "=r", side_effects=True))
-
-
-@dsl_user_op
-def ld_dsmem_f32(addr: Int32, rank: Int32, *, loc=None, ip=None) -> Float32:
-    """The fp32 at shared address `addr` of cluster CTA `rank` (mapa + ld.shared::cluster)."""
-    return Float32(_asm(
-        T.f32(),
-        [_i32(addr, loc, ip), _i32(rank, loc, ip)],
-        "{\n.reg .b32 ra;\nmapa.shared::cluster.u32 ra, $1, $2;\nld.shared::cluster.f32 $0, [ra];\n}",
-        "=f,r,r",
-        side_effects=True,
-    ))
-
-
-# ---- global-memory synchronization (the block-stealing kernel's counters and partials)
-@dsl_user_op
-def atom_add_u32(addr: Int64, v: Int32, *, loc=None, ip=None) -> Int32:
-    """atom.global.add.u32 (relaxed, gpu scope): the old value."""
-    return Int32(_asm(T.i32(), [Int64(addr).ir_value(loc=loc, ip=ip), _i32(v, loc, ip)],
-                      "atom.global.add.u32 $0, [$1], $2;", "=r,l,r", side_effects=True))
-
-
-@dsl_user_op
-def fence_acq_rel_gpu(*, loc=None, ip=None) -> None:
-    _asm(None, [], "fence.acq_rel.gpu;", "", side_effects=True)
-
-
-@dsl_user_op
-def ld_global_cg_b32(addr: Int64, *, loc=None, ip=None) -> Int32:
-    """ld.global.cg.b32: from L2 (where other SMs' writes are), never a stale L1 line."""
-    return Int32(_asm(T.i32(), [Int64(addr).ir_value(loc=loc, ip=ip)], "ld.global.cg.b32 $0, [$1];", "=r,l",
-                      side_effects=True))
-
-
-@dsl_user_op
-def ld_global_cg_v4(addr: Int64, *, loc=None, ip=None):
-    s = _asm(llvm.StructType.get_literal([T.i32()] * 4), [Int64(addr).ir_value(loc=loc, ip=ip)],
-             "ld.global.cg.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", side_effects=True)
-    return _unpack(s, 4, T.i32(), Int32, loc, ip)
-
-
-@dsl_user_op
-def ld_global_cg_v4_f32(addr: Int64, *, loc=None, ip=None):
-    s = _asm(llvm.StructType.get_literal([T.f32()] * 4), [Int64(addr).ir_value(loc=loc, ip=ip)],
-             "ld.global.cg.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,l", side_effects=True)
-    return _unpack(s, 4, T.f32(), Float32, loc, ip)
-
-
-@dsl_user_op
-def st_global_b32(addr: Int64, v: Int32, *, loc=None, ip=None) -> None:
-    _asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), _i32(v, loc, ip)], "st.global.b32 [$0], $1;", "l,r",
-         side_effects=True)
-
-
-@dsl_user_op
-def st_global_f32(addr: Int64, v: Float32, *, loc=None, ip=None) -> None:
-    _asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), _f32(v, loc, ip)], "st.global.f32 [$0], $1;", "l,f",
-         side_effects=True)
-
-
-@dsl_user_op
-def ld_global_cg_f32(addr: Int64, *, loc=None, ip=None) -> Float32:
-    return Float32(_asm(T.f32(), [Int64(addr).ir_value(loc=loc, ip=ip)], "ld.global.cg.f32 $0, [$1];", "=f,l",
-                        side_effects=True))

@@ -18,11 +18,13 @@ page_size * 256 bytes, K in bytes [0,128) and V in [128,256) of every token row)
     permuted so that no transpose is needed; K is read with 16-byte shared loads, V with
     bank-conflict-free rotated 32-bit loads (`v_loads="rotated"`, see ld_v_rotated);
   * at the end the warps' partial (m, l, O) are merged through shared memory; with
-    num_splits > 1 the CTA leaves a normalized partial O and its log2-LSE, and the splits
-    merge inside their thread-block cluster (or in a second kernel: split_merge.py).
+    num_splits > 1 the CTA writes a normalized partial O and its log2-LSE, and a second
+    kernel in the same launch sequence merges the splits.
 """
 
 # no `from __future__ import annotations`: cute.struct in storage_type() needs evaluated annotations
+
+import math
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -30,13 +32,13 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
 from . import common, ptx
-from .common import HEAD_DIM, LN2
-from .split_merge import SplitMergeMixin
 
+HEAD_DIM = 128
 Q_FRAG_BYTES = 8 * 32 * 16  # 8 k-steps x 32 lanes x one 16-byte A fragment
 LAZY_RESCALE = 8.0  # log2 units: P stays <= 256 between rescales
 ROW_BYTES = 2 * HEAD_DIM  # one token row of a page: K (128 B) then V (128 B)
 TRACE_WORDS = 8  # probe="trace": int32 words per CTA (see __init__)
+LN2 = math.log(2.0)
 # Cross-warp reduction buffer: per warp 16 rows x 4 chunks of (32 fp32 + 4 pad); the
 # 144-byte chunk and 576-byte row keep the 16-byte stores and loads bank-conflict free.
 RED_CHUNK = 144
@@ -51,7 +53,7 @@ def _phys_key(logical: int) -> int:
     return 4 * ((logical - 8) // 2) + 2 + logical % 2
 
 
-class SparseDecodeMmaKernel(SplitMergeMixin):
+class SparseDecodeMmaKernel:
     """Static config in __init__, host launch in __call__, device code in kernel()."""
 
     arch_family = "portable"
@@ -76,7 +78,6 @@ class SparseDecodeMmaKernel(SplitMergeMixin):
         pdl: bool = True,
         prefetch_bt: bool = False,
         out_stores: str = "v4",
-        split_merge: str = "cluster",
     ):
         if num_q_heads % num_kv_heads:
             raise ValueError("num_q_heads must be a multiple of num_kv_heads")
@@ -100,6 +101,7 @@ class SparseDecodeMmaKernel(SplitMergeMixin):
         self.consumer_threads = 32 * self.warps
         self.threads = self.consumer_threads + 32
         self.stage_bytes = page_size * ROW_BYTES
+        self.buf_bytes = max(stages * self.stage_bytes, self.warps * RED_WARP)
         # elements of the 16 x 128 output tile each consumer thread finalizes
         self.out_elems = 16 * HEAD_DIM // self.consumer_threads
         for name, value, allowed in (
@@ -107,7 +109,7 @@ class SparseDecodeMmaKernel(SplitMergeMixin):
             ("q_frags", q_frags, ("regs", "smem")), ("softmax", softmax, ("plain", "lean")),
             ("smem_reads", smem_reads, ("block", "staged")), ("ctas_per_sm", ctas_per_sm, (1, 2, 3)),
             ("probe", probe, ("full", "no_math", "no_copy", "trace")),
-            ("out_stores", out_stores, ("scalar", "v4")), ("split_merge", split_merge, ("kernel", "cluster")),
+            ("out_stores", out_stores, ("scalar", "v4")),
         ):
             if value not in allowed:
                 raise ValueError(f"{name} {value!r} not in {allowed}")
@@ -152,17 +154,6 @@ class SparseDecodeMmaKernel(SplitMergeMixin):
         self.v4_stores = out_stores == "v4"
         if self.v4_stores and self.out_elems % 8:
             raise ValueError(f"out_stores='v4' needs 8 | {self.out_elems} output elements per thread")
-        # how num_splits > 1 partials become the output: "kernel" = a second kernel reads them
-        # from global memory (merge_kernel); "cluster" = the splits of a (token, KV head) are one
-        # thread-block cluster (1, 1, num_splits) and merge through distributed shared memory
-        # (merge_cluster), no second launch. A cluster holds at most 16 CTAs and the merge takes
-        # one thread per dim, so topk > 16 or fewer than 128 threads keep the merge kernel.
-        self.cluster_merge = split_merge == "cluster" and topk <= 16 and self.threads >= HEAD_DIM
-        # shared memory: the stages, aliased after the loop by the cross-warp reduction and
-        # (cluster merge) this CTA's normalized partial O [16][128] fp32 + log2-LSE [16] behind it
-        self.merge_off = self.warps * RED_WARP
-        merge_bytes = 16 * HEAD_DIM * 4 + 16 * 4 if self.cluster_merge else 0
-        self.buf_bytes = max(stages * self.stage_bytes, self.merge_off + merge_bytes)
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -177,7 +168,6 @@ class SparseDecodeMmaKernel(SplitMergeMixin):
         mLse: cute.Tensor,  # [T, Hq] fp32
         mPO: cute.Tensor,  # [T*Hkv*S, G, 128] fp32
         mPL: cute.Tensor,  # [T*Hkv*S, G] fp32
-        mWS: cute.Tensor,  # [W] int32 scheduling workspace (only the block-stealing kernel uses it)
         qlen: Int32,
         num_splits: Int32,
         qk_scale_log2: Float32,
@@ -185,11 +175,8 @@ class SparseDecodeMmaKernel(SplitMergeMixin):
         stream: cuda.CUstream,
     ):
         num_tokens = mQ.shape[0]
-        options = self.launch_options()
-        if cutlass.const_expr(self.cluster_merge):
-            options["cluster"] = [1, 1, num_splits]
         self.kernel(
-            mQ, mKV, mTopk, mBT, mKvLens, mOut, mLse, mPO, mPL, mWS, qlen, num_splits, qk_scale_log2, v_scale,
+            mQ, mKV, mTopk, mBT, mKvLens, mOut, mLse, mPO, mPL, qlen, num_splits, qk_scale_log2, v_scale,
             self.storage_type(),
         ).launch(
             grid=(num_tokens, self.hkv, num_splits),
@@ -198,13 +185,12 @@ class SparseDecodeMmaKernel(SplitMergeMixin):
             # explicit carveout, so compiling needs no GPU to query the shared-memory size
             preferred_smem_carveout=100,
             use_pdl=self.pdl,
-            **options,
+            **self.launch_options(),
         )
-        if cutlass.const_expr(not self.cluster_merge):
-            if num_splits > 1:
-                self.merge_kernel(mOut, mLse, mPO, mPL, num_splits).launch(
-                    grid=(num_tokens, self.hkv, self.group), block=(HEAD_DIM, 1, 1), stream=stream, use_pdl=self.pdl
-                )
+        if num_splits > 1:
+            self.merge_kernel(mOut, mLse, mPO, mPL, num_splits).launch(
+                grid=(num_tokens, self.hkv, self.group), block=(HEAD_DIM, 1, 1), stream=stream, use_pdl=self.pdl
+            )
 
     def storage_type(self):
         """The shared-memory struct of the main kernel (subclasses lay out their own)."""
@@ -217,7 +203,6 @@ class SparseDecodeMmaKernel(SplitMergeMixin):
             pages: cute.struct.MemRange[Int32, 32]
             blocks: cute.struct.MemRange[Int32, 32]
             nvalid: cute.struct.MemRange[Int32, 4]
-            sched: cute.struct.MemRange[Int32, 16]  # block stealing: stage -> slot, broadcasts
             ml: cute.struct.MemRange[Float32, self.warps * 32]
             q: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, Q_FRAG_BYTES if self.q_smem else 16], 16]
 
@@ -241,7 +226,6 @@ class SparseDecodeMmaKernel(SplitMergeMixin):
         mLse: cute.Tensor,
         mPO: cute.Tensor,
         mPL: cute.Tensor,
-        mWS: cute.Tensor,
         qlen: Int32,
         num_splits: Int32,
         qk_scale_log2: Float32,
@@ -255,8 +239,14 @@ class SparseDecodeMmaKernel(SplitMergeMixin):
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(Storage)
+        buf_addr = ptx.smem_addr(storage.buf.data_ptr())
         full_ptr = storage.full.data_ptr()
         empty_ptr = storage.empty.data_ptr()
+        sPages = storage.pages.get_tensor(cute.make_layout(32))
+        sBlocks = storage.blocks.get_tensor(cute.make_layout(32))
+        sNvalid = storage.nvalid.get_tensor(cute.make_layout(4))
+        sML = storage.ml.get_tensor(cute.make_layout(self.warps * 32))
+        q_addr = ptx.smem_addr(storage.q.data_ptr())
         tr = cute.make_rmem_tensor(TRACE_WORDS, Int32)  # probe="trace" only (else never read)
         if cutlass.const_expr(self.trace):
             tr[0] = ptx.smid()
@@ -276,27 +266,7 @@ class SparseDecodeMmaKernel(SplitMergeMixin):
             cute.arch.griddepcontrol_launch_dependents()  # the split merge may be scheduled now
         if cutlass.const_expr(self.trace):
             tr[2] = ptx.globaltimer_lo()
-        self.cta(mQ, mKV, mTopk, mBT, mKvLens, mOut, mLse, mPO, mPL, mWS, qlen, num_splits, qk_scale_log2, v_scale,
-                 storage, t, h, split, tidx, warp, lane, tr)
 
-    def smem_views(self, storage):
-        """(buf_addr, full_ptr, empty_ptr, sPages, sBlocks, sNvalid, sML) of the shared-memory struct."""
-        return (
-            ptx.smem_addr(storage.buf.data_ptr()),
-            storage.full.data_ptr(),
-            storage.empty.data_ptr(),
-            storage.pages.get_tensor(cute.make_layout(32)),
-            storage.blocks.get_tensor(cute.make_layout(32)),
-            storage.nvalid.get_tensor(cute.make_layout(4)),
-            storage.ml.get_tensor(cute.make_layout(self.warps * 32)),
-        )
-
-    @cute.jit
-    def cta(self, mQ, mKV, mTopk, mBT, mKvLens, mOut, mLse, mPO, mPL, mWS, qlen, num_splits, qk_scale_log2, v_scale,
-            storage, t, h, split, tidx, warp, lane, tr):
-        """One CTA's work after its set-up (barriers initialized, PDL wait done)."""
-        buf_addr, full_ptr, empty_ptr, sPages, sBlocks, sNvalid, sML = self.smem_views(storage)
-        q_addr = ptx.smem_addr(storage.q.data_ptr())
         kv_len = mKvLens[t]
         req = t // qlen
         num_pages = mKV.shape[0]
@@ -341,9 +311,6 @@ class SparseDecodeMmaKernel(SplitMergeMixin):
                     slot = mPO.iterator.toint() + Int64(idx) * Int64(mPO.stride[0]) * 4
                     ptx.st_global_v4(slot, tr[0], tr[1], tr[2], tr[3])
                     ptx.st_global_v4(slot + 16, tr[4], tr[5], tr[6], tr[7])
-        if cutlass.const_expr(self.cluster_merge):
-            if num_splits > 1:  # every thread of every split CTA (cluster barriers)
-                self.merge_cluster(mOut, mLse, buf_addr, t, h, split, tidx, num_splits)
 
     @cute.jit
     def stage_q(self, mQ, q_addr, t, h, lane, qk_scale_log2):
@@ -643,12 +610,7 @@ class SparseDecodeMmaKernel(SplitMergeMixin):
 
     @cute.jit
     def epilogue(self, mOut, mLse, mPO, mPL, sML, buf_addr, acc, row_max, row_sum,
-                 t, h, split, warp, lane, num_splits, v_scale, slot=None):
-        """The warps' (m, l, O) -> the output of (t, h) (num_splits == 1) or a split partial.
-
-        slot (block-stealing kernel only): Int64 address of a partial slot in the workspace,
-        or 0 for the final output; None: num_splits decides.
-        """
+                 t, h, split, warp, lane, num_splits, v_scale):
         G = self.group
         g = lane // 4
         c = lane % 4
@@ -719,10 +681,7 @@ class SparseDecodeMmaKernel(SplitMergeMixin):
             hq = h * G + row
             for k in cutlass.range_constexpr(self.out_elems):
                 vals[k] = vals[k] * inv
-            final = num_splits == 1
-            if cutlass.const_expr(slot is not None):
-                final = slot == Int64(0)
-            if final:
+            if num_splits == 1:
                 if cutlass.const_expr(self.v4_stores):  # 16-byte stores of 8 bf16 (mOut is 16-byte aligned)
                     dst = mOut.iterator.toint() + (Int64(t) * Int64(mOut.stride[0]) + Int64(hq * HEAD_DIM + d0)) * 2
                     for q in cutlass.range_constexpr(self.out_elems // 8):
@@ -733,18 +692,6 @@ class SparseDecodeMmaKernel(SplitMergeMixin):
                         mOut[t, hq, d0 + k] = vals[k].to(cutlass.BFloat16)
                 if d0 == 0:
                     mLse[t, hq] = lse2 * LN2
-            elif cutlass.const_expr(slot is not None):  # a stolen / robbed item's partial: [16][128] O, [16] lse
-                for q in cutlass.range_constexpr(self.out_elems // 4):
-                    ptx.st_global_v4_f32(slot + Int64(row * HEAD_DIM + d0 + 4 * q) * 4,
-                                         vals[4 * q], vals[4 * q + 1], vals[4 * q + 2], vals[4 * q + 3])
-                if d0 == 0:
-                    ptx.st_global_f32(slot + Int64(16 * HEAD_DIM + row) * 4, lse2)
-            elif cutlass.const_expr(self.cluster_merge):  # into this CTA's shared memory, for merge_cluster
-                part = buf_addr + self.merge_off + (row * HEAD_DIM + d0) * 4
-                for q in cutlass.range_constexpr(self.out_elems // 4):
-                    ptx.st_shared_v4_f32(part + 16 * q, vals[4 * q], vals[4 * q + 1], vals[4 * q + 2], vals[4 * q + 3])
-                if d0 == 0:
-                    ptx.st_shared_f32(buf_addr + self.merge_off + 16 * HEAD_DIM * 4 + 4 * row, lse2)
             else:
                 idx = (t * self.hkv + h) * num_splits + split
                 if cutlass.const_expr(self.v4_stores):
@@ -756,3 +703,41 @@ class SparseDecodeMmaKernel(SplitMergeMixin):
                         mPO[idx, row, d0 + k] = vals[k]
                 if d0 == 0:
                     mPL[idx, row] = lse2
+
+    @cute.kernel
+    def merge_kernel(self, mOut: cute.Tensor, mLse: cute.Tensor, mPO: cute.Tensor, mPL: cute.Tensor, num_splits: Int32):
+        """out[t, h*G+row, d] = sum_s w_s O_s / sum_s w_s with w_s = 2**(lse_s - max_s lse_s).
+
+        One CTA per (t, h, row), one thread per dim; the split loop is unrolled to topk with
+        predicated loads so all of them are in flight at once.
+        """
+        d, _, _ = cute.arch.thread_idx()
+        t, h, row = cute.arch.block_idx()
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()  # every split's partial is written
+        idx0 = (t * self.hkv + h) * num_splits
+        lse = cute.make_rmem_tensor(self.topk, Float32)
+        part = cute.make_rmem_tensor(self.topk, Float32)
+        m_all = -Float32.inf
+        for s in cutlass.range_constexpr(self.topk):
+            lse[s] = -Float32.inf
+            part[s] = Float32(0.0)
+            if s < num_splits:
+                lse[s] = mPL[idx0 + s, row]
+                part[s] = mPO[idx0 + s, row, d]
+            m_all = cute.arch.fmax(m_all, lse[s])
+        num = Float32(0.0)
+        den = Float32(0.0)
+        if m_all != -Float32.inf:
+            for s in cutlass.range_constexpr(self.topk):
+                w = ptx.ex2(lse[s] - m_all)
+                num = num + w * part[s]
+                den = den + w
+        out = Float32(0.0)
+        lse_nat = -Float32.inf
+        if den > Float32(0.0):
+            out = num / den
+            lse_nat = (m_all + ptx.lg2(den)) * LN2
+        mOut[t, h * self.group + row, d] = out.to(cutlass.BFloat16)
+        if d == 0:
+            mLse[t, h * self.group + row] = lse_nat

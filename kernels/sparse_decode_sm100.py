@@ -305,7 +305,6 @@ class SparseDecodeSm100Kernel(SparseDecodeMmaKernel):
         self.threads = THREADS
         self.stage_bytes = page_size * ROW_BYTES
         self.pdl = False  # read by the inherited __call__ / merge_kernel
-        self.cluster_merge = False  # its epilogue writes global partials: the inherited merge_kernel
         # fp8 query: MMA1 multiplies the raw e4m3 values (kind::f8f6f4), so qk_scale_log2
         # (= q_scale * k_scale * sm_scale * log2(e)) is the whole fold; bf16 query: K is f16
         # holding K * 2**-8.
@@ -355,7 +354,6 @@ class SparseDecodeSm100Kernel(SparseDecodeMmaKernel):
         mLse: cute.Tensor,
         mPO: cute.Tensor,
         mPL: cute.Tensor,
-        mWS: cute.Tensor,
         qlen: Int32,
         num_splits: Int32,
         qk_scale_log2: Float32,

@@ -64,9 +64,6 @@ KERNEL_REGISTRY: dict[str, tuple[str, str]] = {
     # tcgen05 kernel: compiles and its SASS is checked in CI, never run on hardware yet, so
     # kernel_family() picks it only with MSA_JIT_ENABLE_SM100_UMMA=1 on sm_100*.
     "sm100": ("sparse_decode_sm100", "SparseDecodeSm100Kernel"),
-    # the portable kernel plus block stealing between CTAs: an experiment, only compiled when
-    # asked for (kernel_options={"family": "steal"}, bench/variants.py)
-    "steal": ("sparse_decode_steal", "SparseDecodeStealKernel"),
 }
 
 
@@ -154,7 +151,6 @@ def fake_arguments(config: SparseDecodeConfig) -> list[Any]:
         make_fake_compact_tensor(Float32, (tokens, hq), stride_order=(1, 0)),
         make_fake_compact_tensor(Float32, (rows, g, d), stride_order=(2, 1, 0), assumed_align=16),
         make_fake_compact_tensor(Float32, (rows, g), stride_order=(1, 0)),
-        make_fake_compact_tensor(Int32, (cute.sym_int32(),), assumed_align=16),
         Int32(1),
         Int32(1),
         Float32(1.0),
@@ -175,8 +171,7 @@ def compile_sparse_decode(config: SparseDecodeConfig, out_dir: str | os.PathLike
     """Compile + export + link one geometry into out_dir/sparse_decode.so. Needs the DSL, not a GPU.
 
     kernel_options: extra constructor arguments of the kernel class, for experiments
-    (bench/variants.py; "family" picks a KERNEL_REGISTRY entry); the cache never passes any,
-    so cached artifacts are the defaults.
+    (bench/variants.py); the cache never passes any, so cached artifacts are the defaults.
     """
     from .geometry import check_config
 
@@ -189,15 +184,14 @@ def compile_sparse_decode(config: SparseDecodeConfig, out_dir: str | os.PathLike
     import cutlass.cute as cute
 
     out_dir = Path(out_dir)
-    options = dict(kernel_options or {})
-    family = options.pop("family", None) or kernel_family(config)
+    family = kernel_family(config)
     kernel = _kernel_class(family)(
         num_q_heads=config.num_q_heads,
         num_kv_heads=config.num_kv_heads,
         page_size=config.page_size,
         topk=config.topk,
         q_dtype=config.q_dtype,
-        **options,
+        **(kernel_options or {}),
     )
     t0 = time.perf_counter()
     compiled = cute.compile(kernel, *fake_arguments(config), options=f"{COMPILE_OPTIONS} --gpu-arch {config.arch}")

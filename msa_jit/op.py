@@ -63,7 +63,7 @@ def sparse_decode(
     fn = plan.kernels.get(query.dtype)
     if fn is None:
         fn = plan.resolve_kernel(query.dtype)
-    kv_lens, lse_scratch, partial_o, partial_lse, steal_ws = plan.kernel_tensors()
+    kv_lens, lse_scratch, partial_o, partial_lse = plan.kernel_tensors()
     fn(
         query.view(_U8) if query.dtype == _FP8 else query,
         kv_cache if kv_cache.dtype == _U8 else kv_cache.view(_U8),
@@ -74,7 +74,6 @@ def sparse_decode(
         lse_scratch if lse is None else lse,
         partial_o,
         partial_lse,
-        steal_ws,
         plan.qlen,
         plan.num_splits,
         sm * qs * ks * LOG2E,

@@ -32,16 +32,6 @@ __all__ = [
 DEFAULT_NUM_SMS = 132
 # Target number of CTA waves when the (token, KV head) grid alone does not fill the GPU.
 TARGET_WAVES = 2
-# Block-stealing workspace (kernels/sparse_decode_steal.py has the same layout), int32 words:
-# 4 control words, 2 sets x N items x (claim, done, published n + 1, pad), N x 36 published
-# page / block lists, then N x STEAL_SLOTS partial (O [16][128] fp32, log2-LSE [16]) slots.
-STEAL_SLOTS = 5
-STEAL_SLOT_WORDS = 16 * 128 + 16
-
-
-def steal_workspace_words(num_items: int) -> int:
-    """int32 words of the block-stealing workspace for num_items = T * Hkv (token, KV head) items."""
-    return 4 + 8 * num_items + 36 * num_items + STEAL_SLOTS * STEAL_SLOT_WORDS * num_items
 
 PlanKey = tuple[int, int, int, int, int, int, int, torch.device]
 
@@ -87,8 +77,7 @@ class SparseDecodePlan:
 
     kv_lens, qo_offset: [T] int32, T = batch * qlen (refreshed every `prepare`).
     partial_o: [T*Hkv*num_splits, G, head_dim] fp32, partial_lse: [T*Hkv*num_splits, G] fp32
-    (split-KV workspace), lse_scratch: [T, Hq] fp32 (used when the caller wants no lse),
-    steal_ws: [steal_workspace_words(T*Hkv)] int32, zeros at first (block-stealing kernel state).
+    (split-KV workspace), lse_scratch: [T, Hq] fp32 (used when the caller wants no lse).
     block_table / seq_lens: the tensors of the latest `prepare`.
     """
 
@@ -107,14 +96,13 @@ class SparseDecodePlan:
     partial_o: torch.Tensor
     partial_lse: torch.Tensor
     lse_scratch: torch.Tensor
-    steal_ws: torch.Tensor
     block_table: torch.Tensor
     seq_lens: torch.Tensor
     arch: str | None = None
     kernels: dict[torch.dtype, Callable[..., Any]] = field(default_factory=dict)
     # refresh(seq_lens): the per-step prologue launch bound to this plan's tensors (planner sets it)
     refresh: Callable[[torch.Tensor], None] | None = None
-    # kv_lens, lse_scratch, partial_o, partial_lse, steal_ws as TVM-FFI tensors (kernel_tensors())
+    # kv_lens, lse_scratch, partial_o, partial_lse as TVM-FFI tensors (kernel_tensors())
     _ffi_tensors: tuple[Any, ...] | None = field(default=None, repr=False)
     num_tokens: int = field(init=False)
     group_size: int = field(init=False)
@@ -149,14 +137,14 @@ class SparseDecodePlan:
         )
 
     def kernel_tensors(self) -> tuple[Any, ...]:
-        """(kv_lens, lse_scratch, partial_o, partial_lse, steal_ws) in the form the kernel call takes best.
+        """(kv_lens, lse_scratch, partial_o, partial_lse) in the form the kernel call takes best.
 
         The plan owns them for its whole life, so they are wrapped as TVM-FFI tensors once
         (a torch tensor argument costs a DLPack exchange on every call); torch tensors when
         tvm_ffi is not importable.
         """
         if self._ffi_tensors is None:
-            ts = (self.kv_lens, self.lse_scratch, self.partial_o, self.partial_lse, self.steal_ws)
+            ts = (self.kv_lens, self.lse_scratch, self.partial_o, self.partial_lse)
             try:
                 import tvm_ffi
 
@@ -276,7 +264,6 @@ class SparseDecodePlanner:
             partial_o=torch.empty(T * hkv * splits, G, HEAD_DIM, **f32),
             partial_lse=torch.empty(T * hkv * splits, G, **f32),
             lse_scratch=torch.empty(T, hq, **f32),
-            steal_ws=torch.zeros(steal_workspace_words(T * hkv), dtype=torch.int32, device=device),
             block_table=block_table,
             seq_lens=seq_lens,
             arch=arch,

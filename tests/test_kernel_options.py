@@ -33,7 +33,6 @@ def _kernel_class():
         ({"ctas_per_sm": 4}, "ctas_per_sm"),
         ({"probe": "no_store"}, "probe"),
         ({"out_stores": "v2"}, "out_stores"),
-        ({"split_merge": "atomic"}, "split_merge"),
         ({"consumer_warps": 16, "page_size": 256}, "out_stores"),  # 4 output elements per thread
         ({"softmax": "lean", "convert": "bittrick"}, "lean"),
     ],
@@ -66,14 +65,14 @@ def test_three_ctas_per_sm_fit_in_128_registers(tmp_path, hq, hkv):
 
 
 def test_pdl_by_default_waits_before_reading(tmp_path):
-    _, text, merge = _main_kernel(tmp_path / "pdl", {"split_merge": "kernel"})
+    _, text, merge = _main_kernel(tmp_path / "pdl", {})
     assert "ACQBULK" in text and "ACQBULK" in merge  # griddepcontrol.wait in both kernels
     # the wait comes before the first global load of the decode kernel
     assert text.index("ACQBULK") < text.index("LDG")
     # the mbarrier inits (no global memory) run before the wait, while the prologue may still run
     assert text.index("SYNCS.EXCH.64") < text.index("ACQBULK")
     assert "PREEXIT" in text  # launch_dependents: the merge may be scheduled early
-    _, text, merge = _main_kernel(tmp_path / "plain", {"pdl": False, "split_merge": "kernel"})
+    _, text, merge = _main_kernel(tmp_path / "plain", {"pdl": False})
     assert "ACQBULK" not in text and "ACQBULK" not in merge
 
 
@@ -102,43 +101,9 @@ def test_block_table_prefetch_only_when_asked(tmp_path):
 
 
 def test_output_goes_out_in_16_byte_stores(tmp_path):
-    _, v4, _ = _main_kernel(tmp_path / "v4", {"split_merge": "kernel"})
+    _, v4, _ = _main_kernel(tmp_path / "v4", {})
     ops = sass.opcode_counts(v4)
     # 2 x 8 bf16 (num_splits == 1) or 4 x 4 fp32 (split partial) per thread, no 2-byte stores
     assert ops["STG.E.128"] == 6 and "STG.E.U16" not in ops, ops
-    _, scalar, _ = _main_kernel(tmp_path / "scalar", {"out_stores": "scalar", "split_merge": "kernel"})
+    _, scalar, _ = _main_kernel(tmp_path / "scalar", {"out_stores": "scalar"})
     assert sass.opcode_counts(scalar)["STG.E.U16"] == 16
-
-
-@pytest.mark.parametrize("hq, hkv", [(64, 4), (8, 1)])
-def test_splits_merge_in_their_cluster_by_default(tmp_path, hq, hkv):
-    res, text, merge = _main_kernel(tmp_path / "cluster", {}, hq, hkv)
-    assert merge == ""  # no merge kernel in the artifact
-    ops = sass.opcode_counts(text)
-    # 2 x 8 bf16 (num_splits == 1); a split partial goes to shared memory (4 x STS.128), the
-    # merged row leaves as one coalesced bf16 per thread (a warp writes 64 contiguous bytes)
-    assert ops["STG.E.128"] == 2 and ops["STG.E.U16"] == 1, ops
-    # two cluster barriers (partials ready; nobody exits while read), 16 splits x (O, lse) remote loads
-    assert ops["UCGABAR_ARV"] == 2 and ops["UCGABAR_WAIT"] >= 2, ops
-    assert ops["LD.E"] == 32, ops
-    assert ops["LDL"] + ops["STL"] == 0 and res.registers <= 192, (ops, res)
-
-
-def test_cluster_merge_needs_at_most_16_splits():
-    cls = _kernel_class()
-    assert cls(num_q_heads=64, num_kv_heads=4, topk=16).cluster_merge
-    assert not cls(num_q_heads=64, num_kv_heads=4, topk=17).cluster_merge  # splits may exceed 16
-    assert not cls(num_q_heads=64, num_kv_heads=4, split_merge="kernel").cluster_merge
-
-
-def test_block_stealing_kernel_compiles_without_spills(tmp_path):
-    """The experimental stealing kernel (variant 'steal'): counters by atomics, no local memory."""
-    res, text, merge = _main_kernel(tmp_path / "steal", {"family": "steal"})
-    ops = sass.opcode_counts(text)
-    assert ops["ATOMG.E.ADD.STRONG.GPU"] >= 4, ops  # own claims (batch + single), thief claim, done word
-    assert ops["MEMBAR.ALL.GPU"] >= 3, ops  # publish lists, publish partial, acquire before merge
-    assert ops["LDL"] + ops["STL"] == 0 and res.registers <= 192, (ops, res)
-    with pytest.raises(ValueError, match="block stealing"):
-        from msa_jit.kernels.sparse_decode_steal import SparseDecodeStealKernel
-
-        SparseDecodeStealKernel(num_q_heads=64, num_kv_heads=4, q_frags="smem")

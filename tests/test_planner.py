@@ -126,7 +126,7 @@ def test_same_key_same_plan_and_addresses():
     planner = SparseDecodePlanner()
     c = _case()
     p1 = planner.prepare(*c.prepare_args(), **c.prepare_kwargs())
-    ptrs = [t.data_ptr() for t in (p1.kv_lens, p1.qo_offset, p1.partial_o, p1.partial_lse, p1.lse_scratch, p1.steal_ws)]
+    ptrs = [t.data_ptr() for t in (p1.kv_lens, p1.qo_offset, p1.partial_o, p1.partial_lse, p1.lse_scratch)]
     exp_kv, exp_qo = _expected(c.seq_lens_cpu.tolist(), c.qlen)
     assert p1.kv_lens.cpu().tolist() == exp_kv and p1.qo_offset.cpu().tolist() == exp_qo
 
@@ -135,8 +135,7 @@ def test_same_key_same_plan_and_addresses():
     bt2 = c.block_table.clone()
     p2 = planner.prepare(bt2, seq2, None, c.qlen, **c.prepare_kwargs())
     assert p2 is p1
-    assert ptrs == [t.data_ptr() for t in (p2.kv_lens, p2.qo_offset, p2.partial_o, p2.partial_lse, p2.lse_scratch,
-                                           p2.steal_ws)]
+    assert ptrs == [t.data_ptr() for t in (p2.kv_lens, p2.qo_offset, p2.partial_o, p2.partial_lse, p2.lse_scratch)]
     assert p2.block_table is bt2 and p2.seq_lens is seq2
     exp_kv, exp_qo = _expected(seq2.cpu().tolist(), c.qlen)
     assert p2.kv_lens.cpu().tolist() == exp_kv and p2.qo_offset.cpu().tolist() == exp_qo
@@ -284,18 +283,18 @@ def test_kernel_backend_passes_calling_convention(monkeypatch):
     out = c.new_out()
     sparse_decode(c.query, c.kv_cache, c.topk, out, plan, backend="kernel", **c.scales())
     (a,) = seen
-    assert len(a) == 14
+    assert len(a) == 13
     assert a[0].dtype == torch.uint8 and a[0].data_ptr() == c.query.data_ptr()
     assert a[1].dtype == torch.uint8 and a[2] is c.topk and a[3] is plan.block_table
     # the plan's own tensors travel as the TVM-FFI views made once per plan (same memory)
-    kv_lens, lse_scratch, partial_o, partial_lse, steal_ws = plan.kernel_tensors()
+    kv_lens, lse_scratch, partial_o, partial_lse = plan.kernel_tensors()
     assert a[4] is kv_lens and a[5] is out and a[6] is lse_scratch
-    assert a[7] is partial_o and a[8] is partial_lse and a[9] is steal_ws
-    assert (a[10], a[11]) == (plan.qlen, plan.num_splits)
+    assert a[7] is partial_o and a[8] is partial_lse
+    assert (a[9], a[10]) == (plan.qlen, plan.num_splits)
     import math
 
-    assert math.isclose(a[12], c.sm_scale * c.q_scale * c.k_scale / math.log(2))
-    assert a[13] == c.v_scale
+    assert math.isclose(a[11], c.sm_scale * c.q_scale * c.k_scale / math.log(2))
+    assert a[12] == c.v_scale
 
 
 def test_kernel_tensors_alias_the_plan_tensors():
@@ -305,8 +304,7 @@ def test_kernel_tensors_alias_the_plan_tensors():
     plan = SparseDecodePlanner().prepare(*c.prepare_args(), **c.prepare_kwargs())
     views = plan.kernel_tensors()
     assert plan.kernel_tensors() is views  # converted once
-    for view, t in zip(views, (plan.kv_lens, plan.lse_scratch, plan.partial_o, plan.partial_lse, plan.steal_ws),
-                       strict=True):
+    for view, t in zip(views, (plan.kv_lens, plan.lse_scratch, plan.partial_o, plan.partial_lse)):
         back = torch.from_dlpack(view)
         assert back.data_ptr() == t.data_ptr() and back.shape == t.shape and back.dtype == t.dtype
     plan.kv_lens.fill_(1234)
