@@ -92,6 +92,8 @@ def check_int(name: str, value: Any, lo: int | None = None, hi: int | None = Non
 
 def check_scale(name: str, value: Any) -> float:
     """A finite python-float-convertible scale > 0 (0-dim CPU tensors accepted); returns float."""
+    if type(value) is float and 0.0 < value < math.inf:  # the common case, in ~0.1 us (NaN fails too)
+        return value
     if isinstance(value, (bool, str, bytes)) or value is None:
         raise TypeError(f"{name}: expected a finite float > 0, got {type(value).__name__}")
     if isinstance(value, torch.Tensor):
@@ -158,8 +160,30 @@ def validate_prepare(
     validate_prepare_tensors(block_table, seq_lens, seq_lens_cpu)
 
 
+def _prepare_tensors_ok(block_table: Any, seq_lens: Any, seq_lens_cpu: Any) -> bool:
+    """True when every check of validate_prepare_tensors passes (a few attribute reads, no
+    message building); False says nothing: the full checks then find what is wrong, if anything."""
+    _T = torch.Tensor
+    if type(seq_lens) is not _T or type(block_table) is not _T:
+        return False
+    if seq_lens.dtype != torch.int32 or seq_lens.dim() != 1 or not seq_lens.is_contiguous():
+        return False
+    batch = seq_lens.shape[0]
+    bt_shape = block_table.shape
+    if (block_table.dtype != torch.int32 or len(bt_shape) != 2 or batch < 1 or bt_shape[0] != batch
+            or bt_shape[1] < 1 or (bt_shape[1] > 1 and block_table.stride(1) != 1)
+            or block_table.device != seq_lens.device):
+        return False
+    if seq_lens_cpu is None:
+        return True
+    return (type(seq_lens_cpu) is _T and seq_lens_cpu.device.type == "cpu"
+            and seq_lens_cpu.dtype in (torch.int32, torch.int64) and seq_lens_cpu.shape == (batch,))
+
+
 def validate_prepare_tensors(block_table: Any, seq_lens: Any, seq_lens_cpu: Any) -> None:
     """The tensor part of `validate_prepare` (the planner's cached-step path runs only this)."""
+    if _prepare_tensors_ok(block_table, seq_lens, seq_lens_cpu):
+        return
     check_tensor("block_table", block_table)
     check_tensor("seq_lens", seq_lens)
     if seq_lens_cpu is not None:
@@ -225,6 +249,10 @@ def validate_sparse_decode(
     """
     from .planner import SparseDecodePlan
 
+    if (type(plan) is SparseDecodePlan and plan.is_cuda and (backend == "auto" or backend == "kernel")
+            and kernel_call_ok(query, kv_cache, topk, out, plan, lse)):
+        return "kernel"  # every check below passes (a step with well-formed inputs: ~2 us, not ~7)
+
     check_tensor("query", query)
     check_tensor("kv_cache", kv_cache)
     check_tensor("topk", topk)
@@ -289,6 +317,36 @@ def validate_sparse_decode(
             raise ValueError(f"backend: 'kernel' needs CUDA tensors, the plan's tensors are on {dev}")
         validate_kernel_layout(query, kv_cache, out, lse)
     return backend
+
+
+def kernel_call_ok(query: Any, kv_cache: Any, topk: Any, out: Any, plan: "SparseDecodePlan", lse: Any) -> bool:
+    """True when the tensors pass every check of validate_sparse_decode and validate_kernel_layout
+    for `plan` (its device included; not whether that device is CUDA): one pass of attribute
+    reads, no message building. False says nothing: the full checks then name the problem."""
+    _T = torch.Tensor
+    if type(query) is not _T or type(kv_cache) is not _T or type(topk) is not _T or type(out) is not _T:
+        return False
+    dev = plan.device
+    T, hq, hkv, d = plan.num_tokens, plan.num_q_heads, plan.num_kv_heads, plan.head_dim
+    if (query.dtype not in Q_TORCH_DTYPES or query.shape != (T, hq, d) or query.device != dev
+            or query.stride(2) != 1 or (hq > 1 and query.stride(1) != d) or (T > 1 and query.stride(0) % 16)
+            or query.data_ptr() % 16):
+        return False
+    kv_shape = kv_cache.shape
+    if (kv_cache.dtype not in KV_TORCH_DTYPES or len(kv_shape) != 4 or kv_shape[0] < 1
+            or kv_shape[1:] != (hkv, plan.page_size, 2 * d) or not kv_cache.is_contiguous()
+            or kv_cache.device != dev or kv_cache.data_ptr() % 16):
+        return False
+    if (topk.dtype != torch.int32 or topk.shape != (T, hkv, plan.topk) or topk.device != dev
+            or (plan.topk > 1 and topk.stride(2) != 1)):
+        return False
+    if (out.dtype != torch.bfloat16 or out.shape != (T, hq, d) or not out.is_contiguous() or out.device != dev
+            or out.data_ptr() % 16):
+        return False
+    if lse is None:
+        return True
+    return (type(lse) is _T and lse.dtype == torch.float32 and lse.shape == (T, hq) and lse.is_contiguous()
+            and lse.device == dev)
 
 
 def validate_kernel_layout(

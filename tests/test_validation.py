@@ -417,3 +417,86 @@ def test_kernel_layout_rules():
     for name, *args in bad:
         with pytest.raises(ValueError, match=name):
             validate_kernel_layout(*args)
+
+
+# ----------------------------------------------------------------------------- fast paths
+# A cached step checks its inputs in one pass of attribute reads (kernel_call_ok,
+# _prepare_tensors_ok) and falls back to the full checks, which name the problem, only when
+# that pass fails. The pass must therefore never accept what the full checks reject.
+TENSOR_FIELDS = ("query", "kv_cache", "topk", "out", "lse", "query ")
+
+
+def _fast_op(a):
+    from msa_jit.validation import kernel_call_ok
+
+    return kernel_call_ok(a["query"], a["kv_cache"], a["topk"], a["out"], a["plan"], a["lse"])
+
+
+@pytest.mark.parametrize("with_lse", [True, False])
+@pytest.mark.parametrize("variant", ["base", "fp8", "u8", "transposed", "qkv_slice"])
+def test_fast_op_check_accepts_valid_inputs(variant, with_lse):
+    a = _op_base()
+    c, _ = base()
+    if variant == "fp8":
+        a["query"] = c.query.to(FP8)
+    if variant == "u8":
+        a["kv_cache"] = c.kv_cache.view(torch.uint8)
+    if variant == "transposed":
+        a["topk"] = c.topk.transpose(0, 1).contiguous().transpose(0, 1)
+    if variant == "qkv_slice":
+        qkv = torch.zeros(T, (HQ + 2 * HKV) * 128, dtype=torch.bfloat16)
+        a["query"] = qkv[:, : HQ * 128].view(T, HQ, 128)
+    if not with_lse:
+        a["lse"] = None
+    assert _fast_op(a)
+
+
+@pytest.mark.parametrize("name", TENSOR_FIELDS)
+@SETTINGS
+@given(data=st.data())
+def test_fast_op_check_rejects_what_validation_rejects(name, data):
+    a = _op_base()
+    change, _ = OP_MUTATIONS[name](data, a)
+    a.update(change)
+    assert not _fast_op(a)
+
+
+def test_fast_op_check_rejects_kernel_layout_violations():
+    a = _op_base()
+    c, _ = base()
+    kv = c.kv_cache
+    bad = {
+        "query": [torch.zeros(T, HQ, 256, dtype=torch.bfloat16)[..., :128],
+                  torch.zeros(T, HQ * 128 + 8, dtype=torch.bfloat16)[:, : HQ * 128].view(T, HQ, 128),
+                  torch.zeros(T * HQ * 128 + 1, dtype=torch.bfloat16)[1:].view(T, HQ, 128)],
+        "kv_cache": [torch.zeros(kv.numel() + 1, dtype=torch.uint8)[1:].view(kv.shape)],
+        "out": [torch.zeros(HQ, T, 128, dtype=torch.bfloat16).transpose(0, 1),
+                torch.zeros(T * HQ * 128 + 1, dtype=torch.bfloat16)[1:].view(T, HQ, 128)],
+        "lse": [torch.zeros(HQ, T).t()],
+    }
+    for name, tensors in bad.items():
+        for x in tensors:
+            assert not _fast_op(dict(a, **{name: x})), name
+
+
+def test_fast_prepare_check():
+    from msa_jit.validation import _prepare_tensors_ok
+
+    a = _prepare_base()
+    assert _prepare_tensors_ok(a["block_table"], a["seq_lens"], a["seq_lens_cpu"])
+    assert _prepare_tensors_ok(a["block_table"], a["seq_lens"], None)
+
+
+@pytest.mark.parametrize("name", ["block_table", "seq_lens", "seq_lens_cpu"])
+@SETTINGS
+@given(data=st.data())
+def test_fast_prepare_check_rejects_what_validation_rejects(name, data):
+    from msa_jit.validation import _prepare_tensors_ok, validate_prepare_tensors
+
+    a = _prepare_base()
+    change, _ = PREPARE_MUTATIONS[name](data, a)
+    a.update(change)
+    try:
+        validate_prepare_tensors(a["block_table"], a["seq_lens"], a["seq_lens_cpu"])
+    except (ValueError, TypeError):
+        assert not _prepare_tensors_ok(a["block_table"], a["seq_lens"], a["seq_lens_cpu"])
