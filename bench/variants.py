@@ -32,10 +32,14 @@ from typing import Any
 C3 = {"q_frags": "smem", "smem_reads": "staged", "ctas_per_sm": 3, "stages": 2}
 # Plan options (PLAN_OPTIONS), not kernel options: "prologue_trigger" False binds the plan's
 # Triton prologue without its griddepcontrol.launch_dependents (the default until 2026-12-02
-# session 4); "num_splits" forces the split-KV factor where the planner can be made to pick it.
+# session 4); "num_splits" forces the split-KV factor where the planner can be made to pick it;
+# "prologue" False leaves the prologue kernel out of the timed step.
 VARIANTS: dict[str, dict[str, Any]] = {
     "now": {},
     "no_trigger": {"prologue_trigger": False},
+    # the step without its Triton prologue kernel (kv_lens stay as the last refresh left them, right
+    # for the bench's fixed seq_lens): what a decode kernel reading seq_lens itself would save
+    "no_prologue": {"prologue": False},
     "no_pdl": {"pdl": False},  # the default until 2026-12-02 T1511
     # timing probes (kernel `probe` option: one stage left out, results wrong, not checked)
     "now_nomath": {"probe": "no_math"},
@@ -50,7 +54,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "trace": {"probe": "trace"},
     "trace_pbt": {"probe": "trace", "prefetch_bt": True},  # does the block-table prefetch shorten the chain?
 }
-PLAN_OPTIONS = ("prologue_trigger", "num_splits")
+PLAN_OPTIONS = ("prologue_trigger", "num_splits", "prologue")
 GEOMETRIES = [(64, 4, "bfloat16"), (8, 1, "bfloat16"), (16, 1, "bfloat16"), (64, 4, "float8_e4m3fn")]
 BF16, FP8 = "bfloat16", "float8_e4m3fn"
 # (geometry, batch, qlen, shared_blocks, query dtype)
@@ -136,6 +140,10 @@ def _planner_for_splits(rows: int, topk: int, want: int | None):
     return SparseDecodePlanner(num_sms=n) if n else None
 
 
+def _no_refresh(seq_lens) -> None:
+    """A plan's refresh that launches nothing (variant no_prologue)."""
+
+
 def _time_points(fns: dict[tuple[str, str], Any], copy_bw: float, iters: int, rounds: int) -> list[dict]:
     from msa_jit import sparse_decode
     from msa_jit.bench import GEOMETRIES as BENCH_GEOMS
@@ -168,6 +176,9 @@ def _time_points(fns: dict[tuple[str, str], Any], copy_bw: float, iters: int, ro
                 planner, plan = plans[want]
                 plan.kernels[step["query"].dtype] = fn
                 plan.refresh = refresh[want][VARIANTS[name].get("prologue_trigger", True)]
+                if not VARIANTS[name].get("prologue", True):
+                    plan.refresh(step["seq_lens"])  # kv_lens right once, then no prologue in the step
+                    plan.refresh = _no_refresh
 
                 def run(planner=planner):
                     sparse_decode(step["query"], step["kv_cache"], step["topk"], step["out"],
