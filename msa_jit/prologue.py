@@ -128,8 +128,6 @@ def bind_refresh(
     dropped for the plain launch if it differs or fails; a seq_lens whose 16-byte alignment
     differs from the one the kernel was specialized for also takes the plain launch.
     launch_dependents: the PDL trigger (see the module docstring); False only for A/B runs.
-    On Triton 3.6 the C launcher itself is bound (`_c_launcher`), checked the same way; the
-    bound function's `path` says which ("c_launcher" or "runner").
     """
     num_rows = kv_lens.numel()
     pdl = _launch_dependents(launch_dependents)
@@ -147,60 +145,23 @@ def bind_refresh(
     except Exception:  # noqa: BLE001 - an older / newer Triton without the CompiledKernel runner
         return plain
     aligned = seq_lens.data_ptr() % 16 == 0
-    device_index = seq_lens.device.index if seq_lens.device.index is not None else torch.cuda.current_device()
+
+    def bound(s: torch.Tensor) -> None:
+        if (s.data_ptr() % 16 == 0) != aligned:
+            refresh_plan_tensors(s, kv_lens, qo_offset, qlen, pdl)
+        else:
+            runner(s, kv_lens, qo_offset, num_rows, qlen, BLOCK_ROWS, pdl)
+
     want_kv, want_qo = kv_lens.clone(), qo_offset.clone()
     refresh_plan_tensors_torch(seq_lens, want_kv, want_qo, qlen)
-
-    for path, launch in (("c_launcher", _c_launcher(compiled, grid, device_index, runner)), ("runner", runner)):
-        if launch is None:
-            continue
-
-        def bound(s: torch.Tensor, launch=launch) -> None:
-            if (s.data_ptr() % 16 == 0) != aligned:
-                refresh_plan_tensors(s, kv_lens, qo_offset, qlen, pdl)
-            else:
-                launch(s, kv_lens, qo_offset, num_rows, qlen, BLOCK_ROWS, pdl)
-
-        try:
-            kv_lens.fill_(-1)
-            bound(seq_lens)
-            ok = torch.equal(kv_lens, want_kv) and torch.equal(qo_offset, want_qo)
-        except Exception:  # noqa: BLE001
-            ok = False
-        if ok:
-            bound.compiled = compiled  # its .asm["ptx"] shows the trigger (tests)
-            bound.path = path
-            return bound
-    plain(seq_lens)
-    return plain
-
-
-def _c_launcher(compiled, grid: tuple[int, int, int], device_index: int,
-                runner: Callable[..., None]) -> Callable[..., None] | None:
-    """`compiled`'s C launcher called the way Triton 3.6's CompiledKernel runner calls it, minus
-    the two Python layers around it (~3-5 us of a ~10-15 us launch on the H200 hosts): the
-    stream read straight from torch, no scratch (this kernel needs none), no launch metadata.
-    A launch hook set later (a profiler) sends the call through `runner` again. None on any
-    other Triton: its launcher takes other arguments (bind_refresh then binds `runner`)."""
-    if tuple(triton.__version__.split(".")[:2]) != ("3", "6"):
-        return None
-    run = getattr(compiled, "run", None)
-    launch = getattr(run, "launch", None)
-    if launch is None or getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
-        return None
-    from triton import knobs
-
-    hooks = knobs.runtime
-    function, metadata = compiled.function, compiled.packed_metadata
-    coop, pdl = run.launch_cooperative_grid, run.launch_pdl
-    get_stream = torch._C._cuda_getCurrentRawStream
-    gx, gy, gz = grid
-
-    def direct(*args) -> None:
-        if hooks.launch_enter_hook is not None or hooks.launch_exit_hook is not None:
-            runner(*args)
-        else:
-            launch(gx, gy, gz, get_stream(device_index), function, coop, pdl, None, None, metadata, None, None,
-                   None, *args)
-
-    return direct
+    try:
+        kv_lens.fill_(-1)
+        bound(seq_lens)
+        ok = torch.equal(kv_lens, want_kv) and torch.equal(qo_offset, want_qo)
+    except Exception:  # noqa: BLE001
+        ok = False
+    if not ok:
+        plain(seq_lens)
+        return plain
+    bound.compiled = compiled  # its .asm["ptx"] shows the trigger (tests)
+    return bound

@@ -361,34 +361,3 @@ def test_prologue_signals_dependent_launch(trigger):
     assert ("griddepcontrol.launch_dependents" in ptx) == trigger
     exp_kv, exp_qo = _expected(c.seq_lens.cpu().tolist(), 2)
     assert kv.cpu().tolist() == exp_kv and qo.cpu().tolist() == exp_qo
-
-
-@pytest.mark.gpu
-def test_prologue_binds_the_c_launcher_on_triton_3_6():
-    """On Triton 3.6 the plan's refresh calls the C launcher directly; on every Triton it is right
-    for new seq_lens, on a side stream and inside graph capture (tests above), and falls back to
-    the runner while a launch hook is set."""
-    import triton
-    from triton import knobs
-
-    from msa_jit.prologue import bind_refresh
-
-    c = make_case(4, 2, 8, 2, q_dtype=torch.bfloat16, seed=9, device="cuda", page_size=64, topk=4)
-    kv = torch.zeros(8, dtype=torch.int32, device="cuda")
-    qo = torch.zeros(8, dtype=torch.int32, device="cuda")
-    refresh = bind_refresh(c.seq_lens, kv, qo, 2)
-    want = "c_launcher" if triton.__version__.startswith("3.6.") else "runner"
-    assert refresh.path == want
-    seen = []
-    seq = c.seq_lens + 3
-    for hook in (None, lambda *a: seen.append(1)):
-        knobs.runtime.launch_enter_hook = hook
-        try:
-            kv.fill_(-1)
-            refresh(seq)
-            torch.cuda.synchronize()
-        finally:
-            knobs.runtime.launch_enter_hook = None
-        exp_kv, exp_qo = _expected(seq.cpu().tolist(), 2)
-        assert kv.cpu().tolist() == exp_kv and qo.cpu().tolist() == exp_qo
-    assert seen  # the hooked call went through the runner
