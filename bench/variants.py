@@ -109,8 +109,8 @@ def _check(fn, hq: int, hkv: int, qd: str) -> list[dict[str, Any]]:
 
     rows = []
     # num_sms=1: one split; padded: items of unequal length (CTAs end at different times). Each
-    # case runs 3 times on one plan (fresh, poisoned outputs): a kernel that keeps state in the
-    # plan between launches must be right for every launch, not just the first.
+    # case runs 3 times on one plan (fresh, poisoned outputs), so state a kernel keeps between
+    # launches (the counters of block stealing, #25) is checked on every launch, not the first.
     for batch, qlen, num_sms, padded in ((1, 1, None, False), (3, 4, None, True), (16, 1, 1, False),
                                          (5, 2, 100000, True), (64, 1, 1, True), (8, 4, 1, True)):
         case = make_case(batch, qlen, hq, hkv, q_dtype=getattr(torch, qd), seed=hq * 1000 + batch * 10 + qlen,
