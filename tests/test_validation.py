@@ -414,17 +414,23 @@ def test_kernel_layout_rules():
     # a query slice of a fused qkv row is fine: token stride is a multiple of 16, heads dense
     qkv = torch.zeros(T, (HQ + 2 * HKV) * 128, dtype=torch.bfloat16)
     validate_kernel_layout(qkv[:, : HQ * 128].view(T, HQ, 128), kv, out, lse)
-    bad = [
-        ("query", torch.zeros(T, HQ, 256, dtype=torch.bfloat16)[..., :128], kv, out, lse),
-        ("query", torch.zeros(T, HQ * 128 + 8, dtype=torch.bfloat16)[:, : HQ * 128].view(T, HQ, 128), kv, out, lse),
-        ("query", torch.zeros(T * HQ * 128 + 1, dtype=torch.bfloat16)[1:].view(T, HQ, 128), kv, out, lse),
-        ("kv_cache", q, torch.zeros(kv.numel() + 1, dtype=torch.uint8)[1:].view(kv.shape), out, lse),
-        ("out", q, kv, torch.zeros(HQ, T, 128, dtype=torch.bfloat16).transpose(0, 1), lse),
-        ("lse", q, kv, out, torch.zeros(HQ, T).t()),
-    ]
-    for name, *args in bad:
+    for name, x in _layout_violations(kv):
+        args = {"query": q, "kv_cache": kv, "out": out, "lse": lse, name: x}
         with pytest.raises(ValueError, match=name):
-            validate_kernel_layout(*args)
+            validate_kernel_layout(args["query"], args["kv_cache"], args["out"], args["lse"])
+
+
+def _layout_violations(kv):
+    """(argument, tensor) pairs that break only a kernel-layout rule (shapes and dtypes are right)."""
+    return [
+        ("query", torch.zeros(T, HQ, 256, dtype=torch.bfloat16)[..., :128]),
+        ("query", torch.zeros(T, HQ * 128 + 8, dtype=torch.bfloat16)[:, : HQ * 128].view(T, HQ, 128)),
+        ("query", torch.zeros(T * HQ * 128 + 1, dtype=torch.bfloat16)[1:].view(T, HQ, 128)),
+        ("kv_cache", torch.zeros(kv.numel() + 1, dtype=torch.uint8)[1:].view(kv.shape)),
+        ("out", torch.zeros(HQ, T, 128, dtype=torch.bfloat16).transpose(0, 1)),
+        ("out", torch.zeros(T * HQ * 128 + 1, dtype=torch.bfloat16)[1:].view(T, HQ, 128)),
+        ("lse", torch.zeros(HQ, T).t()),
+    ]
 
 
 # ----------------------------------------------------------------------------- fast paths
@@ -460,20 +466,8 @@ def test_fast_op_check_accepts_valid_inputs(variant, with_lse):
 
 def test_fast_op_check_rejects_kernel_layout_violations():
     a = _op_base()
-    c, _ = base()
-    kv = c.kv_cache
-    bad = {
-        "query": [torch.zeros(T, HQ, 256, dtype=torch.bfloat16)[..., :128],
-                  torch.zeros(T, HQ * 128 + 8, dtype=torch.bfloat16)[:, : HQ * 128].view(T, HQ, 128),
-                  torch.zeros(T * HQ * 128 + 1, dtype=torch.bfloat16)[1:].view(T, HQ, 128)],
-        "kv_cache": [torch.zeros(kv.numel() + 1, dtype=torch.uint8)[1:].view(kv.shape)],
-        "out": [torch.zeros(HQ, T, 128, dtype=torch.bfloat16).transpose(0, 1),
-                torch.zeros(T * HQ * 128 + 1, dtype=torch.bfloat16)[1:].view(T, HQ, 128)],
-        "lse": [torch.zeros(HQ, T).t()],
-    }
-    for name, tensors in bad.items():
-        for x in tensors:
-            assert not _fast_op(dict(a, **{name: x})), name
+    for name, x in _layout_violations(a["kv_cache"]):
+        assert not _fast_op(dict(a, **{name: x})), name
 
 
 def test_fast_prepare_check():
