@@ -86,7 +86,7 @@ def entry_row(entry: Any) -> dict[str, Any]:
     except OSError:
         last_used = None
     return {
-        "key": entry.key, "geometry": geometry, "arch": cfg.get("arch", "?"),
+        "key": entry.key, "geometry": geometry, "arch": cfg.get("arch", "?"), "ctas_per_sm": cfg.get("ctas_per_sm", "?"),
         "q_dtype": Q_DTYPE_SHORT.get(cfg.get("q_dtype"), cfg.get("q_dtype", "?")),
         "dsl_version": fp.get("cutlass_dsl", "?"), "kernel_family": fp.get("kernel_family", "?"),
         "size": entry.size_bytes, "created": meta.get("created"), "last_used": last_used,
@@ -106,8 +106,8 @@ def _cmd_cache(args: argparse.Namespace) -> int:
             print(json.dumps(rows, indent=1))
             return 0
         print(format_table(
-            ["key", "geometry", "arch", "q dtype", "dsl", "size", "created", "last used"],
-            [[r["key"][:12] + (" (ro)" if r["readonly"] else ""), r["geometry"], r["arch"], r["q_dtype"],
+            ["key", "geometry", "arch", "q dtype", "CTAs/SM", "dsl", "size", "created", "last used"],
+            [[r["key"][:12] + (" (ro)" if r["readonly"] else ""), r["geometry"], r["arch"], r["q_dtype"], r["ctas_per_sm"],
               r["dsl_version"], human_size(r["size"]), _when(r["created"]), _when(r["last_used"])] for r in rows],
         ))
         print(f"{len(rows)} entries in {c.root}")
@@ -162,7 +162,7 @@ def short_kernel_name(name: str) -> str:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from . import sass, warmup
+    from . import compiler, sass, warmup
 
     try:
         configs = warmup.configs_from_args(args)
@@ -173,7 +173,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     out: list[dict[str, Any]] = []
     failed = False
     for r in rows:
-        base = {"geometry": r.geometry, "q_dtype": r.q, "arch": r.config.arch, "artifact": r.artifact}
+        base = {"geometry": r.geometry, "q_dtype": r.q, "arch": r.config.arch, "ctas_per_sm": r.config.ctas_per_sm,
+                "accepted_local_ops": compiler.accepted_local_ops(r.config), "artifact": r.artifact}
         if r.status == "failed" or not r.artifact:
             out.append({**base, "error": r.error})
             failed = True
@@ -185,16 +186,21 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             out.append({**base, "error": f"{type(e).__name__}: {e}"})
             failed = True
     print(warmup.format_table(
-        ["geometry", "q", "arch", "kernel", "sm", "regs", "smem", "LDL/STL", "MMA"],
-        [[o["geometry"], o["q_dtype"], o["arch"], short_kernel_name(o["kernel"]), o["sm"], o["registers"],
-          o["static_smem"], o["local_ops"], " ".join(f"{k}:{v}" for k, v in sorted(o["mma_ops"].items())) or "-"]
-         if "kernel" in o else [o["geometry"], o["q_dtype"], o["arch"], "ERROR", "", "", "", "", o["error"]]
+        ["geometry", "q", "arch", "CTAs/SM", "kernel", "sm", "regs", "smem", "LDL/STL", "MMA"],
+        [[o["geometry"], o["q_dtype"], o["arch"], o["ctas_per_sm"], short_kernel_name(o["kernel"]), o["sm"],
+          o["registers"], o["static_smem"],
+          f"{o['local_ops']}" + (f" (<= {o['accepted_local_ops']} accepted)" if o["accepted_local_ops"] else ""),
+          " ".join(f"{k}:{v}" for k, v in sorted(o["mma_ops"].items())) or "-"]
+         if "kernel" in o else [o["geometry"], o["q_dtype"], o["arch"], o["ctas_per_sm"], "ERROR", "", "", "", "",
+                                o["error"]]
          for o in out],
     ))
-    spills = [o for o in out if o.get("local_ops")]
+    # a known local-memory use of a build (compiler.accepted_local_ops) is not a spill; more is
+    spills = [o for o in out if o.get("local_ops", 0) > o["accepted_local_ops"]]
     for o in spills:
-        print(f"SPILL {o['geometry']} {o['q_dtype']} {o['arch']} {o['kernel']}: {o['local_ops']} LDL/STL")
-    print(f"{len(out)} kernel(s), {len(spills)} with local-memory ops{', errors above' if failed else ''}")
+        print(f"SPILL {o['geometry']} {o['q_dtype']} {o['arch']} {o['ctas_per_sm']}/SM {o['kernel']}: "
+              f"{o['local_ops']} LDL/STL (accepted: {o['accepted_local_ops']})")
+    print(f"{len(out)} kernel(s), {len(spills)} with local-memory ops beyond the accepted{', errors above' if failed else ''}")
     if args.json:
         Path(args.json).write_text(json.dumps({"kernels": out}, indent=1) + "\n", encoding="utf-8")
     return 1 if spills or failed else 0

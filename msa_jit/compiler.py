@@ -15,9 +15,10 @@ import os
 import shutil
 import subprocess
 import time
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from . import cache as _cache
 from . import env
@@ -57,21 +58,57 @@ def kernels_dir() -> Path:
     return Path(list(kernels_package().__path__)[0])
 
 
-# arch family -> (module in msa_jit.kernels, class name). The portable mma.sync kernel
-# serves every arch; arch-specialized kernels register here and must beat it to be chosen.
-KERNEL_REGISTRY: dict[str, tuple[str, str]] = {
-    "portable": ("sparse_decode_mma", "SparseDecodeMmaKernel"),
+@dataclass(frozen=True)
+class KernelFamily:
+    """One registered kernel class and the constructor options it is built with per occupancy."""
+
+    module: str  # in msa_jit.kernels
+    class_name: str
+    # SparseDecodeConfig.ctas_per_sm -> constructor options (docs/performance.md #29 measured them)
+    occupancies: Mapping[int, Mapping[str, Any]]
+    # ctas_per_sm -> local-memory instructions (LDL + STL) in the decode kernel's SASS that were
+    # measured and accepted; `msa-jit inspect` flags more as a spill (default: none accepted)
+    accepted_local_ops: Mapping[int, int] = field(default_factory=dict)
+
+
+# 3 CTAs per SM: 2 stages each, Q fragments in shared memory and K / V read per sub-tile (128
+# registers), lean softmax. 0.7-1.6 us faster than 2 CTAs x 3 stages on grids of 256 CTAs and
+# 7-15% on 320-384; 12-15% slower at 512 and 2-4% at 1024 (T1243 / T1246, same process).
+PORTABLE_THREE_PER_SM = {"q_frags": "smem", "smem_reads": "staged", "ctas_per_sm": 3, "stages": 2, "softmax": "lean"}
+
+# arch family -> kernel. The portable mma.sync kernel serves every arch; arch-specialized
+# kernels register here and must beat it to be chosen.
+KERNEL_REGISTRY: dict[str, KernelFamily] = {
+    # 3 per SM: one loop-carried row sum lives in local memory (L1-resident; the build is faster anyway)
+    "portable": KernelFamily("sparse_decode_mma", "SparseDecodeMmaKernel", {2: {}, 3: PORTABLE_THREE_PER_SM},
+                             accepted_local_ops={3: 6}),
     # tcgen05 kernel: compiles and its SASS is checked in CI, never run on hardware yet, so
     # kernel_family() picks it only with MSA_JIT_ENABLE_SM100_UMMA=1 on sm_100*.
-    "sm100": ("sparse_decode_sm100", "SparseDecodeSm100Kernel"),
+    "sm100": KernelFamily("sparse_decode_sm100", "SparseDecodeSm100Kernel", {2: {}}),
 }
 
 
 def kernel_family(config: SparseDecodeConfig) -> str:
-    """Which registered kernel serves this config (see KERNEL_REGISTRY)."""
+    """Which registered kernel serves this config (see KERNEL_REGISTRY); only its arch matters."""
     if config.arch.startswith("sm_100") and env.enable_sm100_umma() and "sm100" in KERNEL_REGISTRY:
         return "sm100"
     return "portable"
+
+
+def supported_ctas_per_sm(arch: str) -> tuple[int, ...]:
+    """The occupancies the kernel serving `arch` can be built for, ascending (the planner's choice)."""
+    family = KERNEL_REGISTRY[kernel_family(SparseDecodeConfig(1, 1, arch=arch))]
+    return tuple(sorted(family.occupancies))
+
+
+def accepted_local_ops(config: SparseDecodeConfig) -> int:
+    """LDL + STL instructions the decode kernel built for `config` may have without being a regression."""
+    return KERNEL_REGISTRY[kernel_family(config)].accepted_local_ops.get(config.ctas_per_sm, 0)
+
+
+def plannable_configs(config: SparseDecodeConfig) -> list[SparseDecodeConfig]:
+    """`config` at every occupancy the planner may pick for its arch (what a warmup builds)."""
+    return [replace(config, ctas_per_sm=n) for n in supported_ctas_per_sm(config.arch)]
 
 
 def _dist_version(*names: str) -> str:
@@ -125,10 +162,10 @@ def cache_key(config: SparseDecodeConfig) -> str:
 def _kernel_class(family: str):
     import importlib
 
-    module_name, class_name = KERNEL_REGISTRY[family]
+    entry = KERNEL_REGISTRY[family]
     kernels_package()
-    module = importlib.import_module(f"msa_jit.kernels.{module_name}")
-    return getattr(module, class_name)
+    module = importlib.import_module(f"msa_jit.kernels.{entry.module}")
+    return getattr(module, entry.class_name)
 
 
 def fake_arguments(config: SparseDecodeConfig) -> list[Any]:
@@ -185,13 +222,17 @@ def compile_sparse_decode(config: SparseDecodeConfig, out_dir: str | os.PathLike
 
     out_dir = Path(out_dir)
     family = kernel_family(config)
+    occupancies = KERNEL_REGISTRY[family].occupancies
+    if config.ctas_per_sm not in occupancies:
+        raise ValueError(f"cannot compile {config}: the {family} kernel has no build for "
+                         f"{config.ctas_per_sm} CTAs per SM (it has {sorted(occupancies)})")
     kernel = _kernel_class(family)(
         num_q_heads=config.num_q_heads,
         num_kv_heads=config.num_kv_heads,
         page_size=config.page_size,
         topk=config.topk,
         q_dtype=config.q_dtype,
-        **(kernel_options or {}),
+        **{**occupancies[config.ctas_per_sm], **(kernel_options or {})},
     )
     t0 = time.perf_counter()
     compiled = cute.compile(kernel, *fake_arguments(config), options=f"{COMPILE_OPTIONS} --gpu-arch {config.arch}")

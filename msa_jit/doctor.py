@@ -173,15 +173,16 @@ def probe_presets(arches: list[str], cache_dir: str | None = None) -> list[dict[
     for arch in arches:
         for hq, hkv in heads:
             for q in dtypes:
-                cfg = SparseDecodeConfig(hq, hkv, q_dtype=q, arch=arch)
-                row: dict[str, Any] = {"geometry": f"{hq}/{hkv}", "q_dtype": Q_DTYPE_SHORT[q], "arch": arch}
-                try:
-                    entry = c.lookup(compiler.cache_key(cfg))
-                    row["ready"] = entry is not None
-                    row["path"] = str(entry.path) if entry else None
-                except Exception as e:
-                    row["ready"], row["error"] = False, f"{type(e).__name__}: {e}"
-                rows.append(row)
+                for cfg in compiler.plannable_configs(SparseDecodeConfig(hq, hkv, q_dtype=q, arch=arch)):
+                    row: dict[str, Any] = {"geometry": f"{hq}/{hkv}", "q_dtype": Q_DTYPE_SHORT[q], "arch": arch,
+                                           "ctas_per_sm": cfg.ctas_per_sm}
+                    try:
+                        entry = c.lookup(compiler.cache_key(cfg))
+                        row["ready"] = entry is not None
+                        row["path"] = str(entry.path) if entry else None
+                    except Exception as e:
+                        row["ready"], row["error"] = False, f"{type(e).__name__}: {e}"
+                    rows.append(row)
     return rows
 
 
@@ -278,7 +279,7 @@ def render(r: dict[str, Any]) -> str:
     else:
         for row in p:
             state = "ready" if row["ready"] else ("error: " + row["error"] if "error" in row else "missing")
-            add(f"  {row['geometry']:<5} {row['q_dtype']:<4} {row['arch']:<8} {state}")
+            add(f"  {row['geometry']:<5} {row['q_dtype']:<4} {row['arch']:<8} {row['ctas_per_sm']}/SM {state}")
         missing = sum(not row["ready"] for row in p)
         add(f"  {len(p) - missing}/{len(p)} ready" + ("; warm the rest with: msa-jit warmup --preset minimax-m3 --arch "
                                                        + ",".join(r["target_arches"]) if missing else ""))

@@ -27,6 +27,9 @@ Q_DTYPES = ("bfloat16", "float8_e4m3fn")
 KV_DTYPES = ("float8_e4m3fn",)
 OUT_DTYPES = ("bfloat16",)
 DEFAULT_ARCH = "sm_90a"
+# CTAs per SM a kernel can be built for: 2 (the default) or 3 (for grids of one wave at 3 per SM;
+# the planner picks, see planner.choose_ctas_per_sm)
+CTAS_PER_SM = (2, 3)
 _ARCH_RE = re.compile(r"sm_\d+a?")
 
 
@@ -75,7 +78,9 @@ def device_arch(device: Any) -> str:
 class SparseDecodeConfig:
     """Everything a compiled sparse decode kernel is specialized on.
 
-    Runtime sizes (T, P, B, max_blocks, qlen, num_splits) are not part of it.
+    Runtime sizes (T, P, B, max_blocks, qlen, num_splits) are not part of it. ctas_per_sm:
+    the occupancy the kernel is built for (one of CTAS_PER_SM; the planner picks it per step
+    shape, and the compiler maps it to the kernel class's options).
     """
 
     num_q_heads: int
@@ -87,6 +92,7 @@ class SparseDecodeConfig:
     kv_dtype: str = "float8_e4m3fn"
     out_dtype: str = "bfloat16"
     arch: str = DEFAULT_ARCH
+    ctas_per_sm: int = 2
 
     @property
     def group_size(self) -> int:
@@ -102,7 +108,7 @@ class SparseDecodeConfig:
         return (
             f"sparse_decode Hq={self.num_q_heads} Hkv={self.num_kv_heads} (G={self.group_size}) "
             f"D={self.head_dim} page={self.page_size} topk={self.topk} q={self.q_dtype} "
-            f"kv={self.kv_dtype} out={self.out_dtype}"
+            f"kv={self.kv_dtype} out={self.out_dtype} ctas/SM={self.ctas_per_sm}"
         )
 
     def validate(self) -> "SparseDecodeConfig":
@@ -184,6 +190,8 @@ def check_config(cfg: SparseDecodeConfig) -> str | None:
         reasons.append(f"kv_dtype must be {KV_DTYPES[0]!r}, got {cfg.kv_dtype!r}")
     if cfg.out_dtype not in OUT_DTYPES:
         reasons.append(f"out_dtype must be {OUT_DTYPES[0]!r}, got {cfg.out_dtype!r}")
+    if not _is_int(cfg.ctas_per_sm) or cfg.ctas_per_sm not in CTAS_PER_SM:
+        reasons.append(f"ctas_per_sm must be one of {CTAS_PER_SM}, got {cfg.ctas_per_sm!r}")
     if not isinstance(cfg.arch, str) or not _ARCH_RE.fullmatch(cfg.arch):
         reasons.append(f"arch must look like 'sm_90a' / 'sm_100a', got {cfg.arch!r}")
     return "; ".join(reasons) if reasons else None

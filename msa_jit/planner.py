@@ -16,13 +16,14 @@ from typing import Any, Callable
 
 import torch
 
-from .geometry import HEAD_DIM, SparseDecodeConfig, device_arch, dtype_name, torch_dtype
+from .geometry import CTAS_PER_SM, HEAD_DIM, SparseDecodeConfig, device_arch, dtype_name, torch_dtype
 from .validation import validate_prepare, validate_prepare_tensors, validate_seq_lens_cpu
 
 __all__ = [
     "DEFAULT_NUM_SMS",
     "SparseDecodePlan",
     "SparseDecodePlanner",
+    "choose_ctas_per_sm",
     "choose_num_splits",
     "default_planner",
     "prepare",
@@ -58,6 +59,20 @@ def choose_num_splits(num_rows_heads: int, topk: int, num_sms: int) -> int:
     splits = min(topk, -(-TARGET_WAVES * num_sms // num_rows_heads))
     per_split = -(-topk // splits)
     return max(1, -(-topk // per_split))
+
+
+def choose_ctas_per_sm(grid_ctas: int, num_sms: int, supported: tuple[int, ...] = (2,)) -> int:
+    """Occupancy of the kernel for a grid of `grid_ctas` = T*Hkv*num_splits CTAs.
+
+    3 per SM (2 stages each) when the grid is more than one CTA per SM and fits one wave at 3 per
+    SM, else 2 (3 stages each). Measured on the H200 (docs/performance.md #29): 3 per SM is
+    0.7-1.6 us faster at 256 CTAs and 7-15% at 320-384 (one wave instead of 1.2-1.5), equal at
+    64, 12-15% slower at 512 (1.3 waves) and 2-4% at 1024. `supported`: what the arch's
+    kernel can be built for (compiler.supported_ctas_per_sm).
+    """
+    if 3 in supported and num_sms < grid_ctas <= 3 * num_sms:
+        return 3
+    return 2 if 2 in supported else min(supported)
 
 
 @functools.lru_cache(maxsize=None)
@@ -99,6 +114,7 @@ class SparseDecodePlan:
     block_table: torch.Tensor
     seq_lens: torch.Tensor
     arch: str | None = None
+    ctas_per_sm: int = 2  # occupancy of the kernel serving this plan (choose_ctas_per_sm)
     kernels: dict[torch.dtype, Callable[..., Any]] = field(default_factory=dict)
     # refresh(seq_lens): the per-step prologue launch bound to this plan's tensors (planner sets it)
     refresh: Callable[[torch.Tensor], None] | None = None
@@ -134,6 +150,7 @@ class SparseDecodePlan:
             topk=self.topk,
             q_dtype=dtype_name(q_dtype),
             arch=self.arch,
+            ctas_per_sm=self.ctas_per_sm,
         )
 
     def kernel_tensors(self) -> tuple[Any, ...]:
@@ -173,15 +190,20 @@ class SparseDecodePlan:
 class SparseDecodePlanner:
     """Cache of SparseDecodePlan per key; `prepare` is called once per decode step.
 
-    num_sms: SM count used by `choose_num_splits` (default: the CUDA device's, or
-    DEFAULT_NUM_SMS on other devices). arch: target arch for plans on non-CUDA devices
-    (CUDA plans use the device's own, e.g. "sm_90a").
+    num_sms: SM count used by `choose_num_splits` / `choose_ctas_per_sm` (default: the CUDA
+    device's, or DEFAULT_NUM_SMS on other devices). arch: target arch for plans on non-CUDA
+    devices (CUDA plans use the device's own, e.g. "sm_90a"). ctas_per_sm: pin the kernel's
+    occupancy (2 or 3) instead of choosing it per step shape.
     """
 
-    def __init__(self, *, num_sms: int | None = None, arch: str | None = None) -> None:
+    def __init__(self, *, num_sms: int | None = None, arch: str | None = None,
+                 ctas_per_sm: int | None = None) -> None:
+        if ctas_per_sm is not None and ctas_per_sm not in CTAS_PER_SM:
+            raise ValueError(f"ctas_per_sm must be None or one of {CTAS_PER_SM}, got {ctas_per_sm!r}")
         self.plans: dict[PlanKey, SparseDecodePlan] = {}
         self.num_sms = num_sms
         self.arch = arch
+        self.ctas_per_sm = ctas_per_sm
         self._lock = threading.Lock()
 
     def prepare(
@@ -247,6 +269,14 @@ class SparseDecodePlanner:
         num_sms = self.num_sms if self.num_sms is not None else _device_num_sms(device)
         splits = choose_num_splits(T * hkv, topk, num_sms)
         arch = device_arch(device) if device.type == "cuda" else self.arch
+        from .compiler import supported_ctas_per_sm
+
+        supported = supported_ctas_per_sm(arch) if arch is not None else CTAS_PER_SM
+        ctas_per_sm = self.ctas_per_sm
+        if ctas_per_sm is None:
+            ctas_per_sm = choose_ctas_per_sm(T * hkv * splits, num_sms, supported)
+        elif ctas_per_sm not in supported:
+            raise ValueError(f"ctas_per_sm={ctas_per_sm}: the kernel for {arch} is built for {supported} only")
         f32 = dict(dtype=torch.float32, device=device)
         plan = SparseDecodePlan(
             num_q_heads=hq,
@@ -267,6 +297,7 @@ class SparseDecodePlanner:
             block_table=block_table,
             seq_lens=seq_lens,
             arch=arch,
+            ctas_per_sm=ctas_per_sm,
         )
         from .prologue import bind_refresh  # imports triton: only once a plan is built
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-from . import env
+from . import compiler, env
 from .geometry import SparseDecodeConfig, check_config
 
 log = logging.getLogger("msa_jit")
@@ -124,8 +124,8 @@ def configs_from_args(args: argparse.Namespace) -> list[SparseDecodeConfig]:
                 reason = check_config(cfg)
                 if reason:
                     raise ValueError(f"{hq}/{hkv} {Q_DTYPE_SHORT.get(q, q)} {arch}: {reason}")
-                if cfg not in out:
-                    out.append(cfg)
+                # every occupancy the planner may pick for a step shape (compiler imports no DSL)
+                out.extend(c for c in compiler.plannable_configs(cfg) if c not in out)
     return out
 
 
@@ -173,7 +173,7 @@ class WarmupRow:
         return {
             "geometry": self.geometry, "num_q_heads": c.num_q_heads, "num_kv_heads": c.num_kv_heads,
             "page_size": c.page_size, "topk": c.topk, "q_dtype": c.q_dtype, "arch": c.arch,
-            "status": self.status, "seconds": round(self.seconds, 3), "artifact": self.artifact,
+            "ctas_per_sm": c.ctas_per_sm, "status": self.status, "seconds": round(self.seconds, 3), "artifact": self.artifact,
             "key": self.key, "error": self.error,
         }
 
@@ -258,10 +258,10 @@ def _progress(total: int, quiet: bool) -> tuple[Callable[[WarmupRow], None], Cal
         if quiet:
             return
         if bar is not None:
-            bar.set_postfix_str(f"{row.geometry} {row.q} {row.config.arch} {row.status}")
+            bar.set_postfix_str(f"{row.geometry} {row.q} {row.config.arch} {row.config.ctas_per_sm}/SM {row.status}")
             bar.update(1)
         else:
-            print(f"[{done[0]}/{total}] {row.geometry} {row.q} {row.config.arch}: {row.status} "
+            print(f"[{done[0]}/{total}] {row.geometry} {row.q} {row.config.arch} {row.config.ctas_per_sm}/SM: {row.status} "
                   f"({row.seconds:.1f}s)", file=sys.stderr, flush=True)
 
     def close() -> None:
@@ -323,13 +323,14 @@ def summary(rows: Sequence[WarmupRow]) -> dict[str, int]:
 def render(rows: Sequence[WarmupRow]) -> str:
     """The closing table, failures' errors, and the `N compiled, M cached, K failed` line."""
     table = format_table(
-        ["geometry", "q dtype", "arch", "status", "seconds", "artifact"],
-        [[r.geometry, r.q, r.config.arch, r.status, f"{r.seconds:.2f}", r.artifact or "-"] for r in rows],
+        ["geometry", "q dtype", "arch", "CTAs/SM", "status", "seconds", "artifact"],
+        [[r.geometry, r.q, r.config.arch, r.config.ctas_per_sm, r.status, f"{r.seconds:.2f}", r.artifact or "-"]
+         for r in rows],
     )
     parts = [table]
     for r in rows:
         if r.status == "failed":
-            parts.append(f"FAILED {r.geometry} {r.q} {r.config.arch}: {r.error}")
+            parts.append(f"FAILED {r.geometry} {r.q} {r.config.arch} {r.config.ctas_per_sm}/SM: {r.error}")
     s = summary(rows)
     parts.append(f"{s['compiled']} compiled, {s['cached']} cached, {s['failed']} failed")
     return "\n".join(parts)

@@ -14,11 +14,14 @@ from helpers import make_case
 
 for q_dtype in (torch.bfloat16, torch.float8_e4m3fn):
     for num_sms in (1, 100000):
-        case = make_case(3, 4, 16, 1, q_dtype=q_dtype, seed=3, device="cuda", adversarial=True, padded=True)
-        out, lse = case.new_out(), case.new_lse()
-        plan = msa_jit.SparseDecodePlanner(num_sms=num_sms).prepare(*case.prepare_args(), **case.prepare_kwargs())
-        msa_jit.sparse_decode(case.query, case.kv_cache, case.topk, out, plan, lse=lse, backend="kernel", **case.scales())
-        torch.cuda.synchronize()
-        assert not out.isnan().any() and not lse.isnan().any()
-        print(f"memcheck case q={q_dtype} splits={plan.num_splits} ok")
+        for ctas_per_sm in (2, 3):  # both kernel builds the planner picks from
+            case = make_case(3, 4, 16, 1, q_dtype=q_dtype, seed=3, device="cuda", adversarial=True, padded=True)
+            out, lse = case.new_out(), case.new_lse()
+            planner = msa_jit.SparseDecodePlanner(num_sms=num_sms, ctas_per_sm=ctas_per_sm)
+            plan = planner.prepare(*case.prepare_args(), **case.prepare_kwargs())
+            msa_jit.sparse_decode(case.query, case.kv_cache, case.topk, out, plan, lse=lse, backend="kernel",
+                                  **case.scales())
+            torch.cuda.synchronize()
+            assert not out.isnan().any() and not lse.isnan().any()
+            print(f"memcheck case q={q_dtype} splits={plan.num_splits} {ctas_per_sm}/SM ok")
 sys.exit(0)

@@ -66,26 +66,31 @@ def copy_of(warm: dict, tmp_path: Path) -> Path:
 def test_warmup_compiles_and_reports(warm):
     assert warm["rc"] == 0, warm["out"] + warm["err"]
     lines = warm["out"].splitlines()
-    assert lines[0].split() == ["geometry", "q", "dtype", "arch", "status", "seconds", "artifact"]
-    row = lines[2].split()
-    assert row[:4] == ["8/1", "bf16", "sm_90a", "compiled"] and Path(row[5]).is_file()
-    assert lines[-1] == "1 compiled, 0 cached, 0 failed"
-    assert "[1/1] 8/1 bf16 sm_90a: compiled" in warm["err"]  # not a TTY: one line per item
+    assert lines[0].split() == ["geometry", "q", "dtype", "arch", "CTAs/SM", "status", "seconds", "artifact"]
+    # one geometry: a build for each occupancy the planner may pick (2 and 3 CTAs per SM)
+    for line, n in zip(lines[2:4], (2, 3)):
+        row = line.split()
+        assert row[:5] == ["8/1", "bf16", "sm_90a", str(n), "compiled"] and Path(row[6]).is_file()
+    assert lines[-1] == "2 compiled, 0 cached, 0 failed"
+    for n in (2, 3):  # not a TTY: one line per item
+        assert f"8/1 bf16 sm_90a {n}/SM: compiled" in warm["err"]
+    assert "[2/2]" in warm["err"]
     doc = warm["json"]
-    assert doc["compiled"] == 1 and doc["cached"] == 0 and doc["failed"] == 0
-    r = doc["rows"][0]
-    assert (r["num_q_heads"], r["num_kv_heads"], r["q_dtype"], r["arch"], r["status"]) == (
-        8, 1, "bfloat16", "sm_90a", "compiled")
-    assert r["artifact"].startswith(str(warm["root"])) and r["seconds"] > 0 and len(r["key"]) == 64
+    assert doc["compiled"] == 2 and doc["cached"] == 0 and doc["failed"] == 0
+    assert len({r["key"] for r in doc["rows"]}) == 2
+    for r, n in zip(doc["rows"], (2, 3)):
+        assert (r["num_q_heads"], r["num_kv_heads"], r["q_dtype"], r["arch"], r["ctas_per_sm"], r["status"]) == (
+            8, 1, "bfloat16", "sm_90a", n, "compiled")
+        assert r["artifact"].startswith(str(warm["root"])) and r["seconds"] > 0 and len(r["key"]) == 64
 
 
 @pytest.mark.slow
 def test_warmup_again_is_cached_and_quiet(warm, tmp_path):
     js = tmp_path / "again.json"
     rc, out, err = run_main(["warmup", *WARM_ARGS, "--cache-dir", str(warm["root"]), "--json", str(js), "--quiet"])
-    assert rc == 0 and out.splitlines()[-1] == "0 compiled, 1 cached, 0 failed"
-    assert "[1/1]" not in err
-    assert json.loads(js.read_text())["rows"][0]["status"] == "cached"
+    assert rc == 0 and out.splitlines()[-1] == "0 compiled, 2 cached, 0 failed"
+    assert "[1/2]" not in err
+    assert [r["status"] for r in json.loads(js.read_text())["rows"]] == ["cached", "cached"]
 
 
 def ns(**kw) -> argparse.Namespace:
@@ -104,12 +109,14 @@ def test_geometry_flags(monkeypatch):
         with pytest.raises(ValueError):
             bad()
     cfgs = warmup.configs_from_args(ns(heads=["64/4,16/1"], q_dtype=["bf16,fp8"], arch=["sm_90a,sm_100a"], topk=8))
-    assert len(cfgs) == 8 and all(c.topk == 8 for c in cfgs)
-    assert SparseDecodeConfig(16, 1, topk=8, q_dtype="float8_e4m3fn", arch="sm_100a") in cfgs
+    # x 2 occupancies (2 and 3 CTAs per SM: the planner picks per step shape)
+    assert len(cfgs) == 16 and all(c.topk == 8 for c in cfgs)
+    assert {c.ctas_per_sm for c in cfgs} == {2, 3}
+    assert SparseDecodeConfig(16, 1, topk=8, q_dtype="float8_e4m3fn", arch="sm_100a", ctas_per_sm=3) in cfgs
     # --preset minimax-m3: 4 head layouts x bf16,fp8 x archs; explicit flags replace the preset's
-    assert len(warmup.configs_from_args(ns(preset="minimax-m3", arch=["sm_100a"]))) == 8
+    assert len(warmup.configs_from_args(ns(preset="minimax-m3", arch=["sm_100a"]))) == 16
     only = warmup.configs_from_args(ns(preset="minimax-m3", arch=["sm_90a"], q_dtype=["fp8"]))
-    assert len(only) == 4 and {c.q_dtype for c in only} == {"float8_e4m3fn"}
+    assert len(only) == 8 and {c.q_dtype for c in only} == {"float8_e4m3fn"}
     with pytest.raises(ValueError, match="--heads"):
         warmup.configs_from_args(ns())
     with pytest.raises(ValueError, match="multiple"):
@@ -124,7 +131,7 @@ def test_default_arch(monkeypatch):
     assert warmup.default_arches() == ["sm_100a"]
     monkeypatch.setenv("MSA_JIT_ARCH", "9.0a")
     assert warmup.default_arches() == ["sm_90a"]
-    assert [c.arch for c in warmup.configs_from_args(ns(heads=["8/1"], arch=["sm_100a"]))] == ["sm_100a"] * 2
+    assert [c.arch for c in warmup.configs_from_args(ns(heads=["8/1"], arch=["sm_100a"]))] == ["sm_100a"] * 4
 
 
 def test_warmup_bad_geometry_exits_2():
@@ -147,7 +154,7 @@ def test_failed_rows_exit_1(monkeypatch, tmp_path):
     monkeypatch.setattr(warmup, "run_warmup", fake_run)
     js = tmp_path / "f.json"
     rc, out, _ = run_main(["warmup", *WARM_ARGS, "--json", str(js)])
-    assert rc == 1 and "0 compiled, 0 cached, 1 failed" in out and "FAILED 8/1 bf16 sm_90a: ArtifactMissingError" in out
+    assert rc == 1 and "0 compiled, 0 cached, 1 failed" in out and "FAILED 8/1 bf16 sm_90a 2/SM: ArtifactMissingError" in out
     assert json.loads(js.read_text())["rows"][0]["error"].startswith("ArtifactMissingError")
 
 
@@ -187,19 +194,20 @@ def test_logging_follows_env(monkeypatch, tmp_path):
 def test_cache_list_and_info(warm, tmp_path):
     root = copy_of(warm, tmp_path)
     rc, out, _ = run_main(["cache", "list", "--cache-dir", str(root)])
-    key = warm["json"]["rows"][0]["key"]
-    assert rc == 0 and out.splitlines()[0].split()[:5] == ["key", "geometry", "arch", "q", "dtype"]
-    row = out.splitlines()[2].split()
-    assert row[:5] == [key[:12], "8/1", "sm_90a", "bf16", compiler_dsl_version()]
-    assert "1 entries in" in out
+    keys = {r["key"]: r["ctas_per_sm"] for r in warm["json"]["rows"]}  # one geometry, 2 occupancies
+    assert rc == 0 and out.splitlines()[0].split()[:6] == ["key", "geometry", "arch", "q", "dtype", "CTAs/SM"]
+    rows = sorted(line.split()[:6] for line in out.splitlines()[2:4])
+    assert rows == sorted([k[:12], "8/1", "sm_90a", "bf16", str(n), compiler_dsl_version()] for k, n in keys.items())
+    assert "2 entries in" in out
     rc, out, _ = run_main(["cache", "list", "--json", "--cache-dir", str(root)])
-    (entry,) = json.loads(out)
-    assert entry["key"] == key and entry["size"] > 0 and entry["created"] and entry["last_used"]
+    entries = json.loads(out)
+    assert {e["key"]: e["ctas_per_sm"] for e in entries} == keys
+    assert all(e["size"] > 0 and e["created"] and e["last_used"] for e in entries)
     rc, out, _ = run_main(["cache", "info", "--cache-dir", str(root)])
-    assert rc == 0 and str(root) in out and "entries:        1" in out and "cap:" in out and "fallback:       none" in out
+    assert rc == 0 and str(root) in out and "entries:        2" in out and "cap:" in out and "fallback:       none" in out
     rc, out, _ = run_main(["cache", "info", "--json", "--cache-dir", str(root)])
     info = json.loads(out)
-    assert info["entries"] == 1 and info["cap_bytes"] == env.cache_max_bytes() and info["fallback_reason"] is None
+    assert info["entries"] == 2 and info["cap_bytes"] == env.cache_max_bytes() and info["fallback_reason"] is None
 
 
 def compiler_dsl_version() -> str:
@@ -212,7 +220,7 @@ def compiler_dsl_version() -> str:
 def test_cache_verify_prune_clear(warm, tmp_path):
     root = copy_of(warm, tmp_path)
     rc, out, _ = run_main(["cache", "verify", "--cache-dir", str(root)])
-    assert rc == 0 and "1 ok, 0 bad" in out
+    assert rc == 0 and "2 ok, 0 bad" in out
     so = Path(warm["json"]["rows"][0]["artifact"].replace(str(warm["root"]), str(root)))
     data = bytearray(so.read_bytes())
     data[100] ^= 1
@@ -227,13 +235,13 @@ def test_cache_verify_prune_clear(warm, tmp_path):
     rc, out, _ = run_main(["cache", "prune", "--cache-dir", str(root2)])  # default cap: 2 GiB
     assert rc == 0 and "pruned 0 path(s)" in out
     rc, out, _ = run_main(["cache", "prune", "--max-bytes", "0", "--cache-dir", str(root2)])
-    assert rc == 0 and "pruned 1 path(s)" in out and cache.ArtifactCache(root2).entries() == []
+    assert rc == 0 and "pruned 2 path(s)" in out and cache.ArtifactCache(root2).entries() == []
 
     root3 = copy_of(warm, tmp_path / "c")
     rc, out, err = run_main(["cache", "clear", "--cache-dir", str(root3)])
-    assert rc == 2 and "--yes" in err and len(cache.ArtifactCache(root3).entries()) == 1
+    assert rc == 2 and "--yes" in err and len(cache.ArtifactCache(root3).entries()) == 2
     rc, out, _ = run_main(["cache", "clear", "--yes", "--cache-dir", str(root3)])
-    assert rc == 0 and "cleared 1 path(s)" in out and cache.ArtifactCache(root3).entries() == []
+    assert rc == 0 and "cleared 2 path(s)" in out and cache.ArtifactCache(root3).entries() == []
 
 
 def test_parse_size():
@@ -260,12 +268,13 @@ def test_doctor_without_gpu(warm, monkeypatch):
         assert name in out
     assert "MSA_JIT_LOCK_TIMEOUT='soon'  INVALID" in out
     assert "cute-dsl" in out and "libcute_dsl_runtime.so: /" in out and "DSL compiler (cutlass): importable" in out
-    assert "8/1   bf16 sm_90a   ready" in out and "1/8 ready" in out and "sm_100a" not in out.split("readiness")[1].split("Kernel")[0]
+    assert "8/1   bf16 sm_90a   2/SM ready" in out and "8/1   bf16 sm_90a   3/SM ready" in out
+    assert "2/16 ready" in out and "sm_100a" not in out.split("readiness")[1].split("Kernel")[0]
     rc, out, _ = run_main(["doctor", "--json", "--cache-dir", str(warm["root"])])
     rep = json.loads(out)
     assert rc == 0 and rep["gpu"]["available"] is False and rep["target_arches"] == ["sm_90a"]
     assert rep["kernel_selection"]["families"] == {"sm_90a": "portable"}
-    assert sum(r["ready"] for r in rep["presets"]) == 1 and rep["cache"]["entries"] == 1
+    assert sum(r["ready"] for r in rep["presets"]) == 2 and rep["cache"]["entries"] == 2
 
 
 def test_doctor_survives_broken_probes(monkeypatch):
@@ -302,15 +311,21 @@ def test_inspect_one_geometry(warm, tmp_path, monkeypatch):
     js = tmp_path / "inspect.json"
     rc, out, _ = run_main(["inspect", *WARM_ARGS, "--cache-dir", str(warm["root"]), "--json", str(js), "-q"])
     assert rc == 0, out
-    assert out.splitlines()[0].split() == ["geometry", "q", "arch", "kernel", "sm", "regs", "smem", "LDL/STL", "MMA"]
-    assert "HMMA:" in out and "0 with local-memory ops" in out
+    assert out.splitlines()[0].split() == ["geometry", "q", "arch", "CTAs/SM", "kernel", "sm", "regs", "smem",
+                                           "LDL/STL", "MMA"]
+    assert "HMMA:" in out and "0 with local-memory ops beyond the accepted" in out
     kernels = json.loads(js.read_text())["kernels"]
-    assert kernels and all(k["sm"] == 90 and k["local_ops"] == 0 and k["registers"] > 0 for k in kernels)
+    assert kernels and all(k["sm"] == 90 and k["registers"] > 0 for k in kernels)
     assert any(k["mma_ops"].get("HMMA") for k in kernels)
+    # 2 per SM: no local memory; 3 per SM: 128 registers, a few accepted LDL/STL (one row sum)
+    assert {k["ctas_per_sm"] for k in kernels} == {2, 3}
+    assert all(k["local_ops"] == 0 for k in kernels if k["ctas_per_sm"] == 2)
+    assert all(k["local_ops"] <= k["accepted_local_ops"] == 6 and k["registers"] <= 128
+               for k in kernels if k["ctas_per_sm"] == 3)
 
     from msa_jit import sass
 
     spilled = [dict(k, local_ops=7) for k in kernels]
     monkeypatch.setattr(sass, "summarize", lambda path: spilled)
     rc, out, _ = run_main(["inspect", *WARM_ARGS, "--cache-dir", str(warm["root"]), "-q"])
-    assert rc == 1 and "SPILL 8/1 bf16 sm_90a" in out
+    assert rc == 1 and "SPILL 8/1 bf16 sm_90a 2/SM" in out and "SPILL 8/1 bf16 sm_90a 3/SM" in out

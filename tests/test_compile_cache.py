@@ -147,14 +147,17 @@ def test_four_concurrent_warmups_compile_once(tmp_path):
     for p, (so, se) in zip(procs, outs):
         assert p.returncode == 0, se
     docs = [json.loads((tmp_path / f"out_{i}.json").read_text()) for i in range(4)]
-    statuses = sorted(d["rows"][0]["status"] for d in docs)
-    assert statuses == ["cached", "cached", "cached", "compiled"], statuses
-    assert len({d["rows"][0]["artifact"] for d in docs}) == 1
+    # one geometry = one row per occupancy the planner may pick (2 and 3 CTAs per SM)
+    assert [[r["ctas_per_sm"] for r in d["rows"]] for d in docs] == [[2, 3]] * 4
+    for i in range(2):  # each build compiled by exactly one of the four, found by the rest
+        statuses = sorted(d["rows"][i]["status"] for d in docs)
+        assert statuses == ["cached", "cached", "cached", "compiled"], statuses
+        assert len({d["rows"][i]["artifact"] for d in docs}) == 1
     for d, (so, se) in zip(docs, outs):
-        compiled = d["rows"][0]["status"] == "compiled"
-        assert ("msa-jit compiled" in se) == compiled, se  # the compile's log line, at MSA_JIT_LOG_LEVEL=info
-        assert ("1 compiled, 0 cached" if compiled else "0 compiled, 1 cached") in so
-    print("concurrent warmup seconds:", [d["rows"][0]["seconds"] for d in docs])
+        n = sum(r["status"] == "compiled" for r in d["rows"])
+        assert se.count("msa-jit compiled") == n, se  # the compile's log line, at MSA_JIT_LOG_LEVEL=info
+        assert f"{n} compiled, {2 - n} cached" in so
+    print("concurrent warmup seconds:", [[r["seconds"] for r in d["rows"]] for d in docs])
 
 
 def test_unusable_cache_dir_falls_back_compiles_and_loads(tmp_path, monkeypatch):
@@ -233,4 +236,4 @@ def test_no_compile_empty_cache_names_warmup_command(tmp_path, monkeypatch):
     from msa_jit.warmup import configs_from_args
 
     args = build_parser().parse_args(shlex.split(hint.splitlines()[0])[1:])
-    assert configs_from_args(args) == [cfg]
+    assert cfg in configs_from_args(args)  # with the geometry's other occupancy (warmup builds both)

@@ -7,6 +7,7 @@ layouts; outputs poisoned with NaN before each run and checked fully written.
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -26,6 +27,8 @@ QLENS = [1, 2, 4, 8, 32]
 Q_DTYPES = [torch.bfloat16, torch.float8_e4m3fn]
 BATCHES = [1, 3, 16, 64]
 TOL = 1e-2
+# the occupancies the planner may pick for the portable kernel (pinned here so both run at every shape)
+CTAS_PER_SM = (2, 3)
 
 
 def _rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -63,36 +66,39 @@ def _check(case, out, lse, tag):
 @pytest.mark.parametrize("q_dtype", Q_DTYPES, ids=["bf16", "fp8"])
 @pytest.mark.parametrize("qlen", QLENS)
 @pytest.mark.parametrize("batch", BATCHES)
-def test_kernel_matches_reference(hq, hkv, q_dtype, qlen, batch, record_property):
+@pytest.mark.parametrize("ctas_per_sm", CTAS_PER_SM, ids=lambda n: f"{n}perSM")
+def test_kernel_matches_reference(hq, hkv, q_dtype, qlen, batch, ctas_per_sm, record_property):
     import msa_jit
 
     seed = zlib.crc32(f"{hq}/{hkv}/{q_dtype}/{qlen}/{batch}".encode())
     case = make_case(batch, qlen, hq, hkv, q_dtype=q_dtype, seed=seed, device="cuda",
                      transposed_topk=bool(seed % 2), padded=batch > 1 and seed % 3 == 0)
-    planner = msa_jit.SparseDecodePlanner()
+    planner = msa_jit.SparseDecodePlanner(ctas_per_sm=ctas_per_sm)
     out, lse, plan = _run(case, planner)
-    err = _check(case, out, lse, f"{hq}/{hkv} {q_dtype} qlen={qlen} B={batch}")
+    err = _check(case, out, lse, f"{hq}/{hkv} {q_dtype} qlen={qlen} B={batch} {ctas_per_sm}/SM")
     record_property("rel_l2", err)
     record_property("num_splits", plan.num_splits)
-    print(f"REL_L2 {hq}/{hkv} {str(q_dtype)[6:]} qlen={qlen} B={batch} splits={plan.num_splits} err={err:.3e}")
+    print(f"REL_L2 {hq}/{hkv} {str(q_dtype)[6:]} qlen={qlen} B={batch} splits={plan.num_splits} "
+          f"{ctas_per_sm}/SM err={err:.3e}")
 
 
 @pytest.mark.parametrize("num_sms", [1, 132, 100000], ids=["splits1", "splits_auto", "splits_max"])
 @pytest.mark.parametrize("q_dtype", Q_DTYPES, ids=["bf16", "fp8"])
-def test_split_kv_paths_agree(num_sms, q_dtype):
+@pytest.mark.parametrize("ctas_per_sm", CTAS_PER_SM, ids=lambda n: f"{n}perSM")
+def test_split_kv_paths_agree(num_sms, q_dtype, ctas_per_sm):
     import msa_jit
 
     case = make_case(3, 4, 64, 4, q_dtype=q_dtype, seed=7, device="cuda", padded=True)
-    out, lse, plan = _run(case, msa_jit.SparseDecodePlanner(num_sms=num_sms))
-    _check(case, out, lse, f"num_splits={plan.num_splits}")
+    out, lse, plan = _run(case, msa_jit.SparseDecodePlanner(num_sms=num_sms, ctas_per_sm=ctas_per_sm))
+    _check(case, out, lse, f"num_splits={plan.num_splits} {ctas_per_sm}/SM")
 
 
 def test_bitwise_deterministic():
     import msa_jit
 
     case = make_case(16, 4, 64, 4, q_dtype=torch.bfloat16, seed=11, device="cuda")
-    for num_sms in (1, 100000):
-        planner = msa_jit.SparseDecodePlanner(num_sms=num_sms)
+    for num_sms, ctas_per_sm in itertools.product((1, 100000), CTAS_PER_SM):
+        planner = msa_jit.SparseDecodePlanner(num_sms=num_sms, ctas_per_sm=ctas_per_sm)
         a, la, _ = _run(case, planner)
         b, lb, _ = _run(case, planner)
         assert torch.equal(a, b) and torch.equal(la, lb)
@@ -169,10 +175,11 @@ def test_artifacts_load_without_the_compiler():
         rows = []
         for hq, hkv in [(64, 4), (32, 2), (16, 1), (8, 1)]:
             for qd in ("bfloat16", "float8_e4m3fn"):
-                cfg = SparseDecodeConfig(num_q_heads=hq, num_kv_heads=hkv, q_dtype=qd, arch=arch)
-                entry, built = compiler.ensure_compiled(cfg)
-                fn, secs = loader.load_artifact(entry.artifact_path(compiler.ARTIFACT_NAME))
-                rows.append((hq, hkv, qd, built, round(secs * 1e3, 2)))
+                base = SparseDecodeConfig(num_q_heads=hq, num_kv_heads=hkv, q_dtype=qd, arch=arch)
+                for cfg in compiler.plannable_configs(base):
+                    entry, built = compiler.ensure_compiled(cfg)
+                    fn, secs = loader.load_artifact(entry.artifact_path(compiler.ARTIFACT_NAME))
+                    rows.append((hq, hkv, qd, cfg.ctas_per_sm, built, round(secs * 1e3, 2)))
         print("LOADS", json.dumps(rows))
         print("CUTLASS_IMPORTED", "cutlass" in sys.modules)
         """

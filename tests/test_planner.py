@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import msa_jit
 from msa_jit import SparseDecodePlan, SparseDecodePlanner, sparse_decode, sparse_decode_reference
-from msa_jit.planner import choose_num_splits
+from msa_jit.planner import choose_ctas_per_sm, choose_num_splits
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -216,6 +216,52 @@ def test_choose_num_splits_examples():
     assert choose_num_splits(100, 16, 132) == 3    # 3 splits of 6, 6, 4
 
 
+# ----------------------------------------------------------------------------- occupancy
+@settings(max_examples=200, deadline=None)
+@given(grid=st.integers(1, 100_000), sms=st.integers(1, 200))
+def test_choose_ctas_per_sm_properties(grid, sms):
+    n = choose_ctas_per_sm(grid, sms, (2, 3))
+    assert n == (3 if sms < grid <= 3 * sms else 2)
+    assert choose_ctas_per_sm(grid, sms, (2,)) == 2  # a kernel built for 2 only never gets 3
+
+
+def test_choose_ctas_per_sm_examples():
+    # H200 (132 SMs): batch 1 (64 CTAs) 2; one-wave grids (256 CTAs: 64/4 B=4/16/64, 8/1 B=256;
+    # 320 / 384) 3; from 1.3 waves at 3 per SM on (512, 1024 CTAs) 2
+    assert [choose_ctas_per_sm(g, 132, (2, 3)) for g in (64, 132, 256, 320, 396, 397, 512, 1024)] == \
+        [2, 2, 3, 3, 3, 2, 2, 2]
+
+
+@pytest.mark.parametrize("batch,splits,ctas", [(1, 16, 2), (4, 16, 3), (16, 4, 3), (64, 1, 3), (80, 1, 3),
+                                               (128, 1, 2), (256, 1, 2)])
+def test_planner_picks_occupancy_per_step_shape(batch, splits, ctas):
+    bt = torch.zeros(batch, 8, dtype=torch.int32, device=DEV)
+    sl = torch.full((batch,), 1000, dtype=torch.int32, device=DEV)
+    planner = SparseDecodePlanner(num_sms=132, arch="sm_90a")
+    plan = planner.prepare(bt, sl, None, 1, num_q_heads=64, num_kv_heads=4, page_size=128, topk_blocks=16)
+    assert (plan.num_splits, plan.ctas_per_sm) == (splits, ctas)
+    if DEV == "cpu":
+        assert plan.config(torch.bfloat16).ctas_per_sm == ctas
+    # pinned: every shape gets the pinned occupancy
+    pinned = SparseDecodePlanner(num_sms=132, arch="sm_90a", ctas_per_sm=2)
+    plan = pinned.prepare(bt, sl, None, 1, num_q_heads=64, num_kv_heads=4, page_size=128, topk_blocks=16)
+    assert plan.ctas_per_sm == 2
+
+
+def test_pinned_occupancy_is_checked(monkeypatch):
+    with pytest.raises(ValueError, match="ctas_per_sm"):
+        SparseDecodePlanner(ctas_per_sm=4)
+    if DEV != "cpu":
+        pytest.skip("the SM100 UMMA family is chosen by arch; CPU plans name it")
+    c = _case()  # T*Hkv = 12 CTAs: one wave at 3 per SM on 8 SMs
+    assert SparseDecodePlanner(arch="sm_100a", num_sms=8).prepare(*c.prepare_args(), **c.prepare_kwargs()).ctas_per_sm == 3
+    monkeypatch.setenv("MSA_JIT_ENABLE_SM100_UMMA", "1")
+    # the tcgen05 kernel is built for 2 CTAs per SM only: the planner picks 2, a pinned 3 is refused
+    assert SparseDecodePlanner(arch="sm_100a", num_sms=8).prepare(*c.prepare_args(), **c.prepare_kwargs()).ctas_per_sm == 2
+    with pytest.raises(ValueError, match="built for"):
+        SparseDecodePlanner(arch="sm_100a", ctas_per_sm=3).prepare(*c.prepare_args(), **c.prepare_kwargs())
+
+
 # ----------------------------------------------------------------------------- op
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("backend", ["reference", "auto"])
@@ -248,6 +294,7 @@ def test_resolve_kernel_uses_compiler_and_caches(monkeypatch):
 
     fake = types.ModuleType("msa_jit.compiler")
     fake.get_sparse_decode_kernel = fake_get
+    fake.supported_ctas_per_sm = lambda arch: (2, 3)
     monkeypatch.setitem(sys.modules, "msa_jit.compiler", fake)
     c = _case()
     plan = SparseDecodePlanner(arch="sm_100a").prepare(*c.prepare_args(), **c.prepare_kwargs())
@@ -277,6 +324,7 @@ def test_kernel_backend_passes_calling_convention(monkeypatch):
     seen = []
     fake = types.ModuleType("msa_jit.compiler")
     fake.get_sparse_decode_kernel = lambda cfg: (lambda *a: seen.append(a))
+    fake.supported_ctas_per_sm = lambda arch: (2, 3)
     monkeypatch.setitem(sys.modules, "msa_jit.compiler", fake)
     c = make_case(2, 2, 8, 2, q_dtype=FP8, seed=3, device="cuda", page_size=64, topk=4)
     plan = SparseDecodePlanner().prepare(*c.prepare_args(), **c.prepare_kwargs())
