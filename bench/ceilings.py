@@ -13,7 +13,9 @@ What a kernel with no index chain and no math reaches, measured exactly like a d
 - `rows`: the same chunks, but one program reads 16 of them one after another (the decode
   kernel's shape: one long-lived CTA per (token, KV head)); `indexed`: one program per chunk
   whose id takes two dependent loads (topk slot -> block table), like the kernel's.
-- `floor`: a graph of one tiny kernel (the launch + event floor in every step figure).
+- `floor`: a graph of one tiny kernel (the launch + event floor in every step figure);
+  `batch1_floor`: the index chain and one chunk per program for 64 chunks, then a tiny kernel
+  (the least a batch-1 step can cost here), as a standalone graph and inside a graph.
 
 With `--layers` (needs the compiled kernels, like `msa-jit bench`): `msa_jit.bench.per_layer`,
 the op as an engine runs it (one prologue, then L layers in one graph).
@@ -84,7 +86,7 @@ def _reader(src: torch.Tensor, ids: torch.Tensor):
 
 
 def ceilings(copy_bw: float, log=print) -> dict[str, Any]:
-    from msa_jit.bench import event_seconds, time_graph
+    from msa_jit.bench import event_seconds, time_graph, time_in_graph
 
     def pct(nbytes: int, us: float) -> float:
         return round(100 * nbytes / (us * 1e-6) / copy_bw, 1)
@@ -131,6 +133,21 @@ def ceilings(copy_bw: float, log=print) -> dict[str, Any]:
     tiny = torch.zeros(1, device="cuda")
     res["floor_us"] = round(statistics.median(time_graph(lambda: tiny.add_(1), iters=100)), 2)
     log(f"graph floor (one tiny kernel): {res['floor_us']} us")
+    # The least any batch-1 step (64/4: 64 chunks of 32 KiB) costs in this measurement: the
+    # topk -> block-table chain and one chunk per program, then a second tiny kernel in the
+    # split merge's place; no prologue, no math. As a standalone graph and inside a graph.
+    table = torch.randperm(n_all, generator=g).to(torch.int32).cuda()
+    slots = torch.randperm(n_all, generator=g)[:64].to(torch.int32).cuda()
+    out = torch.empty(64, dtype=torch.int32, device="cuda")
+
+    def batch1_floor():
+        _read_indexed[(64,)](src, slots, table, out, CHUNK_WORDS=CHUNK // 4, BLOCK=2048, num_warps=4)
+        tiny.add_(1)
+
+    inline = time_in_graph(batch1_floor, iters=100)
+    res["batch1_floor"] = {"graph_us": round(statistics.median(time_graph(batch1_floor, iters=100)), 2),
+                           "in_graph_us": round(statistics.median(inline), 2) if inline else None}
+    log(f"batch-1 floor (index chain + one chunk per program, then a tiny kernel): {res['batch1_floor']}")
     del src
     torch.cuda.empty_cache()
     return res

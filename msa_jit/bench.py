@@ -40,6 +40,11 @@ class BenchPoint:
     tbps: float  # effective TB/s = kv_bytes / time
     logical_tbps: float
     pct_of_copy: float  # tbps / copy bandwidth
+    # the same step timed inside one graph of `iters` steps (time_in_graph): no standalone graph
+    # launch in the figure; None where events cannot be recorded inside a graph
+    us_in_graph: float | None = None
+    pct_of_copy_in_graph: float | None = None
+    ctas_per_sm: int | None = None  # the kernel build the planner picked (2 or 3 CTAs per SM)
 
 
 def _sync():
@@ -130,6 +135,18 @@ def prepare_args(step: dict[str, Any], hq: int, hkv: int, qlen: int) -> tuple[tu
             dict(num_q_heads=hq, num_kv_heads=hkv, page_size=128, topk_blocks=16))
 
 
+def _run_on_side_stream(fn, times: int = 3) -> None:
+    """Run fn a few times on a side stream before capture (what torch.cuda.graphs asks for)."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(times):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+
+
 def time_graph(fn, iters: int = 50, flush_bytes: int = 256 << 20, warmup_ms: float = 50.0,
                after_replay=None) -> list[float]:
     """Capture fn once in a CUDA graph; time `iters` replays, L2 flushed before each.
@@ -142,12 +159,7 @@ def time_graph(fn, iters: int = 50, flush_bytes: int = 256 << 20, warmup_ms: flo
     import torch
 
     flush = torch.ones(flush_bytes, dtype=torch.uint8, device="cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
+    _run_on_side_stream(fn)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
@@ -174,6 +186,43 @@ def time_graph(fn, iters: int = 50, flush_bytes: int = 256 << 20, warmup_ms: flo
     return times
 
 
+def time_in_graph(fn, iters: int = 50, flush_bytes: int = 256 << 20, warmup_ms: float = 50.0) -> list[float] | None:
+    """Times of `iters` copies of fn captured in ONE graph, each after an L2 flush (inside the
+    graph) and between two timing events recorded inside the graph (external event nodes).
+
+    `time_graph` times a standalone replay, so every figure includes one graph launch (3-4 us
+    on the H200 for a graph of one tiny kernel); an engine pays that once per forward, not per
+    op. This is the step as it runs inside a larger graph. None when this torch / driver cannot
+    record timing events inside a graph (torch without `Event(external=True)`).
+    """
+    import torch
+
+    try:
+        events = [(torch.cuda.Event(enable_timing=True, external=True),
+                   torch.cuda.Event(enable_timing=True, external=True)) for _ in range(iters)]
+    except TypeError:
+        return None
+    flush = torch.ones(flush_bytes, dtype=torch.uint8, device="cuda")
+    _run_on_side_stream(fn)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for s, e in events:
+                flush.sum(dtype=torch.int32)
+                s.record()
+                fn()
+                e.record()
+        t_end = time.perf_counter() + warmup_ms * 1e-3
+        while True:
+            graph.replay()
+            _sync()
+            if time.perf_counter() >= t_end:
+                break
+        return [s.elapsed_time(e) * 1e3 for s, e in events]  # the last replay, microseconds
+    except RuntimeError:
+        return None
+
+
 def bench_point(geometry: str, batch: int, qlen: int, q_dtype: str, copy_bw: float, *,
                 shared_blocks: int = 0, iters: int = 50) -> BenchPoint:
     from . import SparseDecodePlanner, sparse_decode
@@ -193,11 +242,15 @@ def bench_point(geometry: str, batch: int, qlen: int, q_dtype: str, copy_bw: flo
     times = sorted(time_graph(run, iters=iters))
     med = statistics.median(times)
     tbps = step["kv_bytes"] / (med * 1e-6) / 1e12
+    inline = time_in_graph(run, iters=iters)
+    med_in = round(statistics.median(inline), 2) if inline else None
     return BenchPoint(
         geometry, q_dtype, batch, qlen, shared_blocks, plan.num_splits, round(med, 2),
         round(times[len(times) // 10], 2), round(times[(9 * len(times)) // 10], 2),
         step["kv_bytes"], step["logical_bytes"], round(tbps, 3),
         round(step["logical_bytes"] / (med * 1e-6) / 1e12, 3), round(100 * tbps * 1e12 / copy_bw, 1),
+        med_in, round(100 * step["kv_bytes"] / (med_in * 1e-6) / copy_bw, 1) if med_in else None,
+        plan.ctas_per_sm,
     )
 
 
@@ -287,11 +340,20 @@ def host_overheads(iters: int = 2000, batch: int = 1) -> dict[str, float]:
     eager_us = per_call_us(eager_step, 200, sync="each")
     pipelined_us = per_call_us(eager_step, 200, sync="end")
     gpu_us = statistics.median(time_graph(eager_step, iters=50))
+
+    def op_call():
+        sparse_decode(step["query"], step["kv_cache"], step["topk"], step["out"], plan, sm_scale=0.088)
+
+    # an eager engine prepares once per step and calls the op once per layer: the op alone
+    op_pipelined_us = per_call_us(op_call, 200, sync="end")
+    op_gpu_us = statistics.median(time_graph(op_call, iters=50))
     return {"batch": batch, "prepare_cpu_us": round(prep_us, 2), "op_call_cpu_us": round(op_us, 2),
             "eager_step_wall_us": round(eager_us, 2), "graph_step_gpu_us": round(gpu_us, 2),
             "eager_overhead_us": round(eager_us - gpu_us, 2),
             "eager_pipelined_step_us": round(pipelined_us, 2),
-            "eager_pipelined_overhead_us": round(pipelined_us - gpu_us, 2)}
+            "eager_pipelined_overhead_us": round(pipelined_us - gpu_us, 2),
+            "op_pipelined_us": round(op_pipelined_us, 2), "graph_op_gpu_us": round(op_gpu_us, 2),
+            "op_pipelined_overhead_us": round(op_pipelined_us - op_gpu_us, 2)}
 
 
 def environment() -> dict[str, str]:
@@ -312,6 +374,8 @@ def environment() -> dict[str, str]:
 
 def run_grid(geometries=("64/4", "16/1", "8/1"), batches=(1, 4, 16, 64, 256), qlens=(1, 4),
              q_dtype="bfloat16", shared=True, iters: int = 50, log=print) -> dict[str, Any]:
+    import torch
+
     copy_bw = copy_bandwidth()
     log(f"copy bandwidth: {copy_bw / 1e12:.3f} TB/s (read + write)")
     points = []
@@ -320,13 +384,19 @@ def run_grid(geometries=("64/4", "16/1", "8/1"), batches=(1, 4, 16, 64, 256), ql
             for b in batches:
                 p = bench_point(geo, b, qlen, q_dtype, copy_bw, iters=iters)
                 points.append(p)
-                log(f"{geo:>5} q{qlen} B{b:<4} S{p.num_splits:<2} {p.us:8.2f} us {p.tbps:6.3f} TB/s {p.pct_of_copy:5.1f}% of copy")
+                log(f"{geo:>5} q{qlen} B{b:<4} S{p.num_splits:<2} C{p.ctas_per_sm} {p.us:8.2f} us {p.tbps:6.3f} TB/s {p.pct_of_copy:5.1f}% of copy"
+                    f" | in a graph {p.us_in_graph} us {p.pct_of_copy_in_graph}%")
     if shared:
         for b in (1, 16, 64):
             p = bench_point("64/4", b, 4, q_dtype, copy_bw, shared_blocks=12, iters=iters)
             points.append(p)
             log(f"shared12 64/4 q4 B{b:<4} {p.us:8.2f} us logical {p.logical_tbps:6.3f} TB/s")
-    return {"environment": environment(), "copy_tbps": round(copy_bw / 1e12, 4),
+    tiny = torch.zeros(1, device="cuda")
+    floor = {"graph_us": round(statistics.median(time_graph(lambda: tiny.add_(1), iters=100)), 2)}
+    inline = time_in_graph(lambda: tiny.add_(1), iters=100)
+    floor["in_graph_us"] = round(statistics.median(inline), 2) if inline else None
+    log(f"one tiny kernel: {floor['graph_us']} us as a graph, {floor['in_graph_us']} us inside a graph")
+    return {"environment": environment(), "copy_tbps": round(copy_bw / 1e12, 4), "tiny_kernel": floor,
             "host": host_overheads(), "host_b256": host_overheads(iters=500, batch=256),
             "per_layer": per_layer(copy_bw, log=log), "points": [asdict(p) for p in points]}
 
