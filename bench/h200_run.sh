@@ -18,7 +18,7 @@ for step in "$@"; do
     variants) python3 bench/variants.py run --dir .variants --out $OUT ${VARIANTS:+--variants $VARIANTS} 2>&1 | tee $OUT/variants.log | tail -n 40 ;;
     trace) python3 bench/trace_ctas.py --dir .variants --out $OUT ${TRACES:+--variants $TRACES} 2>&1 | tee $OUT/trace.log | tail -n 8 ;;
     ceilings) python3 bench/ceilings.py --out $OUT --layers 2>&1 | tee $OUT/ceilings.log | tail -n 20 ;;
-    bench) python3 -m msa_jit bench --out $OUT --baseline bench/results/bench-2026-12-03T1115.json 2>&1 \
+    bench) python3 -m msa_jit bench --out $OUT --baseline bench/results/bench-2026-12-03T1342.json 2>&1 \
              | tee $OUT/bench.log | tail -n 45 ;;
     selftest) python3 -m msa_jit selftest --no-bench --out $OUT 2>&1 | tee $OUT/selftest.log | tail -n 5 ;;
     *) echo "unknown step $step"; exit 2 ;;

@@ -20,8 +20,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from msa_jit.compiler import PORTABLE_THREE_PER_SM
-
 # Constructor options of the portable kernel to compare. "now" = the defaults at the time of
 # the run. Options measured and dropped again (their commits carry them): l2_ahead (T1719),
 # copy_pieces and lsu_ahead (T1734), copier="lsu" (2026-12-03 T0750: lsu, c3_lsu and their
@@ -56,7 +54,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "trace_pbt": {"probe": "trace", "prefetch_bt": True},  # does the block-table prefetch shorten the chain?
     # #12 / #11 again on the current kernel (16-byte stores, prologue trigger): 3 CTAs/SM with
     # the lean softmax was 1.5-3.9% faster at T*Hkv = 256 in T1511 (and 11% slower at 1.3 waves)
-    "c3_lean": dict(PORTABLE_THREE_PER_SM),  # the planner's 3-per-SM build since 2026-12-03 T1246 (#29)
+    "c3_lean": {"q_frags": "smem", "smem_reads": "staged", "ctas_per_sm": 3, "stages": 2, "softmax": "lean"},
     "lean": {"softmax": "lean"},
 }
 PLAN_OPTIONS = ("prologue_trigger", "num_splits", "prologue")
@@ -67,7 +65,8 @@ POINTS = [("64/4", 256, 1, 0, BF16), ("64/4", 128, 1, 0, BF16), ("64/4", 64, 1, 
           ("16/1", 256, 1, 0, BF16), ("64/4", 1, 1, 0, BF16), ("64/4", 64, 4, 12, BF16),
           ("64/4", 256, 1, 0, FP8), ("64/4", 64, 1, 0, FP8),
           ("64/4", 4, 1, 0, BF16), ("64/4", 16, 1, 0, BF16), ("8/1", 16, 1, 0, BF16),  # splits 16, 4, 8
-          ("64/4", 80, 1, 0, BF16), ("64/4", 96, 1, 0, BF16)]  # 320 / 384 CTAs: one wave only at 3 CTAs/SM
+          ("64/4", 80, 1, 0, BF16), ("64/4", 96, 1, 0, BF16),  # 320 / 384 CTAs: one wave only at 3 CTAs/SM
+          ("64/4", 40, 1, 0, BF16)]  # 160 CTAs: ~1 per SM, where 2 stages per CTA might starve the stream
 
 
 def _kernel_options(name: str) -> dict[str, Any]:

@@ -236,25 +236,6 @@ def bf16x2_to_f16x2(w: Int32, scale: Float32 | None = None, *, loc=None, ip=None
 
 
 @dsl_user_op
-def f16x2_scaled(w: Int32, scale: Float32, *, loc=None, ip=None) -> Int32:
-    """f16x2 * scale -> f16x2 (each product computed in fp32, rounded once)."""
-    return Int32(
-        _asm(
-            T.i32(),
-            [_i32(w, loc, ip), _f32(scale, loc, ip)],
-            "{\n\t.reg .b16 l, h;\n\t.reg .f32 x, y;\n\t"
-            "mov.b32 {l, h}, $1;\n\t"
-            "cvt.f32.f16 x, l;\n\t"
-            "cvt.f32.f16 y, h;\n\t"
-            "mul.f32 x, x, $2;\n\t"
-            "mul.f32 y, y, $2;\n\t"
-            "cvt.rn.f16x2.f32 $0, y, x;\n\t}",
-            "=r,r,f",
-        )
-    )
-
-
-@dsl_user_op
 def mma_f16_16816(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, *, loc=None, ip=None):
     """mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32: D = A*B + C, 4 fp32 out."""
     s = _asm(

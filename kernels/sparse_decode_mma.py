@@ -58,6 +58,19 @@ class SparseDecodeMmaKernel:
 
     arch_family = "portable"
 
+    @staticmethod
+    def occupancy_options(ctas_per_sm: int, q_dtype: str) -> dict:
+        """Constructor options of the build for `ctas_per_sm` CTAs per SM (SparseDecodeConfig.ctas_per_sm).
+
+        3: 2 stages, Q fragments in shared memory, K / V read per sub-tile (128 registers), the
+        lean softmax (measured 2026-12-03 T1243 / T1246, docs/performance.md #29).
+        """
+        if ctas_per_sm == 2:
+            return {}
+        if ctas_per_sm == 3:
+            return {"q_frags": "smem", "smem_reads": "staged", "ctas_per_sm": 3, "stages": 2, "softmax": "lean"}
+        raise ValueError(f"no build for {ctas_per_sm} CTAs per SM")
+
     def __init__(
         self,
         *,
@@ -125,6 +138,10 @@ class SparseDecodeMmaKernel:
         # kv_len, and O / l rescaled only when a row max grows by more than LAZY_RESCALE
         # (then P <= 2**LAZY_RESCALE, exact in f16 / fp32: the result is unchanged)
         self.lean = softmax == "lean"
+        # where the lean softmax takes qk_scale_log2: folded into bf16 Q fragments (free), but for
+        # an fp8 query multiplied into S in fp32: folding it into fp8-exact f16 fragments rounds
+        # S by 2**-11 relative (LSE 2-3.4e-3 off the reference, GPU tests T1334)
+        self.scale_in_q = self.lean and not q_dtype == "float8_e4m3fn"
         if self.lean and not self.cvt:
             raise ValueError("softmax='lean' needs convert='cvt' (the bit trick's 2**8 fold could overflow f16 Q)")
         # "block": all K and V words of a block are read before any math (the stage is released
@@ -263,7 +280,13 @@ class SparseDecodeMmaKernel:
             # every write of the previous kernel (the prologue's kv_lens, or a caller's q / topk)
             # is visible after this; nothing above reads global memory
             cute.arch.griddepcontrol_wait()
-            cute.arch.griddepcontrol_launch_dependents()  # the split merge may be scheduled now
+            if cutlass.const_expr(self.ctas_per_sm < 3):
+                cute.arch.griddepcontrol_launch_dependents()  # the split merge may be scheduled now
+            elif num_splits > 1:
+                # at 3 per SM a one-wave grid leaves up to a third of the slots free: an early
+                # trigger would let the NEXT decode kernel's CTAs take them while this grid runs,
+                # unevenly across SMs (per_layer T1334: +5 us per layer); only the merge may
+                cute.arch.griddepcontrol_launch_dependents()
         if cutlass.const_expr(self.trace):
             tr[2] = ptx.globaltimer_lo()
 
@@ -341,7 +364,7 @@ class SparseDecodeMmaKernel:
             row_max[r] = -Float32.inf
             row_sum[r] = Float32(0.0)
 
-        scale = Float32(1.0) if self.lean else qk_scale_log2 * self.s_fold  # lean: folded into Q
+        scale = Float32(1.0) if self.scale_in_q else qk_scale_log2 * self.s_fold
         for i in range(n_iter):
             s = i % self.stages
             phase = (i // self.stages) & 1
@@ -414,6 +437,9 @@ class SparseDecodeMmaKernel:
         # n-tile n = 2*sub + j, column 2c+e holds key key_base + 16*sub + 4c + 2j + e.
         key0 = blk * self.page + key_base + 4 * c
         if cutlass.const_expr(self.lean):
+            if cutlass.const_expr(not self.scale_in_q):
+                for i in cutlass.range_constexpr(4 * nt_s):
+                    sv[i] = sv[i] * scale
             self.softmax_lean(sv, acc, row_max, row_sum, key0, blk, kv_len, nt_s)
         else:
             self.softmax_plain(sv, acc, row_max, row_sum, key0, kv_len, scale, nt_s)
@@ -567,11 +593,12 @@ class SparseDecodeMmaKernel:
     def load_q(self, mQ, qa, t, h, g, c, qk_scale_log2):
         """Q rows g and g+8 of the group into A fragments, dims permuted like K's words.
 
-        softmax="lean": Q * qk_scale_log2 * s_fold, so that S comes out in log2 units.
+        softmax="lean", bf16 query: Q * qk_scale_log2 * s_fold, so that S comes out in log2 units
+        (an fp8 query's fragments stay exact and S is scaled in fp32 instead).
         """
         G = self.group
         qscale = qk_scale_log2 * self.s_fold
-        bf16_scale = qscale if self.lean else None  # None: the plain conversion, no multiply
+        bf16_scale = qscale if self.scale_in_q else None  # None: the plain conversion, no multiply
         q_base = mQ.iterator.toint()
         q_row_stride = Int64(mQ.stride[0])
         elem = 1 if self.q_fp8 else 2
@@ -597,10 +624,7 @@ class SparseDecodeMmaKernel:
                 half = ks // 4
                 sub = ks % 4
                 if cutlass.const_expr(self.q_fp8):
-                    lo, hi = self.fp8x4_to_f16x2x2(words[8 * half + sub])
-                    if cutlass.const_expr(self.lean):
-                        lo = ptx.f16x2_scaled(lo, qscale)
-                        hi = ptx.f16x2_scaled(hi, qscale)
+                    lo, hi = self.fp8x4_to_f16x2x2(words[8 * half + sub])  # exact; S takes the scale
                 else:
                     lo = ptx.bf16x2_to_f16x2(words[8 * half + 2 * sub], bf16_scale)
                     hi = ptx.bf16x2_to_f16x2(words[8 * half + 2 * sub + 1], bf16_scale)

@@ -60,31 +60,26 @@ def kernels_dir() -> Path:
 
 @dataclass(frozen=True)
 class KernelFamily:
-    """One registered kernel class and the constructor options it is built with per occupancy."""
+    """One registered kernel class and the occupancies it can be built for."""
 
     module: str  # in msa_jit.kernels
     class_name: str
-    # SparseDecodeConfig.ctas_per_sm -> constructor options (docs/performance.md #29 measured them)
-    occupancies: Mapping[int, Mapping[str, Any]]
+    # SparseDecodeConfig.ctas_per_sm values; the class's occupancy_options(n, q_dtype) gives the
+    # constructor options of each build (docs/performance.md #29 measured them)
+    occupancies: tuple[int, ...] = (2,)
     # ctas_per_sm -> local-memory instructions (LDL + STL) in the decode kernel's SASS that were
     # measured and accepted; `msa-jit inspect` flags more as a spill (default: none accepted)
     accepted_local_ops: Mapping[int, int] = field(default_factory=dict)
 
 
-# 3 CTAs per SM: 2 stages each, Q fragments in shared memory and K / V read per sub-tile (128
-# registers), lean softmax. 0.7-1.6 us faster than 2 CTAs x 3 stages on grids of 256 CTAs and
-# 7-15% on 320-384; 12-15% slower at 512 and 2-4% at 1024 (T1243 / T1246, same process).
-PORTABLE_THREE_PER_SM = {"q_frags": "smem", "smem_reads": "staged", "ctas_per_sm": 3, "stages": 2, "softmax": "lean"}
-
 # arch family -> kernel. The portable mma.sync kernel serves every arch; arch-specialized
 # kernels register here and must beat it to be chosen.
 KERNEL_REGISTRY: dict[str, KernelFamily] = {
-    # 3 per SM: one loop-carried row sum lives in local memory (L1-resident; the build is faster anyway)
-    "portable": KernelFamily("sparse_decode_mma", "SparseDecodeMmaKernel", {2: {}, 3: PORTABLE_THREE_PER_SM},
-                             accepted_local_ops={3: 6}),
+    # 3 per SM: one loop-carried row sum lives in local memory (L1-resident; measured faster anyway)
+    "portable": KernelFamily("sparse_decode_mma", "SparseDecodeMmaKernel", (2, 3), accepted_local_ops={3: 6}),
     # tcgen05 kernel: compiles and its SASS is checked in CI, never run on hardware yet, so
     # kernel_family() picks it only with MSA_JIT_ENABLE_SM100_UMMA=1 on sm_100*.
-    "sm100": KernelFamily("sparse_decode_sm100", "SparseDecodeSm100Kernel", {2: {}}),
+    "sm100": KernelFamily("sparse_decode_sm100", "SparseDecodeSm100Kernel", (2,)),
 }
 
 
@@ -97,8 +92,7 @@ def kernel_family(config: SparseDecodeConfig) -> str:
 
 def supported_ctas_per_sm(arch: str) -> tuple[int, ...]:
     """The occupancies the kernel serving `arch` can be built for, ascending (the planner's choice)."""
-    family = KERNEL_REGISTRY[kernel_family(SparseDecodeConfig(1, 1, arch=arch))]
-    return tuple(sorted(family.occupancies))
+    return tuple(sorted(KERNEL_REGISTRY[kernel_family(SparseDecodeConfig(1, 1, arch=arch))].occupancies))
 
 
 def accepted_local_ops(config: SparseDecodeConfig) -> int:
@@ -226,13 +220,14 @@ def compile_sparse_decode(config: SparseDecodeConfig, out_dir: str | os.PathLike
     if config.ctas_per_sm not in occupancies:
         raise ValueError(f"cannot compile {config}: the {family} kernel has no build for "
                          f"{config.ctas_per_sm} CTAs per SM (it has {sorted(occupancies)})")
-    kernel = _kernel_class(family)(
+    cls = _kernel_class(family)
+    kernel = cls(
         num_q_heads=config.num_q_heads,
         num_kv_heads=config.num_kv_heads,
         page_size=config.page_size,
         topk=config.topk,
         q_dtype=config.q_dtype,
-        **{**occupancies[config.ctas_per_sm], **(kernel_options or {})},
+        **{**cls.occupancy_options(config.ctas_per_sm, config.q_dtype), **(kernel_options or {})},
     )
     t0 = time.perf_counter()
     compiled = cute.compile(kernel, *fake_arguments(config), options=f"{COMPILE_OPTIONS} --gpu-arch {config.arch}")

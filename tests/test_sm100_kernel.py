@@ -41,7 +41,7 @@ from msa_jit.geometry import SparseDecodeConfig
 assert str(compiler.kernels_dir()) == f"{root}/kernels", compiler.kernels_dir()
 # the registry entry the lead adds in msa_jit/compiler.py (kept here so this test does not
 # depend on it; setdefault leaves a registered entry alone)
-compiler.KERNEL_REGISTRY.setdefault("sm100", compiler.KernelFamily("sparse_decode_sm100", "SparseDecodeSm100Kernel", {2: {}}))
+compiler.KERNEL_REGISTRY.setdefault("sm100", compiler.KernelFamily("sparse_decode_sm100", "SparseDecodeSm100Kernel", (2,)))
 rows = []
 for hq, hkv in json.loads(sys.argv[2]):
     for q in json.loads(sys.argv[3]):
