@@ -5,6 +5,9 @@ with L2 flushed before each replay and the median taken; every bandwidth is also
 a ratio to a 2 GiB device-to-device copy measured in the same run (bytes read + written
 over time). Effective bandwidth = KV bytes the step must read / step time. `per_layer` adds
 the engine's view: one prologue, then several layers in one graph (what one more layer costs).
+Each point is also timed inside one graph of 50 steps (`us_in_graph`), and `tiny_kernel` gives
+the event / launch floor both ways; `host` / `host_b256` give the CPU side (per step and per
+eager op call).
 """
 
 from __future__ import annotations

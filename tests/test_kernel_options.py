@@ -53,10 +53,12 @@ def _main_kernel(tmp_path, options, hq=64, hkv=4, q_dtype="bfloat16", ctas_per_s
     return res[0], text, merge
 
 
-@pytest.mark.parametrize("hq, hkv, arch", [(64, 4, "sm_90a"), (8, 1, "sm_90a"), (64, 4, "sm_100a")])
-def test_three_ctas_per_sm_fit_in_128_registers(tmp_path, hq, hkv, arch):
-    # the build the planner picks for one-wave grids (SparseDecodeConfig.ctas_per_sm = 3)
-    res, text, _ = _main_kernel(tmp_path, None, hq, hkv, ctas_per_sm=3, arch=arch)
+@pytest.mark.parametrize("hq, hkv, q_dtype, arch", [(64, 4, "bfloat16", "sm_90a"), (8, 1, "bfloat16", "sm_90a"),
+                                                     (64, 4, "float8_e4m3fn", "sm_90a"), (64, 4, "bfloat16", "sm_100a")])
+def test_three_ctas_per_sm_fit_in_128_registers(tmp_path, hq, hkv, q_dtype, arch):
+    # the build the planner picks for one-wave grids (SparseDecodeConfig.ctas_per_sm = 3); an fp8
+    # query scales S in fp32 there instead of its Q fragments
+    res, text, _ = _main_kernel(tmp_path, None, hq, hkv, q_dtype, ctas_per_sm=3, arch=arch)
     assert res.registers <= 128  # 15 warps per SM: 4 per scheduler x 32 lanes x 128 = 16K registers
     ops = sass.opcode_counts(text)
     # one loop-carried row sum spills (1 LDL + 1 STL per block, L1-resident): more would be a regression
