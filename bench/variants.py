@@ -53,7 +53,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "trace": {"probe": "trace"},
     "trace_pbt": {"probe": "trace", "prefetch_bt": True},  # does the block-table prefetch shorten the chain?
     # #12 / #11 again on the current kernel (16-byte stores, prologue trigger): 3 CTAs/SM with
-    # the lean softmax was 1.5-3.9% faster at T*Hkv = 256 in T1511 (and 11% slower at 1.3 waves)
+    # the lean softmax was 1.5-3.9% faster at T*Hkv = 256 in T1511 (and 11% slower at 1.3 waves);
+    # since T1342 the same options as the planner's 3-per-SM build (occupancy_options(3), #29)
     "c3_lean": {"q_frags": "smem", "smem_reads": "staged", "ctas_per_sm": 3, "stages": 2, "softmax": "lean"},
     "lean": {"softmax": "lean"},
 }
