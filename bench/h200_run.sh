@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device run on the lent H200 (docs/gpu-workflow.md): carry .gpu-bundle, .artifacts, .variants.
-#   bash bench/h200_run.sh tests variants ceilings     # any of: tests memcheck variants trace ceilings bench selftest
+#   bash bench/h200_run.sh tests variants ceilings     # any of: tests memcheck variants trace ceilings bench selftest per_layer_ab
 #   VARIANTS="now lsu" bash bench/h200_run.sh variants  # time only these variants
 # Logs and result files go to $OUT (at most 8 files come back).
 set -uo pipefail
@@ -21,6 +21,7 @@ for step in "$@"; do
     bench) python3 -m msa_jit bench --out $OUT --baseline bench/results/bench-2026-12-03T1342.json 2>&1 \
              | tee $OUT/bench.log | tail -n 45 ;;
     selftest) python3 -m msa_jit selftest --no-bench --out $OUT 2>&1 | tee $OUT/selftest.log | tail -n 5 ;;
+    per_layer_ab) python3 bench/per_layer_ab.py --out $OUT 2>&1 | tee $OUT/per-layer-ab.log | tail -n 26 ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
   echo "== $step: $(( $(date +%s) - t0 )) s"

@@ -258,10 +258,11 @@ def bench_point(geometry: str, batch: int, qlen: int, q_dtype: str, copy_bw: flo
 
 
 def per_layer(copy_bw: float, points=(("64/4", 64), ("8/1", 256), ("64/4", 256), ("64/4", 1)),
-              num_layers: int = 4, log=print) -> list[dict[str, Any]]:
+              num_layers: int = 4, log=print, ctas_per_sm: int | None = None) -> list[dict[str, Any]]:
     """The op as an engine runs it: one prologue, then L layers (each its own KV cache, topk,
     query) in one graph, L2 flushed before the replay. `marginal_us` = (time of L layers - time
     of 1) / (L - 1): what one more layer costs once the graph launch and the prologue are paid.
+    ctas_per_sm: pin the kernel build (None: the planner's choice, reported per row).
     """
     import torch
 
@@ -272,7 +273,7 @@ def per_layer(copy_bw: float, points=(("64/4", 64), ("8/1", 256), ("64/4", 256),
         hq, hkv = GEOMETRIES[geo]
         steps = [make_step(hq, hkv, batch, 1, "bfloat16", seed=i) for i in range(num_layers)]
         bt, sl, slc = steps[0]["block_table"], steps[0]["seq_lens"], steps[0]["seq_lens_cpu"]
-        planner = SparseDecodePlanner()
+        planner = SparseDecodePlanner(ctas_per_sm=ctas_per_sm)
 
         def graph_of(n: int):
             def run():
@@ -285,7 +286,9 @@ def per_layer(copy_bw: float, points=(("64/4", 64), ("8/1", 256), ("64/4", 256),
         t_all = statistics.median(time_graph(graph_of(num_layers)))
         marginal = (t_all - t1) / (num_layers - 1)
         kv = steps[0]["kv_bytes"]
-        row = {"geometry": geo, "batch": batch, "qlen": 1, "layers": num_layers, "one_layer_us": round(t1, 2),
+        plan = planner.prepare(bt, sl, slc, 1, num_q_heads=hq, num_kv_heads=hkv, page_size=128, topk_blocks=16)
+        row = {"geometry": geo, "batch": batch, "qlen": 1, "layers": num_layers, "ctas_per_sm": plan.ctas_per_sm,
+               "num_splits": plan.num_splits, "one_layer_us": round(t1, 2),
                "all_layers_us": round(t_all, 2), "marginal_us": round(marginal, 2),
                "one_layer_pct_of_copy": round(100 * kv / (t1 * 1e-6) / copy_bw, 1),
                "marginal_pct_of_copy": round(100 * kv / (marginal * 1e-6) / copy_bw, 1)}
