@@ -86,7 +86,7 @@ def _reader(src: torch.Tensor, ids: torch.Tensor):
 
 
 def ceilings(copy_bw: float, log=print) -> dict[str, Any]:
-    from msa_jit.bench import event_seconds, time_graph, time_in_graph
+    from msa_jit.bench import event_seconds, median_in_graph, time_graph
 
     def pct(nbytes: int, us: float) -> float:
         return round(100 * nbytes / (us * 1e-6) / copy_bw, 1)
@@ -144,9 +144,8 @@ def ceilings(copy_bw: float, log=print) -> dict[str, Any]:
         _read_indexed[(64,)](src, slots, table, out, CHUNK_WORDS=CHUNK // 4, BLOCK=2048, num_warps=4)
         tiny.add_(1)
 
-    inline = time_in_graph(batch1_floor, iters=100)
     res["batch1_floor"] = {"graph_us": round(statistics.median(time_graph(batch1_floor, iters=100)), 2),
-                           "in_graph_us": round(statistics.median(inline), 2) if inline else None}
+                           "in_graph_us": median_in_graph(batch1_floor, iters=100)}
     log(f"batch-1 floor (index chain + one chunk per program, then a tiny kernel): {res['batch1_floor']}")
     del src
     torch.cuda.empty_cache()

@@ -193,10 +193,11 @@ def time_in_graph(fn, iters: int = 50, flush_bytes: int = 256 << 20, warmup_ms: 
     """Times of `iters` copies of fn captured in ONE graph, each after an L2 flush (inside the
     graph) and between two timing events recorded inside the graph (external event nodes).
 
-    `time_graph` times a standalone replay, so every figure includes one graph launch (3-4 us
-    on the H200 for a graph of one tiny kernel); an engine pays that once per forward, not per
-    op. This is the step as it runs inside a larger graph. None when this torch / driver cannot
-    record timing events inside a graph (torch without `Event(external=True)`).
+    The step as it runs inside a larger graph, beside `time_graph`'s standalone replay. On the
+    H200 (T1242) it is not shorter: the ~3.5 us of a one-tiny-kernel graph is the floor of an
+    event pair around a kernel boundary, not the graph's launch (docs/performance.md #30).
+    None when this torch / driver cannot record timing events inside a graph (torch without
+    `Event(external=True)`).
     """
     import torch
 
@@ -226,6 +227,12 @@ def time_in_graph(fn, iters: int = 50, flush_bytes: int = 256 << 20, warmup_ms: 
         return None
 
 
+def median_in_graph(fn, iters: int = 50) -> float | None:
+    """Median of `time_in_graph(fn, iters)` in microseconds (2 decimals), None where it cannot run."""
+    times = time_in_graph(fn, iters=iters)
+    return round(statistics.median(times), 2) if times else None
+
+
 def bench_point(geometry: str, batch: int, qlen: int, q_dtype: str, copy_bw: float, *,
                 shared_blocks: int = 0, iters: int = 50) -> BenchPoint:
     from . import SparseDecodePlanner, sparse_decode
@@ -245,8 +252,7 @@ def bench_point(geometry: str, batch: int, qlen: int, q_dtype: str, copy_bw: flo
     times = sorted(time_graph(run, iters=iters))
     med = statistics.median(times)
     tbps = step["kv_bytes"] / (med * 1e-6) / 1e12
-    inline = time_in_graph(run, iters=iters)
-    med_in = round(statistics.median(inline), 2) if inline else None
+    med_in = median_in_graph(run, iters=iters)
     return BenchPoint(
         geometry, q_dtype, batch, qlen, shared_blocks, plan.num_splits, round(med, 2),
         round(times[len(times) // 10], 2), round(times[(9 * len(times)) // 10], 2),
@@ -399,8 +405,7 @@ def run_grid(geometries=("64/4", "16/1", "8/1"), batches=(1, 4, 16, 64, 256), ql
             log(f"shared12 64/4 q4 B{b:<4} {p.us:8.2f} us logical {p.logical_tbps:6.3f} TB/s")
     tiny = torch.zeros(1, device="cuda")
     floor = {"graph_us": round(statistics.median(time_graph(lambda: tiny.add_(1), iters=100)), 2)}
-    inline = time_in_graph(lambda: tiny.add_(1), iters=100)
-    floor["in_graph_us"] = round(statistics.median(inline), 2) if inline else None
+    floor["in_graph_us"] = median_in_graph(lambda: tiny.add_(1), iters=100)
     log(f"one tiny kernel: {floor['graph_us']} us as a graph, {floor['in_graph_us']} us inside a graph")
     return {"environment": environment(), "copy_tbps": round(copy_bw / 1e12, 4), "tiny_kernel": floor,
             "host": host_overheads(), "host_b256": host_overheads(iters=500, batch=256),
