@@ -11,10 +11,11 @@ import torch
 
 import msa_jit
 from helpers import make_case
+from msa_jit.geometry import CTAS_PER_SM
 
 for q_dtype in (torch.bfloat16, torch.float8_e4m3fn):
     for num_sms in (1, 100000):
-        for ctas_per_sm in (2, 3):  # both kernel builds the planner picks from
+        for ctas_per_sm in CTAS_PER_SM:  # both kernel builds the planner picks from
             case = make_case(3, 4, 16, 1, q_dtype=q_dtype, seed=3, device="cuda", adversarial=True, padded=True)
             out, lse = case.new_out(), case.new_lse()
             planner = msa_jit.SparseDecodePlanner(num_sms=num_sms, ctas_per_sm=ctas_per_sm)
