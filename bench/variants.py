@@ -28,7 +28,9 @@ from typing import Any
 # "steal", commit 3486932); "s2" = {"stages": 2} and "s2_trace" (T1102, trace T1101) need no
 # code. Earlier runs (their JSON files carry their own option sets): 2026-12-02 T1413 / T1425
 # "base" (bittrick + 16-byte V loads), "cvt", "cvt_vrot" (now the default); T1453-T1617
-# c3_lean, bt_prefetch, the 3-CTA and 6-stage probes.
+# c3_lean, bt_prefetch, the 3-CTA and 6-stage probes; T0854 "scalar_out" (one 2-byte store per
+# output element, the default until 2026-12-03, commit 0b2e8da). Probe and retired options
+# (probe, pdl, v_loads, prefetch_bt) are bench/kernel_probes.py's, not the shipped kernel's.
 # Plan options (PLAN_OPTIONS), not kernel options: "prologue_trigger" False binds the plan's
 # Triton prologue without its griddepcontrol.launch_dependents (the default until 2026-12-02
 # session 4); "num_splits" forces the split-KV factor where the planner can be made to pick it;
@@ -48,7 +50,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "split3": {"num_splits": 3},
     "split4": {"num_splits": 4},
     "split4_nomath": {"num_splits": 4, "probe": "no_math"},
-    "scalar_out": {"out_stores": "scalar"},  # the default until 2026-12-03: one store per element
     # per-CTA timeline (bench/trace_ctas.py): the full kernel plus a few timer stores
     "trace": {"probe": "trace"},
     "trace_pbt": {"probe": "trace", "prefetch_bt": True},  # does the block-table prefetch shorten the chain?
@@ -59,6 +60,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "lean": {"softmax": "lean"},
 }
 PLAN_OPTIONS = ("prologue_trigger", "num_splits", "prologue")
+# options only bench/kernel_probes.py's ProbeMmaKernel has (the shipped kernel has none of them)
+PROBE_OPTIONS = {"probe", "pdl", "v_loads", "prefetch_bt"}
 GEOMETRIES = [(64, 4, "bfloat16"), (8, 1, "bfloat16"), (16, 1, "bfloat16"), (64, 4, "float8_e4m3fn")]
 BF16, FP8 = "bfloat16", "float8_e4m3fn"
 # (geometry, batch, qlen, shared_blocks, query dtype)
@@ -72,6 +75,16 @@ POINTS = [("64/4", 256, 1, 0, BF16), ("64/4", 128, 1, 0, BF16), ("64/4", 64, 1, 
 
 def _kernel_options(name: str) -> dict[str, Any]:
     return {k: v for k, v in VARIANTS[name].items() if k not in PLAN_OPTIONS}
+
+
+def _kernel_class(options: dict[str, Any]):
+    """The shipped kernel, or the bench's probe subclass when an option needs it (kernel_probes.py)."""
+    if not set(options) & PROBE_OPTIONS:
+        return None
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from kernel_probes import ProbeMmaKernel
+
+    return ProbeMmaKernel
 
 
 def _artifact_variant(name: str) -> str:
@@ -101,7 +114,8 @@ def build(args: argparse.Namespace) -> int:
             out = _so(root, name, hq, hkv, qd).parent
             out.mkdir(parents=True, exist_ok=True)
             t0 = time.perf_counter()
-            compile_sparse_decode(cfg, out, kernel_options=_kernel_options(name))
+            opts = _kernel_options(name)
+            compile_sparse_decode(cfg, out, kernel_options=opts, kernel_class=_kernel_class(opts))
             print(f"{name:>8} {hq}/{hkv} {qd}: {time.perf_counter() - t0:.1f} s", flush=True)
     return 0
 

@@ -14,25 +14,15 @@ from . import ptx
 
 @cute.jit
 def compact_valid_slots(mTopk, mBT, t, h, req, kv_len, num_pages, lane, sPages, sBlocks,
-                        topk: cutlass.Constexpr, page_size: cutlass.Constexpr,
-                        prefetch_bt: cutlass.Constexpr = False):
+                        topk: cutlass.Constexpr, page_size: cutlass.Constexpr):
     """One warp: the usable slots of topk[t, h, :] -> sPages / sBlocks at ranks 0..n-1.
 
     A slot is used when s < nvalid = min(topk, ceil(kv_len / page)), its block is in
     [0, max_blocks) and starts before kv_len, and the block table maps it to a page in
     [0, num_pages): anything else (-1, past the request, garbage) is never dereferenced.
-    prefetch_bt: first ask L2 for the request's whole block-table row, so the table lookup
-    that depends on topk hits L2 instead of making a second HBM round trip.
     Returns the warp's ballot of used slots (popc = how many).
     """
     max_blocks = mBT.shape[1]
-    if cutlass.const_expr(prefetch_bt):
-        row = mBT.iterator.toint() + Int64(req) * Int64(mBT.stride[0]) * 4
-        row_bytes = max_blocks * 4
-        for off in range(lane * 128, row_bytes, 32 * 128):
-            ptx.prefetch_l2(row + Int64(off))
-        if lane == 0:  # the row's last line when the row does not start on a line
-            ptx.prefetch_l2(row + Int64(row_bytes - 4))
     slot_ok = False
     page = Int32(0)
     blk = Int32(-1)
@@ -62,27 +52,22 @@ def split_range(n_valid, num_splits, split):
 
 @cute.jit
 def stream_pages(mKV, sPages, h, first, n_iter, buf_addr, full_ptr, empty_ptr,
-                 stages: cutlass.Constexpr, stage_bytes: cutlass.Constexpr, num_kv_heads: cutlass.Constexpr,
-                 copy: cutlass.Constexpr = True):
+                 stages: cutlass.Constexpr, stage_bytes: cutlass.Constexpr, num_kv_heads: cutlass.Constexpr):
     """Producer (one thread): bulk-copy each selected (page, KV head) chunk into the stage ring.
 
     Stage s = i % stages is reused once its `empty` barrier completed the previous phase;
-    `full[s]` completes when the copy's bytes have landed. copy=False (timing probes only:
-    the consumers then read stale shared memory) completes `full[s]` without copying.
+    `full[s]` completes when the copy's bytes have landed.
     """
     kv_base = mKV.iterator.toint()
     for i in range(n_iter):
         s = i % stages
         phase = (i // stages) & 1
         cute.arch.mbarrier_wait(empty_ptr + s, phase ^ 1)
-        if cutlass.const_expr(copy):
-            cute.arch.mbarrier_arrive_and_expect_tx(full_ptr + s, stage_bytes)
-            chunk = Int64(sPages[first + i]) * num_kv_heads + Int64(h)
-            ptx.bulk_copy_g2s(
-                buf_addr + s * stage_bytes,
-                kv_base + chunk * stage_bytes,
-                stage_bytes,
-                ptx.smem_addr(full_ptr + s),
-            )
-        else:
-            cute.arch.mbarrier_arrive(full_ptr + s)
+        cute.arch.mbarrier_arrive_and_expect_tx(full_ptr + s, stage_bytes)
+        chunk = Int64(sPages[first + i]) * num_kv_heads + Int64(h)
+        ptx.bulk_copy_g2s(
+            buf_addr + s * stage_bytes,
+            kv_base + chunk * stage_bytes,
+            stage_bytes,
+            ptx.smem_addr(full_ptr + s),
+        )

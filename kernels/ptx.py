@@ -1,8 +1,9 @@
-"""Small PTX helpers shared by the decode kernels (every arch from SM80 up).
+"""Small PTX helpers shared by the decode kernels (SM90 and later).
 
 Each helper is one `llvm.inline_asm` with the exact instruction we want, so the SASS is
-predictable: 16-byte shared/global accesses, `mma.sync` m16n8k16, the fp8 -> fp16 bit
-trick and the 1-D bulk copy that completes on an mbarrier.
+predictable: 16-byte shared/global accesses, `mma.sync` m16n8k16, fp8 -> f16 conversions
+(`cvt`, and the SM100 kernel's bit trick) and the 1-D bulk copy that completes on an
+mbarrier. The tcgen05 wrappers of the SM100 kernel are in ptx_sm100.py.
 """
 
 from __future__ import annotations
@@ -103,12 +104,6 @@ def ld_global_nc_v4(addr: Int64, *, loc=None, ip=None):
         side_effects=True,
     )
     return _unpack(s, 4, T.i32(), Int32, loc, ip)
-
-
-@dsl_user_op
-def prefetch_l2(addr: Int64, *, loc=None, ip=None) -> None:
-    """prefetch.global.L2: start bringing the 128-byte line of addr into L2 (no result)."""
-    _asm(None, [Int64(addr).ir_value(loc=loc, ip=ip)], "prefetch.global.L2 [$0];", "l", side_effects=True)
 
 
 @dsl_user_op
@@ -269,15 +264,3 @@ def ex2(x: Float32, *, loc=None, ip=None) -> Float32:
 @dsl_user_op
 def lg2(x: Float32, *, loc=None, ip=None) -> Float32:
     return Float32(_asm(T.f32(), [_f32(x, loc, ip)], "lg2.approx.ftz.f32 $0, $1;", "=f,f"))
-
-
-@dsl_user_op
-def globaltimer_lo(*, loc=None, ip=None) -> Int32:
-    """Low 32 bits of %globaltimer (ns, one clock for every SM; timing probes only)."""
-    return Int32(_asm(T.i32(), [], "mov.u32 $0, %globaltimer_lo;", "=r", side_effects=True))
-
-
-@dsl_user_op
-def smid(*, loc=None, ip=None) -> Int32:
-    """%smid: the SM this thread runs on (timing probes only)."""
-    return Int32(_asm(T.i32(), [], "mov.u32 $0, %smid;", "=r", side_effects=True))

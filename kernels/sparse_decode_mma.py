@@ -12,32 +12,34 @@ page_size * 256 bytes, K in bytes [0,128) and V in [128,256) of every token row)
     completion on an mbarrier), STAGES chunks in flight;
   * consumer warp w owns keys [32w, 32w+32) of every block and keeps its own online
     softmax; S = Q K^T and O += P V run on m16n8k16 f16 MMAs with fp32 accumulators;
-  * fp8 K/V become f16 exactly with one `cvt.rn.f16x2.e4m3x2` per pair (`convert="cvt"`;
-    the older 4-instruction bit trick, `"bittrick"`, scales by 2**-8 and is kept for A/B
-    runs: bench/variants.py); the reduction indices (head_dim for S, keys for O) are
-    permuted so that no transpose is needed; K is read with 16-byte shared loads, V with
-    bank-conflict-free rotated 32-bit loads (`v_loads="rotated"`, see ld_v_rotated);
+  * fp8 K/V become f16 exactly with one `cvt.rn.f16x2.e4m3x2` per pair; the reduction
+    indices (head_dim for S, keys for O) are permuted so that no transpose is needed; K is
+    read with 16-byte shared loads, V with bank-conflict-free rotated 32-bit loads (see
+    ld_v_rotated);
   * at the end the warps' partial (m, l, O) are merged through shared memory; with
-    num_splits > 1 the CTA writes a normalized partial O and its log2-LSE, and a second
-    kernel in the same launch sequence merges the splits.
+    num_splits > 1 the CTA writes a normalized partial O and its log2-LSE, and the split
+    merge (kernels/split_merge.py) combines them in the same launch sequence.
+
+Timing probes and retired variants (the fp8 bit trick, 16-byte V loads, scalar stores, the
+block-table prefetch, no-math / no-copy / trace builds) live with the bench
+(bench/kernel_probes.py), not here: every source of this package is in every cache key.
 """
 
 # no `from __future__ import annotations`: cute.struct in storage_type() needs evaluated annotations
 
 import math
 
-import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
 from . import common, ptx
+from .base import SparseDecodeKernelBase
 
 HEAD_DIM = 128
 Q_FRAG_BYTES = 8 * 32 * 16  # 8 k-steps x 32 lanes x one 16-byte A fragment
 LAZY_RESCALE = 8.0  # log2 units: P stays <= 256 between rescales
 ROW_BYTES = 2 * HEAD_DIM  # one token row of a page: K (128 B) then V (128 B)
-TRACE_WORDS = 8  # probe="trace": int32 words per CTA (see __init__)
 LN2 = math.log(2.0)
 # Cross-warp reduction buffer: per warp 16 rows x 4 chunks of (32 fp32 + 4 pad); the
 # 144-byte chunk and 576-byte row keep the 16-byte stores and loads bank-conflict free.
@@ -53,10 +55,15 @@ def _phys_key(logical: int) -> int:
     return 4 * ((logical - 8) // 2) + 2 + logical % 2
 
 
-class SparseDecodeMmaKernel:
-    """Static config in __init__, host launch in __call__, device code in kernel()."""
+class SparseDecodeMmaKernel(SparseDecodeKernelBase):
+    """Static config in __init__, the launch in SparseDecodeKernelBase.__call__, device code in kernel()."""
 
     arch_family = "portable"
+    # programmatic dependent launch: both kernels may be scheduled before the previous kernel
+    # in the stream has finished; each waits (griddepcontrol.wait) before its first
+    # global-memory access, so only the launch latency overlaps, never data (H200,
+    # bench/results/variants-2026-12-02T1511.json: batch 1 -1.2 us, never slower)
+    pdl = True
 
     @staticmethod
     def occupancy_options(ctas_per_sm: int, q_dtype: str) -> dict:
@@ -81,31 +88,15 @@ class SparseDecodeMmaKernel:
         q_dtype: str = "bfloat16",
         stages: int = 3,
         consumer_warps: int = 4,
-        convert: str = "cvt",
-        v_loads: str = "rotated",
         q_frags: str = "regs",
         softmax: str = "plain",
         smem_reads: str = "block",
         ctas_per_sm: int = 2,
-        probe: str = "full",
-        pdl: bool = True,
-        prefetch_bt: bool = False,
-        out_stores: str = "v4",
     ):
-        if num_q_heads % num_kv_heads:
-            raise ValueError("num_q_heads must be a multiple of num_kv_heads")
-        self.hq = num_q_heads
-        self.hkv = num_kv_heads
-        self.group = num_q_heads // num_kv_heads
-        if not 1 <= self.group <= 16:
-            raise ValueError(f"group size {self.group} not in 1..16")
+        super().__init__(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, page_size=page_size,
+                         topk=topk, q_dtype=q_dtype)
         if page_size % 16 or not 32 <= page_size <= 256:
             raise ValueError(f"page_size {page_size} must be a multiple of 16 in 32..256")
-        if not 1 <= topk <= 32:
-            raise ValueError(f"topk {topk} not in 1..32")
-        self.page = page_size
-        self.topk = topk
-        self.q_fp8 = q_dtype == "float8_e4m3fn"
         self.stages = stages
         if page_size % (16 * consumer_warps):
             raise ValueError(f"page_size {page_size} is not a multiple of 16 * {consumer_warps} warps")
@@ -115,22 +106,17 @@ class SparseDecodeMmaKernel:
         self.threads = self.consumer_threads + 32
         self.stage_bytes = page_size * ROW_BYTES
         self.buf_bytes = max(stages * self.stage_bytes, self.warps * RED_WARP)
-        # elements of the 16 x 128 output tile each consumer thread finalizes
+        # elements of the 16 x 128 output tile each consumer thread finalizes (16-byte stores)
         self.out_elems = 16 * HEAD_DIM // self.consumer_threads
         for name, value, allowed in (
-            ("convert", convert, ("bittrick", "cvt")), ("v_loads", v_loads, ("v4", "rotated")),
             ("q_frags", q_frags, ("regs", "smem")), ("softmax", softmax, ("plain", "lean")),
             ("smem_reads", smem_reads, ("block", "staged")), ("ctas_per_sm", ctas_per_sm, (1, 2, 3)),
-            ("probe", probe, ("full", "no_math", "no_copy", "trace")),
-            ("out_stores", out_stores, ("scalar", "v4")),
         ):
             if value not in allowed:
                 raise ValueError(f"{name} {value!r} not in {allowed}")
-        self.cvt = convert == "cvt"
-        # the fp8 -> f16 bit trick scales K and V by 2**-8 (and an fp8 query too); cvt is exact
-        self.fp8_fold = 1.0 if self.cvt else 2.0**8
-        self.s_fold = self.fp8_fold * (self.fp8_fold if self.q_fp8 else 1.0)
-        self.v_rotated = v_loads == "rotated"
+        if self.out_elems % 8:
+            raise ValueError(f"the 16-byte output stores need 8 | {self.out_elems} output elements per thread "
+                             f"({consumer_warps} consumer warps)")
         # "smem": the Q A-fragments (the same for every consumer warp) live in shared memory,
         # read per k-step, which frees 32 registers per thread for more CTAs per SM
         self.q_smem = q_frags == "smem"
@@ -141,76 +127,16 @@ class SparseDecodeMmaKernel:
         # where the lean softmax takes qk_scale_log2: folded into bf16 Q fragments (free), but for
         # an fp8 query multiplied into S in fp32: folding it into fp8-exact f16 fragments rounds
         # S by 2**-11 relative (LSE 2-3.4e-3 off the reference, GPU tests T1334)
-        self.scale_in_q = self.lean and not q_dtype == "float8_e4m3fn"
-        if self.lean and not self.cvt:
-            raise ValueError("softmax='lean' needs convert='cvt' (the bit trick's 2**8 fold could overflow f16 Q)")
+        self.scale_in_q = self.lean and not self.q_fp8
         # "block": all K and V words of a block are read before any math (the stage is released
         # early, more registers live); "staged": K per half of head_dim, V per sub-tile after the
         # softmax (fewer live registers, the stage is released after the last V read)
         self.staged = smem_reads == "staged"
         self.ctas_per_sm = ctas_per_sm
-        # timing probes that leave one stage out (wrong results, bench/variants.py only):
-        # "no_math" releases every stage unread, "no_copy" computes on stale shared memory;
-        # "trace" runs the full kernel and thread 0 of each CTA writes TRACE_WORDS words
-        # (smid | n_iter << 16, then %globaltimer_lo at entry, after the PDL wait, after the slots
-        # are compacted, at the first and the last full stage, after its warp's last block, after
-        # the epilogue) over the start of the CTA's partial_o slot (unused when num_splits == 1;
-        # bench/trace_ctas.py reads it)
-        self.probe = probe
-        self.trace = probe == "trace"
-        # programmatic dependent launch: both kernels may be scheduled before the previous
-        # kernel in the stream has finished; each waits (griddepcontrol.wait) before its first
-        # global-memory access, so only the launch latency overlaps, never data
-        # (H200, bench/results/variants-2026-12-02T1511.json: batch 1 -1.2 us, never slower)
-        self.pdl = bool(pdl)
-        # L2 prefetch of the request's block-table row before the topk-dependent lookup
-        # (off: measured slower, bench/results/variants-2026-12-02T1617.json)
-        self.prefetch_bt = bool(prefetch_bt)
-        # the finalized output (bf16) or split partial (fp32): "v4" = 16-byte stores, "scalar" =
-        # one store per element (16 per thread, the default until 2026-12-03)
-        self.v4_stores = out_stores == "v4"
-        if self.v4_stores and self.out_elems % 8:
-            raise ValueError(f"out_stores='v4' needs 8 | {self.out_elems} output elements per thread")
 
     # ------------------------------------------------------------------ host side
-    @cute.jit
-    def __call__(
-        self,
-        mQ: cute.Tensor,  # [T, Hq, 128] bf16, or uint8 holding e4m3
-        mKV: cute.Tensor,  # [P, Hkv, page, 256] uint8
-        mTopk: cute.Tensor,  # [T, Hkv, topk] int32, any strides
-        mBT: cute.Tensor,  # [B, max_blocks] int32
-        mKvLens: cute.Tensor,  # [T] int32
-        mOut: cute.Tensor,  # [T, Hq, 128] bf16
-        mLse: cute.Tensor,  # [T, Hq] fp32
-        mPO: cute.Tensor,  # [T*Hkv*S, G, 128] fp32
-        mPL: cute.Tensor,  # [T*Hkv*S, G] fp32
-        qlen: Int32,
-        num_splits: Int32,
-        qk_scale_log2: Float32,
-        v_scale: Float32,
-        stream: cuda.CUstream,
-    ):
-        num_tokens = mQ.shape[0]
-        self.kernel(
-            mQ, mKV, mTopk, mBT, mKvLens, mOut, mLse, mPO, mPL, qlen, num_splits, qk_scale_log2, v_scale,
-            self.storage_type(),
-        ).launch(
-            grid=(num_tokens, self.hkv, num_splits),
-            block=(self.threads, 1, 1),
-            stream=stream,
-            # explicit carveout, so compiling needs no GPU to query the shared-memory size
-            preferred_smem_carveout=100,
-            use_pdl=self.pdl,
-            **self.launch_options(),
-        )
-        if num_splits > 1:
-            self.merge_kernel(mOut, mLse, mPO, mPL, num_splits).launch(
-                grid=(num_tokens, self.hkv, self.group), block=(HEAD_DIM, 1, 1), stream=stream, use_pdl=self.pdl
-            )
-
     def storage_type(self):
-        """The shared-memory struct of the main kernel (subclasses lay out their own)."""
+        """The shared-memory struct of the decode kernel."""
 
         @cute.struct
         class Storage:
@@ -264,31 +190,22 @@ class SparseDecodeMmaKernel:
         sNvalid = storage.nvalid.get_tensor(cute.make_layout(4))
         sML = storage.ml.get_tensor(cute.make_layout(self.warps * 32))
         q_addr = ptx.smem_addr(storage.q.data_ptr())
-        tr = cute.make_rmem_tensor(TRACE_WORDS, Int32)  # probe="trace" only (else never read)
-        if cutlass.const_expr(self.trace):
-            tr[0] = ptx.smid()
-            tr[1] = ptx.globaltimer_lo()
-            tr[4] = Int32(0)  # stays 0 when the CTA has no valid block
-            tr[5] = Int32(0)
         # the barriers touch no global memory: set them up while the previous kernel may still run
         if warp == 0:
             if lane == 0:
                 for s in cutlass.range_constexpr(self.stages):
                     cute.arch.mbarrier_init(full_ptr + s, 1)
                     cute.arch.mbarrier_init(empty_ptr + s, self.warps)
-        if cutlass.const_expr(self.pdl):
-            # every write of the previous kernel (the prologue's kv_lens, or a caller's q / topk)
-            # is visible after this; nothing above reads global memory
-            cute.arch.griddepcontrol_wait()
-            if cutlass.const_expr(self.ctas_per_sm < 3):
-                cute.arch.griddepcontrol_launch_dependents()  # the split merge may be scheduled now
-            elif num_splits > 1:
-                # at 3 per SM a one-wave grid leaves up to a third of the slots free: an early
-                # trigger would let the NEXT decode kernel's CTAs take them while this grid runs,
-                # unevenly across SMs (per_layer T1334: +5 us per layer); only the merge may
-                cute.arch.griddepcontrol_launch_dependents()
-        if cutlass.const_expr(self.trace):
-            tr[2] = ptx.globaltimer_lo()
+        # every write of the previous kernel (the prologue's kv_lens, or a caller's q / topk)
+        # is visible after this; nothing above reads global memory
+        cute.arch.griddepcontrol_wait()
+        if cutlass.const_expr(self.ctas_per_sm < 3):
+            cute.arch.griddepcontrol_launch_dependents()  # the split merge may be scheduled now
+        elif num_splits > 1:
+            # at 3 per SM a one-wave grid leaves up to a third of the slots free: an early
+            # trigger would let the NEXT decode kernel's CTAs take them while this grid runs,
+            # unevenly across SMs (per_layer T1334: +5 us per layer); only the merge may
+            cute.arch.griddepcontrol_launch_dependents()
 
         kv_len = mKvLens[t]
         req = t // qlen
@@ -298,7 +215,6 @@ class SparseDecodeMmaKernel:
         if warp == 0:
             ballot = common.compact_valid_slots(
                 mTopk, mBT, t, h, req, kv_len, num_pages, lane, sPages, sBlocks, self.topk, self.page,
-                self.prefetch_bt,
             )
             if lane == 0:
                 sNvalid[0] = cute.arch.popc(ballot)
@@ -310,30 +226,24 @@ class SparseDecodeMmaKernel:
 
         n_valid = sNvalid[0]
         first, n_iter = common.split_range(n_valid, num_splits, split)
-        if cutlass.const_expr(self.trace):
-            tr[3] = ptx.globaltimer_lo()
-            tr[0] = tr[0] | (n_iter << 16)
 
         if warp == self.warps:
             # ---- 2a. producer warp: one lane streams the selected chunks into the stages
             if lane == 0:
-                common.stream_pages(
-                    mKV, sPages, h, first, n_iter, buf_addr, full_ptr, empty_ptr,
-                    self.stages, self.stage_bytes, self.hkv, self.probe != "no_copy",
-                )
+                self.produce(mKV, sPages, h, first, n_iter, buf_addr, full_ptr, empty_ptr)
         else:
             # ---- 2b. consumer warps
             self.consume(
                 mQ, mOut, mLse, mPO, mPL, sBlocks, sML, buf_addr, q_addr, full_ptr, empty_ptr,
-                t, h, split, warp, lane, kv_len, first, n_iter, num_splits, qk_scale_log2, v_scale, tr,
+                t, h, split, warp, lane, kv_len, first, n_iter, num_splits, qk_scale_log2, v_scale,
             )
-            if cutlass.const_expr(self.trace):
-                if warp == 0 and lane == 0:
-                    tr[7] = ptx.globaltimer_lo()
-                    idx = (t * self.hkv + h) * num_splits + split
-                    slot = mPO.iterator.toint() + Int64(idx) * Int64(mPO.stride[0]) * 4
-                    ptx.st_global_v4(slot, tr[0], tr[1], tr[2], tr[3])
-                    ptx.st_global_v4(slot + 16, tr[4], tr[5], tr[6], tr[7])
+
+    @cute.jit
+    def produce(self, mKV, sPages, h, first, n_iter, buf_addr, full_ptr, empty_ptr):
+        """Producer (one thread): the selected chunks of slots [first, first + n_iter) into the stages."""
+        common.stream_pages(
+            mKV, sPages, h, first, n_iter, buf_addr, full_ptr, empty_ptr, self.stages, self.stage_bytes, self.hkv,
+        )
 
     @cute.jit
     def stage_q(self, mQ, q_addr, t, h, lane, qk_scale_log2):
@@ -346,7 +256,7 @@ class SparseDecodeMmaKernel:
     @cute.jit
     def consume(
         self, mQ, mOut, mLse, mPO, mPL, sBlocks, sML, buf_addr, q_addr, full_ptr, empty_ptr,
-        t, h, split, warp, lane, kv_len, first, n_iter, num_splits, qk_scale_log2, v_scale, tr,
+        t, h, split, warp, lane, kv_len, first, n_iter, num_splits, qk_scale_log2, v_scale,
     ):
         g = lane // 4
         c = lane % 4
@@ -364,28 +274,18 @@ class SparseDecodeMmaKernel:
             row_max[r] = -Float32.inf
             row_sum[r] = Float32(0.0)
 
-        scale = Float32(1.0) if self.scale_in_q else qk_scale_log2 * self.s_fold
+        scale = Float32(1.0) if self.scale_in_q else qk_scale_log2
         for i in range(n_iter):
             s = i % self.stages
             phase = (i // self.stages) & 1
             cute.arch.mbarrier_wait(full_ptr + s, phase)
-            if cutlass.const_expr(self.trace):
-                if i == 0:
-                    tr[4] = ptx.globaltimer_lo()
-                if i == n_iter - 1:
-                    tr[5] = ptx.globaltimer_lo()
             stage = buf_addr + s * self.stage_bytes
             blk = sBlocks[first + i]
-            if cutlass.const_expr(self.probe == "no_math"):
-                self.release_stage(empty_ptr + s, lane)
-            else:
-                self.consume_block(
-                    qa, q_addr + 16 * lane, acc, row_max, row_sum, stage, empty_ptr + s, blk, kv_len, scale,
-                    warp * self.keys_per_warp, g, c, lane,
-                )
+            self.consume_block(
+                qa, q_addr + 16 * lane, acc, row_max, row_sum, stage, empty_ptr + s, blk, kv_len, scale,
+                warp * self.keys_per_warp, g, c, lane,
+            )
 
-        if cutlass.const_expr(self.trace):
-            tr[6] = ptx.globaltimer_lo()  # this warp's last block done (thread 0 stores the trace)
         self.epilogue(mOut, mLse, mPO, mPL, sML, buf_addr, acc, row_max, row_sum,
                       t, h, split, warp, lane, num_splits, v_scale)
 
@@ -472,9 +372,7 @@ class SparseDecodeMmaKernel:
     def load_v(self, stage, key_base, sub, g, c):
         """V words of sub-tile sub: rows key_base + 16 sub + 4c + i (i < 4), dims 16g.. (4 x 4 words)."""
         vrow = stage + (key_base + 16 * sub + 4 * c) * ROW_BYTES + HEAD_DIM + 16 * g
-        if cutlass.const_expr(self.v_rotated):
-            return [self.ld_v_rotated(vrow + i * ROW_BYTES, c) for i in range(4)]
-        return [ptx.ld_shared_v4(vrow + i * ROW_BYTES) for i in range(4)]
+        return [self.ld_v_rotated(vrow + i * ROW_BYTES, c) for i in range(4)]
 
     @cute.jit
     def release_stage(self, empty_bar, lane):
@@ -577,28 +475,23 @@ class SparseDecodeMmaKernel:
 
     @cute.jit
     def fp8x4_to_f16x2x2(self, w):
-        """e4m3 bytes 0..3 of w -> (f16x2 of bytes 0,1; f16x2 of bytes 2,3), times 1 / fp8_fold."""
-        if cutlass.const_expr(self.cvt):
-            return ptx.e4m3x2_to_f16x2(w, 0), ptx.e4m3x2_to_f16x2(w, 1)
-        return ptx.fp8x4_to_f16x2x2_scaled(w)
+        """e4m3 bytes 0..3 of w -> (f16x2 of bytes 0,1; f16x2 of bytes 2,3), exact."""
+        return ptx.e4m3x2_to_f16x2(w, 0), ptx.e4m3x2_to_f16x2(w, 1)
 
     @cute.jit
     def fp8_bytes_to_f16x2(self, lo, hi, e: cutlass.Constexpr):
-        """f16x2 {byte e of lo, byte e of hi} (e4m3), times 1 / fp8_fold."""
-        if cutlass.const_expr(self.cvt):
-            return ptx.e4m3_bytes_to_f16x2(lo, hi, ((4 + e) << 4) | e)
-        return ptx.fp8x2_to_f16x2_scaled(lo, hi, ((4 + e) << 12) | (e << 4))
+        """f16x2 {byte e of lo, byte e of hi} (e4m3), exact."""
+        return ptx.e4m3_bytes_to_f16x2(lo, hi, ((4 + e) << 4) | e)
 
     @cute.jit
     def load_q(self, mQ, qa, t, h, g, c, qk_scale_log2):
         """Q rows g and g+8 of the group into A fragments, dims permuted like K's words.
 
-        softmax="lean", bf16 query: Q * qk_scale_log2 * s_fold, so that S comes out in log2 units
-        (an fp8 query's fragments stay exact and S is scaled in fp32 instead).
+        softmax="lean", bf16 query: Q * qk_scale_log2, so that S comes out in log2 units (an fp8
+        query's fragments stay exact and S is scaled in fp32 instead).
         """
         G = self.group
-        qscale = qk_scale_log2 * self.s_fold
-        bf16_scale = qscale if self.scale_in_q else None  # None: the plain conversion, no multiply
+        bf16_scale = qk_scale_log2 if self.scale_in_q else None  # None: the plain conversion, no multiply
         q_base = mQ.iterator.toint()
         q_row_stride = Int64(mQ.stride[0])
         elem = 1 if self.q_fp8 else 2
@@ -689,7 +582,7 @@ class SparseDecodeMmaKernel:
                 l_all = l_all + sML[w * 32 + 2 * row + 1] * ptx.ex2(sML[w * 32 + 2 * row] - m_use)
             inv = Float32(0.0)
             if l_all > Float32(0.0):
-                inv = v_scale * self.fp8_fold / l_all
+                inv = v_scale / l_all
             lse2 = -Float32.inf
             if l_all > Float32(0.0):
                 lse2 = m_all + ptx.lg2(l_all)
@@ -705,63 +598,18 @@ class SparseDecodeMmaKernel:
             hq = h * G + row
             for k in cutlass.range_constexpr(self.out_elems):
                 vals[k] = vals[k] * inv
-            if num_splits == 1:
-                if cutlass.const_expr(self.v4_stores):  # 16-byte stores of 8 bf16 (mOut is 16-byte aligned)
-                    dst = mOut.iterator.toint() + (Int64(t) * Int64(mOut.stride[0]) + Int64(hq * HEAD_DIM + d0)) * 2
-                    for q in cutlass.range_constexpr(self.out_elems // 8):
-                        w = [ptx.f32x2_to_bf16x2(vals[8 * q + 2 * k], vals[8 * q + 2 * k + 1]) for k in range(4)]
-                        ptx.st_global_v4(dst + 16 * q, w[0], w[1], w[2], w[3])
-                else:
-                    for k in cutlass.range_constexpr(self.out_elems):
-                        mOut[t, hq, d0 + k] = vals[k].to(cutlass.BFloat16)
+            # 16-byte stores (13x fewer L2 write sectors than one store per element, ncu T0929)
+            if num_splits == 1:  # 8 bf16 per store (mOut is 16-byte aligned)
+                dst = mOut.iterator.toint() + (Int64(t) * Int64(mOut.stride[0]) + Int64(hq * HEAD_DIM + d0)) * 2
+                for q in cutlass.range_constexpr(self.out_elems // 8):
+                    w = [ptx.f32x2_to_bf16x2(vals[8 * q + 2 * k], vals[8 * q + 2 * k + 1]) for k in range(4)]
+                    ptx.st_global_v4(dst + 16 * q, w[0], w[1], w[2], w[3])
                 if d0 == 0:
                     mLse[t, hq] = lse2 * LN2
-            else:
+            else:  # the split's partial: 4 fp32 per store
                 idx = (t * self.hkv + h) * num_splits + split
-                if cutlass.const_expr(self.v4_stores):
-                    dst = mPO.iterator.toint() + (Int64(idx) * Int64(mPO.stride[0]) + Int64(row * HEAD_DIM + d0)) * 4
-                    for q in cutlass.range_constexpr(self.out_elems // 4):
-                        ptx.st_global_v4_f32(dst + 16 * q, vals[4 * q], vals[4 * q + 1], vals[4 * q + 2], vals[4 * q + 3])
-                else:
-                    for k in cutlass.range_constexpr(self.out_elems):
-                        mPO[idx, row, d0 + k] = vals[k]
+                dst = mPO.iterator.toint() + (Int64(idx) * Int64(mPO.stride[0]) + Int64(row * HEAD_DIM + d0)) * 4
+                for q in cutlass.range_constexpr(self.out_elems // 4):
+                    ptx.st_global_v4_f32(dst + 16 * q, vals[4 * q], vals[4 * q + 1], vals[4 * q + 2], vals[4 * q + 3])
                 if d0 == 0:
                     mPL[idx, row] = lse2
-
-    @cute.kernel
-    def merge_kernel(self, mOut: cute.Tensor, mLse: cute.Tensor, mPO: cute.Tensor, mPL: cute.Tensor, num_splits: Int32):
-        """out[t, h*G+row, d] = sum_s w_s O_s / sum_s w_s with w_s = 2**(lse_s - max_s lse_s).
-
-        One CTA per (t, h, row), one thread per dim; the split loop is unrolled to topk with
-        predicated loads so all of them are in flight at once.
-        """
-        d, _, _ = cute.arch.thread_idx()
-        t, h, row = cute.arch.block_idx()
-        if cutlass.const_expr(self.pdl):
-            cute.arch.griddepcontrol_wait()  # every split's partial is written
-        idx0 = (t * self.hkv + h) * num_splits
-        lse = cute.make_rmem_tensor(self.topk, Float32)
-        part = cute.make_rmem_tensor(self.topk, Float32)
-        m_all = -Float32.inf
-        for s in cutlass.range_constexpr(self.topk):
-            lse[s] = -Float32.inf
-            part[s] = Float32(0.0)
-            if s < num_splits:
-                lse[s] = mPL[idx0 + s, row]
-                part[s] = mPO[idx0 + s, row, d]
-            m_all = cute.arch.fmax(m_all, lse[s])
-        num = Float32(0.0)
-        den = Float32(0.0)
-        if m_all != -Float32.inf:
-            for s in cutlass.range_constexpr(self.topk):
-                w = ptx.ex2(lse[s] - m_all)
-                num = num + w * part[s]
-                den = den + w
-        out = Float32(0.0)
-        lse_nat = -Float32.inf
-        if den > Float32(0.0):
-            out = num / den
-            lse_nat = (m_all + ptx.lg2(den)) * LN2
-        mOut[t, h * self.group + row, d] = out.to(cutlass.BFloat16)
-        if d == 0:
-            mLse[t, h * self.group + row] = lse_nat

@@ -1,8 +1,8 @@
 """SM100 (Blackwell, sm_100a) MSA sparse decode kernel: tcgen05 UMMA with TMEM accumulators.
 
-Same constructor keywords and the same `__call__` calling convention as
-`SparseDecodeMmaKernel` (docs/design.md), so `compiler.fake_arguments` and the op work
-unchanged. UNVERIFIED ON HARDWARE: it compiles for sm_100a (see tests/test_sm100_kernel.py
+The same calling convention as every decode kernel (kernels/convention.py; the launch and
+the split merge are SparseDecodeKernelBase's, kernels/base.py), so the op works unchanged;
+its tcgen05 PTX wrappers are in kernels/ptx_sm100.py. UNVERIFIED ON HARDWARE: it compiles for sm_100a (see tests/test_sm100_kernel.py
 and docs/logs/sm100-variants.md) but has never run; it is only selected when
 MSA_JIT_ENABLE_SM100_UMMA=1.
 
@@ -49,7 +49,7 @@ Numerics: fp32 accumulators everywhere.
     enough for K = 128 (Hopper's fp8 WGMMA is reported to accumulate with fewer than 23
     mantissa bits; each e4m3 x e4m3 product is exact, the sums are where error can enter).
   * MMA2 (both): V fp8 -> f16 (times 2**-8), P f32 -> f16 (round to nearest); output scale
-    v_scale * 2**8. Same folds as the portable kernel (16-bit P and V).
+    v_scale * 2**8. 16-bit P and V like the portable kernel.
 
 Shared-memory operand layouts (all SWIZZLE_NONE, "interleaved" core matrices of 8 rows x 16
 bytes = 8 x 8 f16, 128 contiguous bytes, row r of a core at +16*r). In cute's canonical
@@ -117,11 +117,9 @@ import math
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
 
-from . import common, ptx
-from .sparse_decode_mma import SparseDecodeMmaKernel
+from . import common, ptx, ptx_sm100
+from .base import SparseDecodeKernelBase
 
 HEAD_DIM = 128
 ROW_BYTES = 2 * HEAD_DIM
@@ -173,102 +171,12 @@ DESC_K8 = _smem_desc_hi_lo(lbo=CORE, sbo=(HEAD_DIM // 16) * CORE)
 DESC_Q8 = _smem_desc_hi_lo(lbo=CORE, sbo=(HEAD_DIM // 16) * CORE)
 
 
-# ----------------------------------------------------------------------------- PTX helpers
-def _asm(ret, args, text, constraints):
-    # tcgen05 / fence / barrier instructions: always ordered (side effects)
-    return ptx._asm(ret, args, text, constraints, side_effects=True)
-
-
-_i32 = ptx._i32
-
-
-@dsl_user_op
-def ld_shared_u32(addr: Int32, *, loc=None, ip=None) -> Int32:
-    return Int32(_asm(T.i32(), [_i32(addr, loc, ip)], "ld.shared.b32 $0, [$1];", "=r,r"))
-
-
-@dsl_user_op
-def fence_proxy_async_shared(*, loc=None, ip=None) -> None:
-    """Make this thread's generic-proxy shared-memory writes visible to the async proxy (UMMA)."""
-    _asm(None, [], "fence.proxy.async.shared::cta;", "")
-
-
-@dsl_user_op
-def tc_fence_before(*, loc=None, ip=None) -> None:
-    _asm(None, [], "tcgen05.fence::before_thread_sync;", "")
-
-
-@dsl_user_op
-def tc_fence_after(*, loc=None, ip=None) -> None:
-    _asm(None, [], "tcgen05.fence::after_thread_sync;", "")
-
-
-@dsl_user_op
-def tmem_alloc(holder_smem: Int32, ncols: int, *, loc=None, ip=None) -> None:
-    """Warp-wide: allocate ncols TMEM columns, the address is written to holder_smem."""
-    _asm(None, [_i32(holder_smem, loc, ip)],
-         f"tcgen05.alloc.cta_group::1.sync.aligned.shared::cta.b32 [$0], {ncols};", "r")
-    _asm(None, [], "tcgen05.relinquish_alloc_permit.cta_group::1.sync.aligned;", "")
-
-
-@dsl_user_op
-def tmem_dealloc(taddr: Int32, ncols: int, *, loc=None, ip=None) -> None:
-    _asm(None, [_i32(taddr, loc, ip)], f"tcgen05.dealloc.cta_group::1.sync.aligned.b32 $0, {ncols};", "r")
-
-
-def _umma(kind, d_taddr, a_lo, a_hi, b_lo, b_hi, idesc, accumulate, loc, ip):
-    _asm(
-        None,
-        [_i32(x, loc, ip) for x in (d_taddr, a_lo, a_hi, b_lo, b_hi, idesc, accumulate)],
-        "{\n\t.reg .pred p;\n\t.reg .b64 ad, bd;\n\t"
-        "mov.b64 ad, {$1, $2};\n\t"
-        "mov.b64 bd, {$3, $4};\n\t"
-        "setp.ne.b32 p, $6, 0;\n\t"
-        f"tcgen05.mma.cta_group::1.kind::{kind} [$0], ad, bd, $5, p;\n\t}}",
-        "r,r,r,r,r,r,r",
-    )
-
-
-@dsl_user_op
-def umma_f16(d_taddr: Int32, a_lo: Int32, a_hi: int, b_lo: Int32, b_hi: int, idesc: int, accumulate: Int32,
-             *, loc=None, ip=None) -> None:
-    """tcgen05.mma.cta_group::1.kind::f16 [d], a_desc, b_desc, idesc, accumulate != 0."""
-    _umma("f16", d_taddr, a_lo, a_hi, b_lo, b_hi, idesc, accumulate, loc, ip)
-
-
-@dsl_user_op
-def umma_f8f6f4(d_taddr: Int32, a_lo: Int32, a_hi: int, b_lo: Int32, b_hi: int, idesc: int, accumulate: Int32,
-                *, loc=None, ip=None) -> None:
-    """tcgen05.mma.cta_group::1.kind::f8f6f4 [d], a_desc, b_desc, idesc, accumulate != 0 (K = 32 per MMA)."""
-    _umma("f8f6f4", d_taddr, a_lo, a_hi, b_lo, b_hi, idesc, accumulate, loc, ip)
-
-
-@dsl_user_op
-def umma_commit(mbar_smem: Int32, *, loc=None, ip=None) -> None:
-    """Arrive once on the mbarrier when every tcgen05.mma issued so far by this thread is done."""
-    _asm(None, [_i32(mbar_smem, loc, ip)],
-         "tcgen05.commit.cta_group::1.mbarrier::arrive::one.shared::cluster.b64 [$0];", "r")
-
-
-@dsl_user_op
-def tmem_ld16(taddr: Int32, *, loc=None, ip=None):
-    """tcgen05.ld.32x32b.x16 (+ wait::ld in the same asm): this lane's row, 16 fp32 columns."""
-    s = _asm(
-        llvm.StructType.get_literal([T.f32()] * 16),
-        [_i32(taddr, loc, ip)],
-        "tcgen05.ld.sync.aligned.32x32b.x16.b32 "
-        "{$0, $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15}, [$16];\n\t"
-        "tcgen05.wait::ld.sync.aligned;",
-        ",".join(["=f"] * 16) + ",r",
-    )
-    return tuple(Float32(llvm.extractvalue(T.f32(), s, [i], loc=loc, ip=ip)) for i in range(16))
-
-
 # ----------------------------------------------------------------------------- kernel
-class SparseDecodeSm100Kernel(SparseDecodeMmaKernel):
-    """tcgen05 UMMA + TMEM variant; reuses the portable kernel's split merge (merge_kernel)."""
+class SparseDecodeSm100Kernel(SparseDecodeKernelBase):
+    """tcgen05 UMMA + TMEM kernel; the launch (and the split merge) is SparseDecodeKernelBase's."""
 
     arch_family = "sm100"
+    pdl = False
     TMEM_COLS = 32  # S^T (16 columns) + one page's O^T (16 columns); power of two >= 32
 
     def __init__(
@@ -282,29 +190,20 @@ class SparseDecodeSm100Kernel(SparseDecodeMmaKernel):
         stages: int = 3,
         consumer_warps: int = 4,
     ):
-        if num_q_heads % num_kv_heads:
-            raise ValueError("num_q_heads must be a multiple of num_kv_heads")
-        self.hq = num_q_heads
-        self.hkv = num_kv_heads
-        self.group = num_q_heads // num_kv_heads
-        if not 1 <= self.group <= N_PAD:
+        super().__init__(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, page_size=page_size,
+                         topk=topk, q_dtype=q_dtype)
+        if self.group > N_PAD:
             raise ValueError(f"group size {self.group} not in 1..{N_PAD} (sm100 kernel)")
         if page_size != PAGE:
             raise ValueError(f"the sm100 kernel needs page_size {PAGE} (the UMMA M dimension), got {page_size}")
-        if not 1 <= topk <= 32:
-            raise ValueError(f"topk {topk} not in 1..32")
         if consumer_warps != SOFTMAX_WARPS:
             raise ValueError(f"the sm100 kernel needs consumer_warps={SOFTMAX_WARPS} (one thread per TMEM lane)")
         if not 1 <= stages <= 4:
             raise ValueError(f"stages {stages} not in 1..4")
-        self.page = page_size
-        self.topk = topk
-        self.q_fp8 = q_dtype == "float8_e4m3fn"
         self.stages = stages
         self.warps = consumer_warps
         self.threads = THREADS
         self.stage_bytes = page_size * ROW_BYTES
-        self.pdl = False  # read by the inherited __call__ / merge_kernel
         # fp8 query: MMA1 multiplies the raw e4m3 values (kind::f8f6f4), so qk_scale_log2
         # (= q_scale * k_scale * sm_scale * log2(e)) is the whole fold; bf16 query: K is f16
         # holding K * 2**-8.
@@ -404,15 +303,15 @@ class SparseDecodeSm100Kernel(SparseDecodeMmaKernel):
                 cute.arch.mbarrier_init(p_ready, SOFTMAX_THREADS)
                 cute.arch.mbarrier_init(o_full, 1)
         if warp == MMA_WARP:
-            tmem_alloc(tmem_holder, self.TMEM_COLS)
+            ptx_sm100.tmem_alloc(tmem_holder, self.TMEM_COLS)
         if warp < SOFTMAX_WARPS:
             self.load_q(mQ, sq_addr, t, h, tidx)
-            fence_proxy_async_shared()
+            ptx_sm100.fence_proxy_async_shared()
         cute.arch.mbarrier_init_fence()
-        tc_fence_before()
+        ptx_sm100.tc_fence_before()
         cute.arch.sync_threads()
-        tc_fence_after()
-        taddr = ld_shared_u32(tmem_holder)
+        ptx_sm100.tc_fence_after()
+        taddr = ptx_sm100.ld_shared_u32(tmem_holder)
 
         n_valid = sNvalid[0]
         first, n_iter = common.split_range(n_valid, num_splits, split)
@@ -432,11 +331,11 @@ class SparseDecodeSm100Kernel(SparseDecodeMmaKernel):
                 for i in range(n_iter):
                     ph = i & 1
                     cute.arch.mbarrier_wait(kv_ready, ph)
-                    tc_fence_after()
+                    ptx_sm100.tc_fence_after()
                     if cutlass.const_expr(self.q_fp8):
                         # e4m3 K x e4m3 Q: 32 dims (2 K-cores, 256 B) per MMA
                         for ks in cutlass.range_constexpr(HEAD_DIM // K8_STEP):
-                            umma_f8f6f4(
+                            ptx_sm100.umma_f8f6f4(
                                 taddr,
                                 ((sk_addr + 2 * CORE * ks) >> 4) | DESC_K8[0], DESC_K8[1],
                                 ((sq_addr + 2 * CORE * ks) >> 4) | DESC_Q8[0], DESC_Q8[1],
@@ -444,23 +343,23 @@ class SparseDecodeSm100Kernel(SparseDecodeMmaKernel):
                             )
                     else:
                         for ks in cutlass.range_constexpr(HEAD_DIM // 16):
-                            umma_f16(
+                            ptx_sm100.umma_f16(
                                 taddr,
                                 ((sk_addr + 256 * ks) >> 4) | DESC_K[0], DESC_K[1],
                                 ((sq_addr + 256 * ks) >> 4) | DESC_Q[0], DESC_Q[1],
                                 IDESC_S, Int32(1 if ks > 0 else 0),
                             )
-                    umma_commit(s_full_a)
+                    ptx_sm100.umma_commit(s_full_a)
                     cute.arch.mbarrier_wait(p_ready, ph)
-                    tc_fence_after()
+                    ptx_sm100.tc_fence_after()
                     for ks in cutlass.range_constexpr(PAGE // 16):
-                        umma_f16(
+                        ptx_sm100.umma_f16(
                             taddr + N_PAD,
                             ((sv_addr + 4096 * ks) >> 4) | DESC_V[0], DESC_V[1],
                             ((sp_addr + 512 * ks) >> 4) | DESC_P[0], DESC_P[1],
                             IDESC_O, Int32(1 if ks > 0 else 0),
                         )
-                    umma_commit(o_full_a)
+                    ptx_sm100.umma_commit(o_full_a)
         else:
             # ---- 2c. softmax / convert warpgroup
             self.softmax_loop(
@@ -470,11 +369,11 @@ class SparseDecodeSm100Kernel(SparseDecodeMmaKernel):
             )
 
         # ---- 3. teardown: everyone is done with TMEM
-        tc_fence_before()
+        ptx_sm100.tc_fence_before()
         cute.arch.sync_threads()
         if warp == MMA_WARP:
-            tc_fence_after()
-            tmem_dealloc(taddr, self.TMEM_COLS)
+            ptx_sm100.tc_fence_after()
+            ptx_sm100.tmem_dealloc(taddr, self.TMEM_COLS)
 
     @cute.jit
     def load_q(self, mQ, sq_addr, t, h, tidx):
@@ -592,13 +491,13 @@ class SparseDecodeSm100Kernel(SparseDecodeMmaKernel):
             else:
                 self.convert_row(stage_addr + s * self.stage_bytes, sk_addr, sv_addr, tidx)
             cute.arch.mbarrier_arrive(empty_ptr + s)
-            fence_proxy_async_shared()
+            ptx_sm100.fence_proxy_async_shared()
             cute.arch.mbarrier_arrive(kv_ready)
 
             # -- S^T row tidx: key tidx of the block, one column per head
             cute.arch.mbarrier_wait(s_full, ph)
-            tc_fence_after()
-            sv = tmem_ld16(lane_taddr)
+            ptx_sm100.tc_fence_after()
+            sv = ptx_sm100.tmem_ld16(lane_taddr)
             blk = sBlocks[first + i]
             masked = blk * self.page + tidx >= kv_len
             x = []
@@ -636,17 +535,17 @@ class SparseDecodeSm100Kernel(SparseDecodeMmaKernel):
             pw = [ptx.f32x2_to_f16x2(p[2 * k], p[2 * k + 1]) for k in range(N_PAD // 2)]
             ptx.st_shared_v4(p_row, pw[0], pw[1], pw[2], pw[3])
             ptx.st_shared_v4(p_row + CORE, pw[4], pw[5], pw[6], pw[7])
-            fence_proxy_async_shared()
-            tc_fence_before()
+            ptx_sm100.fence_proxy_async_shared()
+            ptx_sm100.tc_fence_before()
             cute.arch.mbarrier_arrive(p_ready)
 
             # -- this page's O^T row tidx (dim tidx) -> rescaled register accumulator
             cute.arch.mbarrier_wait(o_full, ph)
-            tc_fence_after()
-            ov = tmem_ld16(lane_taddr + N_PAD)
+            ptx_sm100.tc_fence_after()
+            ov = ptx_sm100.tmem_ld16(lane_taddr + N_PAD)
             for n in cutlass.range_constexpr(G):
                 acc[n] = acc[n] * alpha[n] + ov[n]
-            tc_fence_before()
+            ptx_sm100.tc_fence_before()
 
         self.epilogue_sm100(mOut, mLse, mPO, mPL, sRed, acc, m_run, l_run,
                             t, h, split, warp, lane, tidx, num_splits, v_scale)

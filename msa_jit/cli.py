@@ -156,9 +156,12 @@ def _cmd_cache(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------- inspect
 def short_kernel_name(name: str) -> str:
-    """'kernel_cutlass_merge_kernel_msa_jit...' -> 'merge_kernel'."""
-    m = re.match(r"kernel_cutlass_(.*?)_msa_jit", name)
-    return m.group(1) if m else (name if len(name) <= 40 else name[:37] + "...")
+    """The kernels module of a DSL kernel symbol: 'kernel_cutlass_kernel_msa_jitkernelssplit_merge
+    SplitMergeKernel_object_at_...' -> 'split_merge' (a method other than `kernel` is appended)."""
+    m = re.match(r"kernel_cutlass_(\w+?)_msa_jitkernels([a-z0-9_]+?)[A-Z]\w*?_object_at", name)
+    if m:
+        return m.group(2) if m.group(1) == "kernel" else f"{m.group(2)}.{m.group(1)}"
+    return name if len(name) <= 40 else name[:37] + "..."
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:

@@ -1,10 +1,12 @@
 """Compile driver: one registry from arch to kernel class, one compile path, one cache.
 
-`compile_sparse_decode(config, out_dir)` traces the CuTe DSL kernel against fake tensors
-(symbolic T / pages / batch, so they stay out of the key), for the arch named in the
-config (no GPU needed), exports it through the TVM-FFI calling convention and links a
-shared object. `get_sparse_decode_kernel(config)` resolves it through the disk cache and
-loads it with the runtime only.
+`compile_sparse_decode(config, out_dir)` traces the CuTe DSL kernel against the fake
+arguments of its calling convention (kernels/convention.py: symbolic T / pages / batch, so
+they stay out of the key), for the arch named in the config (no GPU needed), exports it
+through TVM-FFI and links a shared object, with the options the convention names.
+`get_sparse_decode_kernel(config)` resolves it through the disk cache and loads it with the
+runtime only. The cache key is the config plus `fingerprint(config)`: a hash of every kernel
+source (the convention included), the kernel family, and the DSL and tvm-ffi versions.
 """
 
 from __future__ import annotations
@@ -27,8 +29,6 @@ from .loader import load_artifact
 
 log = logging.getLogger("msa_jit")
 
-ARTIFACT_NAME = "sparse_decode.so"
-COMPILE_OPTIONS = "--enable-tvm-ffi"
 
 
 def kernels_package():
@@ -138,14 +138,16 @@ def _sources_hash() -> str:
 
 
 def fingerprint(config: SparseDecodeConfig) -> dict[str, str]:
-    """What, besides the config, decides the artifact's bytes (never Python/torch versions)."""
+    """What, besides the config, decides the artifact's bytes (never Python/torch versions).
+
+    kernel_sources hashes every file of the kernels package: the kernels, their PTX helpers,
+    and kernels/convention.py (arguments, fake arguments, compile / export / link options).
+    """
     return {
         "kernel_sources": _sources_hash(),
         "kernel_family": kernel_family(config),
         "cutlass_dsl": dsl_version(),
         "tvm_ffi": _dist_version("apache-tvm-ffi"),
-        "msa_jit_abi": "1",
-        "compile_options": COMPILE_OPTIONS,
     }
 
 
@@ -162,32 +164,17 @@ def _kernel_class(family: str):
     return getattr(module, entry.class_name)
 
 
-def fake_arguments(config: SparseDecodeConfig) -> list[Any]:
-    """Fake tensors and scalars in the calling convention of docs/design.md."""
-    import cutlass
-    import cutlass.cute as cute
-    from cutlass import Float32, Int32
-    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
+def convention():
+    """kernels/convention.py: the calling convention every artifact is built for."""
+    import importlib
 
-    hq, hkv, d, g = config.num_q_heads, config.num_kv_heads, config.head_dim, config.group_size
-    tokens, pages, batch, max_blocks, rows = (cute.sym_int32() for _ in range(5))
-    q_dtype = cutlass.Uint8 if config.q_dtype == "float8_e4m3fn" else cutlass.BFloat16
-    return [
-        make_fake_tensor(q_dtype, (tokens, hq, d), stride=(cute.sym_int32(divisibility=16), d, 1), assumed_align=16),
-        make_fake_compact_tensor(cutlass.Uint8, (pages, hkv, config.page_size, 2 * d), stride_order=(3, 2, 1, 0), assumed_align=16),
-        make_fake_tensor(Int32, (tokens, hkv, config.topk), stride=(cute.sym_int32(), cute.sym_int32(), 1)),
-        make_fake_tensor(Int32, (batch, max_blocks), stride=(cute.sym_int32(), 1)),
-        make_fake_compact_tensor(Int32, (tokens,)),
-        make_fake_compact_tensor(cutlass.BFloat16, (tokens, hq, d), stride_order=(2, 1, 0), assumed_align=16),
-        make_fake_compact_tensor(Float32, (tokens, hq), stride_order=(1, 0)),
-        make_fake_compact_tensor(Float32, (rows, g, d), stride_order=(2, 1, 0), assumed_align=16),
-        make_fake_compact_tensor(Float32, (rows, g), stride_order=(1, 0)),
-        Int32(1),
-        Int32(1),
-        Float32(1.0),
-        Float32(1.0),
-        make_fake_stream(use_tvm_ffi_env_stream=True),
-    ]
+    kernels_package()
+    return importlib.import_module("msa_jit.kernels.convention")
+
+
+def fake_arguments(config: SparseDecodeConfig) -> list[Any]:
+    """Fake tensors and scalars of the calling convention (kernels/convention.py)."""
+    return convention().fake_arguments(config)
 
 
 def _linker() -> str:
@@ -198,11 +185,13 @@ def _linker() -> str:
 
 
 def compile_sparse_decode(config: SparseDecodeConfig, out_dir: str | os.PathLike,
-                          kernel_options: dict[str, Any] | None = None) -> dict[str, Any]:
+                          kernel_options: dict[str, Any] | None = None,
+                          kernel_class: type | None = None) -> dict[str, Any]:
     """Compile + export + link one geometry into out_dir/sparse_decode.so. Needs the DSL, not a GPU.
 
-    kernel_options: extra constructor arguments of the kernel class, for experiments
-    (bench/variants.py); the cache never passes any, so cached artifacts are the defaults.
+    kernel_options / kernel_class: extra constructor arguments of the kernel class, or another
+    class (a bench-side probe subclass, bench/kernel_probes.py), for experiments
+    (bench/variants.py); the cache never passes either, so cached artifacts are the shipped kernels.
     """
     from .geometry import check_config
 
@@ -220,7 +209,8 @@ def compile_sparse_decode(config: SparseDecodeConfig, out_dir: str | os.PathLike
     if config.ctas_per_sm not in occupancies:
         raise ValueError(f"cannot compile {config}: the {family} kernel has no build for "
                          f"{config.ctas_per_sm} CTAs per SM (it has {sorted(occupancies)})")
-    cls = _kernel_class(family)
+    cls = kernel_class or _kernel_class(family)
+    conv = convention()
     kernel = cls(
         num_q_heads=config.num_q_heads,
         num_kv_heads=config.num_kv_heads,
@@ -230,20 +220,21 @@ def compile_sparse_decode(config: SparseDecodeConfig, out_dir: str | os.PathLike
         **{**cls.occupancy_options(config.ctas_per_sm, config.q_dtype), **(kernel_options or {})},
     )
     t0 = time.perf_counter()
-    compiled = cute.compile(kernel, *fake_arguments(config), options=f"{COMPILE_OPTIONS} --gpu-arch {config.arch}")
+    compiled = cute.compile(kernel, *conv.fake_arguments(config),
+                            options=f"{conv.COMPILE_OPTIONS} --gpu-arch {config.arch}")
     t_compile = time.perf_counter() - t0
-    obj = out_dir / "sparse_decode.o"
-    compiled.export_to_c(str(obj), function_name="sparse_decode")
+    obj = out_dir / f"{conv.EXPORT_NAME}.o"
+    compiled.export_to_c(str(obj), function_name=conv.EXPORT_NAME)
     libs = cute.runtime.find_runtime_libraries(enable_tvm_ffi=True)
-    so = out_dir / ARTIFACT_NAME
-    proc = subprocess.run([_linker(), "-shared", "-o", str(so), str(obj), *libs], capture_output=True, text=True)
+    so = out_dir / conv.ARTIFACT_NAME
+    proc = subprocess.run([_linker(), *conv.LINK_FLAGS, "-o", str(so), str(obj), *libs], capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"linking {so.name} failed:\n{proc.stderr}")
     obj.unlink()
     seconds = time.perf_counter() - t0
     log.info("msa-jit compiled %s for %s in %.2fs (%s)", config.describe(), config.arch, seconds, out_dir)
     return {
-        "artifacts": [ARTIFACT_NAME],
+        "artifacts": [conv.ARTIFACT_NAME],
         "extra": {"kernel_family": family, "compile_s": round(t_compile, 3), "total_s": round(seconds, 3)},
     }
 
@@ -275,6 +266,6 @@ def warmup_command(config: SparseDecodeConfig) -> str:
 def get_sparse_decode_kernel(config: SparseDecodeConfig) -> Callable:
     """A callable taking the calling-convention arguments (docs/design.md), loaded runtime-only."""
     entry, _ = ensure_compiled(config)
-    fn, seconds = load_artifact(entry.artifact_path(ARTIFACT_NAME))
+    fn, seconds = load_artifact(entry.artifact_path(convention().ARTIFACT_NAME))
     log.debug("msa-jit loaded %s in %.1f ms", entry.path, seconds * 1e3)
     return fn

@@ -12,8 +12,16 @@ from .validation import check_scale, validate_sparse_decode
 __all__ = ["LOG2E", "sparse_decode"]
 
 LOG2E = 1.0 / math.log(2.0)
-_FP8 = torch.float8_e4m3fn
-_U8 = torch.uint8
+_call_arguments = None  # kernels/convention.py:call_arguments, looked up on the first kernel call
+
+
+def _kernel_call_arguments():
+    global _call_arguments
+    if _call_arguments is None:
+        from .compiler import convention
+
+        _call_arguments = convention().call_arguments
+    return _call_arguments
 
 
 def sparse_decode(
@@ -63,19 +71,4 @@ def sparse_decode(
     fn = plan.kernels.get(query.dtype)
     if fn is None:
         fn = plan.resolve_kernel(query.dtype)
-    kv_lens, lse_scratch, partial_o, partial_lse = plan.kernel_tensors()
-    fn(
-        query.view(_U8) if query.dtype == _FP8 else query,
-        kv_cache if kv_cache.dtype == _U8 else kv_cache.view(_U8),
-        topk,
-        plan.block_table,
-        kv_lens,
-        out,
-        lse_scratch if lse is None else lse,
-        partial_o,
-        partial_lse,
-        plan.qlen,
-        plan.num_splits,
-        sm * qs * ks * LOG2E,
-        vs,
-    )
+    fn(*(_call_arguments or _kernel_call_arguments())(plan, query, kv_cache, topk, out, lse, sm * qs * ks * LOG2E, vs))

@@ -154,14 +154,17 @@ class SparseDecodePlan:
         )
 
     def kernel_tensors(self) -> tuple[Any, ...]:
-        """(kv_lens, lse_scratch, partial_o, partial_lse) in the form the kernel call takes best.
+        """The plan-owned kernel arguments (kernels/convention.py PLAN_TENSORS: kv_lens, lse_scratch,
+        partial_o, partial_lse) in the form the kernel call takes best.
 
         The plan owns them for its whole life, so they are wrapped as TVM-FFI tensors once
         (a torch tensor argument costs a DLPack exchange on every call); torch tensors when
         tvm_ffi is not importable.
         """
         if self._ffi_tensors is None:
-            ts = (self.kv_lens, self.lse_scratch, self.partial_o, self.partial_lse)
+            from .compiler import convention
+
+            ts = tuple(getattr(self, name) for name in convention().PLAN_TENSORS)
             try:
                 import tvm_ffi
 

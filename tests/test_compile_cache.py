@@ -73,7 +73,7 @@ def test_compile_both_arches_artifacts(warm16):
     for arch, sm in (("sm_90a", 90), ("sm_100a", 100)):
         entry = c.lookup(compiler.cache_key(CFG16[arch]))
         assert entry is not None, arch
-        so = entry.artifact_path(compiler.ARTIFACT_NAME)
+        so = entry.artifact_path(compiler.convention().ARTIFACT_NAME)
         assert so.is_file() and so.stat().st_size > 0
         assert entry.meta["config"]["arch"] == arch and entry.meta["fingerprint"]["kernel_family"] == "portable"
         kernels = sass.summarize(so)
@@ -94,7 +94,7 @@ LOADER = textwrap.dedent("""
         t = time.perf_counter()
         entry, built = compiler.ensure_compiled(SparseDecodeConfig(16, 1, q_dtype="bfloat16", arch=arch))
         out["lookup_ms"][arch] = (time.perf_counter() - t) * 1e3
-        fn, seconds = loader.load_artifact(entry.artifact_path(compiler.ARTIFACT_NAME))
+        fn, seconds = loader.load_artifact(entry.artifact_path(compiler.convention().ARTIFACT_NAME))
         out["load_ms"][arch] = seconds * 1e3
         assert callable(fn) and not built
     out["stats"] = cache.stats()
@@ -120,7 +120,7 @@ def test_corrupted_artifact_detected_and_rebuilt(warm16, tmp_path):
     root = copy_cache(warm16, tmp_path)
     cfg = CFG16["sm_90a"]
     key = compiler.cache_key(cfg)
-    so = ArtifactCache(root).entry_path(key) / compiler.ARTIFACT_NAME
+    so = ArtifactCache(root).entry_path(key) / compiler.convention().ARTIFACT_NAME
     data = bytearray(so.read_bytes())
     data[len(data) // 2] ^= 0xFF  # same size: only the hash can tell
     so.write_bytes(bytes(data))
@@ -182,7 +182,7 @@ SLOW_BUILD = textwrap.dedent("""
     from msa_jit.geometry import SparseDecodeConfig
 
     def slow(config, out_dir):
-        (Path(out_dir) / compiler.ARTIFACT_NAME).write_bytes(b"\\x7fELF partial artifact")
+        (Path(out_dir) / compiler.convention().ARTIFACT_NAME).write_bytes(b"\\x7fELF partial artifact")
         Path(sys.argv[1]).touch()
         time.sleep(600)
 

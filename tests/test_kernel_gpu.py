@@ -177,7 +177,7 @@ def test_artifacts_load_without_the_compiler():
                 base = SparseDecodeConfig(num_q_heads=hq, num_kv_heads=hkv, q_dtype=qd, arch=arch)
                 for cfg in compiler.plannable_configs(base):
                     entry, built = compiler.ensure_compiled(cfg)
-                    fn, secs = loader.load_artifact(entry.artifact_path(compiler.ARTIFACT_NAME))
+                    fn, secs = loader.load_artifact(entry.artifact_path(compiler.convention().ARTIFACT_NAME))
                     rows.append((hq, hkv, qd, cfg.ctas_per_sm, built, round(secs * 1e3, 2)))
         print("LOADS", json.dumps(rows))
         print("CUTLASS_IMPORTED", "cutlass" in sys.modules)

@@ -1,25 +1,39 @@
-"""Constructor options of the portable kernel (bench/variants.py A/Bs them on the GPU).
+"""Constructor options of the portable kernel and the bench's probes (bench/variants.py A/Bs them).
 
 Here, without a GPU: bad options fail with a clear error, and the compiled SASS has what
 each option promises (registers for 3 CTAs per SM, the PDL instructions, a probe's missing
-stage, an unchanged default).
+stage, an unchanged default). Probes and retired options live in bench/kernel_probes.py,
+never in the shipped kernel sources.
 """
 
 from __future__ import annotations
 
+import ast
+import re
+import sys
+from pathlib import Path
+
 import pytest
 
 from msa_jit import sass
-from msa_jit.compiler import compile_sparse_decode
+from msa_jit.compiler import compile_sparse_decode, kernels_dir
 from msa_jit.geometry import SparseDecodeConfig
 
 pytestmark = pytest.mark.slow
+BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
 def _kernel_class():
     from msa_jit.kernels.sparse_decode_mma import SparseDecodeMmaKernel
 
     return SparseDecodeMmaKernel
+
+
+def _probe_class():
+    sys.path.insert(0, str(BENCH))
+    from kernel_probes import ProbeMmaKernel
+
+    return ProbeMmaKernel
 
 
 @pytest.mark.parametrize(
@@ -29,10 +43,7 @@ def _kernel_class():
         ({"softmax": "fast"}, "softmax"),
         ({"smem_reads": "lazy"}, "smem_reads"),
         ({"ctas_per_sm": 4}, "ctas_per_sm"),
-        ({"probe": "no_store"}, "probe"),
-        ({"out_stores": "v2"}, "out_stores"),
-        ({"consumer_warps": 16, "page_size": 256}, "out_stores"),  # 4 output elements per thread
-        ({"softmax": "lean", "convert": "bittrick"}, "lean"),
+        ({"consumer_warps": 16, "page_size": 256}, "16-byte output stores"),  # 4 output elements per thread
     ],
 )
 def test_bad_options_are_rejected(bad, match):
@@ -40,16 +51,40 @@ def test_bad_options_are_rejected(bad, match):
         _kernel_class()(num_q_heads=64, num_kv_heads=4, **bad)
 
 
+@pytest.mark.parametrize("bad, match", [({"probe": "no_store"}, "probe"), ({"v_loads": "v2"}, "v_loads")])
+def test_bad_probe_options_are_rejected(bad, match):
+    with pytest.raises(ValueError, match=match):
+        _probe_class()(num_q_heads=64, num_kv_heads=4, **bad)
+
+
+@pytest.mark.parametrize("option", ["probe", "pdl", "prefetch_bt", "v_loads", "convert", "out_stores"])
+def test_shipped_kernel_has_no_probe_or_retired_option(option):
+    with pytest.raises(TypeError, match=option):
+        _kernel_class()(num_q_heads=64, num_kv_heads=4, **{option: None})
+
+
+def test_shipped_kernel_sources_hold_no_probe_code():
+    # the probes' instructions and names appear only in bench/kernel_probes.py
+    for path in sorted(kernels_dir().glob("*.py")):
+        text = path.read_text()
+        for word in ("globaltimer", "%smid", "prefetch.global", "no_math", "no_copy", "bittrick", "probe="):
+            assert word not in text, f"{path.name} contains {word!r}"
+        ast.parse(text)
+
+
 def _main_kernel(tmp_path, options, hq=64, hkv=4, q_dtype="bfloat16", ctas_per_sm=2, arch="sm_90a"):
-    """(resources, SASS text) of the decode kernel (not the split merge)."""
+    """(resources, SASS text) of the decode kernel (not the split merge); options with a probe
+    or retired option build bench/kernel_probes.py's subclass."""
     cfg = SparseDecodeConfig(num_q_heads=hq, num_kv_heads=hkv, q_dtype=q_dtype, arch=arch, ctas_per_sm=ctas_per_sm)
     tmp_path.mkdir(parents=True, exist_ok=True)
-    compile_sparse_decode(cfg, tmp_path, kernel_options=options)
+    probe_keys = {"probe", "pdl", "prefetch_bt", "v_loads"}
+    cls = _probe_class() if options and set(options) & probe_keys else None
+    compile_sparse_decode(cfg, tmp_path, kernel_options=options, kernel_class=cls)
     (cubin,) = sass.extract_cubins(tmp_path / "sparse_decode.so")
-    res = [r for r in sass.kernel_resources(cubin) if "merge" not in r.name]
+    res = [r for r in sass.kernel_resources(cubin) if "merge" not in r.name.lower()]
     funcs = sass.split_functions(sass.disassemble(cubin))
-    text = "".join(body for name, body in funcs.items() if "merge" not in name)
-    merge = "".join(body for name, body in funcs.items() if "merge" in name)
+    text = "".join(body for name, body in funcs.items() if "merge" not in name.lower())
+    merge = "".join(body for name, body in funcs.items() if "merge" in name.lower())
     return res[0], text, merge
 
 
@@ -106,5 +141,20 @@ def test_output_goes_out_in_16_byte_stores(tmp_path):
     ops = sass.opcode_counts(v4)
     # 2 x 8 bf16 (num_splits == 1) or 4 x 4 fp32 (split partial) per thread, no 2-byte stores
     assert ops["STG.E.128"] == 6 and "STG.E.U16" not in ops, ops
-    _, scalar, _ = _main_kernel(tmp_path / "scalar", {"out_stores": "scalar"})
-    assert sass.opcode_counts(scalar)["STG.E.U16"] == 16
+
+
+def test_v4_v_loads_probe_reads_v_in_16_byte_loads(tmp_path):
+    _, rotated, _ = _main_kernel(tmp_path / "rot", {})
+    _, v4, _ = _main_kernel(tmp_path / "v4", {"v_loads": "v4"})
+    assert sass.opcode_counts(v4)["LDS.128"] > sass.opcode_counts(rotated)["LDS.128"]
+
+
+@pytest.mark.parametrize("ctas_per_sm", [2, 3])
+def test_probe_subclass_without_probes_is_the_shipped_kernel(tmp_path, ctas_per_sm):
+    # ProbeMmaKernel mirrors the shipped kernel body: with every probe off its SASS must be the
+    # shipped kernel's, else the mirror has drifted and its timings describe another kernel
+    def body(options):
+        _, text, merge = _main_kernel(tmp_path / str(len(list(tmp_path.iterdir()))), options, ctas_per_sm=ctas_per_sm)
+        return re.sub(r"kernel_cutlass_\w+", "K", text + merge)
+
+    assert body({"probe": "full"}) == body({})

@@ -50,7 +50,7 @@ for hq, hkv in json.loads(sys.argv[2]):
         entry, _ = compiler.ensure_compiled(cfg)
         cls = compiler._kernel_class(family)
         k = cls(num_q_heads=hq, num_kv_heads=hkv, q_dtype=q)
-        for r in sass.summarize(entry.artifact_path(compiler.ARTIFACT_NAME)):
+        for r in sass.summarize(entry.artifact_path(compiler.convention().ARTIFACT_NAME)):
             r.update(geometry=f"{hq}/{hkv}", q_dtype=q, family=family,
                      dynamic_smem=k.smem_bytes() if hasattr(k, "smem_bytes") else None,
                      tmem_cols=getattr(cls, "TMEM_COLS", None))
@@ -72,7 +72,7 @@ def compile_variants(cache_dir: Path) -> list[dict]:
 
 
 def main_rows(rows: list[dict]) -> list[dict]:
-    return [r for r in rows if "merge_kernel" not in r["kernel"]]
+    return [r for r in rows if "merge" not in r["kernel"]]
 
 
 def render_table(rows: list[dict]) -> str:

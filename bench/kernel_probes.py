@@ -1,0 +1,224 @@
+"""Timing probes and retired options of the portable kernel, for the bench only.
+
+`ProbeMmaKernel` subclasses the shipped `SparseDecodeMmaKernel` (kernels/sparse_decode_mma.py)
+and overrides one role each; nothing here is in the shipped kernel sources, so experiments
+never change a user's cache key. `bench/variants.py` builds it through
+`compile_sparse_decode(..., kernel_class=ProbeMmaKernel, kernel_options=...)`.
+
+Options (besides the shipped kernel's):
+  probe="no_math"   consumers release every stage unread (results wrong): the stream alone
+  probe="no_copy"   the producer completes each stage without copying (results wrong): the math alone
+  probe="trace"     the full kernel; thread 0 of each CTA writes TRACE_WORDS int32 words over the
+                    start of the CTA's partial_o slot (unused when num_splits == 1;
+                    bench/trace_ctas.py reads them): smid | n_iter << 16, then %globaltimer_lo at
+                    entry, after the PDL wait, after the slots are compacted, at the first and the
+                    last full stage, after warp 0's last block, after the epilogue
+  pdl=False         no programmatic dependent launch (the default until 2026-12-02 T1511)
+  v_loads="v4"      V read with 16-byte shared loads (4-way bank conflicts; "rotated" since T1425)
+  prefetch_bt=True  L2 prefetch of the request's block-table row before the topk-dependent lookup
+                    (measured slower, variants-2026-12-02T1617.json)
+Retired without a probe here (their commits keep them): the fp8 bit trick (`convert="bittrick"`,
+before 6b956f7's parent), one 2-byte store per output element (`out_stores="scalar"`, 0b2e8da).
+
+`kernel` and `consume` of the trace probe mirror the shipped ones with the timer reads added;
+re-mirror them when those change (tests/test_kernel_options.py compiles every probe).
+"""
+
+# no `from __future__ import annotations`: the DSL reads evaluated annotations
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from msa_jit.compiler import kernels_package
+
+kernels_package()
+from msa_jit.kernels import common, ptx  # noqa: E402
+from msa_jit.kernels.sparse_decode_mma import ROW_BYTES, SparseDecodeMmaKernel  # noqa: E402
+
+TRACE_WORDS = 8
+PROBES = ("full", "no_math", "no_copy", "trace")
+
+
+@dsl_user_op
+def globaltimer_lo(*, loc=None, ip=None) -> Int32:
+    """Low 32 bits of %globaltimer (ns, one clock for every SM)."""
+    return Int32(ptx._asm(T.i32(), [], "mov.u32 $0, %globaltimer_lo;", "=r", side_effects=True))
+
+
+@dsl_user_op
+def smid(*, loc=None, ip=None) -> Int32:
+    """%smid: the SM this thread runs on."""
+    return Int32(ptx._asm(T.i32(), [], "mov.u32 $0, %smid;", "=r", side_effects=True))
+
+
+@dsl_user_op
+def prefetch_l2(addr: Int64, *, loc=None, ip=None) -> None:
+    """prefetch.global.L2 [addr]."""
+    ptx._asm(None, [Int64(addr).ir_value(loc=loc, ip=ip)], "prefetch.global.L2 [$0];", "l", side_effects=True)
+
+
+class ProbeMmaKernel(SparseDecodeMmaKernel):
+    """The shipped portable kernel plus one probe or retired option (see the module docstring)."""
+
+    def __init__(self, *, probe: str = "full", pdl: bool = True, v_loads: str = "rotated",
+                 prefetch_bt: bool = False, **options):
+        super().__init__(**options)
+        for name, value, allowed in (("probe", probe, PROBES), ("v_loads", v_loads, ("rotated", "v4"))):
+            if value not in allowed:
+                raise ValueError(f"{name} {value!r} not in {allowed}")
+        self.probe = probe
+        self.trace = probe == "trace"
+        self.pdl = bool(pdl)
+        self.v_rotated = v_loads == "rotated"
+        self.prefetch_bt = bool(prefetch_bt)
+
+    # ---- no_copy: complete each stage without copying
+    @cute.jit
+    def produce(self, mKV, sPages, h, first, n_iter, buf_addr, full_ptr, empty_ptr):
+        if cutlass.const_expr(self.probe != "no_copy"):
+            SparseDecodeMmaKernel.produce(self, mKV, sPages, h, first, n_iter, buf_addr, full_ptr, empty_ptr)
+        else:
+            for i in range(n_iter):
+                s = i % self.stages
+                cute.arch.mbarrier_wait(empty_ptr + s, ((i // self.stages) & 1) ^ 1)
+                cute.arch.mbarrier_arrive(full_ptr + s)
+
+    # ---- no_math: release every stage unread
+    @cute.jit
+    def consume_block(self, qa, q_lane, acc, row_max, row_sum, stage, empty_bar, blk, kv_len, scale,
+                      key_base, g, c, lane):
+        if cutlass.const_expr(self.probe == "no_math"):
+            self.release_stage(empty_bar, lane)
+        else:
+            SparseDecodeMmaKernel.consume_block(self, qa, q_lane, acc, row_max, row_sum, stage, empty_bar, blk,
+                                                kv_len, scale, key_base, g, c, lane)
+
+    # ---- v_loads="v4"
+    @cute.jit
+    def load_v(self, stage, key_base, sub, g, c):
+        if cutlass.const_expr(self.v_rotated):
+            return SparseDecodeMmaKernel.load_v(self, stage, key_base, sub, g, c)
+        vrow = stage + (key_base + 16 * sub + 4 * c) * ROW_BYTES + 128 + 16 * g
+        return [ptx.ld_shared_v4(vrow + i * ROW_BYTES) for i in range(4)]
+
+    # ---- the kernel body with the trace's timer reads and the block-table prefetch
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mKV: cute.Tensor, mTopk: cute.Tensor, mBT: cute.Tensor, mKvLens: cute.Tensor,
+               mOut: cute.Tensor, mLse: cute.Tensor, mPO: cute.Tensor, mPL: cute.Tensor, qlen: Int32,
+               num_splits: Int32, qk_scale_log2: Float32, v_scale: Float32, Storage: cutlass.Constexpr):
+        tidx, _, _ = cute.arch.thread_idx()
+        t, h, split = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(tidx // 32)
+        lane = tidx % 32
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(Storage)
+        buf_addr = ptx.smem_addr(storage.buf.data_ptr())
+        full_ptr = storage.full.data_ptr()
+        empty_ptr = storage.empty.data_ptr()
+        sPages = storage.pages.get_tensor(cute.make_layout(32))
+        sBlocks = storage.blocks.get_tensor(cute.make_layout(32))
+        sNvalid = storage.nvalid.get_tensor(cute.make_layout(4))
+        sML = storage.ml.get_tensor(cute.make_layout(self.warps * 32))
+        q_addr = ptx.smem_addr(storage.q.data_ptr())
+        tr = cute.make_rmem_tensor(TRACE_WORDS, Int32)
+        if cutlass.const_expr(self.trace):
+            tr[0] = smid()
+            tr[1] = globaltimer_lo()
+            tr[4] = Int32(0)  # stays 0 when the CTA has no valid block
+            tr[5] = Int32(0)
+        if warp == 0:
+            if lane == 0:
+                for s in cutlass.range_constexpr(self.stages):
+                    cute.arch.mbarrier_init(full_ptr + s, 1)
+                    cute.arch.mbarrier_init(empty_ptr + s, self.warps)
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()
+            if cutlass.const_expr(self.ctas_per_sm < 3):
+                cute.arch.griddepcontrol_launch_dependents()
+            elif num_splits > 1:
+                cute.arch.griddepcontrol_launch_dependents()
+        if cutlass.const_expr(self.trace):
+            tr[2] = globaltimer_lo()
+
+        kv_len = mKvLens[t]
+        req = t // qlen
+        num_pages = mKV.shape[0]
+        if warp == 0:
+            if cutlass.const_expr(self.prefetch_bt):
+                row = mBT.iterator.toint() + Int64(req) * Int64(mBT.stride[0]) * 4
+                row_bytes = mBT.shape[1] * 4
+                for off in range(lane * 128, row_bytes, 32 * 128):
+                    prefetch_l2(row + Int64(off))
+                if lane == 0:  # the row's last line when the row does not start on a line
+                    prefetch_l2(row + Int64(row_bytes - 4))
+            ballot = common.compact_valid_slots(
+                mTopk, mBT, t, h, req, kv_len, num_pages, lane, sPages, sBlocks, self.topk, self.page,
+            )
+            if lane == 0:
+                sNvalid[0] = cute.arch.popc(ballot)
+        if cutlass.const_expr(self.q_smem):
+            if warp == self.warps:
+                self.stage_q(mQ, q_addr, t, h, lane, qk_scale_log2)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        n_valid = sNvalid[0]
+        first, n_iter = common.split_range(n_valid, num_splits, split)
+        if cutlass.const_expr(self.trace):
+            tr[3] = globaltimer_lo()
+            tr[0] = tr[0] | (n_iter << 16)
+
+        if warp == self.warps:
+            if lane == 0:
+                self.produce(mKV, sPages, h, first, n_iter, buf_addr, full_ptr, empty_ptr)
+        else:
+            self.consume_traced(
+                mQ, mOut, mLse, mPO, mPL, sBlocks, sML, buf_addr, q_addr, full_ptr, empty_ptr,
+                t, h, split, warp, lane, kv_len, first, n_iter, num_splits, qk_scale_log2, v_scale, tr,
+            )
+            if cutlass.const_expr(self.trace):
+                if warp == 0 and lane == 0:
+                    tr[7] = globaltimer_lo()
+                    idx = (t * self.hkv + h) * num_splits + split
+                    slot = mPO.iterator.toint() + Int64(idx) * Int64(mPO.stride[0]) * 4
+                    ptx.st_global_v4(slot, tr[0], tr[1], tr[2], tr[3])
+                    ptx.st_global_v4(slot + 16, tr[4], tr[5], tr[6], tr[7])
+
+    @cute.jit
+    def consume_traced(self, mQ, mOut, mLse, mPO, mPL, sBlocks, sML, buf_addr, q_addr, full_ptr, empty_ptr,
+                       t, h, split, warp, lane, kv_len, first, n_iter, num_splits, qk_scale_log2, v_scale, tr):
+        g = lane // 4
+        c = lane % 4
+        qa = cute.make_rmem_tensor(32, Int32)
+        if cutlass.const_expr(not self.q_smem):
+            self.load_q(mQ, qa, t, h, g, c, qk_scale_log2)
+        acc = cute.make_rmem_tensor(64, Float32)
+        for i in cutlass.range_constexpr(64):
+            acc[i] = Float32(0.0)
+        row_max = cute.make_rmem_tensor(2, Float32)
+        row_sum = cute.make_rmem_tensor(2, Float32)
+        for r in cutlass.range_constexpr(2):
+            row_max[r] = -Float32.inf
+            row_sum[r] = Float32(0.0)
+        scale = Float32(1.0) if self.scale_in_q else qk_scale_log2
+        for i in range(n_iter):
+            s = i % self.stages
+            phase = (i // self.stages) & 1
+            cute.arch.mbarrier_wait(full_ptr + s, phase)
+            if cutlass.const_expr(self.trace):
+                if i == 0:
+                    tr[4] = globaltimer_lo()
+                if i == n_iter - 1:
+                    tr[5] = globaltimer_lo()
+            stage = buf_addr + s * self.stage_bytes
+            blk = sBlocks[first + i]
+            self.consume_block(
+                qa, q_addr + 16 * lane, acc, row_max, row_sum, stage, empty_ptr + s, blk, kv_len, scale,
+                warp * self.keys_per_warp, g, c, lane,
+            )
+        if cutlass.const_expr(self.trace):
+            tr[6] = globaltimer_lo()
+        self.epilogue(mOut, mLse, mPO, mPL, sML, buf_addr, acc, row_max, row_sum,
+                      t, h, split, warp, lane, num_splits, v_scale)

@@ -1,0 +1,95 @@
+"""What every arch's decode kernel shares: the static geometry and the host-side launch.
+
+`SparseDecodeKernelBase.__call__` is the exported function: it takes the calling convention
+of kernels/convention.py (`ARGUMENTS`, in order), launches the subclass's `kernel` on a
+(token, KV head, split) grid and, when the top-k blocks are split, the split merge
+(kernels/split_merge.py) in the same launch sequence. A subclass provides `kernel` (its
+device code, taking the `ARGUMENTS` tensors and scalars plus its shared-memory struct),
+`storage_type`, `threads`, and may override `launch_options` and `pdl`.
+"""
+
+# no `from __future__ import annotations`: the DSL reads evaluated annotations
+import cuda.bindings.driver as cuda
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from ..geometry import MAX_GROUP_SIZE, MAX_TOPK
+from .split_merge import SplitMergeKernel
+
+
+class SparseDecodeKernelBase:
+    """Geometry checks and fields shared by the arch kernels; the launch of the convention."""
+
+    arch_family = ""
+    # programmatic dependent launch: may the kernels of this launch be scheduled before the
+    # previous kernel in the stream has finished (each waits before its first global access)?
+    pdl = False
+
+    @staticmethod
+    def occupancy_options(ctas_per_sm: int, q_dtype: str) -> dict:
+        """Constructor options of the build for `ctas_per_sm` CTAs per SM (SparseDecodeConfig)."""
+        if ctas_per_sm == 2:
+            return {}
+        raise ValueError(f"no build for {ctas_per_sm} CTAs per SM")
+
+    def __init__(self, *, num_q_heads: int, num_kv_heads: int, page_size: int, topk: int, q_dtype: str):
+        if num_q_heads % num_kv_heads:
+            raise ValueError("num_q_heads must be a multiple of num_kv_heads")
+        self.hq = num_q_heads
+        self.hkv = num_kv_heads
+        self.group = num_q_heads // num_kv_heads
+        if not 1 <= self.group <= MAX_GROUP_SIZE:
+            raise ValueError(f"group size {self.group} not in 1..{MAX_GROUP_SIZE}")
+        if not 1 <= topk <= MAX_TOPK:
+            raise ValueError(f"topk {topk} not in 1..{MAX_TOPK}")
+        self.page = page_size
+        self.topk = topk
+        self.q_fp8 = q_dtype == "float8_e4m3fn"
+
+    # ------------------------------------------------------------------ host side
+    @cute.jit
+    def __call__(
+        self,
+        query: cute.Tensor,  # [T, Hq, 128] bf16, or uint8 holding e4m3
+        kv_cache: cute.Tensor,  # [P, Hkv, page, 256] uint8
+        topk: cute.Tensor,  # [T, Hkv, topk] int32, any strides
+        block_table: cute.Tensor,  # [B, max_blocks] int32
+        kv_lens: cute.Tensor,  # [T] int32
+        out: cute.Tensor,  # [T, Hq, 128] bf16
+        lse: cute.Tensor,  # [T, Hq] fp32
+        partial_o: cute.Tensor,  # [T*Hkv*S, G, 128] fp32
+        partial_lse: cute.Tensor,  # [T*Hkv*S, G] fp32
+        qlen: Int32,
+        num_splits: Int32,
+        qk_scale_log2: Float32,
+        v_scale: Float32,
+        stream: cuda.CUstream,
+    ):
+        """The exported function: kernels/convention.py ARGUMENTS, in order, then the stream."""
+        num_tokens = query.shape[0]
+        self.kernel(
+            query, kv_cache, topk, block_table, kv_lens, out, lse, partial_o, partial_lse, qlen, num_splits,
+            qk_scale_log2, v_scale, self.storage_type(),
+        ).launch(
+            grid=(num_tokens, self.hkv, num_splits),
+            block=(self.threads, 1, 1),
+            stream=stream,
+            # explicit carveout, so compiling needs no GPU to query the shared-memory size
+            preferred_smem_carveout=100,
+            use_pdl=self.pdl,
+            **self.launch_options(),
+        )
+        if num_splits > 1:
+            SplitMergeKernel(num_kv_heads=self.hkv, group_size=self.group, max_splits=self.topk,
+                             pdl=self.pdl).launch(out, lse, partial_o, partial_lse, num_splits, num_tokens, stream)
+
+    def storage_type(self):
+        """The shared-memory struct of the decode kernel (a cute.struct class)."""
+        raise NotImplementedError
+
+    def launch_options(self) -> dict:
+        """Extra launch options of the decode kernel."""
+        return {}
+
+    def kernel(self, *args):  # pragma: no cover - every arch kernel defines its @cute.kernel
+        raise NotImplementedError

@@ -1,0 +1,147 @@
+"""The calling convention of an exported decode artifact, in one place.
+
+Everything that shapes the artifact besides the kernel code lives here, inside the hashed
+kernel sources (every file of this package is part of every cache key): the argument list
+the exported function takes (`ARGUMENTS`), the fake arguments it is traced against
+(`fake_arguments`), the order the op passes real arguments in (`call_arguments`), the
+plan-owned tensors among them (`PLAN_TENSORS`), and the compile, export and link options.
+Edit any of them and every cache key changes, so a stale artifact can never be loaded
+against a new convention.
+
+The kernels' `__call__` (kernels/base.py) takes exactly `ARGUMENTS` in this order
+(tests/test_convention.py checks it). T (tokens), P (pages), B (requests), max_blocks and
+the split-KV rows are symbolic at compile time, so they never enter the cache key.
+
+Importing this module imports nothing heavy: `cutlass` only inside `fake_arguments`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# the exported symbol, the DSL compile options (the arch is appended per config) and the
+# link step: cc LINK_FLAGS -o <artifact> <object> <DSL runtime libraries>
+EXPORT_NAME = "sparse_decode"
+ARTIFACT_NAME = "sparse_decode.so"
+COMPILE_OPTIONS = "--enable-tvm-ffi"
+LINK_FLAGS = ("-shared",)
+
+
+@dataclass(frozen=True)
+class Argument:
+    """One argument of the exported function.
+
+    kind: "tensor" or "scalar" (scalars are Int32 / Float32 values). shape: symbolic dims
+    ("T", "Hq", ... resolved per config by `fake_arguments`). layout: what the kernel
+    assumes and the op guarantees: "compact" (row-major), "last_contiguous" (stride 1 in the
+    last dim, other strides free), "query" (head stride == head_dim, token stride a multiple
+    of 16 elements). align: assumed byte alignment of the data pointer (0: none).
+    source: "call" (from the op's caller), "plan" (plan-owned, `PLAN_TENSORS`), "scalar".
+    """
+
+    name: str
+    kind: str
+    dtype: str
+    shape: tuple[str, ...] = ()
+    layout: str = "compact"
+    align: int = 0
+    source: str = "call"
+
+
+# dtype "q": bfloat16, or uint8 holding e4m3 for an fp8 query (SparseDecodeConfig.q_dtype)
+ARGUMENTS: tuple[Argument, ...] = (
+    Argument("query", "tensor", "q", ("T", "Hq", "D"), "query", 16),
+    Argument("kv_cache", "tensor", "uint8", ("P", "Hkv", "page", "row"), "compact", 16),
+    Argument("topk", "tensor", "int32", ("T", "Hkv", "K"), "last_contiguous"),
+    Argument("block_table", "tensor", "int32", ("B", "max_blocks"), "last_contiguous", source="plan"),
+    Argument("kv_lens", "tensor", "int32", ("T",), source="plan"),
+    Argument("out", "tensor", "bfloat16", ("T", "Hq", "D"), "compact", 16),
+    Argument("lse", "tensor", "float32", ("T", "Hq")),  # the plan's scratch when the caller passes none
+    Argument("partial_o", "tensor", "float32", ("rows", "G", "D"), "compact", 16, source="plan"),
+    Argument("partial_lse", "tensor", "float32", ("rows", "G"), source="plan"),
+    Argument("qlen", "scalar", "int32", source="scalar"),
+    Argument("num_splits", "scalar", "int32", source="scalar"),
+    Argument("qk_scale_log2", "scalar", "float32", source="scalar"),  # sm_scale*q_scale*k_scale*log2(e)
+    Argument("v_scale", "scalar", "float32", source="scalar"),
+)
+ARGUMENT_NAMES = tuple(a.name for a in ARGUMENTS)
+# plan fields passed to the kernel, in the order `SparseDecodePlan.kernel_tensors` returns
+# them (the plan wraps them as TVM-FFI tensors once); lse_scratch stands in for `lse`
+PLAN_TENSORS = ("kv_lens", "lse_scratch", "partial_o", "partial_lse")
+
+
+def call_arguments(plan: Any, query: Any, kv_cache: Any, topk: Any, out: Any, lse: Any,
+                   qk_scale_log2: float, v_scale: float) -> tuple[Any, ...]:
+    """The exported function's arguments, in `ARGUMENTS` order, for one op call.
+
+    An fp8 query and an fp8 cache travel as their uint8 storage; `lse` None means the plan's
+    scratch. The caller (msa_jit.op) has validated every tensor against the plan.
+    """
+    import torch
+
+    kv_lens, lse_scratch, partial_o, partial_lse = plan.kernel_tensors()
+    return (
+        query.view(torch.uint8) if query.dtype == torch.float8_e4m3fn else query,
+        kv_cache if kv_cache.dtype == torch.uint8 else kv_cache.view(torch.uint8),
+        topk,
+        plan.block_table,
+        kv_lens,
+        out,
+        lse_scratch if lse is None else lse,
+        partial_o,
+        partial_lse,
+        plan.qlen,
+        plan.num_splits,
+        qk_scale_log2,
+        v_scale,
+    )
+
+
+def symbolic_dims(config: Any) -> dict[str, Any]:
+    """Each dim name of `ARGUMENTS` -> its compile-time value: an int, or a fresh symbol."""
+    import cutlass.cute as cute
+
+    d = config.head_dim
+    return {
+        "T": cute.sym_int32(), "P": cute.sym_int32(), "B": cute.sym_int32(),
+        "max_blocks": cute.sym_int32(), "rows": cute.sym_int32(),
+        "Hq": config.num_q_heads, "Hkv": config.num_kv_heads, "G": config.group_size,
+        "D": d, "page": config.page_size, "row": 2 * d, "K": config.topk,
+    }
+
+
+def fake_arguments(config: Any) -> list[Any]:
+    """Fake tensors and scalars of `ARGUMENTS` for tracing `config`'s kernel (no GPU needed),
+    followed by the TVM-FFI environment stream."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
+
+    dtypes = {
+        "q": cutlass.Uint8 if config.q_dtype == "float8_e4m3fn" else cutlass.BFloat16,
+        "uint8": cutlass.Uint8, "int32": Int32, "float32": Float32, "bfloat16": cutlass.BFloat16,
+    }
+    scalars = {"int32": Int32(1), "float32": Float32(1.0)}
+    dims = symbolic_dims(config)
+    out: list[Any] = []
+    for a in ARGUMENTS:
+        if a.kind == "scalar":
+            out.append(scalars[a.dtype])
+            continue
+        shape = tuple(dims[s] for s in a.shape)
+        align = {"assumed_align": a.align} if a.align else {}
+        if a.layout == "compact":
+            order = tuple(range(len(shape) - 1, -1, -1))
+            out.append(make_fake_compact_tensor(dtypes[a.dtype], shape, stride_order=order, **align))
+        elif a.layout == "query":
+            stride = (cute.sym_int32(divisibility=16), shape[2], 1)
+            out.append(make_fake_tensor(dtypes[a.dtype], shape, stride=stride, **align))
+        elif a.layout == "last_contiguous":
+            stride = tuple(cute.sym_int32() for _ in shape[:-1]) + (1,)
+            out.append(make_fake_tensor(dtypes[a.dtype], shape, stride=stride, **align))
+        else:  # pragma: no cover - a typo in ARGUMENTS
+            raise ValueError(f"{a.name}: unknown layout {a.layout!r}")
+    out.append(make_fake_stream(use_tvm_ffi_env_stream=True))
+    return out

@@ -1,0 +1,76 @@
+"""Split-KV merge: the second kernel of a decode launch when the top-k blocks were split.
+
+With num_splits > 1 each decode CTA writes a normalized partial O `[rows, G, 128]` fp32 and
+its log2-LSE `[rows, G]` (row = (t * Hkv + h) * num_splits + split); this kernel combines
+them into the bf16 output and the natural-log LSE (FlashAttention-4's
+`flash_fwd_combine.py` plays the same role there).
+"""
+
+# no `from __future__ import annotations`: the DSL reads evaluated annotations
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from . import ptx
+
+HEAD_DIM = 128
+LN2 = math.log(2.0)
+
+
+class SplitMergeKernel:
+    """Static config in __init__, the launch in `launch` (called while the decode kernel's
+    `__call__` is traced, so both kernels are one exported function), device code in kernel()."""
+
+    def __init__(self, *, num_kv_heads: int, group_size: int, max_splits: int, pdl: bool):
+        self.hkv = num_kv_heads
+        self.group = group_size
+        # the split loop is unrolled to max_splits (= topk: a split holds at least one slot)
+        self.max_splits = max_splits
+        self.pdl = pdl
+
+    def launch(self, mOut: cute.Tensor, mLse: cute.Tensor, mPO: cute.Tensor, mPL: cute.Tensor,
+               num_splits: Int32, num_tokens: Int32, stream) -> None:
+        """One CTA per (token, KV head, group row), one thread per head dim."""
+        self.kernel(mOut, mLse, mPO, mPL, num_splits).launch(
+            grid=(num_tokens, self.hkv, self.group), block=(HEAD_DIM, 1, 1), stream=stream, use_pdl=self.pdl
+        )
+
+    @cute.kernel
+    def kernel(self, mOut: cute.Tensor, mLse: cute.Tensor, mPO: cute.Tensor, mPL: cute.Tensor, num_splits: Int32):
+        """out[t, h*G+row, d] = sum_s w_s O_s / sum_s w_s with w_s = 2**(lse_s - max_s lse_s).
+
+        One CTA per (t, h, row), one thread per dim; the split loop is unrolled to max_splits
+        with predicated loads so all of them are in flight at once.
+        """
+        d, _, _ = cute.arch.thread_idx()
+        t, h, row = cute.arch.block_idx()
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()  # every split's partial is written
+        idx0 = (t * self.hkv + h) * num_splits
+        lse = cute.make_rmem_tensor(self.max_splits, Float32)
+        part = cute.make_rmem_tensor(self.max_splits, Float32)
+        m_all = -Float32.inf
+        for s in cutlass.range_constexpr(self.max_splits):
+            lse[s] = -Float32.inf
+            part[s] = Float32(0.0)
+            if s < num_splits:
+                lse[s] = mPL[idx0 + s, row]
+                part[s] = mPO[idx0 + s, row, d]
+            m_all = cute.arch.fmax(m_all, lse[s])
+        num = Float32(0.0)
+        den = Float32(0.0)
+        if m_all != -Float32.inf:
+            for s in cutlass.range_constexpr(self.max_splits):
+                w = ptx.ex2(lse[s] - m_all)
+                num = num + w * part[s]
+                den = den + w
+        out = Float32(0.0)
+        lse_nat = -Float32.inf
+        if den > Float32(0.0):
+            out = num / den
+            lse_nat = (m_all + ptx.lg2(den)) * LN2
+        mOut[t, h * self.group + row, d] = out.to(cutlass.BFloat16)
+        if d == 0:
+            mLse[t, h * self.group + row] = lse_nat

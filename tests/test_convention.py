@@ -1,0 +1,125 @@
+"""The calling convention (kernels/convention.py) is the one description of what an artifact takes.
+
+Everything derived from it must agree with it: the kernels' `__call__` signature, the fake
+arguments, the op's argument tuple, the plan-owned tensors, the layout checks of the
+validation; and editing any part of it (or the compile / link options it holds) must change
+every cache key, so a stale artifact is never loaded against a new convention.
+"""
+
+from __future__ import annotations
+
+import inspect
+import shutil
+
+import pytest
+import torch
+from helpers import make_case
+
+from msa_jit import SparseDecodePlanner, compiler
+from msa_jit.cache import source_fingerprint
+from msa_jit.geometry import SparseDecodeConfig
+from msa_jit.validation import kernel_call_ok, validate_kernel_layout, validate_sparse_decode
+
+conv = compiler.convention()
+
+
+def test_every_kernel_takes_the_convention_in_order():
+    from msa_jit.kernels.base import SparseDecodeKernelBase
+
+    names = list(inspect.signature(SparseDecodeKernelBase.__call__).parameters)
+    # self, the arguments in order, then the stream TVM-FFI supplies
+    assert names[1:-1] == list(conv.ARGUMENT_NAMES) and names[-1] == "stream"
+    for family in compiler.KERNEL_REGISTRY:
+        cls = compiler._kernel_class(family)
+        assert issubclass(cls, SparseDecodeKernelBase)
+        assert cls.__call__ is SparseDecodeKernelBase.__call__, f"{family} must not redefine the launch"
+
+
+def test_fake_arguments_follow_the_description():
+    cfg = SparseDecodeConfig(num_q_heads=64, num_kv_heads=4)
+    fakes = conv.fake_arguments(cfg)
+    assert len(fakes) == len(conv.ARGUMENTS) + 1  # + the environment stream
+    for a, fake in zip(conv.ARGUMENTS, fakes):
+        if a.kind == "tensor":
+            assert len(fake.shape) == len(a.shape), a.name
+
+
+def test_op_passes_the_arguments_in_convention_order():
+    c = make_case(2, 1, 64, 4, q_dtype=torch.bfloat16, seed=1, device="cpu")
+    plan = SparseDecodePlanner().prepare(*c.prepare_args(), **c.prepare_kwargs())
+    out, lse = c.new_out(), c.new_lse()
+    args = conv.call_arguments(plan, c.query, c.kv_cache, c.topk, out, lse, 0.5, 2.0)
+    got = dict(zip(conv.ARGUMENT_NAMES, args))
+    assert len(args) == len(conv.ARGUMENTS)
+    assert got["query"] is c.query and got["topk"] is c.topk and got["out"] is out and got["lse"] is lse
+    assert got["kv_cache"].dtype == torch.uint8 and got["kv_cache"].data_ptr() == c.kv_cache.data_ptr()
+    assert got["block_table"] is plan.block_table
+    assert (got["qlen"], got["num_splits"], got["qk_scale_log2"], got["v_scale"]) == (
+        plan.qlen, plan.num_splits, 0.5, 2.0)
+    plan_owned = [a.name for a in conv.ARGUMENTS if a.source == "plan" and a.name != "block_table"]
+    assert [n for n in conv.PLAN_TENSORS if n != "lse_scratch"] == plan_owned
+    # lse None: the plan's scratch goes in its place
+    args = conv.call_arguments(plan, c.query, c.kv_cache, c.topk, out, None, 0.5, 2.0)
+    assert dict(zip(conv.ARGUMENT_NAMES, args))["lse"] is plan.kernel_tensors()[1]
+
+
+def _violations(a, good):
+    """Tensors of the right shape and dtype that break what Argument `a` lets the kernel assume."""
+    out = []
+    if a.align:
+        out.append(torch.zeros(good.numel() + 1, dtype=good.dtype)[1:].view(good.shape))
+    if a.layout == "compact":
+        flipped = torch.zeros(good.shape[::-1], dtype=good.dtype).permute(*range(good.dim() - 1, -1, -1))
+        out.append(flipped)
+    if a.layout == "query":
+        T, H, D = good.shape
+        out.append(torch.zeros(T, H, 2 * D, dtype=good.dtype)[..., :D])  # head stride != D
+        out.append(torch.zeros(T, H * D + 8, dtype=good.dtype)[:, : H * D].view(T, H, D))  # token stride % 16
+    if a.layout in ("query", "last_contiguous"):
+        out.append(torch.zeros(good.shape + (2,), dtype=good.dtype)[..., 0])
+    return out
+
+
+@pytest.mark.parametrize("name", [a.name for a in conv.ARGUMENTS if a.source == "call" and a.kind == "tensor"])
+def test_validation_rejects_what_the_convention_does_not_allow(name):
+    c = make_case(2, 1, 64, 4, q_dtype=torch.bfloat16, seed=2, device="cpu")
+    plan = SparseDecodePlanner().prepare(*c.prepare_args(), **c.prepare_kwargs())
+    good = dict(query=c.query, kv_cache=c.kv_cache, topk=c.topk, out=c.new_out(), lse=c.new_lse())
+    assert kernel_call_ok(good["query"], good["kv_cache"], good["topk"], good["out"], plan, good["lse"])
+    (a,) = [a for a in conv.ARGUMENTS if a.name == name]
+    bad_tensors = _violations(a, good[name])
+    assert bad_tensors, f"{name}: the convention lets the kernel assume nothing about it?"
+    for bad in bad_tensors:
+        t = dict(good, **{name: bad})
+        assert not kernel_call_ok(t["query"], t["kv_cache"], t["topk"], t["out"], plan, t["lse"]), name
+        # an API rule (every backend) or a kernel-layout rule (the kernel path) names it
+        with pytest.raises(ValueError, match=name):
+            validate_sparse_decode(t["query"], t["kv_cache"], t["topk"], t["out"], plan, t["lse"], "reference")
+            validate_kernel_layout(t["query"], t["kv_cache"], t["out"], t["lse"])
+
+
+@pytest.mark.parametrize("edit", [
+    ('LINK_FLAGS = ("-shared",)', 'LINK_FLAGS = ("-shared", "-Wl,--as-needed")'),
+    ('COMPILE_OPTIONS = "--enable-tvm-ffi"', 'COMPILE_OPTIONS = "--enable-tvm-ffi --opt-level 2"'),
+    ('Argument("out", "tensor", "bfloat16", ("T", "Hq", "D"), "compact", 16)',
+     'Argument("out", "tensor", "bfloat16", ("T", "Hq", "D"), "compact", 8)'),
+    ("cute.sym_int32(divisibility=16)", "cute.sym_int32(divisibility=8)"),
+    ('EXPORT_NAME = "sparse_decode"', 'EXPORT_NAME = "sparse_decode_v2"'),
+])
+def test_editing_the_convention_changes_every_cache_key(tmp_path, monkeypatch, edit):
+    src = compiler.kernels_dir()
+    copy = tmp_path / "kernels"
+    shutil.copytree(src, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    path = copy / "convention.py"
+    text = path.read_text()
+    assert text.count(edit[0]) == 1, edit[0]
+    cfg = SparseDecodeConfig(num_q_heads=8, num_kv_heads=1)
+    before = compiler.cache_key(cfg)
+    assert source_fingerprint(sorted(copy.glob("*.py"))) == compiler._sources_hash()
+    path.write_text(text.replace(*edit))
+    monkeypatch.setattr(compiler, "kernel_sources", lambda: sorted(copy.glob("*.py")))
+    compiler._sources_hash.cache_clear()
+    try:
+        assert compiler.cache_key(cfg) != before
+    finally:
+        compiler._sources_hash.cache_clear()
