@@ -15,6 +15,12 @@ Blocks past the block table's width are skipped as well. Everything is computed 
 float64; inputs may live on CUDA (only the selected pages are gathered and copied). Work is
 vectorized per (request, KV head): the keys of every block any of the request's tokens
 selected are gathered once, and each token's key set is a boolean mask over them.
+
+Cache formats, each read by one function that turns the gathered pages into float64 K, V:
+- fp8 [P, Hkv, page, 2D] float8_e4m3fn (or its uint8 storage): K = k_scale * fp8(K bytes);
+- NVFP4 uint8 [P, 2*Hkv, page, 72] (msa_jit.nvfp4): K = e2m1 * e4m3 block scale * k_scale;
+- a float cache [P, Hkv, page, 2D] (bf16/fp16/fp32/fp64) holding the values themselves, so
+  that unquantized or dequantized K/V go through the same math (no engine passes one).
 """
 
 from __future__ import annotations
@@ -23,13 +29,38 @@ import math
 
 import torch
 
+from .nvfp4 import NVFP4_HEAD_DIM, check_nvfp4_kv_cache, dequantize_kv_nvfp4, is_nvfp4_kv_layout
+
 __all__ = ["sparse_decode_reference"]
 
 _FP8 = torch.float8_e4m3fn
+_FLOAT_KV = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 def _as_float64_cpu(x: torch.Tensor) -> torch.Tensor:
     return x.detach().to("cpu").to(torch.float64)
+
+
+def _dense_keys_values(kv_cache: torch.Tensor, pages: torch.Tensor, h: int, D: int,
+                       k_scale: float, v_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 (or uint8 storage) or float [P, Hkv, page, 2D] cache -> K, V [len(pages)*page, D]."""
+    if kv_cache.dtype in (_FP8, torch.uint8):
+        kv_u8 = kv_cache.view(torch.uint8)
+        chunk = kv_u8[pages.to(kv_u8.device), h].to("cpu").view(_FP8).to(torch.float64)
+    else:
+        chunk = kv_cache[pages.to(kv_cache.device), h].to("cpu").to(torch.float64)
+    kk = chunk[..., :D].reshape(-1, D) * k_scale
+    vv = chunk[..., D:].reshape(-1, D) * v_scale
+    return kk, vv
+
+
+def _nvfp4_keys_values(kv_cache: torch.Tensor, pages: torch.Tensor, h: int, D: int,
+                       k_scale: float, v_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4 [P, 2*Hkv, page, 72] cache -> K, V [len(pages)*page, D]: only head h's two slots
+    of the gathered pages are copied and dequantized."""
+    slots = kv_cache[pages.to(kv_cache.device), 2 * h:2 * h + 2].to("cpu")  # [nu, 2, page, 72]
+    kk, vv = dequantize_kv_nvfp4(slots, k_scale, v_scale)
+    return kk.reshape(-1, D), vv.reshape(-1, D)
 
 
 @torch.no_grad()
@@ -43,18 +74,21 @@ def sparse_decode_reference(
     *,
     sm_scale: float,
     q_scale: float = 1.0,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
+    k_scale: float | torch.Tensor = 1.0,
+    v_scale: float | torch.Tensor = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference sparse decode in float64.
 
     Args:
         query: [T, Hq, D] bfloat16 or float8_e4m3fn (any float dtype works), T = B * qlen.
-        kv_cache: [P, Hkv, page, 2*D] float8_e4m3fn, or uint8 storage of it.
+        kv_cache: [P, Hkv, page, 2*D] float8_e4m3fn, or uint8 storage of it; or an NVFP4
+            cache, uint8 [P, 2*Hkv, page, 72] (D == 128); or a float [P, Hkv, page, 2*D] cache.
         topk: [T, Hkv, K] integer logical block indices, any strides.
         block_table: [B, max_blocks] integer, logical block -> physical page.
         seq_lens: [B] integer, context lengths including the qlen new tokens.
         decode_query_len: qlen.
+        k_scale, v_scale: per-tensor (fp8) or global (NVFP4) scales, python floats or
+            one-element tensors.
     Returns:
         (out [T, Hq, D] float64, lse [T, Hq] float64 natural log) on the CPU. A row without
         visible keys has out = 0 and lse = -inf.
@@ -62,16 +96,22 @@ def sparse_decode_reference(
     qlen = int(decode_query_len)
     if query.dim() != 3 or kv_cache.dim() != 4 or topk.dim() != 3:
         raise ValueError(
-            "sparse_decode_reference: expected query [T,Hq,D], kv_cache [P,Hkv,page,2D], "
+            "sparse_decode_reference: expected query [T,Hq,D], kv_cache [P,Hkv,page,2D] (NVFP4: "
+            "[P,2*Hkv,page,72]), "
             f"topk [T,Hkv,K]; got {tuple(query.shape)}, {tuple(kv_cache.shape)}, {tuple(topk.shape)}"
         )
     T, Hq, D = query.shape
-    P, Hkv, page, row = kv_cache.shape
+    if is_nvfp4_kv_layout(kv_cache):
+        P, Hkv, page = check_nvfp4_kv_cache(kv_cache)
+        kv_dim_ok, keys_values = D == NVFP4_HEAD_DIM, _nvfp4_keys_values
+    else:
+        P, Hkv, page, row = kv_cache.shape
+        kv_dim_ok, keys_values = row == 2 * D, _dense_keys_values
     K = topk.shape[2]
     B = seq_lens.shape[0]
     if qlen < 1 or T != B * qlen:
         raise ValueError(f"sparse_decode_reference: T={T} != batch {B} * qlen {qlen}")
-    if row != 2 * D or Hkv < 1 or Hq % Hkv or topk.shape[:2] != (T, Hkv):
+    if not kv_dim_ok or Hkv < 1 or Hq % Hkv or topk.shape[:2] != (T, Hkv):
         raise ValueError(
             "sparse_decode_reference: inconsistent shapes "
             f"query {tuple(query.shape)}, kv_cache {tuple(kv_cache.shape)}, topk {tuple(topk.shape)}"
@@ -80,12 +120,8 @@ def sparse_decode_reference(
         raise ValueError(f"sparse_decode_reference: block_table {tuple(block_table.shape)} for batch {B}")
     G = Hq // Hkv
 
-    if kv_cache.dtype == _FP8:
-        kv_u8 = kv_cache.view(torch.uint8)
-    elif kv_cache.dtype == torch.uint8:
-        kv_u8 = kv_cache
-    else:
-        raise TypeError(f"sparse_decode_reference: kv_cache dtype {kv_cache.dtype} is not fp8/uint8")
+    if kv_cache.dtype not in (_FP8, torch.uint8) + _FLOAT_KV:
+        raise TypeError(f"sparse_decode_reference: kv_cache dtype {kv_cache.dtype} is not fp8/uint8/float")
 
     q = _as_float64_cpu(query) * float(q_scale)            # [T, Hq, D]
     topk_c = topk.detach().to("cpu", torch.int64)           # [T, Hkv, K]
@@ -120,9 +156,7 @@ def sparse_decode_reference(
                     f"sparse_decode_reference: block_table[{r}] maps blocks {used.tolist()} to "
                     f"pages {pages.tolist()}, outside [0, {P})"
                 )
-            chunk = kv_u8[pages.to(kv_u8.device), h].to("cpu").view(_FP8).to(torch.float64)
-            kk = chunk[..., :D].reshape(-1, D) * k_scale                 # [nu*page, D]
-            vv = chunk[..., D:].reshape(-1, D) * v_scale                 # [nu*page, D]
+            kk, vv = keys_values(kv_cache, pages, h, D, k_scale, v_scale)  # [nu*page, D] each
             key_pos = (used[:, None] * page + offsets).reshape(-1)       # [nu*page]
             # the contract's key set of every token, as a mask over the gathered keys
             chosen = ((blk[:, :, None] == used[None, None, :]) & ok[:, :, None]).any(dim=1)  # [qlen, nu]

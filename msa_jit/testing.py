@@ -1,8 +1,9 @@
 """Random valid (and adversarial) inputs for the sparse decode op: tests, `msa-jit selftest`.
 
 `make_case(...)` follows the operator contract (shared/spec/sparse-decode-contract.md): request-major tokens, fp8 KV cache
-[P, Hkv, page, 256] with a random permutation of physical pages, ascending unique topk rows
-padded with -1 that always hold the block of the current position.
+[P, Hkv, page, 256] (or, with kv_dtype="nvfp4", an NVFP4 cache [P, 2*Hkv, page, 72] written by
+msa_jit.nvfp4 from bf16 K/V) with a random permutation of physical pages, ascending unique topk
+rows padded with -1 that always hold the block of the current position.
 """
 
 from __future__ import annotations
@@ -14,20 +15,26 @@ from typing import Any
 
 import torch
 
+from .nvfp4 import NVFP4_V_SCALE_TILE, quantize_kv_nvfp4
+
 FP8 = torch.float8_e4m3fn
 HEAD_DIM = 128
+KV_DTYPES = ("fp8", "nvfp4")
 
 
 @dataclass
 class Case:
     """One step's inputs. Tensors live on `device`; `seq_lens_cpu` on the CPU.
 
-    query [T, Hq, 128] (bf16 or fp8), kv_cache [P, Hkv, page, 256] fp8 (contiguous),
-    topk [T, Hkv, K] int32 (a transposed view of a [Hkv, T, K] buffer when transposed_topk),
-    block_table [B, max_blocks] int32 (row stride > max_blocks when adversarial),
-    seq_lens [B] int32 (counts the qlen new tokens).
+    query [T, Hq, 128] (bf16 or fp8), kv_cache [P, Hkv, page, 256] fp8 (contiguous) or, when
+    kv_dtype == "nvfp4", uint8 [P, 2*Hkv, page, 72] (contiguous; k_scale / v_scale are then its
+    global scales), topk [T, Hkv, K] int32 (a transposed view of a [Hkv, T, K] buffer when
+    transposed_topk), block_table [B, max_blocks] int32 (row stride > max_blocks when
+    adversarial), seq_lens [B] int32 (counts the qlen new tokens).
     has_duplicates: a topk row lists a block twice (outside the contract; the reference uses
     set semantics, a kernel may count it twice: compare only when False).
+    k_unquantized / v_unquantized: NVFP4 cases only, the bf16 [P, Hkv, page, 128] K/V the
+    cache was quantized from, on the CPU (for `error_vs_unquantized`).
     """
 
     query: torch.Tensor
@@ -49,6 +56,9 @@ class Case:
     adversarial: bool = False
     transposed_topk: bool = False
     has_duplicates: bool = False
+    kv_dtype: str = "fp8"
+    k_unquantized: torch.Tensor | None = None
+    v_unquantized: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -66,9 +76,21 @@ class Case:
         return dict(num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
                     page_size=self.page_size, topk_blocks=self.topk_blocks)
 
-    def scales(self) -> dict[str, float]:
-        return dict(sm_scale=self.sm_scale, q_scale=self.q_scale,
-                    k_scale=self.k_scale, v_scale=self.v_scale)
+    def scales(self, *, scale_tensors: bool = False) -> dict[str, Any]:
+        """Keyword scales of the op / reference: python floats; with scale_tensors, k_scale and
+        v_scale as 0-dim float32 tensors on the case's device (how vLLM passes NVFP4's global
+        scales: its `_k_scale` / `_v_scale` buffers). Both forms are the same numbers."""
+        kv: tuple[Any, Any] = (self.k_scale, self.v_scale)
+        if scale_tensors:
+            kv = tuple(torch.tensor(x, dtype=torch.float32, device=self.device) for x in kv)
+        return dict(sm_scale=self.sm_scale, q_scale=self.q_scale, k_scale=kv[0], v_scale=kv[1])
+
+    def unquantized_kv_cache(self) -> torch.Tensor:
+        """NVFP4 cases: the bf16 K/V before quantization as a float cache [P, Hkv, page, 256]
+        on the CPU (what sparse_decode_reference takes with k_scale = v_scale = 1)."""
+        if self.k_unquantized is None or self.v_unquantized is None:
+            raise ValueError(f"case: a {self.kv_dtype} case keeps no unquantized K/V")
+        return torch.cat((self.k_unquantized, self.v_unquantized), dim=-1)
 
     def reference_args(self) -> tuple[Any, ...]:
         """Positional args of sparse_decode_reference()."""
@@ -89,6 +111,25 @@ def _nonzero_normal(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tenso
     """Standard normal values with |x| >= 0.02 (never rounds to zero in fp8 e4m3)."""
     x = torch.randn(shape, generator=gen, dtype=torch.float32)
     return torch.where(x >= 0, 1.0, -1.0) * x.abs().clamp_min(0.02)
+
+
+def _realistic_kv(shape: tuple[int, int, int, int], gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 K, V [P, Hkv, page, 128], a stand-in for a model's K/V (not measured from one).
+
+    K: per (head, channel) a mean ~ N(0, 0.5) and a scale ~ exp(N(0, 0.3)), with 4 outlier
+    channels per head scaled 5..10x (the large norm weights a post-norm K shows), times a
+    per-token factor exp(N(0, 0.1)). V: N(0, 1) times a per-(head, channel) exp(N(0, 0.3)).
+    """
+    P, hkv, page, D = shape
+    ch = (1, hkv, 1, D)
+    k_std = torch.exp(0.3 * torch.randn(ch, generator=gen))
+    outliers = torch.rand(ch, generator=gen).argsort(dim=-1) < 4
+    k_std = torch.where(outliers, k_std * (5 + 5 * torch.rand(ch, generator=gen)), k_std)
+    k_mean = 0.5 * torch.randn(ch, generator=gen)
+    token = torch.exp(0.1 * torch.randn((P, hkv, page, 1), generator=gen))
+    k = (torch.randn(shape, generator=gen) + k_mean) * k_std * token
+    v = torch.randn(shape, generator=gen) * torch.exp(0.3 * torch.randn(ch, generator=gen))
+    return k.to(torch.bfloat16), v.to(torch.bfloat16)
 
 
 def _random_ctx_lens(rng: random.Random, batch: int, qlen: int, page: int, topk: int,
@@ -130,8 +171,13 @@ def make_case(
     page_size: int = 128,
     topk: int = 16,
     padded: bool = False,
+    kv_dtype: str = "fp8",
 ) -> Case:
     """Random inputs valid per the contract (see Case).
+
+    kv_dtype: "fp8" (random fp8 values, random k_scale / v_scale) or "nvfp4" (bf16 K/V from
+    `_realistic_kv`, quantized on `device` by msa_jit.nvfp4.quantize_kv_nvfp4 with its default
+    global scales, which become k_scale / v_scale; page_size must be a multiple of 4).
 
     ctx_lens: per-request seq_lens (including the qlen new tokens); random when None.
     padded: also make some requests padding (seq_len < qlen, so kv_len == 0 rows).
@@ -140,6 +186,10 @@ def make_case(
     token's / request's blocks, duplicates, and garbage past nvalid. Never changes the
     contract's answer except for duplicates (see Case.has_duplicates).
     """
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype: expected one of {KV_DTYPES}, got {kv_dtype!r}")
+    if kv_dtype == "nvfp4" and page_size % NVFP4_V_SCALE_TILE:
+        raise ValueError(f"page_size: an NVFP4 cache needs a multiple of {NVFP4_V_SCALE_TILE}, got {page_size}")
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     page, K = page_size, topk
@@ -210,7 +260,10 @@ def make_case(
             topk_rows[t, h] = torch.tensor(row, dtype=torch.int32)
 
     # ---- values
-    kv = _nonzero_normal((P, hkv, page, 2 * HEAD_DIM), gen).to(FP8)
+    if kv_dtype == "fp8":
+        kv = _nonzero_normal((P, hkv, page, 2 * HEAD_DIM), gen).to(FP8)
+    else:
+        k_unq, v_unq = _realistic_kv((P, hkv, page, HEAD_DIM), gen)
     if q_dtype == FP8:
         query = _nonzero_normal((T, num_q_heads, HEAD_DIM), gen).to(FP8)
         q_scale = rng.uniform(0.5, 2.0)
@@ -228,9 +281,14 @@ def make_case(
     else:
         topk_t = topk_rows.to(dev)
     seq_lens_cpu = torch.tensor(ctx_lens, dtype=torch.int32)
+    if kv_dtype == "fp8":
+        kv_cache, k_unq, v_unq = kv.to(dev), None, None
+        k_scale, v_scale = rng.uniform(0.5, 2.0), rng.uniform(0.5, 2.0)
+    else:
+        kv_cache, k_scale, v_scale = quantize_kv_nvfp4(k_unq.to(dev), v_unq.to(dev))
     return Case(
         query=query.to(dev),
-        kv_cache=kv.to(dev),
+        kv_cache=kv_cache,
         topk=topk_t,
         block_table=storage.to(dev)[:, :max_blocks],
         seq_lens=seq_lens_cpu.to(dev),
@@ -243,11 +301,14 @@ def make_case(
         topk_blocks=K,
         sm_scale=1.0 / math.sqrt(HEAD_DIM),
         q_scale=q_scale,
-        k_scale=rng.uniform(0.5, 2.0),
-        v_scale=rng.uniform(0.5, 2.0),
+        k_scale=k_scale,
+        v_scale=v_scale,
         adversarial=adversarial,
         transposed_topk=transposed_topk,
         has_duplicates=has_dup,
+        kv_dtype=kv_dtype,
+        k_unquantized=k_unq,
+        v_unquantized=v_unq,
     )
 
 
@@ -285,3 +346,15 @@ def compare_with_reference(case: Case, out: torch.Tensor, lse: torch.Tensor | No
     if len(rows) and not torch.all(got[rows[:, 0], rows[:, 1]] == 0):
         problems.append("rows with no visible key are not zero")
     return err, problems
+
+
+def error_vs_unquantized(case: Case, out: torch.Tensor) -> float:
+    """Relative L2 error of `out` [T, Hq, 128] against the float64 reference computed from the
+    case's unquantized bf16 K/V (NVFP4 cases): what choosing the 4-bit cache gives up."""
+    from .reference import sparse_decode_reference
+
+    args = [t.cpu() if isinstance(t, torch.Tensor) else t for t in case.reference_args()]
+    args[1] = case.unquantized_kv_cache()
+    ref, _ = sparse_decode_reference(*args, **dict(case.scales(), k_scale=1.0, v_scale=1.0))
+    den = ref.norm().item()
+    return (out.detach().cpu().double() - ref).norm().item() / (den if den > 0 else 1.0)
