@@ -105,7 +105,8 @@ class ProbeMmaKernel(SparseDecodeMmaKernel):
     # ---- the kernel body with the trace's timer reads and the block-table prefetch
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mKV: cute.Tensor, mTopk: cute.Tensor, mBT: cute.Tensor, mKvLens: cute.Tensor,
-               mOut: cute.Tensor, mLse: cute.Tensor, mPO: cute.Tensor, mPL: cute.Tensor, qlen: Int32,
+               mOut: cute.Tensor, mLse: cute.Tensor, mPO: cute.Tensor, mPL: cute.Tensor, mKScale: cute.Tensor,
+               mVScale: cute.Tensor, qlen: Int32,
                num_splits: Int32, qk_scale_log2: Float32, v_scale: Float32, Storage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         t, h, split = cute.arch.block_idx()
@@ -141,6 +142,8 @@ class ProbeMmaKernel(SparseDecodeMmaKernel):
                 cute.arch.griddepcontrol_launch_dependents()
         if cutlass.const_expr(self.trace):
             tr[2] = globaltimer_lo()
+        qk_scale_log2 = qk_scale_log2 * mKScale[0] * self.kv_fold
+        v_scale = v_scale * mVScale[0] * self.kv_fold
 
         kv_len = mKvLens[t]
         req = t // qlen

@@ -30,7 +30,7 @@ for _ in range(3):
     plan = planner.prepare(step["block_table"], step["seq_lens"], step["seq_lens_cpu"], qlen,
                            num_q_heads=hq, num_kv_heads=hkv, page_size=128, topk_blocks=16)
     if kernel is not None:
-        plan.kernels[step["query"].dtype] = kernel
+        plan.kernels[(step["query"].dtype, "float8_e4m3fn")] = kernel
     sparse_decode(step["query"], step["kv_cache"], step["topk"], step["out"], plan, sm_scale=1 / math.sqrt(128))
 torch.cuda.synchronize()
 print("profiled", geo, batch, qlen, "shared", shared, "splits", plan.num_splits,

@@ -85,7 +85,7 @@ def trace_point(fn, geom: str, batch: int, qlen: int, replays: int) -> dict[str,
     planner = SparseDecodePlanner()
     args, kw = prepare_args(step, hq, hkv, qlen)
     plan = planner.prepare(*args, **kw)
-    plan.kernels[step["query"].dtype] = fn
+    plan.kernels[(step["query"].dtype, "float8_e4m3fn")] = fn
     words = plan.partial_o.view(torch.int32).view(plan.partial_o.shape[0], -1)[:, :8]
     traces: list[np.ndarray] = []
 

@@ -136,7 +136,7 @@ def _check(fn, hq: int, hkv: int, qd: str) -> list[dict[str, Any]]:
         case = make_case(batch, qlen, hq, hkv, q_dtype=getattr(torch, qd), seed=hq * 1000 + batch * 10 + qlen,
                          device="cuda", padded=padded, transposed_topk=batch % 2 == 1)
         plan = SparseDecodePlanner(num_sms=num_sms).prepare(*case.prepare_args(), **case.prepare_kwargs())
-        plan.kernels[case.query.dtype] = fn
+        plan.kernels[(case.query.dtype, "float8_e4m3fn")] = fn
         worst = (-1.0, [])
         for _ in range(3):
             out, lse = case.new_out(), case.new_lse()
@@ -194,7 +194,7 @@ def _time_points(fns: dict[tuple[str, str], Any], copy_bw: float, iters: int, ro
                 if fn is None or not plans[want]:
                     continue
                 planner, plan = plans[want]
-                plan.kernels[step["query"].dtype] = fn
+                plan.kernels[(step["query"].dtype, "float8_e4m3fn")] = fn
                 plan.refresh = refresh[want][VARIANTS[name].get("prologue_trigger", True)]
                 if not VARIANTS[name].get("prologue", True):
                     plan.refresh(step["seq_lens"])  # kv_lens right once, then no prologue in the step
@@ -228,7 +228,7 @@ def _batch1_step(fn):
     planner = SparseDecodePlanner()
     args, kw = prepare_args(step, 64, 4, 1)
     plan = planner.prepare(*args, **kw)
-    plan.kernels[torch.bfloat16] = fn
+    plan.kernels[(torch.bfloat16, "float8_e4m3fn")] = fn
     return step, planner, args, kw, plan
 
 

@@ -32,7 +32,8 @@ class SparseDecodeKernelBase:
             return {}
         raise ValueError(f"no build for {ctas_per_sm} CTAs per SM")
 
-    def __init__(self, *, num_q_heads: int, num_kv_heads: int, page_size: int, topk: int, q_dtype: str):
+    def __init__(self, *, num_q_heads: int, num_kv_heads: int, page_size: int, topk: int, q_dtype: str,
+                 kv_dtype: str = "float8_e4m3fn"):
         if num_q_heads % num_kv_heads:
             raise ValueError("num_q_heads must be a multiple of num_kv_heads")
         self.hq = num_q_heads
@@ -45,13 +46,14 @@ class SparseDecodeKernelBase:
         self.page = page_size
         self.topk = topk
         self.q_fp8 = q_dtype == "float8_e4m3fn"
+        self.kv_dtype = kv_dtype
 
     # ------------------------------------------------------------------ host side
     @cute.jit
     def __call__(
         self,
         query: cute.Tensor,  # [T, Hq, 128] bf16, or uint8 holding e4m3
-        kv_cache: cute.Tensor,  # [P, Hkv, page, 256] uint8
+        kv_cache: cute.Tensor,  # [P, Hkv, page, 256] uint8 (fp8), or [P, 2*Hkv, page, 72] (NVFP4)
         topk: cute.Tensor,  # [T, Hkv, topk] int32, any strides
         block_table: cute.Tensor,  # [B, max_blocks] int32
         kv_lens: cute.Tensor,  # [T] int32
@@ -59,6 +61,8 @@ class SparseDecodeKernelBase:
         lse: cute.Tensor,  # [T, Hq] fp32
         partial_o: cute.Tensor,  # [T*Hkv*S, G, 128] fp32
         partial_lse: cute.Tensor,  # [T*Hkv*S, G] fp32
+        k_scale_tensor: cute.Tensor,  # [1] fp32, multiplied into qk_scale_log2 on the device
+        v_scale_tensor: cute.Tensor,  # [1] fp32, multiplied into v_scale on the device
         qlen: Int32,
         num_splits: Int32,
         qk_scale_log2: Float32,
@@ -68,8 +72,8 @@ class SparseDecodeKernelBase:
         """The exported function: kernels/convention.py ARGUMENTS, in order, then the stream."""
         num_tokens = query.shape[0]
         self.kernel(
-            query, kv_cache, topk, block_table, kv_lens, out, lse, partial_o, partial_lse, qlen, num_splits,
-            qk_scale_log2, v_scale, self.storage_type(),
+            query, kv_cache, topk, block_table, kv_lens, out, lse, partial_o, partial_lse, k_scale_tensor,
+            v_scale_tensor, qlen, num_splits, qk_scale_log2, v_scale, self.storage_type(),
         ).launch(
             grid=(num_tokens, self.hkv, num_splits),
             block=(self.threads, 1, 1),

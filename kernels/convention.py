@@ -49,10 +49,16 @@ class Argument:
     source: str = "call"
 
 
-# dtype "q": bfloat16, or uint8 holding e4m3 for an fp8 query (SparseDecodeConfig.q_dtype)
+# dtype "q": bfloat16, or uint8 holding e4m3 for an fp8 query (SparseDecodeConfig.q_dtype).
+# kv_cache: fp8 [P, Hkv, page, 256] (K bytes [0,128), V bytes [128,256) of a token row), or
+# NVFP4 [P, 2*Hkv, page, 72] (slot 2h = K of head h, 2h+1 its V; each slot page*64 bytes of
+# e2m1 codes then page*8 e4m3 block scales): "slots" and "row" resolve per kv_dtype.
+# k_scale_tensor / v_scale_tensor: the global K / V scales as one-element fp32 device tensors
+# (vLLM's NVFP4 layer._k_scale / _v_scale), read on the device and multiplied into
+# qk_scale_log2 / v_scale; the plan's unit_scale (1.0) when the caller gives python floats.
 ARGUMENTS: tuple[Argument, ...] = (
     Argument("query", "tensor", "q", ("T", "Hq", "D"), "query", 16),
-    Argument("kv_cache", "tensor", "uint8", ("P", "Hkv", "page", "row"), "compact", 16),
+    Argument("kv_cache", "tensor", "uint8", ("P", "slots", "page", "row"), "compact", 16),
     Argument("topk", "tensor", "int32", ("T", "Hkv", "K"), "last_contiguous"),
     Argument("block_table", "tensor", "int32", ("B", "max_blocks"), "last_contiguous", source="plan"),
     Argument("kv_lens", "tensor", "int32", ("T",), source="plan"),
@@ -60,27 +66,33 @@ ARGUMENTS: tuple[Argument, ...] = (
     Argument("lse", "tensor", "float32", ("T", "Hq")),  # the plan's scratch when the caller passes none
     Argument("partial_o", "tensor", "float32", ("rows", "G", "D"), "compact", 16, source="plan"),
     Argument("partial_lse", "tensor", "float32", ("rows", "G"), source="plan"),
+    Argument("k_scale_tensor", "tensor", "float32", ("one",)),
+    Argument("v_scale_tensor", "tensor", "float32", ("one",)),
     Argument("qlen", "scalar", "int32", source="scalar"),
     Argument("num_splits", "scalar", "int32", source="scalar"),
-    Argument("qk_scale_log2", "scalar", "float32", source="scalar"),  # sm_scale*q_scale*k_scale*log2(e)
-    Argument("v_scale", "scalar", "float32", source="scalar"),
+    # sm_scale * q_scale * k_scale * log2(e), k_scale the python float (1.0 with a tensor)
+    Argument("qk_scale_log2", "scalar", "float32", source="scalar"),
+    Argument("v_scale", "scalar", "float32", source="scalar"),  # the python float (1.0 with a tensor)
 )
 ARGUMENT_NAMES = tuple(a.name for a in ARGUMENTS)
 # plan fields passed to the kernel, in the order `SparseDecodePlan.kernel_tensors` returns
-# them (the plan wraps them as TVM-FFI tensors once); lse_scratch stands in for `lse`
-PLAN_TENSORS = ("kv_lens", "lse_scratch", "partial_o", "partial_lse")
+# them (the plan wraps them as TVM-FFI tensors once); lse_scratch stands in for `lse`,
+# unit_scale for a scale tensor the caller does not give
+PLAN_TENSORS = ("kv_lens", "lse_scratch", "partial_o", "partial_lse", "unit_scale")
 
 
 def call_arguments(plan: Any, query: Any, kv_cache: Any, topk: Any, out: Any, lse: Any,
-                   qk_scale_log2: float, v_scale: float) -> tuple[Any, ...]:
+                   k_scale_tensor: Any, v_scale_tensor: Any, qk_scale_log2: float,
+                   v_scale: float) -> tuple[Any, ...]:
     """The exported function's arguments, in `ARGUMENTS` order, for one op call.
 
     An fp8 query and an fp8 cache travel as their uint8 storage; `lse` None means the plan's
-    scratch. The caller (msa_jit.op) has validated every tensor against the plan.
+    scratch, a scale tensor None the plan's unit_scale. The caller (msa_jit.op) has validated
+    every tensor against the plan.
     """
     import torch
 
-    kv_lens, lse_scratch, partial_o, partial_lse = plan.kernel_tensors()
+    kv_lens, lse_scratch, partial_o, partial_lse, unit_scale = plan.kernel_tensors()
     return (
         query.view(torch.uint8) if query.dtype == torch.float8_e4m3fn else query,
         kv_cache if kv_cache.dtype == torch.uint8 else kv_cache.view(torch.uint8),
@@ -91,6 +103,8 @@ def call_arguments(plan: Any, query: Any, kv_cache: Any, topk: Any, out: Any, ls
         lse_scratch if lse is None else lse,
         partial_o,
         partial_lse,
+        unit_scale if k_scale_tensor is None else k_scale_tensor,
+        unit_scale if v_scale_tensor is None else v_scale_tensor,
         plan.qlen,
         plan.num_splits,
         qk_scale_log2,
@@ -103,11 +117,14 @@ def symbolic_dims(config: Any) -> dict[str, Any]:
     import cutlass.cute as cute
 
     d = config.head_dim
+    nvfp4 = config.kv_dtype == "nvfp4"
     return {
         "T": cute.sym_int32(), "P": cute.sym_int32(), "B": cute.sym_int32(),
         "max_blocks": cute.sym_int32(), "rows": cute.sym_int32(),
         "Hq": config.num_q_heads, "Hkv": config.num_kv_heads, "G": config.group_size,
-        "D": d, "page": config.page_size, "row": 2 * d, "K": config.topk,
+        "D": d, "page": config.page_size, "K": config.topk, "one": 1,
+        # an NVFP4 slot row: d / 2 bytes of e2m1 codes + d / 16 e4m3 block scales (72 for d = 128)
+        "slots": (2 if nvfp4 else 1) * config.num_kv_heads, "row": d // 2 + d // 16 if nvfp4 else 2 * d,
     }
 
 

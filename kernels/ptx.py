@@ -64,6 +64,25 @@ def ld_shared_b32(addr: Int32, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
+def ld_shared_v2(addr: Int32, *, loc=None, ip=None):
+    """ld.shared.v2.b32 at an 8-byte aligned shared address -> 2 x Int32."""
+    s = _asm(
+        llvm.StructType.get_literal([T.i32()] * 2),
+        [_i32(addr, loc, ip)],
+        "ld.shared.v2.b32 {$0, $1}, [$2];",
+        "=r,=r,r",
+        side_effects=True,
+    )
+    return _unpack(s, 2, T.i32(), Int32, loc, ip)
+
+
+@dsl_user_op
+def ld_shared_u8(addr: Int32, *, loc=None, ip=None) -> Int32:
+    """ld.shared.u8, zero-extended to 32 bits."""
+    return Int32(_asm(T.i32(), [_i32(addr, loc, ip)], "ld.shared.u8 $0, [$1];", "=r,r", side_effects=True))
+
+
+@dsl_user_op
 def ld_shared_v4_f32(addr: Int32, *, loc=None, ip=None):
     s = _asm(
         llvm.StructType.get_literal([T.f32()] * 4),
@@ -193,6 +212,53 @@ def e4m3_bytes_to_f16x2(lo: Int32, hi: Int32, selector: int, *, loc=None, ip=Non
             "=r,r,r",
         )
     )
+
+
+@dsl_user_op
+def prmt(a: Int32, b: Int32, selector: int, *, loc=None, ip=None) -> Int32:
+    """prmt.b32: byte i of the result is byte (selector >> 4i) & 7 of {b:a} (a = bytes 0..3)."""
+    return Int32(_asm(T.i32(), [_i32(a, loc, ip), _i32(b, loc, ip)], f"prmt.b32 $0, $1, $2, {selector:#x};", "=r,r,r"))
+
+
+@dsl_user_op
+def hmul2(a: Int32, b: Int32, *, loc=None, ip=None) -> Int32:
+    """f16x2 a * b (round to nearest; exact when the product fits, as for e2m1 x e4m3)."""
+    return Int32(_asm(T.i32(), [_i32(a, loc, ip), _i32(b, loc, ip)], "mul.rn.f16x2 $0, $1, $2;", "=r,r,r"))
+
+
+@dsl_user_op
+def e2m1x8_to_f16x2x4(w: Int32, *, loc=None, ip=None):
+    """The 8 e2m1 codes of w (code j in bits [4j, 4j+4)) -> 4 f16x2 holding code * 2**-6, exactly:
+    (codes 0, 2), (codes 4, 6), (codes 1, 3), (codes 5, 7).
+
+    No e2m1 conversion instruction before SM100, so each code becomes an e4m3 byte first: an
+    e2m1 code s|e1 e0 m is the e4m3 byte s|0 0 e1 e0|m 0 0 scaled by 2**-6 (normals and the
+    subnormal 0.5 alike), i.e. byte = 32*s + mag (the nibble n + 3*(n & 8)) shifted left by
+    2; then two `cvt.rn.f16x2.e4m3x2` per 4 codes. Even codes (low nibbles) and odd codes
+    (high nibbles, after a shift by 4) take 4 integer ops each.
+    """
+    s = _asm(
+        llvm.StructType.get_literal([T.i32()] * 4),
+        [_i32(w, loc, ip)],
+        "{\n\t.reg .b32 y, z, sy, sz, ey, ez;\n\t.reg .b16 yl, yh, zl, zh;\n\t"
+        "and.b32 y, $4, 0x0F0F0F0F;\n\t"
+        "and.b32 sy, $4, 0x08080808;\n\t"
+        "mad.lo.u32 ey, sy, 3, y;\n\t"
+        "shl.b32 ey, ey, 2;\n\t"
+        "shr.u32 z, $4, 4;\n\t"
+        "and.b32 sz, z, 0x08080808;\n\t"
+        "and.b32 z, z, 0x0F0F0F0F;\n\t"
+        "mad.lo.u32 ez, sz, 3, z;\n\t"
+        "shl.b32 ez, ez, 2;\n\t"
+        "mov.b32 {yl, yh}, ey;\n\t"
+        "mov.b32 {zl, zh}, ez;\n\t"
+        "cvt.rn.f16x2.e4m3x2 $0, yl;\n\t"
+        "cvt.rn.f16x2.e4m3x2 $1, yh;\n\t"
+        "cvt.rn.f16x2.e4m3x2 $2, zl;\n\t"
+        "cvt.rn.f16x2.e4m3x2 $3, zh;\n\t}",
+        "=r,=r,=r,=r,r",
+    )
+    return _unpack(s, 4, T.i32(), Int32, loc, ip)
 
 
 @dsl_user_op

@@ -39,7 +39,14 @@ from .base import SparseDecodeKernelBase
 HEAD_DIM = 128
 Q_FRAG_BYTES = 8 * 32 * 16  # 8 k-steps x 32 lanes x one 16-byte A fragment
 LAZY_RESCALE = 8.0  # log2 units: P stays <= 256 between rescales
-ROW_BYTES = 2 * HEAD_DIM  # one token row of a page: K (128 B) then V (128 B)
+ROW_BYTES = 2 * HEAD_DIM  # one token row of an fp8 page: K (128 B) then V (128 B)
+KV_DTYPES = ("float8_e4m3fn", "nvfp4")
+# NVFP4 slot: page * 64 bytes of e2m1 codes (token n's 128 values at [64n, 64n + 64)), then
+# page * 8 e4m3 block scales (K: row-major, (n, g) at 8n + g; V: the writer's swizzle, (n, g)
+# at row (n // 4) * 4 + g // 2, column (g % 2) * 4 + n % 4)
+NVFP4_CODE_BYTES = HEAD_DIM // 2
+NVFP4_ROW_BYTES = NVFP4_CODE_BYTES + HEAD_DIM // 16  # codes + one block scale per 16 values: 72
+NVFP4_FOLD = 2.0**6  # K and V leave ptx.e2m1x8_to_f16x2x4 (times their block scale) as value * 2**-6
 LN2 = math.log(2.0)
 # Cross-warp reduction buffer: per warp 16 rows x 4 chunks of (32 fp32 + 4 pad); the
 # 144-byte chunk and 576-byte row keep the 16-byte stores and loads bank-conflict free.
@@ -86,6 +93,7 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
         page_size: int = 128,
         topk: int = 16,
         q_dtype: str = "bfloat16",
+        kv_dtype: str = "float8_e4m3fn",
         stages: int = 3,
         consumer_warps: int = 4,
         q_frags: str = "regs",
@@ -94,7 +102,7 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
         ctas_per_sm: int = 2,
     ):
         super().__init__(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, page_size=page_size,
-                         topk=topk, q_dtype=q_dtype)
+                         topk=topk, q_dtype=q_dtype, kv_dtype=kv_dtype)
         if page_size % 16 or not 32 <= page_size <= 256:
             raise ValueError(f"page_size {page_size} must be a multiple of 16 in 32..256")
         self.stages = stages
@@ -104,7 +112,12 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
         self.keys_per_warp = page_size // consumer_warps  # in 16-key sub-tiles
         self.consumer_threads = 32 * self.warps
         self.threads = self.consumer_threads + 32
-        self.stage_bytes = page_size * ROW_BYTES
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype {kv_dtype!r} not in {KV_DTYPES}")
+        # NVFP4: one stage is the K slot and the V slot of a (page, KV head), adjacent in the cache
+        self.nvfp4 = kv_dtype == "nvfp4"
+        self.stage_bytes = page_size * (2 * NVFP4_ROW_BYTES if self.nvfp4 else ROW_BYTES)
+        self.kv_fold = NVFP4_FOLD if self.nvfp4 else 1.0
         self.buf_bytes = max(stages * self.stage_bytes, self.warps * RED_WARP)
         # elements of the 16 x 128 output tile each consumer thread finalizes (16-byte stores)
         self.out_elems = 16 * HEAD_DIM // self.consumer_threads
@@ -169,6 +182,8 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
         mLse: cute.Tensor,
         mPO: cute.Tensor,
         mPL: cute.Tensor,
+        mKScale: cute.Tensor,
+        mVScale: cute.Tensor,
         qlen: Int32,
         num_splits: Int32,
         qk_scale_log2: Float32,
@@ -206,6 +221,10 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
             # trigger would let the NEXT decode kernel's CTAs take them while this grid runs,
             # unevenly across SMs (per_layer T1334: +5 us per layer); only the merge may
             cute.arch.griddepcontrol_launch_dependents()
+        # the global scales as device tensors (1.0 when the caller gave python floats); an NVFP4
+        # block's K and V leave the conversion times 2**-6 (e2m1x8_to_f16x2x4), folded back here
+        qk_scale_log2 = qk_scale_log2 * mKScale[0] * self.kv_fold
+        v_scale = v_scale * mVScale[0] * self.kv_fold
 
         kv_len = mKvLens[t]
         req = t // qlen
@@ -302,13 +321,12 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
         nt_s = 2 * nsub
         # K rows of this thread: S n-tile n = 2*sub + j holds key key_base + 16*sub + 4(g//2) + g%2 + 2j;
         # K half kh covers k-steps 4kh..4kh+3 (head dims 64kh + 16c.. in K's word order)
-        k_rows = [stage + (key_base + 16 * (n // 2) + 4 * (g // 2) + g % 2 + 2 * (n % 2)) * ROW_BYTES + 16 * c
-                  for n in range(nt_s)]
+        k_keys = [key_base + 16 * (n // 2) + 4 * (g // 2) + g % 2 + 2 * (n % 2) for n in range(nt_s)]
         if cutlass.const_expr(self.staged):
             kw = None
             vw = None
         else:  # every read first, then the stage is released
-            kw = [[ptx.ld_shared_v4(k_rows[n] + 64 * kh) for n in range(nt_s)] for kh in range(2)]
+            kw = [[self.load_k(stage, k_keys[n], kh, c) for n in range(nt_s)] for kh in range(2)]
             vw = [self.load_v(stage, key_base, sub, g, c) for sub in range(nsub)]
             self.release_stage(empty_bar, lane)
 
@@ -317,18 +335,23 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
         d = [[Float32(0.0)] * 4 for _ in range(nt_s)]
         for kh in cutlass.range_constexpr(2):
             if cutlass.const_expr(self.staged):  # only this half's K words are live
-                kw_h = [ptx.ld_shared_v4(k_rows[n] + 64 * kh) for n in range(nt_s)]
+                kw_h = [self.load_k(stage, k_keys[n], kh, c) for n in range(nt_s)]
             else:
                 kw_h = kw[kh]
-            for kk in cutlass.range_constexpr(4):
-                ks = 4 * kh + kk
-                if cutlass.const_expr(self.q_smem):
-                    a = ptx.ld_shared_v4(q_lane + 512 * ks)
+            for kp in cutlass.range_constexpr(2):  # k-steps 2kp, 2kp+1 of the half
+                if cutlass.const_expr(self.nvfp4):  # one e2m1 word (8 dims) holds both k-steps
+                    bk = [self.nvfp4_k_frags(kw_h[n], kp) for n in range(nt_s)]
                 else:
-                    a = [qa[4 * ks + k] for k in range(4)]
-                for n in cutlass.range_constexpr(nt_s):
-                    b0, b1 = self.fp8x4_to_f16x2x2(kw_h[n][kk])
-                    d[n] = ptx.mma_f16_16816(a[0], a[1], a[2], a[3], b0, b1, *d[n])
+                    bk = [self.fp8x4_to_f16x2x2(kw_h[n][2 * kp]) + self.fp8x4_to_f16x2x2(kw_h[n][2 * kp + 1])
+                          for n in range(nt_s)]
+                for kq in cutlass.range_constexpr(2):
+                    ks = 4 * kh + 2 * kp + kq
+                    if cutlass.const_expr(self.q_smem):
+                        a = ptx.ld_shared_v4(q_lane + 512 * ks)
+                    else:
+                        a = [qa[4 * ks + k] for k in range(4)]
+                    for n in cutlass.range_constexpr(nt_s):
+                        d[n] = ptx.mma_f16_16816(a[0], a[1], a[2], a[3], bk[n][2 * kq], bk[n][2 * kq + 1], *d[n])
         for n in cutlass.range_constexpr(nt_s):
             for e in cutlass.range_constexpr(4):
                 sv[4 * n + e] = d[n][e]
@@ -347,32 +370,88 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
         # ---- O += P V, one 16-key k-chunk per sub-tile, 16 n-tiles of 8 dims each
         for sub in cutlass.range_constexpr(nsub):
             if cutlass.const_expr(self.staged):  # V read just before it is used
-                v0, v1, v2, v3 = self.load_v(stage, key_base, sub, g, c)
+                vsub = self.load_v(stage, key_base, sub, g, c)
                 if sub == nsub - 1:
                     self.release_stage(empty_bar, lane)
             else:
-                v0, v1, v2, v3 = vw[sub]
+                vsub = vw[sub]
             p0 = 8 * sub  # P A-fragment: n-tile 2*sub gives k 2c.., n-tile 2*sub+1 gives k 2c+8..
             pa0 = ptx.f32x2_to_f16x2(sv[p0], sv[p0 + 1])
             pa1 = ptx.f32x2_to_f16x2(sv[p0 + 2], sv[p0 + 3])
             pa2 = ptx.f32x2_to_f16x2(sv[p0 + 4], sv[p0 + 5])
             pa3 = ptx.f32x2_to_f16x2(sv[p0 + 6], sv[p0 + 7])
-            for nt in cutlass.range_constexpr(16):
-                u = nt // 4
-                e = nt % 4
-                b0 = self.fp8_bytes_to_f16x2(v0[u], v1[u], e)
-                b1 = self.fp8_bytes_to_f16x2(v2[u], v3[u], e)
-                dd = ptx.mma_f16_16816(
-                    pa0, pa1, pa2, pa3, b0, b1, acc[4 * nt], acc[4 * nt + 1], acc[4 * nt + 2], acc[4 * nt + 3]
-                )
-                for k in cutlass.range_constexpr(4):
-                    acc[4 * nt + k] = dd[k]
+            # n-tile nt holds dims 16g' + nt (g' = the MMA column): 4 n-tiles per V group
+            for grp in cutlass.range_constexpr(4):
+                if cutlass.const_expr(self.nvfp4):
+                    nts, bv = self.nvfp4_v_frags(vsub, grp)
+                else:
+                    v0, v1, v2, v3 = vsub
+                    nts = [4 * grp + e for e in range(4)]
+                    bv = [(self.fp8_bytes_to_f16x2(v0[grp], v1[grp], e), self.fp8_bytes_to_f16x2(v2[grp], v3[grp], e))
+                          for e in range(4)]
+                for i in cutlass.range_constexpr(4):
+                    nt = nts[i]
+                    dd = ptx.mma_f16_16816(
+                        pa0, pa1, pa2, pa3, bv[i][0], bv[i][1],
+                        acc[4 * nt], acc[4 * nt + 1], acc[4 * nt + 2], acc[4 * nt + 3],
+                    )
+                    for k in cutlass.range_constexpr(4):
+                        acc[4 * nt + k] = dd[k]
+
+    @cute.jit
+    def load_k(self, stage, key, kh, c):
+        """K of `key`, head dims 64kh + 16c .. + 16: fp8 4 words; NVFP4 (2 words of codes, f16x2 scale)."""
+        if cutlass.const_expr(self.nvfp4):
+            codes = ptx.ld_shared_v2(stage + key * NVFP4_CODE_BYTES + 32 * kh + 8 * c)
+            sc = ptx.ld_shared_u8(stage + self.page * NVFP4_CODE_BYTES + 8 * key + 4 * kh + c)  # row-major
+            return [codes[0], codes[1], ptx.e4m3_bytes_to_f16x2(sc, sc, 0x00)]
+        return ptx.ld_shared_v4(stage + key * ROW_BYTES + 16 * c + 64 * kh)
+
+    @cute.jit
+    def nvfp4_k_frags(self, kraw, kp):
+        """B fragments (b0, b1) of k-steps 2kp and 2kp+1 from code word kp of load_k's NVFP4 K.
+
+        Word kp holds dims 8kp..8kp+7 of the thread's 16; k-step 2kp + kq takes dims
+        d = 8kp + 4kq: b0 = (d, d+2), b1 = (d+1, d+3) (load_q permutes Q alike). The block scale
+        multiplies in f16, exactly.
+        """
+        ev0, ev1, od0, od1 = ptx.e2m1x8_to_f16x2x4(kraw[kp])
+        sc = kraw[2]
+        return [ptx.hmul2(ev0, sc), ptx.hmul2(od0, sc), ptx.hmul2(ev1, sc), ptx.hmul2(od1, sc)]
 
     @cute.jit
     def load_v(self, stage, key_base, sub, g, c):
-        """V words of sub-tile sub: rows key_base + 16 sub + 4c + i (i < 4), dims 16g.. (4 x 4 words)."""
-        vrow = stage + (key_base + 16 * sub + 4 * c) * ROW_BYTES + HEAD_DIM + 16 * g
+        """V of sub-tile sub: rows key_base + 16 sub + 4c + i (i < 4), dims 16g .. 16g + 15.
+
+        fp8: 4 rows x 4 words (bank-conflict-free rotated loads); NVFP4: 4 rows x 2 code words,
+        then the 4 rows' block scales of group g as 2 f16x2 (rows 0,1 and rows 2,3).
+        """
+        row0 = key_base + 16 * sub + 4 * c
+        if cutlass.const_expr(self.nvfp4):
+            vslot = stage + self.page * NVFP4_ROW_BYTES
+            rows = [ptx.ld_shared_v2(vslot + (row0 + i) * NVFP4_CODE_BYTES + 8 * g) for i in range(4)]
+            # swizzled scales: (n, g) at row (n // 4) * 4 + g // 2, column (g % 2) * 4 + n % 4, so
+            # rows row0..row0+3 (row0 % 4 == 0) of group g are 4 adjacent bytes
+            sw = ptx.ld_shared_b32(vslot + self.page * NVFP4_CODE_BYTES + (row0 + g // 2) * 8 + (g % 2) * 4)
+            return [rows, ptx.e4m3x2_to_f16x2(sw, 0), ptx.e4m3x2_to_f16x2(sw, 1)]
+        vrow = stage + row0 * ROW_BYTES + HEAD_DIM + 16 * g
         return [self.ld_v_rotated(vrow + i * ROW_BYTES, c) for i in range(4)]
+
+    @cute.jit
+    def nvfp4_v_frags(self, vraw, grp):
+        """(n-tiles, [(b0, b1)] x 4) of V group grp: dims 4grp + (0, 2, 1, 3) of the thread's 16.
+
+        b0 pairs rows 0 and 1 (keys 4c, 4c+1) at one dim, b1 rows 2 and 3: a byte permute puts
+        the two rows' bytes side by side, so the codes of one dim land in one f16x2.
+        """
+        rows, sc01, sc23 = vraw
+        w = grp // 2
+        sel = 0x5140 if grp % 2 == 0 else 0x7362  # bytes 0,1 (dims 0..3) or 2,3 (dims 4..7) of word w
+        e01 = ptx.e2m1x8_to_f16x2x4(ptx.prmt(rows[0][w], rows[1][w], sel))
+        e23 = ptx.e2m1x8_to_f16x2x4(ptx.prmt(rows[2][w], rows[3][w], sel))
+        base = 4 * grp
+        return ([base, base + 2, base + 1, base + 3],
+                [(ptx.hmul2(e01[i], sc01), ptx.hmul2(e23[i], sc23)) for i in range(4)])
 
     @cute.jit
     def release_stage(self, empty_bar, lane):
@@ -487,8 +566,11 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
     def load_q(self, mQ, qa, t, h, g, c, qk_scale_log2):
         """Q rows g and g+8 of the group into A fragments, dims permuted like K's words.
 
-        softmax="lean", bf16 query: Q * qk_scale_log2, so that S comes out in log2 units (an fp8
-        query's fragments stay exact and S is scaled in fp32 instead).
+        k-step ks = 4 half + sub takes dims d = 64 half + 16c + 4 sub .. d + 3: a fp8 K word gives
+        (d, d+1) and (d+2, d+3), an NVFP4 code word (d, d+2) and (d+1, d+3) (nvfp4_k_frags), and
+        Q's A fragments pair its dims the same way. softmax="lean", bf16 query: Q * qk_scale_log2,
+        so that S comes out in log2 units (an fp8 query's fragments stay exact and S is scaled
+        in fp32 instead).
         """
         G = self.group
         bf16_scale = qk_scale_log2 if self.scale_in_q else None  # None: the plain conversion, no multiply
@@ -516,8 +598,17 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
             for ks in cutlass.range_constexpr(8):
                 half = ks // 4
                 sub = ks % 4
-                if cutlass.const_expr(self.q_fp8):
+                if cutlass.const_expr(self.q_fp8 and self.nvfp4):  # bytes (0, 2) and (1, 3), exact
+                    w = words[8 * half + sub]
+                    lo = ptx.e4m3_bytes_to_f16x2(w, w, 0x20)
+                    hi = ptx.e4m3_bytes_to_f16x2(w, w, 0x31)
+                elif cutlass.const_expr(self.q_fp8):
                     lo, hi = self.fp8x4_to_f16x2x2(words[8 * half + sub])  # exact; S takes the scale
+                elif cutlass.const_expr(self.nvfp4):  # the low halves (d, d+2), the high halves (d+1, d+3)
+                    w0 = words[8 * half + 2 * sub]
+                    w1 = words[8 * half + 2 * sub + 1]
+                    lo = ptx.bf16x2_to_f16x2(ptx.prmt(w0, w1, 0x5410), bf16_scale)
+                    hi = ptx.bf16x2_to_f16x2(ptx.prmt(w0, w1, 0x7632), bf16_scale)
                 else:
                     lo = ptx.bf16x2_to_f16x2(words[8 * half + 2 * sub], bf16_scale)
                     hi = ptx.bf16x2_to_f16x2(words[8 * half + 2 * sub + 1], bf16_scale)

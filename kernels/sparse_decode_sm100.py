@@ -187,11 +187,14 @@ class SparseDecodeSm100Kernel(SparseDecodeKernelBase):
         page_size: int = 128,
         topk: int = 16,
         q_dtype: str = "bfloat16",
+        kv_dtype: str = "float8_e4m3fn",
         stages: int = 3,
         consumer_warps: int = 4,
     ):
         super().__init__(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, page_size=page_size,
-                         topk=topk, q_dtype=q_dtype)
+                         topk=topk, q_dtype=q_dtype, kv_dtype=kv_dtype)
+        if kv_dtype != "float8_e4m3fn":
+            raise ValueError(f"the sm100 kernel reads fp8 caches only, got kv_dtype {kv_dtype!r}")
         if self.group > N_PAD:
             raise ValueError(f"group size {self.group} not in 1..{N_PAD} (sm100 kernel)")
         if page_size != PAGE:
@@ -253,6 +256,8 @@ class SparseDecodeSm100Kernel(SparseDecodeKernelBase):
         mLse: cute.Tensor,
         mPO: cute.Tensor,
         mPL: cute.Tensor,
+        mKScale: cute.Tensor,
+        mVScale: cute.Tensor,
         qlen: Int32,
         num_splits: Int32,
         qk_scale_log2: Float32,
@@ -287,6 +292,9 @@ class SparseDecodeSm100Kernel(SparseDecodeKernelBase):
         kv_len = mKvLens[t]
         req = t // qlen
         num_pages = mKV.shape[0]
+        # the global scales as device tensors (1.0 when the caller gave python floats)
+        qk_scale_log2 = qk_scale_log2 * mKScale[0]
+        v_scale = v_scale * mVScale[0]
 
         # ---- 1. setup: slot compaction + barriers (warp 0), TMEM alloc (MMA warp), Q -> sQ (softmax group)
         if warp == 0:

@@ -85,7 +85,8 @@ KERNEL_REGISTRY: dict[str, KernelFamily] = {
 
 def kernel_family(config: SparseDecodeConfig) -> str:
     """Which registered kernel serves this config (see KERNEL_REGISTRY); only its arch matters."""
-    if config.arch.startswith("sm_100") and env.enable_sm100_umma() and "sm100" in KERNEL_REGISTRY:
+    if (config.arch.startswith("sm_100") and env.enable_sm100_umma() and config.kv_dtype == "float8_e4m3fn"
+            and "sm100" in KERNEL_REGISTRY):  # the tcgen05 kernel reads fp8 caches only
         return "sm100"
     return "portable"
 
@@ -217,6 +218,7 @@ def compile_sparse_decode(config: SparseDecodeConfig, out_dir: str | os.PathLike
         page_size=config.page_size,
         topk=config.topk,
         q_dtype=config.q_dtype,
+        kv_dtype=config.kv_dtype,
         **{**cls.occupancy_options(config.ctas_per_sm, config.q_dtype), **(kernel_options or {})},
     )
     t0 = time.perf_counter()

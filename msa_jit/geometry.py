@@ -24,7 +24,7 @@ MAX_GROUP_SIZE = 16
 MIN_QLEN = 1
 MAX_QLEN = 32
 Q_DTYPES = ("bfloat16", "float8_e4m3fn")
-KV_DTYPES = ("float8_e4m3fn",)
+KV_DTYPES = ("float8_e4m3fn", "nvfp4")  # SparseDecodeConfig.kv_dtype: the cache format
 OUT_DTYPES = ("bfloat16",)
 DEFAULT_ARCH = "sm_90a"
 # CTAs per SM a kernel can be built for: 2 (the default) or 3 (for grids of one wave at 3 per SM;
@@ -187,7 +187,7 @@ def check_config(cfg: SparseDecodeConfig) -> str | None:
     if cfg.q_dtype not in Q_DTYPES:
         reasons.append(f"q_dtype must be one of {Q_DTYPES}, got {cfg.q_dtype!r}")
     if cfg.kv_dtype not in KV_DTYPES:
-        reasons.append(f"kv_dtype must be {KV_DTYPES[0]!r}, got {cfg.kv_dtype!r}")
+        reasons.append(f"kv_dtype must be one of {KV_DTYPES}, got {cfg.kv_dtype!r}")
     if cfg.out_dtype not in OUT_DTYPES:
         reasons.append(f"out_dtype must be {OUT_DTYPES[0]!r}, got {cfg.out_dtype!r}")
     if not _is_int(cfg.ctas_per_sm) or cfg.ctas_per_sm not in CTAS_PER_SM:

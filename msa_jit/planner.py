@@ -111,11 +111,13 @@ class SparseDecodePlan:
     partial_o: torch.Tensor
     partial_lse: torch.Tensor
     lse_scratch: torch.Tensor
+    unit_scale: torch.Tensor
     block_table: torch.Tensor
     seq_lens: torch.Tensor
     arch: str | None = None
     ctas_per_sm: int = 2  # occupancy of the kernel serving this plan (choose_ctas_per_sm)
-    kernels: dict[torch.dtype, Callable[..., Any]] = field(default_factory=dict)
+    # (query dtype, kv dtype) -> compiled kernel
+    kernels: dict[tuple[torch.dtype, str], Callable[..., Any]] = field(default_factory=dict)
     # refresh(seq_lens): the per-step prologue launch bound to this plan's tensors (planner sets it)
     refresh: Callable[[torch.Tensor], None] | None = None
     # kv_lens, lse_scratch, partial_o, partial_lse as TVM-FFI tensors (kernel_tensors())
@@ -135,8 +137,9 @@ class SparseDecodePlan:
         return (self.batch, self.qlen, self.block_table_stride, self.num_q_heads,
                 self.num_kv_heads, self.page_size, self.topk, self.device)
 
-    def config(self, q_dtype: Any) -> SparseDecodeConfig:
-        """SparseDecodeConfig of the kernel serving this plan for a query dtype (torch dtype or name)."""
+    def config(self, q_dtype: Any, kv_dtype: str = "float8_e4m3fn") -> SparseDecodeConfig:
+        """SparseDecodeConfig of the kernel serving this plan for a query dtype (torch dtype or name)
+        and a cache format ("float8_e4m3fn" or "nvfp4")."""
         if self.arch is None:
             raise RuntimeError(
                 f"plan on {self.device} has no target arch: build it on a CUDA device or create "
@@ -149,6 +152,7 @@ class SparseDecodePlan:
             page_size=self.page_size,
             topk=self.topk,
             q_dtype=dtype_name(q_dtype),
+            kv_dtype=kv_dtype,
             arch=self.arch,
             ctas_per_sm=self.ctas_per_sm,
         )
@@ -173,20 +177,20 @@ class SparseDecodePlan:
                 self._ffi_tensors = ts
         return self._ffi_tensors
 
-    def resolve_kernel(self, q_dtype: Any) -> Callable[..., Any]:
-        """Compiled kernel for this plan's geometry and `q_dtype` (cached in `self.kernels`).
+    def resolve_kernel(self, q_dtype: Any, kv_dtype: str = "float8_e4m3fn") -> Callable[..., Any]:
+        """Compiled kernel for this plan's geometry, `q_dtype` and cache format (cached in `self.kernels`).
 
         Calls `msa_jit.compiler.get_sparse_decode_kernel(config)` on the first use; the result
-        takes the calling-convention arguments of docs/design.md in order.
+        takes the arguments of kernels/convention.py in order.
         """
         dt = torch_dtype(q_dtype)
-        fn = self.kernels.get(dt)
+        fn = self.kernels.get((dt, kv_dtype))
         if fn is None:
-            cfg = self.config(dt).validate()
+            cfg = self.config(dt, kv_dtype).validate()
             from .compiler import get_sparse_decode_kernel
 
             fn = get_sparse_decode_kernel(cfg)
-            self.kernels[dt] = fn
+            self.kernels[(dt, kv_dtype)] = fn
         return fn
 
 
@@ -297,6 +301,7 @@ class SparseDecodePlanner:
             partial_o=torch.empty(T * hkv * splits, G, HEAD_DIM, **f32),
             partial_lse=torch.empty(T * hkv * splits, G, **f32),
             lse_scratch=torch.empty(T, hq, **f32),
+            unit_scale=torch.ones(1, **f32),
             block_table=block_table,
             seq_lens=seq_lens,
             arch=arch,

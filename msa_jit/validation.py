@@ -23,6 +23,8 @@ __all__ = [
     "check_backend",
     "check_int",
     "check_scale",
+    "check_kv_scale",
+    "kv_cache_format",
     "validate_geometry",
     "validate_kernel_layout",
     "validate_prepare",
@@ -34,6 +36,8 @@ __all__ = [
 BACKENDS = ("auto", "kernel", "reference")
 Q_TORCH_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 KV_TORCH_DTYPES = (torch.float8_e4m3fn, torch.uint8)
+FP8_KV = "float8_e4m3fn"  # SparseDecodeConfig.kv_dtype of the fp8 cache [P, Hkv, page, 256]
+NVFP4_KV = "nvfp4"  # ... and of the NVFP4 cache, uint8 [P, 2*Hkv, page, 72] (msa_jit.nvfp4)
 # name used for SparseDecodeConfig fields in prepare()'s signature
 _PREPARE_NAMES = {"topk": "topk_blocks"}
 
@@ -109,6 +113,48 @@ def check_scale(name: str, value: Any) -> float:
     if not math.isfinite(f) or f <= 0.0:
         raise ValueError(f"{name}: expected a finite float > 0, got {f!r}")
     return f
+
+
+def check_kv_scale(name: str, value: Any, plan: "SparseDecodePlan", backend: str) -> tuple[float, Any]:
+    """A global K / V scale as (python float, device tensor or None).
+
+    A python float (or a 1-element CPU tensor) -> (float, None). A one-element float32 tensor
+    on the plan's CUDA device (vLLM's NVFP4 layer._k_scale / _v_scale, 0-dim or [1]) ->
+    (1.0, that tensor as [1]) for the kernel, which reads it on the device (no sync, graph
+    safe); the reference backend reads its value instead.
+    """
+    if type(value) is float and 0.0 < value < math.inf:
+        return value, None
+    if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+        if value.numel() != 1 or value.dtype != torch.float32:
+            raise TypeError(f"{name}: expected a python float or a one-element float32 tensor, got a "
+                            f"{value.dtype} tensor of shape {_fmt_shape(value)}")
+        if value.device != plan.device:
+            raise ValueError(f"{name}: expected a tensor on {plan.device} (the plan's device), got {value.device}")
+        if backend == "reference":
+            return check_scale(name, float(value)), None
+        return 1.0, value if value.dim() == 1 else value.reshape(1)
+    return check_scale(name, value), None
+
+
+def kv_cache_format(kv_cache: torch.Tensor, num_kv_heads: int, page_size: int, head_dim: int) -> str:
+    """FP8_KV or NVFP4_KV by the cache's dtype and shape; TypeError / ValueError naming both layouts."""
+    nvfp4_row = head_dim // 2 + head_dim // 16
+    fp8 = (num_kv_heads, page_size, 2 * head_dim)
+    nvfp4 = (2 * num_kv_heads, page_size, nvfp4_row)
+    layouts = (f"fp8 [num_pages, {fp8[0]}, {page_size}, {fp8[2]}] (float8_e4m3fn or uint8) or NVFP4 "
+               f"[num_pages, {nvfp4[0]}, {page_size}, {nvfp4_row}] (uint8) for Hkv={num_kv_heads}, "
+               f"page_size={page_size} from the plan")
+    check_dtype("kv_cache", kv_cache, KV_TORCH_DTYPES)
+    if kv_cache.dim() == 4 and kv_cache.shape[0] >= 1:
+        if tuple(kv_cache.shape[1:]) == fp8:
+            return FP8_KV
+        if tuple(kv_cache.shape[1:]) == nvfp4:
+            if kv_cache.dtype != torch.uint8:
+                raise TypeError(f"kv_cache: the NVFP4 layout [num_pages, {nvfp4[0]}, {page_size}, {nvfp4_row}] "
+                                f"is uint8 storage, got {kv_cache.dtype}")
+            return NVFP4_KV
+    raise ValueError(f"kv_cache: expected {layouts}, got shape {_fmt_shape(kv_cache)} ({kv_cache.dtype})")
 
 
 def check_backend(backend: Any) -> str:
@@ -242,16 +288,18 @@ def validate_sparse_decode(
     plan: "SparseDecodePlan",
     lse: Any,
     backend: Any,
-) -> str:
+) -> tuple[str, str]:
     """Checks of `sparse_decode` tensors against each other and against the plan.
 
-    Returns the resolved backend ("kernel" or "reference"; "auto" is kernel on CUDA).
+    Returns (the resolved backend: "kernel" or "reference", "auto" being kernel on CUDA; the
+    cache format: FP8_KV or NVFP4_KV, told apart by kv_cache's shape).
     """
     from .planner import SparseDecodePlan
 
-    if (type(plan) is SparseDecodePlan and plan.is_cuda and (backend == "auto" or backend == "kernel")
-            and kernel_call_ok(query, kv_cache, topk, out, plan, lse)):
-        return "kernel"  # every check below would pass (one pass: 4.2 us on a host where these took 7-8)
+    if type(plan) is SparseDecodePlan and plan.is_cuda and (backend == "auto" or backend == "kernel"):
+        fmt = kernel_call_ok(query, kv_cache, topk, out, plan, lse)
+        if fmt:  # every check below would pass (one pass: 4.2 us on a host where these took 7-8)
+            return "kernel", fmt
 
     check_tensor("query", query)
     check_tensor("kv_cache", kv_cache)
@@ -276,13 +324,7 @@ def validate_sparse_decode(
     check_last_dim_contiguous("query", query)
     check_device("query", query, dev, "the plan's device")
 
-    check_dtype("kv_cache", kv_cache, KV_TORCH_DTYPES)
-    check_dim("kv_cache", kv_cache, 4, "[num_pages, Hkv, page_size, 2*head_dim]")
-    if tuple(kv_cache.shape[1:]) != (hkv, plan.page_size, 2 * plan.head_dim) or kv_cache.shape[0] < 1:
-        raise ValueError(
-            f"kv_cache: expected shape [num_pages, {hkv}, {plan.page_size}, {2 * plan.head_dim}] "
-            f"(Hkv, page_size from the plan), got {_fmt_shape(kv_cache)}"
-        )
+    kv_dtype = kv_cache_format(kv_cache, hkv, plan.page_size, plan.head_dim)
     if not kv_cache.is_contiguous():
         raise ValueError(f"kv_cache: expected a contiguous tensor, got strides {list(kv_cache.stride())}")
     check_device("kv_cache", kv_cache, dev, "the plan's device")
@@ -316,37 +358,43 @@ def validate_sparse_decode(
         if dev.type != "cuda":
             raise ValueError(f"backend: 'kernel' needs CUDA tensors, the plan's tensors are on {dev}")
         validate_kernel_layout(query, kv_cache, out, lse)
-    return backend
+    return backend, kv_dtype
 
 
-def kernel_call_ok(query: Any, kv_cache: Any, topk: Any, out: Any, plan: "SparseDecodePlan", lse: Any) -> bool:
-    """True when the tensors pass every check of validate_sparse_decode and validate_kernel_layout
-    for `plan` (its device included; not whether that device is CUDA): one pass of attribute
-    reads, no message building. False says nothing: the full checks then name the problem."""
+def kernel_call_ok(query: Any, kv_cache: Any, topk: Any, out: Any, plan: "SparseDecodePlan", lse: Any) -> str:
+    """The cache format (FP8_KV or NVFP4_KV) when the tensors pass every check of
+    validate_sparse_decode and validate_kernel_layout for `plan` (its device included; not whether
+    that device is CUDA): one pass of attribute reads, no message building. "" (falsy) says
+    nothing: the full checks then name the problem."""
     _T = torch.Tensor
     if type(query) is not _T or type(kv_cache) is not _T or type(topk) is not _T or type(out) is not _T:
-        return False
+        return ""
     dev = plan.device
     T, hq, hkv, d = plan.num_tokens, plan.num_q_heads, plan.num_kv_heads, plan.head_dim
     if (query.dtype not in Q_TORCH_DTYPES or query.shape != (T, hq, d) or query.device != dev
             or query.stride(2) != 1 or (hq > 1 and query.stride(1) != d) or (T > 1 and query.stride(0) % 16)
             or query.data_ptr() % 16):
-        return False
+        return ""
     kv_shape = kv_cache.shape
-    if (kv_cache.dtype not in KV_TORCH_DTYPES or len(kv_shape) != 4 or kv_shape[0] < 1
-            or kv_shape[1:] != (hkv, plan.page_size, 2 * d) or not kv_cache.is_contiguous()
-            or kv_cache.device != dev or kv_cache.data_ptr() % 16):
-        return False
+    if len(kv_shape) != 4 or kv_shape[0] < 1 or not kv_cache.is_contiguous() or kv_cache.device != dev \
+            or kv_cache.data_ptr() % 16:
+        return ""
+    if kv_cache.dtype in KV_TORCH_DTYPES and kv_shape[1:] == (hkv, plan.page_size, 2 * d):
+        fmt = FP8_KV
+    elif kv_cache.dtype == torch.uint8 and kv_shape[1:] == (2 * hkv, plan.page_size, d // 2 + d // 16):
+        fmt = NVFP4_KV
+    else:
+        return ""
     if (topk.dtype != torch.int32 or topk.shape != (T, hkv, plan.topk) or topk.device != dev
             or (plan.topk > 1 and topk.stride(2) != 1)):
-        return False
+        return ""
     if (out.dtype != torch.bfloat16 or out.shape != (T, hq, d) or not out.is_contiguous() or out.device != dev
             or out.data_ptr() % 16):
-        return False
-    if lse is None:
-        return True
-    return (type(lse) is _T and lse.dtype == torch.float32 and lse.shape == (T, hq) and lse.is_contiguous()
-            and lse.device == dev)
+        return ""
+    if lse is None or (type(lse) is _T and lse.dtype == torch.float32 and lse.shape == (T, hq)
+                       and lse.is_contiguous() and lse.device == dev):
+        return fmt
+    return ""
 
 
 def validate_kernel_layout(

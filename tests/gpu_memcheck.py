@@ -1,8 +1,9 @@
-"""Run under `compute-sanitizer --tool memcheck`: adversarial topk and block tables.
+"""Run under `compute-sanitizer --tool memcheck` (and `--tool racecheck`): adversarial topk and block tables.
 
 -1 in the middle of topk rows, indices past the request's blocks, duplicates, garbage past
 nvalid, and block-table entries past each request's blocks full of out-of-range pages; both
-the single-CTA and the split-KV (merge) paths, both query dtypes.
+the single-CTA and the split-KV (merge) paths, both query dtypes, both cache formats (NVFP4
+with its global scales as device tensors), both occupancy builds.
 """
 
 import sys
@@ -13,16 +14,18 @@ import msa_jit
 from helpers import make_case
 from msa_jit.geometry import CTAS_PER_SM
 
-for q_dtype in (torch.bfloat16, torch.float8_e4m3fn):
-    for num_sms in (1, 100000):
-        for ctas_per_sm in CTAS_PER_SM:  # both kernel builds the planner picks from
-            case = make_case(3, 4, 16, 1, q_dtype=q_dtype, seed=3, device="cuda", adversarial=True, padded=True)
-            out, lse = case.new_out(), case.new_lse()
-            planner = msa_jit.SparseDecodePlanner(num_sms=num_sms, ctas_per_sm=ctas_per_sm)
-            plan = planner.prepare(*case.prepare_args(), **case.prepare_kwargs())
-            msa_jit.sparse_decode(case.query, case.kv_cache, case.topk, out, plan, lse=lse, backend="kernel",
-                                  **case.scales())
-            torch.cuda.synchronize()
-            assert not out.isnan().any() and not lse.isnan().any()
-            print(f"memcheck case q={q_dtype} splits={plan.num_splits} {ctas_per_sm}/SM ok")
+for kv_dtype in ("fp8", "nvfp4"):
+    for q_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        for num_sms in (1, 100000):
+            for ctas_per_sm in CTAS_PER_SM:  # both kernel builds the planner picks from
+                case = make_case(3, 4, 16, 1, q_dtype=q_dtype, seed=3, device="cuda", adversarial=True,
+                                 padded=True, kv_dtype=kv_dtype)
+                out, lse = case.new_out(), case.new_lse()
+                planner = msa_jit.SparseDecodePlanner(num_sms=num_sms, ctas_per_sm=ctas_per_sm)
+                plan = planner.prepare(*case.prepare_args(), **case.prepare_kwargs())
+                msa_jit.sparse_decode(case.query, case.kv_cache, case.topk, out, plan, lse=lse, backend="kernel",
+                                      **case.scales(scale_tensors=kv_dtype == "nvfp4"))
+                torch.cuda.synchronize()
+                assert not out.isnan().any() and not lse.isnan().any()
+                print(f"sanitizer case {kv_dtype} q={q_dtype} splits={plan.num_splits} {ctas_per_sm}/SM ok")
 sys.exit(0)

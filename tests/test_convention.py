@@ -48,18 +48,21 @@ def test_op_passes_the_arguments_in_convention_order():
     c = make_case(2, 1, 64, 4, q_dtype=torch.bfloat16, seed=1, device="cpu")
     plan = SparseDecodePlanner().prepare(*c.prepare_args(), **c.prepare_kwargs())
     out, lse = c.new_out(), c.new_lse()
-    args = conv.call_arguments(plan, c.query, c.kv_cache, c.topk, out, lse, 0.5, 2.0)
+    ks = torch.ones(1)
+    args = conv.call_arguments(plan, c.query, c.kv_cache, c.topk, out, lse, ks, None, 0.5, 2.0)
     got = dict(zip(conv.ARGUMENT_NAMES, args))
     assert len(args) == len(conv.ARGUMENTS)
     assert got["query"] is c.query and got["topk"] is c.topk and got["out"] is out and got["lse"] is lse
     assert got["kv_cache"].dtype == torch.uint8 and got["kv_cache"].data_ptr() == c.kv_cache.data_ptr()
     assert got["block_table"] is plan.block_table
+    # a scale tensor given goes in; one not given is the plan's unit scale
+    assert got["k_scale_tensor"] is ks and got["v_scale_tensor"] is plan.kernel_tensors()[4]
     assert (got["qlen"], got["num_splits"], got["qk_scale_log2"], got["v_scale"]) == (
         plan.qlen, plan.num_splits, 0.5, 2.0)
     plan_owned = [a.name for a in conv.ARGUMENTS if a.source == "plan" and a.name != "block_table"]
-    assert [n for n in conv.PLAN_TENSORS if n != "lse_scratch"] == plan_owned
+    assert [n for n in conv.PLAN_TENSORS if n not in ("lse_scratch", "unit_scale")] == plan_owned
     # lse None: the plan's scratch goes in its place
-    args = conv.call_arguments(plan, c.query, c.kv_cache, c.topk, out, None, 0.5, 2.0)
+    args = conv.call_arguments(plan, c.query, c.kv_cache, c.topk, out, None, None, None, 0.5, 2.0)
     assert dict(zip(conv.ARGUMENT_NAMES, args))["lse"] is plan.kernel_tensors()[1]
 
 
@@ -80,7 +83,11 @@ def _violations(a, good):
     return out
 
 
-@pytest.mark.parametrize("name", [a.name for a in conv.ARGUMENTS if a.source == "call" and a.kind == "tensor"])
+SCALE_TENSORS = ("k_scale_tensor", "v_scale_tensor")  # checked by validation.check_kv_scale (below)
+
+
+@pytest.mark.parametrize("name", [a.name for a in conv.ARGUMENTS
+                                  if a.source == "call" and a.kind == "tensor" and a.name not in SCALE_TENSORS])
 def test_validation_rejects_what_the_convention_does_not_allow(name):
     c = make_case(2, 1, 64, 4, q_dtype=torch.bfloat16, seed=2, device="cpu")
     plan = SparseDecodePlanner().prepare(*c.prepare_args(), **c.prepare_kwargs())
@@ -123,3 +130,44 @@ def test_editing_the_convention_changes_every_cache_key(tmp_path, monkeypatch, e
         assert compiler.cache_key(cfg) != before
     finally:
         compiler._sources_hash.cache_clear()
+
+
+def test_scale_tensors_follow_the_description():
+    from msa_jit.validation import check_kv_scale
+
+    (a,) = [a for a in conv.ARGUMENTS if a.name == "k_scale_tensor"]
+    assert a.shape == ("one",) and a.dtype == "float32"
+    c = make_case(1, 1, 8, 1, q_dtype=torch.bfloat16, seed=3, device="cpu")
+    plan = SparseDecodePlanner().prepare(*c.prepare_args(), **c.prepare_kwargs())
+    assert check_kv_scale("k_scale", 0.5, plan, "kernel") == (0.5, None)
+    # a one-element CPU tensor is a host value: read once, like a float
+    assert check_kv_scale("k_scale", torch.tensor([0.25]), plan, "kernel") == (0.25, None)
+    with pytest.raises(TypeError, match="k_scale"):
+        check_kv_scale("k_scale", "1", plan, "kernel")
+    with pytest.raises(ValueError, match="v_scale"):
+        check_kv_scale("v_scale", -1.0, plan, "kernel")
+
+
+def test_device_scale_tensors_are_checked_and_shaped_like_the_convention(monkeypatch):
+    # a plan on a (fake) CUDA device: a 0-dim or [1] float32 tensor there is passed as [1]; the
+    # reference backend reads its value; wrong dtype / size / device name the argument
+    from msa_jit.validation import check_kv_scale
+
+    class FakePlan:
+        device = torch.device("meta")
+
+    meta0 = torch.empty((), dtype=torch.float32, device="meta")
+    v, t = check_kv_scale("k_scale", meta0, FakePlan, "kernel")
+    assert v == 1.0 and tuple(t.shape) == (1,)
+    v, t = check_kv_scale("k_scale", torch.empty(1, device="meta"), FakePlan, "kernel")
+    assert v == 1.0 and tuple(t.shape) == (1,)
+    with pytest.raises(TypeError, match="k_scale"):
+        check_kv_scale("k_scale", torch.empty(2, device="meta"), FakePlan, "kernel")
+    with pytest.raises(TypeError, match="k_scale"):
+        check_kv_scale("k_scale", torch.empty(1, dtype=torch.float16, device="meta"), FakePlan, "kernel")
+
+    class OtherPlan:
+        device = torch.device("cuda", 1)
+
+    with pytest.raises(ValueError, match="plan's device"):
+        check_kv_scale("v_scale", meta0, OtherPlan, "kernel")

@@ -1,8 +1,9 @@
 """The compiled kernel against the float64 reference, on a CUDA GPU (`pytest -m gpu`).
 
-Every MiniMax-M3 geometry x qlen x query dtype x batch; context lengths drawn at random
-(shorter than a page, exact multiples, more than 16 blocks), padded rows, both topk
-layouts; outputs poisoned with NaN before each run and checked fully written.
+Every MiniMax-M3 geometry x qlen x query dtype x batch x cache format (fp8, NVFP4); context
+lengths drawn at random (shorter than a page, exact multiples, more than 16 blocks), padded
+rows, both topk layouts, global scales as floats or as device tensors; outputs poisoned with
+NaN before each run and checked fully written.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ GEOMETRIES = [(64, 4), (32, 2), (16, 1), (8, 1)]
 QLENS = [1, 2, 4, 8, 32]
 Q_DTYPES = [torch.bfloat16, torch.float8_e4m3fn]
 BATCHES = [1, 3, 16, 64]
+KV_DTYPES = ["fp8", "nvfp4"]
 TOL = 1e-2
 
 
@@ -35,14 +37,14 @@ def _rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
     return (out.double().cpu() - ref).norm().item() / (den if den > 0 else 1.0)
 
 
-def _run(case, planner, *, lse=True):
+def _run(case, planner, *, lse=True, scale_tensors=False):
     import msa_jit
 
     out = case.new_out()
     lse_t = case.new_lse() if lse else None
     plan = planner.prepare(*case.prepare_args(), **case.prepare_kwargs())
     msa_jit.sparse_decode(case.query, case.kv_cache, case.topk, out, plan, lse=lse_t,
-                          backend="kernel", **case.scales())
+                          backend="kernel", **case.scales(scale_tensors=scale_tensors))
     torch.cuda.synchronize()
     return out, lse_t, plan
 
@@ -66,36 +68,40 @@ def _check(case, out, lse, tag):
 @pytest.mark.parametrize("qlen", QLENS)
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("ctas_per_sm", CTAS_PER_SM, ids=lambda n: f"{n}perSM")
-def test_kernel_matches_reference(hq, hkv, q_dtype, qlen, batch, ctas_per_sm, record_property):
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_kernel_matches_reference(hq, hkv, q_dtype, qlen, batch, ctas_per_sm, kv_dtype, record_property):
     import msa_jit
 
-    seed = zlib.crc32(f"{hq}/{hkv}/{q_dtype}/{qlen}/{batch}".encode())
-    case = make_case(batch, qlen, hq, hkv, q_dtype=q_dtype, seed=seed, device="cuda",
+    seed = zlib.crc32(f"{hq}/{hkv}/{q_dtype}/{qlen}/{batch}/{kv_dtype}".encode())
+    case = make_case(batch, qlen, hq, hkv, q_dtype=q_dtype, seed=seed, device="cuda", kv_dtype=kv_dtype,
                      transposed_topk=bool(seed % 2), padded=batch > 1 and seed % 3 == 0)
     planner = msa_jit.SparseDecodePlanner(ctas_per_sm=ctas_per_sm)
-    out, lse, plan = _run(case, planner)
-    err = _check(case, out, lse, f"{hq}/{hkv} {q_dtype} qlen={qlen} B={batch} {ctas_per_sm}/SM")
+    # NVFP4: every other case passes the global scales as device tensors, as vLLM does
+    out, lse, plan = _run(case, planner, scale_tensors=kv_dtype == "nvfp4" and seed % 2 == 0)
+    err = _check(case, out, lse, f"{hq}/{hkv} {q_dtype} {kv_dtype} qlen={qlen} B={batch} {ctas_per_sm}/SM")
     record_property("rel_l2", err)
     record_property("num_splits", plan.num_splits)
-    print(f"REL_L2 {hq}/{hkv} {str(q_dtype)[6:]} qlen={qlen} B={batch} splits={plan.num_splits} "
+    print(f"REL_L2 {hq}/{hkv} {str(q_dtype)[6:]} {kv_dtype} qlen={qlen} B={batch} splits={plan.num_splits} "
           f"{ctas_per_sm}/SM err={err:.3e}")
 
 
 @pytest.mark.parametrize("num_sms", [1, 132, 100000], ids=["splits1", "splits_auto", "splits_max"])
 @pytest.mark.parametrize("q_dtype", Q_DTYPES, ids=["bf16", "fp8"])
 @pytest.mark.parametrize("ctas_per_sm", CTAS_PER_SM, ids=lambda n: f"{n}perSM")
-def test_split_kv_paths_agree(num_sms, q_dtype, ctas_per_sm):
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_split_kv_paths_agree(num_sms, q_dtype, ctas_per_sm, kv_dtype):
     import msa_jit
 
-    case = make_case(3, 4, 64, 4, q_dtype=q_dtype, seed=7, device="cuda", padded=True)
+    case = make_case(3, 4, 64, 4, q_dtype=q_dtype, seed=7, device="cuda", padded=True, kv_dtype=kv_dtype)
     out, lse, plan = _run(case, msa_jit.SparseDecodePlanner(num_sms=num_sms, ctas_per_sm=ctas_per_sm))
     _check(case, out, lse, f"num_splits={plan.num_splits} {ctas_per_sm}/SM")
 
 
-def test_bitwise_deterministic():
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_bitwise_deterministic(kv_dtype):
     import msa_jit
 
-    case = make_case(16, 4, 64, 4, q_dtype=torch.bfloat16, seed=11, device="cuda")
+    case = make_case(16, 4, 64, 4, q_dtype=torch.bfloat16, seed=11, device="cuda", kv_dtype=kv_dtype)
     for num_sms, ctas_per_sm in itertools.product((1, 100000), CTAS_PER_SM):
         planner = msa_jit.SparseDecodePlanner(num_sms=num_sms, ctas_per_sm=ctas_per_sm)
         a, la, _ = _run(case, planner)
@@ -103,11 +109,13 @@ def test_bitwise_deterministic():
         assert torch.equal(a, b) and torch.equal(la, lb)
 
 
-def test_adversarial_indices_are_skipped():
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_adversarial_indices_are_skipped(kv_dtype):
     """-1 in the middle, blocks past the request, garbage pages: never read (see memcheck)."""
     import msa_jit
 
-    case = make_case(4, 2, 16, 1, q_dtype=torch.bfloat16, seed=5, device="cuda", adversarial=True)
+    case = make_case(4, 2, 16, 1, q_dtype=torch.bfloat16, seed=5, device="cuda", adversarial=True,
+                     kv_dtype=kv_dtype)
     out, lse, _ = _run(case, msa_jit.SparseDecodePlanner())
     assert not out.isnan().any()
     if not case.has_duplicates:
@@ -161,6 +169,42 @@ def test_cuda_graph_replay_follows_inputs():
         assert not out.isnan().any() and err <= TOL, f"graph replay: err {err:.3e}"
 
 
+@pytest.mark.parametrize("q_dtype", Q_DTYPES, ids=["bf16", "fp8"])
+def test_device_scales_are_read_at_replay(q_dtype):
+    """NVFP4 global scales as device tensors inside a CUDA graph: new values are read at each replay."""
+    import msa_jit
+
+    case = make_case(4, 2, 64, 4, q_dtype=q_dtype, seed=13, device="cuda", kv_dtype="nvfp4")
+    planner = msa_jit.SparseDecodePlanner()
+    sc = case.scales(scale_tensors=True)
+    ks, vs = sc["k_scale"], sc["v_scale"]
+    out = case.new_out()
+
+    def step():
+        plan = planner.prepare(*case.prepare_args(), **case.prepare_kwargs())
+        msa_jit.sparse_decode(case.query, case.kv_cache, case.topk, out, plan, **sc)
+
+    step()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    k0, v0 = case.k_scale, case.v_scale
+    for fk, fv in ((1.0, 1.0), (0.5, 3.0), (2.0, 0.25)):
+        ks.fill_(k0 * fk)
+        vs.fill_(v0 * fv)
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        ref_out, _ = _reference(case, dict(case.scales(), k_scale=k0 * fk, v_scale=v0 * fv))
+        err = _rel_l2(out, ref_out)
+        assert not out.isnan().any() and err <= TOL, f"scales x ({fk}, {fv}): err {err:.3e}"
+
+
 def test_artifacts_load_without_the_compiler():
     """A fresh process resolves every kernel from the cache with 0 compiles, cutlass never imported."""
     code = textwrap.dedent(
@@ -174,11 +218,12 @@ def test_artifacts_load_without_the_compiler():
         rows = []
         for hq, hkv in [(64, 4), (32, 2), (16, 1), (8, 1)]:
             for qd in ("bfloat16", "float8_e4m3fn"):
-                base = SparseDecodeConfig(num_q_heads=hq, num_kv_heads=hkv, q_dtype=qd, arch=arch)
-                for cfg in compiler.plannable_configs(base):
-                    entry, built = compiler.ensure_compiled(cfg)
-                    fn, secs = loader.load_artifact(entry.artifact_path(compiler.convention().ARTIFACT_NAME))
-                    rows.append((hq, hkv, qd, cfg.ctas_per_sm, built, round(secs * 1e3, 2)))
+                for kv in ("float8_e4m3fn", "nvfp4"):
+                    base = SparseDecodeConfig(num_q_heads=hq, num_kv_heads=hkv, q_dtype=qd, kv_dtype=kv, arch=arch)
+                    for cfg in compiler.plannable_configs(base):
+                        entry, built = compiler.ensure_compiled(cfg)
+                        fn, secs = loader.load_artifact(entry.artifact_path(compiler.convention().ARTIFACT_NAME))
+                        rows.append((hq, hkv, qd, kv, cfg.ctas_per_sm, built, round(secs * 1e3, 2)))
         print("LOADS", json.dumps(rows))
         print("CUTLASS_IMPORTED", "cutlass" in sys.modules)
         """

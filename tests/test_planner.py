@@ -303,10 +303,13 @@ def test_resolve_kernel_uses_compiler_and_caches(monkeypatch):
     f1 = plan.resolve_kernel(torch.bfloat16)
     assert plan.resolve_kernel("bfloat16") is f1
     plan.resolve_kernel(FP8)
-    assert [cfg.q_dtype for cfg in calls] == ["bfloat16", "float8_e4m3fn"]
+    f3 = plan.resolve_kernel(torch.bfloat16, "nvfp4")
+    assert f3 is not f1 and plan.resolve_kernel(torch.bfloat16, "nvfp4") is f3
+    assert [(cfg.q_dtype, cfg.kv_dtype) for cfg in calls] == [
+        ("bfloat16", "float8_e4m3fn"), ("float8_e4m3fn", "float8_e4m3fn"), ("bfloat16", "nvfp4")]
     cfg = calls[0]
     assert (cfg.num_q_heads, cfg.num_kv_heads, cfg.page_size, cfg.topk, cfg.head_dim) == (4, 2, 64, 4, 128)
-    assert set(plan.kernels) == {torch.bfloat16, FP8}
+    assert set(plan.kernels) == {(torch.bfloat16, "float8_e4m3fn"), (FP8, "float8_e4m3fn"), (torch.bfloat16, "nvfp4")}
 
 
 def test_resolve_kernel_without_arch_on_cpu():
