@@ -22,6 +22,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from msa_jit import cache, env
+from msa_jit.cache import entry as cache_entry
+from msa_jit.cache import location as cache_location
 from msa_jit.cache import (
     ArtifactCache,
     ArtifactMissingError,
@@ -328,8 +330,8 @@ def test_verified_once_per_process(tmp_path, monkeypatch):
     entry, _ = get(c, {"g": "memo"})
     c2 = ArtifactCache(tmp_path / "c")
     calls = []
-    real = cache._sha256_file
-    monkeypatch.setattr(cache, "_sha256_file", lambda p: calls.append(p) or real(p))
+    real = cache_entry.sha256_file
+    monkeypatch.setattr(cache_entry, "sha256_file", lambda p: calls.append(p) or real(p))
     for _ in range(3):
         assert c2.lookup(entry.key) is not None
     assert len(calls) == 1
@@ -558,7 +560,7 @@ def test_prune_keeps_most_recently_used(tmp_path):
         os.utime(e.path / "meta.json", (1000 + i, 1000 + i))
     for e in (es[0], es[1]):  # used now: most recent
         assert c.lookup(e.key) is not None
-    size = {e.key: cache._tree_size(e.path) for e in es}
+    size = {e.key: cache_entry.tree_size(e.path) for e in es}
     cap = size[es[4].key] + size[es[0].key] + size[es[1].key]
     removed = c.prune(cap)
     assert set(removed) == {es[2].path, es[3].path}
@@ -656,19 +658,19 @@ def test_foreign_or_open_user_temp_dir_rejected(tmp_path):
     d = cache.user_temp_root()
     d.mkdir(mode=0o777)
     os.chmod(d, 0o777)
-    assert "world-writable" in cache._check_private_dir(d)
+    assert "world-writable" in cache_location.check_private_dir(d)
     os.rmdir(d)
     os.symlink(tmp_path, d)
-    assert "symlink" in cache._check_private_dir(d)
+    assert "symlink" in cache_location.check_private_dir(d)
 
 
 def test_readonly_prewarmed_root_still_used(tmp_path, monkeypatch):
     ro = tmp_path / "prewarmed"
     config = {"g": "ro"}
     warm, _ = get(ArtifactCache(ro), config)
-    real_probe = cache._probe_writable
+    real_probe = cache_location.probe_writable
     monkeypatch.setattr(
-        cache, "_probe_writable",
+        cache_location, "probe_writable",
         lambda root: "OSError EROFS: Read-only file system (simulated)" if Path(root) == ro else real_probe(root),
     )
     monkeypatch.setenv("MSA_JIT_NO_COMPILE", "1")
