@@ -1,15 +1,14 @@
-"""`msa-jit doctor`: what this host has and whether msa-jit can serve kernels on it.
+"""What this host has and whether msa-jit can serve kernels on it (`msa-jit doctor`'s library).
 
-Every probe catches its own errors and reports them, so the command never raises. It never
-imports the DSL compiler (`cutlass`) and never compiles: preset readiness is a cache lookup.
+`collect()` gathers the report as a JSON-able dict, `render(report)` words it. Every probe
+catches its own errors and reports them, so neither raises. It never imports the DSL
+compiler (`cutlass`) and never compiles: preset readiness is a cache lookup.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib.metadata as md
 import importlib.util
-import json
 import platform
 import shutil
 import subprocess
@@ -109,10 +108,9 @@ def probe_toolchain() -> dict[str, Any]:
 
 def probe_cache(cache_dir: str | None = None) -> dict[str, Any]:
     """Cache root, state (ok / fallback / ephemeral), entries and size."""
-    from . import env
-    from .cli import open_cache
+    from . import cache, env
 
-    c = open_cache(cache_dir)
+    c = cache.open_cache(cache_dir)
     state = "ephemeral (deleted at exit)" if c.ephemeral else ("fallback" if c.fallback_reason else "ok")
     return {"root": str(c.root), "state": state, "fallback_reason": c.fallback_reason,
             "readonly_roots": [str(r) for r in c.readonly_roots], "entries": len(c.entries()),
@@ -162,12 +160,11 @@ def target_arches(gpu: dict[str, Any]) -> list[str]:
 
 def probe_presets(arches: list[str], cache_dir: str | None = None) -> list[dict[str, Any]]:
     """Which MiniMax-M3 preset geometries are in the cache for each arch (lookup only)."""
-    from . import compiler
-    from .cli import open_cache
+    from . import cache, compiler
     from .geometry import SparseDecodeConfig
     from .warmup import PRESETS, Q_DTYPE_SHORT
 
-    c = open_cache(cache_dir)
+    c = cache.open_cache(cache_dir)
     heads, dtypes = PRESETS["minimax-m3"]
     rows = []
     for arch in arches:
@@ -293,17 +290,3 @@ def render(r: dict[str, Any]) -> str:
         for arch, fam in k["families"].items():
             add(f"  {arch}: {fam} kernel" + (" (portable mma.sync)" if fam == "portable" else ""))
     return "\n".join(out)
-
-
-def cmd_doctor(args: argparse.Namespace) -> int:
-    """CLI handler of `msa-jit doctor` (always exit 0 unless printing itself fails)."""
-    report = collect(getattr(args, "cache_dir", None))
-    if getattr(args, "json", False):
-        print(json.dumps(report, indent=1, default=str))
-    else:
-        try:
-            print(render(report))
-        except Exception as e:  # a bug in rendering must still show the data
-            print(f"(rendering failed: {type(e).__name__}: {e})")
-            print(json.dumps(report, indent=1, default=str))
-    return 0

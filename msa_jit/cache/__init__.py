@@ -26,7 +26,7 @@ from .entry import FORMAT, LAYOUT, META_NAME, CacheEntry
 from .errors import ArtifactMissingError, CacheDirError, CacheError, CacheFallbackWarning, CacheLockTimeout
 from .key import canonical_json, make_key, source_fingerprint
 from .location import preferred_root, user_temp_root
-from .store import STALE_TMP_AGE_S, ArtifactCache, default_cache, reset_stats, stats
+from .store import STALE_TMP_AGE_S, ArtifactCache, default_cache, open_cache, reset_stats, stats
 
 __all__ = [
     "FORMAT",
@@ -46,6 +46,7 @@ __all__ = [
     "preferred_root",
     "user_temp_root",
     "default_cache",
+    "open_cache",
     "stats",
     "reset_stats",
 ]

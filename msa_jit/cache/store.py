@@ -56,6 +56,7 @@ __all__ = [
     "STALE_TMP_AGE_S",
     "ArtifactCache",
     "default_cache",
+    "open_cache",
     "reset_stats",
     "stats",
 ]
@@ -561,3 +562,9 @@ def default_cache() -> ArtifactCache:
             cache = ArtifactCache(pref)
             _defaults[str(pref)] = cache
         return cache
+
+
+def open_cache(root: os.PathLike | str | None = None) -> ArtifactCache:
+    """``ArtifactCache(root)`` for an explicit root (e.g. ``--cache-dir``), else the shared
+    ``default_cache()``."""
+    return ArtifactCache(root) if root else default_cache()

@@ -1,0 +1,44 @@
+"""`msa-jit bench`: the performance grid on a GPU (`msa_jit.bench`), or a result file's table.
+
+Writes bench-<date>.json/.png into --out and compares with the newest previous result;
+exit 1 on a point more than 5% slower. `--table RESULT_JSON` prints the README's table of a
+result file and needs no GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+HELP = "benchmark grid on this GPU: JSON + PNG (needs CUDA)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The grid (--geometries, --batches, --qlens, --q-dtype, --iters), --out, --baseline, --table."""
+    p.add_argument("--out", default="bench/results", help="folder for bench-<date>.json/.png")
+    p.add_argument("--geometries", default="64/4,16/1,8/1")
+    p.add_argument("--batches", default="1,4,16,64,256")
+    p.add_argument("--qlens", default="1,4")
+    p.add_argument("--q-dtype", default="bfloat16", choices=["bfloat16", "float8_e4m3fn"])
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--baseline", default="auto",
+                   help="result JSON to compare with (default: the newest in --out; 'none' to skip); "
+                        "exit 1 if a point is >5%% slower")
+    p.add_argument("--table", metavar="RESULT_JSON",
+                   help="print the README's markdown table of a result file and exit (no GPU)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Handler of `msa-jit bench`."""
+    from .. import bench
+
+    if args.table:  # no GPU: print the README table of a result file
+        print(bench.readme_table(json.loads(Path(args.table).read_text())))
+        return 0
+    geos = tuple(args.geometries.split(","))
+    batches = tuple(int(b) for b in args.batches.split(","))
+    qlens = tuple(int(q) for q in args.qlens.split(","))
+    result = bench.main(args.out, geometries=geos, batches=batches, qlens=qlens, q_dtype=args.q_dtype,
+                        iters=args.iters, baseline=args.baseline)
+    return 1 if result.get("regressions") else 0
