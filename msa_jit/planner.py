@@ -11,17 +11,15 @@ from __future__ import annotations
 
 import functools
 import threading
-from dataclasses import dataclass, field
-from typing import Any, Callable
 
 import torch
 
-from .geometry import CTAS_PER_SM, HEAD_DIM, SparseDecodeConfig, device_arch, dtype_name, torch_dtype
+from .geometry import CTAS_PER_SM, HEAD_DIM, device_arch
+from .plan import PlanKey, SparseDecodePlan
 from .validation import validate_prepare, validate_prepare_tensors, validate_seq_lens_cpu
 
 __all__ = [
     "DEFAULT_NUM_SMS",
-    "SparseDecodePlan",
     "SparseDecodePlanner",
     "choose_ctas_per_sm",
     "choose_num_splits",
@@ -33,9 +31,6 @@ __all__ = [
 DEFAULT_NUM_SMS = 132
 # Target number of CTA waves when the (token, KV head) grid alone does not fill the GPU.
 TARGET_WAVES = 2
-
-PlanKey = tuple[int, int, int, int, int, int, int, torch.device]
-
 
 def _plan_key(block_table: torch.Tensor, seq_lens: torch.Tensor, qlen: int, num_q_heads: int,
               num_kv_heads: int, page_size: int, topk: int) -> PlanKey:
@@ -84,107 +79,6 @@ def _device_num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return _cuda_num_sms(device.index if device.index is not None else torch.cuda.current_device())
     return DEFAULT_NUM_SMS
-
-
-@dataclass(eq=False)
-class SparseDecodePlan:
-    """Cached state of one step shape. Tensors are allocated once and refreshed in place.
-
-    kv_lens, qo_offset: [T] int32, T = batch * qlen (refreshed every `prepare`).
-    partial_o: [T*Hkv*num_splits, G, head_dim] fp32, partial_lse: [T*Hkv*num_splits, G] fp32
-    (split-KV workspace), lse_scratch: [T, Hq] fp32 (used when the caller wants no lse).
-    block_table / seq_lens: the tensors of the latest `prepare`.
-    """
-
-    num_q_heads: int
-    num_kv_heads: int
-    page_size: int
-    topk: int
-    head_dim: int
-    batch: int
-    qlen: int
-    block_table_stride: int
-    device: torch.device
-    num_splits: int
-    kv_lens: torch.Tensor
-    qo_offset: torch.Tensor
-    partial_o: torch.Tensor
-    partial_lse: torch.Tensor
-    lse_scratch: torch.Tensor
-    block_table: torch.Tensor
-    seq_lens: torch.Tensor
-    arch: str | None = None
-    ctas_per_sm: int = 2  # occupancy of the kernel serving this plan (choose_ctas_per_sm)
-    kernels: dict[torch.dtype, Callable[..., Any]] = field(default_factory=dict)
-    # refresh(seq_lens): the per-step prologue launch bound to this plan's tensors (planner sets it)
-    refresh: Callable[[torch.Tensor], None] | None = None
-    # kv_lens, lse_scratch, partial_o, partial_lse as TVM-FFI tensors (kernel_tensors())
-    _ffi_tensors: tuple[Any, ...] | None = field(default=None, repr=False)
-    num_tokens: int = field(init=False)
-    group_size: int = field(init=False)
-    is_cuda: bool = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.num_tokens = self.batch * self.qlen
-        self.group_size = self.num_q_heads // self.num_kv_heads
-        self.is_cuda = self.device.type == "cuda"
-
-    @property
-    def key(self) -> PlanKey:
-        """The planner cache key of this plan."""
-        return (self.batch, self.qlen, self.block_table_stride, self.num_q_heads,
-                self.num_kv_heads, self.page_size, self.topk, self.device)
-
-    def config(self, q_dtype: Any) -> SparseDecodeConfig:
-        """SparseDecodeConfig of the kernel serving this plan for a query dtype (torch dtype or name)."""
-        if self.arch is None:
-            raise RuntimeError(
-                f"plan on {self.device} has no target arch: build it on a CUDA device or create "
-                "the planner with SparseDecodePlanner(arch='sm_90a')"
-            )
-        return SparseDecodeConfig(
-            num_q_heads=self.num_q_heads,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            page_size=self.page_size,
-            topk=self.topk,
-            q_dtype=dtype_name(q_dtype),
-            arch=self.arch,
-            ctas_per_sm=self.ctas_per_sm,
-        )
-
-    def kernel_tensors(self) -> tuple[Any, ...]:
-        """(kv_lens, lse_scratch, partial_o, partial_lse) in the form the kernel call takes best.
-
-        The plan owns them for its whole life, so they are wrapped as TVM-FFI tensors once
-        (a torch tensor argument costs a DLPack exchange on every call); torch tensors when
-        tvm_ffi is not importable.
-        """
-        if self._ffi_tensors is None:
-            ts = (self.kv_lens, self.lse_scratch, self.partial_o, self.partial_lse)
-            try:
-                import tvm_ffi
-
-                self._ffi_tensors = tuple(tvm_ffi.from_dlpack(t) for t in ts)
-            except ImportError:  # pragma: no cover - the kernel path needs tvm_ffi anyway
-                self._ffi_tensors = ts
-        return self._ffi_tensors
-
-    def resolve_kernel(self, q_dtype: Any) -> Callable[..., Any]:
-        """Compiled kernel for this plan's geometry and `q_dtype` (cached in `self.kernels`).
-
-        Calls `msa_jit.compiler.get_sparse_decode_kernel(config)` on the first use; the result
-        takes the calling-convention arguments of docs/design.md in order.
-        """
-        dt = torch_dtype(q_dtype)
-        fn = self.kernels.get(dt)
-        if fn is None:
-            cfg = self.config(dt).validate()
-            from .compiler import get_sparse_decode_kernel
-
-            fn = get_sparse_decode_kernel(cfg)
-            self.kernels[dt] = fn
-        return fn
 
 
 class SparseDecodePlanner:

@@ -46,7 +46,7 @@ import torch
 
 from .geometry import HEAD_DIM, device_arch
 from .op import sparse_decode
-from .planner import SparseDecodePlan
+from .plan import SparseDecodePlan
 
 __all__ = ["OP_NAME", "WORKSPACE_FIELDS", "op_args", "sparse_decode_op"]
 

@@ -16,7 +16,7 @@ import torch
 from .geometry import MAX_QLEN, MIN_QLEN, geometry_problems
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .planner import SparseDecodePlan
+    from .plan import SparseDecodePlan
 
 __all__ = [
     "BACKENDS",
@@ -247,7 +247,7 @@ def validate_sparse_decode(
 
     Returns the resolved backend ("kernel" or "reference"; "auto" is kernel on CUDA).
     """
-    from .planner import SparseDecodePlan
+    from .plan import SparseDecodePlan
 
     if (type(plan) is SparseDecodePlan and plan.is_cuda and (backend == "auto" or backend == "kernel")
             and kernel_call_ok(query, kv_cache, topk, out, plan, lse)):
