@@ -175,7 +175,7 @@ def fake_arguments(config: SparseDecodeConfig) -> list[Any]:
     return [
         make_fake_tensor(q_dtype, (tokens, hq, d), stride=(cute.sym_int32(divisibility=16), d, 1), assumed_align=16),
         make_fake_compact_tensor(cutlass.Uint8, (pages, hkv, config.page_size, 2 * d), stride_order=(3, 2, 1, 0), assumed_align=16),
-        make_fake_tensor(Int32, (tokens, hkv, config.topk), stride=(cute.sym_int32(), cute.sym_int32(), 1)),
+        make_fake_tensor(Int32, (tokens, hkv, config.topk_blocks), stride=(cute.sym_int32(), cute.sym_int32(), 1)),
         make_fake_tensor(Int32, (batch, max_blocks), stride=(cute.sym_int32(), 1)),
         make_fake_compact_tensor(Int32, (tokens,)),
         make_fake_compact_tensor(cutlass.BFloat16, (tokens, hq, d), stride_order=(2, 1, 0), assumed_align=16),
@@ -225,7 +225,7 @@ def compile_sparse_decode(config: SparseDecodeConfig, out_dir: str | os.PathLike
         num_q_heads=config.num_q_heads,
         num_kv_heads=config.num_kv_heads,
         page_size=config.page_size,
-        topk=config.topk,
+        topk=config.topk_blocks,
         q_dtype=config.q_dtype,
         **{**cls.occupancy_options(config.ctas_per_sm, config.q_dtype), **(kernel_options or {})},
     )
@@ -265,7 +265,7 @@ def warmup_command(config: SparseDecodeConfig) -> str:
     """The `msa-jit warmup` line that builds exactly this config (used in error messages)."""
     q = {"bfloat16": "bf16", "float8_e4m3fn": "fp8"}.get(config.q_dtype, config.q_dtype)
     cmd = (f"msa-jit warmup --heads {config.num_q_heads}/{config.num_kv_heads} --q-dtype {q} "
-           f"--arch {config.arch} --page-size {config.page_size} --topk {config.topk}")
+           f"--arch {config.arch} --page-size {config.page_size} --topk-blocks {config.topk_blocks}")
     if dsl_version() == "unknown":
         cmd += (f"\n    (this host has no CuTe DSL package metadata: set {env.DSL_VERSION} to the "
                 "DSL version the cache was warmed with, e.g. 4.8.1)")

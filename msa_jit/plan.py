@@ -32,7 +32,7 @@ class SparseDecodePlan:
     num_q_heads: int
     num_kv_heads: int
     page_size: int
-    topk: int
+    topk_blocks: int
     head_dim: int
     batch: int
     qlen: int
@@ -66,7 +66,7 @@ class SparseDecodePlan:
     def key(self) -> PlanKey:
         """The planner cache key of this plan."""
         return (self.batch, self.qlen, self.block_table_stride, self.num_q_heads,
-                self.num_kv_heads, self.page_size, self.topk, self.device)
+                self.num_kv_heads, self.page_size, self.topk_blocks, self.device)
 
     def config(self, q_dtype: Any) -> SparseDecodeConfig:
         """SparseDecodeConfig of the kernel serving this plan for a query dtype (torch dtype or name)."""
@@ -80,7 +80,7 @@ class SparseDecodePlan:
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
             page_size=self.page_size,
-            topk=self.topk,
+            topk_blocks=self.topk_blocks,
             q_dtype=dtype_name(q_dtype),
             arch=self.arch,
             ctas_per_sm=self.ctas_per_sm,

@@ -33,27 +33,27 @@ DEFAULT_NUM_SMS = 132
 TARGET_WAVES = 2
 
 def _plan_key(block_table: torch.Tensor, seq_lens: torch.Tensor, qlen: int, num_q_heads: int,
-              num_kv_heads: int, page_size: int, topk: int) -> PlanKey:
+              num_kv_heads: int, page_size: int, topk_blocks: int) -> PlanKey:
     """The planner cache key of a prepare() call (same order as SparseDecodePlan.key)."""
     return (seq_lens.shape[0], qlen, block_table.stride(0), num_q_heads, num_kv_heads,
-            page_size, topk, seq_lens.device)
+            page_size, topk_blocks, seq_lens.device)
 
 
-def choose_num_splits(num_rows_heads: int, topk: int, num_sms: int) -> int:
-    """Split-KV factor in [1, topk] for a grid of `num_rows_heads` = T*Hkv CTAs per split.
+def choose_num_splits(num_rows_heads: int, topk_blocks: int, num_sms: int) -> int:
+    """Split-KV factor in [1, topk_blocks] for a grid of `num_rows_heads` = T*Hkv CTAs per split.
 
     1 when T*Hkv already fills the GPU (>= num_sms); otherwise the smallest factor giving
-    about TARGET_WAVES waves (T*Hkv*splits >= 2*num_sms), capped at topk, then normalized so
-    every split gets ceil(topk/splits) slots and none is empty for a full row.
+    about TARGET_WAVES waves (T*Hkv*splits >= 2*num_sms), capped at topk_blocks, then
+    normalized so every split gets ceil(topk_blocks/splits) slots and none is empty for a full row.
     """
-    topk = max(1, int(topk))
+    topk_blocks = max(1, int(topk_blocks))
     num_rows_heads = max(1, int(num_rows_heads))
     num_sms = max(1, int(num_sms))
     if num_rows_heads >= num_sms:
         return 1
-    splits = min(topk, -(-TARGET_WAVES * num_sms // num_rows_heads))
-    per_split = -(-topk // splits)
-    return max(1, -(-topk // per_split))
+    splits = min(topk_blocks, -(-TARGET_WAVES * num_sms // num_rows_heads))
+    per_split = -(-topk_blocks // splits)
+    return max(1, -(-topk_blocks // per_split))
 
 
 def choose_ctas_per_sm(grid_ctas: int, num_sms: int, supported: tuple[int, ...] = (2,)) -> int:
@@ -157,11 +157,11 @@ class SparseDecodePlanner:
         return plan
 
     def _build(self, key: PlanKey, block_table: torch.Tensor, seq_lens: torch.Tensor) -> SparseDecodePlan:
-        batch, qlen, stride, hq, hkv, page, topk, device = key
+        batch, qlen, stride, hq, hkv, page, topk_blocks, device = key
         T = batch * qlen
         G = hq // hkv
         num_sms = self.num_sms if self.num_sms is not None else _device_num_sms(device)
-        splits = choose_num_splits(T * hkv, topk, num_sms)
+        splits = choose_num_splits(T * hkv, topk_blocks, num_sms)
         arch = device_arch(device) if device.type == "cuda" else self.arch
         from .compiler import supported_ctas_per_sm
 
@@ -176,7 +176,7 @@ class SparseDecodePlanner:
             num_q_heads=hq,
             num_kv_heads=hkv,
             page_size=page,
-            topk=topk,
+            topk_blocks=topk_blocks,
             head_dim=HEAD_DIM,
             batch=batch,
             qlen=qlen,

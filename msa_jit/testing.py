@@ -128,7 +128,7 @@ def make_case(
     transposed_topk: bool = False,
     adversarial: bool = False,
     page_size: int = 128,
-    topk: int = 16,
+    topk_blocks: int = 16,
     padded: bool = False,
 ) -> Case:
     """Random inputs valid per the contract (see Case).
@@ -142,7 +142,7 @@ def make_case(
     """
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
-    page, K = page_size, topk
+    page, K = page_size, topk_blocks
     T = batch * qlen
     hkv = num_kv_heads
     if ctx_lens is None:

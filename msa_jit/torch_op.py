@@ -69,7 +69,7 @@ WORKSPACE_FIELDS: tuple[str, ...] = tuple(
     n for n in _tensor_fields(SparseDecodePlan) if n not in _INPUT_FIELDS + _NOT_PASSED
 )
 
-# (Hq, Hkv, page, topk, arch) -> {q dtype: compiled kernel}, shared by the rebuilt plans.
+# (Hq, Hkv, page, topk_blocks, arch) -> {q dtype: compiled kernel}, shared by the rebuilt plans.
 _KERNELS: dict[tuple[Any, ...], dict[torch.dtype, Callable[..., Any]]] = {}
 
 
@@ -95,7 +95,7 @@ def _rebuild_plan(
     """A SparseDecodePlan around the op's arguments (no allocation)."""
     device = seq_lens.device
     arch = _arch_of(device)
-    kkey = (ints["num_q_heads"], ints["num_kv_heads"], ints["page_size"], ints["topk"], arch)
+    kkey = (ints["num_q_heads"], ints["num_kv_heads"], ints["page_size"], ints["topk_blocks"], arch)
     values: dict[str, Any] = dict(
         ints,
         head_dim=HEAD_DIM,
@@ -146,7 +146,7 @@ def _sparse_decode_custom(
     plan = _rebuild_plan(
         block_table, seq_lens, kv_lens, lse, workspace,
         dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, page_size=page_size,
-             topk=topk_blocks, qlen=qlen, num_splits=num_splits),
+             topk_blocks=topk_blocks, qlen=qlen, num_splits=num_splits),
     )
     sparse_decode(
         query, kv_cache, topk, out, plan,
@@ -202,7 +202,7 @@ def op_args(
         plan.lse_scratch if lse is None else lse,
         plan.block_table, plan.seq_lens, plan.kv_lens,
         [getattr(plan, n) for n in WORKSPACE_FIELDS],
-        plan.num_q_heads, plan.num_kv_heads, plan.page_size, plan.topk, plan.qlen, plan.num_splits,
+        plan.num_q_heads, plan.num_kv_heads, plan.page_size, plan.topk_blocks, plan.qlen, plan.num_splits,
         float(sm_scale), float(q_scale), float(k_scale), float(v_scale), backend,
     )
 

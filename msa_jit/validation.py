@@ -8,7 +8,6 @@ came. Checks only read tensor metadata: no device->host sync, no allocation.
 from __future__ import annotations
 
 import math
-import re
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,8 +33,6 @@ __all__ = [
 BACKENDS = ("auto", "kernel", "reference")
 Q_TORCH_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 KV_TORCH_DTYPES = (torch.float8_e4m3fn, torch.uint8)
-# name used for SparseDecodeConfig fields in prepare()'s signature
-_PREPARE_NAMES = {"topk": "topk_blocks"}
 
 
 def _fmt_shape(x: torch.Tensor) -> str:
@@ -128,13 +125,10 @@ def validate_geometry(
                       ("page_size", page_size), ("topk_blocks", topk_blocks)):
         check_int(name, val)
     problems = geometry_problems(
-        num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, page_size=page_size, topk=topk_blocks
+        num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, page_size=page_size, topk_blocks=topk_blocks
     )
     if problems:
-        field, reason = problems[0]
-        name = _PREPARE_NAMES.get(field, field)
-        if name != field:
-            reason = re.sub(rf"\b{field}\b", name, reason)
+        name, reason = problems[0]
         raise ValueError(f"{name}: unsupported geometry: {reason}")
 
 
@@ -263,7 +257,7 @@ def validate_sparse_decode(
         raise TypeError(f"plan: expected a SparseDecodePlan (from prepare()), got {type(plan).__name__}")
     check_backend(backend)
 
-    T, hq, hkv, K = plan.num_tokens, plan.num_q_heads, plan.num_kv_heads, plan.topk
+    T, hq, hkv, K = plan.num_tokens, plan.num_q_heads, plan.num_kv_heads, plan.topk_blocks
     dev = plan.device
 
     check_dtype("query", query, Q_TORCH_DTYPES)
@@ -337,8 +331,8 @@ def kernel_call_ok(query: Any, kv_cache: Any, topk: Any, out: Any, plan: "Sparse
             or kv_shape[1:] != (hkv, plan.page_size, 2 * d) or not kv_cache.is_contiguous()
             or kv_cache.device != dev or kv_cache.data_ptr() % 16):
         return False
-    if (topk.dtype != torch.int32 or topk.shape != (T, hkv, plan.topk) or topk.device != dev
-            or (plan.topk > 1 and topk.stride(2) != 1)):
+    if (topk.dtype != torch.int32 or topk.shape != (T, hkv, plan.topk_blocks) or topk.device != dev
+            or (plan.topk_blocks > 1 and topk.stride(2) != 1)):
         return False
     if (out.dtype != torch.bfloat16 or out.shape != (T, hq, d) or not out.is_contiguous() or out.device != dev
             or out.data_ptr() % 16):

@@ -61,7 +61,7 @@ def default_arches() -> list[str]:
 
 def warmup_configs(
     heads: Iterable[tuple[int, int]], q_dtypes: Iterable[str], arches: Iterable[str], *,
-    page_size: int = 128, topk: int = 16,
+    page_size: int = 128, topk_blocks: int = 16,
 ) -> list[SparseDecodeConfig]:
     """Every config a warmup of these (Hq, Hkv) layouts x query dtypes x archs builds.
 
@@ -74,7 +74,7 @@ def warmup_configs(
     for hq, hkv in heads:
         for q in q_dtypes:
             for arch in arches:
-                cfg = SparseDecodeConfig(hq, hkv, page_size=page_size, topk=topk, q_dtype=q, arch=arch)
+                cfg = SparseDecodeConfig(hq, hkv, page_size=page_size, topk_blocks=topk_blocks, q_dtype=q, arch=arch)
                 reason = check_config(cfg)
                 if reason:
                     raise ValueError(f"{hq}/{hkv} {Q_DTYPE_SHORT.get(q, q)} {arch}: {reason}")
@@ -100,8 +100,8 @@ class WarmupRow:
     def geometry(self) -> str:
         c = self.config
         g = f"{c.num_q_heads}/{c.num_kv_heads}"
-        if c.page_size != 128 or c.topk != 16:
-            g += f" page{c.page_size} top{c.topk}"
+        if c.page_size != 128 or c.topk_blocks != 16:
+            g += f" page{c.page_size} top{c.topk_blocks}"
         return g
 
     @property
@@ -112,7 +112,7 @@ class WarmupRow:
         c = self.config
         return {
             "geometry": self.geometry, "num_q_heads": c.num_q_heads, "num_kv_heads": c.num_kv_heads,
-            "page_size": c.page_size, "topk": c.topk, "q_dtype": c.q_dtype, "arch": c.arch,
+            "page_size": c.page_size, "topk_blocks": c.topk_blocks, "q_dtype": c.q_dtype, "arch": c.arch,
             "ctas_per_sm": c.ctas_per_sm, "status": self.status, "seconds": round(self.seconds, 3), "artifact": self.artifact,
             "key": self.key, "error": self.error,
         }

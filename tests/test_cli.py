@@ -95,7 +95,7 @@ def test_warmup_again_is_cached_and_quiet(warm, tmp_path):
 
 
 def ns(**kw) -> argparse.Namespace:
-    base = dict(preset=None, heads=None, q_dtype=None, arch=None, page_size=128, topk=16)
+    base = dict(preset=None, heads=None, q_dtype=None, arch=None, page_size=128, topk_blocks=16)
     base.update(kw)
     return argparse.Namespace(**base)
 
@@ -109,11 +109,11 @@ def test_geometry_flags(monkeypatch):
                 lambda: common.normalize_arch("hopper")):
         with pytest.raises(ValueError):
             bad()
-    cfgs = common.configs_from_args(ns(heads=["64/4,16/1"], q_dtype=["bf16,fp8"], arch=["sm_90a,sm_100a"], topk=8))
+    cfgs = common.configs_from_args(ns(heads=["64/4,16/1"], q_dtype=["bf16,fp8"], arch=["sm_90a,sm_100a"], topk_blocks=8))
     # x 2 occupancies (2 and 3 CTAs per SM: the planner picks per step shape)
-    assert len(cfgs) == 16 and all(c.topk == 8 for c in cfgs)
+    assert len(cfgs) == 16 and all(c.topk_blocks == 8 for c in cfgs)
     assert {c.ctas_per_sm for c in cfgs} == {2, 3}
-    assert SparseDecodeConfig(16, 1, topk=8, q_dtype="float8_e4m3fn", arch="sm_100a", ctas_per_sm=3) in cfgs
+    assert SparseDecodeConfig(16, 1, topk_blocks=8, q_dtype="float8_e4m3fn", arch="sm_100a", ctas_per_sm=3) in cfgs
     # --preset minimax-m3: 4 head layouts x bf16,fp8 x archs; explicit flags replace the preset's
     assert len(common.configs_from_args(ns(preset="minimax-m3", arch=["sm_100a"]))) == 16
     only = common.configs_from_args(ns(preset="minimax-m3", arch=["sm_90a"], q_dtype=["fp8"]))

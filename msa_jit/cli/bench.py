@@ -15,11 +15,11 @@ HELP = "benchmark grid on this GPU: JSON + PNG (needs CUDA)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The grid (--geometries, --batches, --qlens, --q-dtype, --iters), --out, --baseline, --table."""
+    """The grid (--geometries, --batches, --decode-query-lens, --q-dtype, --iters), --out, --baseline, --table."""
     p.add_argument("--out", default="bench/results", help="folder for bench-<date>.json/.png")
     p.add_argument("--geometries", default="64/4,16/1,8/1")
     p.add_argument("--batches", default="1,4,16,64,256")
-    p.add_argument("--qlens", default="1,4")
+    p.add_argument("--decode-query-lens", default="1,4", help="query tokens per request (qlen) of the grid")
     p.add_argument("--q-dtype", default="bfloat16", choices=["bfloat16", "float8_e4m3fn"])
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--baseline", default="auto",
@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     geos = tuple(args.geometries.split(","))
     batches = tuple(int(b) for b in args.batches.split(","))
-    qlens = tuple(int(q) for q in args.qlens.split(","))
+    qlens = tuple(int(q) for q in args.decode_query_lens.split(","))
     result = bench.main(args.out, geometries=geos, batches=batches, qlens=qlens, q_dtype=args.q_dtype,
                         iters=args.iters, baseline=args.baseline)
     return 1 if result.get("regressions") else 0

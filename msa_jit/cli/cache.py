@@ -39,8 +39,8 @@ def entry_row(entry: cache.CacheEntry) -> dict[str, Any]:
     cfg = meta.get("config") or {}
     fp = meta.get("fingerprint") or {}
     geometry = f"{cfg.get('num_q_heads', '?')}/{cfg.get('num_kv_heads', '?')}"
-    if cfg.get("page_size", 128) != 128 or cfg.get("topk", 16) != 16:
-        geometry += f" page{cfg.get('page_size')} top{cfg.get('topk')}"
+    if cfg.get("page_size", 128) != 128 or cfg.get("topk_blocks", 16) != 16:
+        geometry += f" page{cfg.get('page_size')} top{cfg.get('topk_blocks')}"
     try:
         last_used = (entry.path / cache.META_NAME).stat().st_mtime
     except OSError:

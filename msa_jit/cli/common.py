@@ -1,6 +1,6 @@
 """What several `msa-jit` commands share: sizes, times, tables, and the geometry flags.
 
-The geometry flags (`--preset`, `--heads`, `--q-dtype`, `--arch`, `--page-size`, `--topk`)
+The geometry flags (`--preset`, `--heads`, `--q-dtype`, `--arch`, `--page-size`, `--topk-blocks`)
 are parsed here for `warmup` and `inspect`; the configs they name come from
 `msa_jit.warmup.warmup_configs`.
 """
@@ -106,7 +106,7 @@ def normalize_arch(text: str) -> str:
 
 
 def configs_from_args(args: argparse.Namespace) -> list[SparseDecodeConfig]:
-    """The geometries named by --preset / --heads / --q-dtype / --arch / --page-size / --topk.
+    """The geometries named by --preset / --heads / --q-dtype / --arch / --page-size / --topk-blocks.
 
     Explicit --heads / --q-dtype replace the preset's. Raises ValueError on anything the
     kernel cannot serve (with check_config's reason).
@@ -124,7 +124,7 @@ def configs_from_args(args: argparse.Namespace) -> list[SparseDecodeConfig]:
     if not dtypes:
         dtypes = ["bfloat16", "float8_e4m3fn"]
     arches = [normalize_arch(a) for a in _split(args.arch)] or warmup.default_arches()
-    return warmup.warmup_configs(heads, dtypes, arches, page_size=args.page_size, topk=args.topk)
+    return warmup.warmup_configs(heads, dtypes, arches, page_size=args.page_size, topk_blocks=args.topk_blocks)
 
 
 def add_geometry_arguments(p: argparse.ArgumentParser) -> None:
@@ -135,7 +135,7 @@ def add_geometry_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arch", action="append", metavar="ARCHES",
                    help="sm_90a,sm_100a (default: $MSA_JIT_ARCH, else this GPU's arch, else both)")
     p.add_argument("--page-size", type=int, default=128, help="KV page size (default 128)")
-    p.add_argument("--topk", type=int, default=16, help="top-k blocks per token (default 16)")
+    p.add_argument("--topk-blocks", type=int, default=16, help="top-k blocks per token (default 16)")
     p.add_argument("--cache-dir", help="cache root for this run (sets MSA_JIT_CACHE_DIR for the workers)")
     p.add_argument("--jobs", "-j", type=int, default=None, help="parallel compile processes (default min(4, CPUs))")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress output")
