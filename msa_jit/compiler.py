@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping
 
 from . import cache as _cache
 from . import env
-from .geometry import SparseDecodeConfig
+from .geometry import Q_DTYPE_SHORT, SparseDecodeConfig
 from .loader import load_artifact
 
 log = logging.getLogger("msa_jit")
@@ -263,7 +263,7 @@ def ensure_compiled(config: SparseDecodeConfig, cache: _cache.ArtifactCache | No
 
 def warmup_command(config: SparseDecodeConfig) -> str:
     """The `msa-jit warmup` line that builds exactly this config (used in error messages)."""
-    q = {"bfloat16": "bf16", "float8_e4m3fn": "fp8"}.get(config.q_dtype, config.q_dtype)
+    q = Q_DTYPE_SHORT.get(config.q_dtype, config.q_dtype)
     cmd = (f"msa-jit warmup --heads {config.num_q_heads}/{config.num_kv_heads} --q-dtype {q} "
            f"--arch {config.arch} --page-size {config.page_size} --topk-blocks {config.topk_blocks}")
     if dsl_version() == "unknown":

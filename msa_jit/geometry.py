@@ -18,6 +18,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 HEAD_DIM = 128
 PAGE_SIZES = (64, 128)
+DEFAULT_PAGE_SIZE = 128
+DEFAULT_TOPK_BLOCKS = 16
 MIN_TOPK = 1
 MAX_TOPK = 32
 MAX_GROUP_SIZE = 16
@@ -26,7 +28,13 @@ MAX_QLEN = 32
 Q_DTYPES = ("bfloat16", "float8_e4m3fn")
 KV_DTYPES = ("float8_e4m3fn",)
 OUT_DTYPES = ("bfloat16",)
+# short names of the query dtypes (CLI flags, tables)
+Q_DTYPE_SHORT = {"bfloat16": "bf16", "float8_e4m3fn": "fp8"}
 DEFAULT_ARCH = "sm_90a"
+# what a warmup builds for when neither MSA_JIT_ARCH nor a local GPU says (H100/H200, B200/B300)
+DEFAULT_ARCHES = ("sm_90a", "sm_100a")
+# (Hq, Hkv) of every MiniMax-M3 attention layout: the warmup preset, the selftest and bench grids
+MINIMAX_M3_GEOMETRIES = ((64, 4), (32, 2), (16, 1), (8, 1))
 # CTAs per SM a kernel can be built for: 2 (the default) or 3 (for grids of one wave at 3 per SM;
 # the planner picks, see planner.choose_ctas_per_sm)
 CTAS_PER_SM = (2, 3)
@@ -86,8 +94,8 @@ class SparseDecodeConfig:
     num_q_heads: int
     num_kv_heads: int
     head_dim: int = HEAD_DIM
-    page_size: int = 128
-    topk_blocks: int = 16
+    page_size: int = DEFAULT_PAGE_SIZE
+    topk_blocks: int = DEFAULT_TOPK_BLOCKS
     q_dtype: str = "bfloat16"
     kv_dtype: str = "float8_e4m3fn"
     out_dtype: str = "bfloat16"

@@ -12,7 +12,8 @@ from __future__ import annotations
 import itertools
 import zlib
 
-GEOMETRIES = [(64, 4), (32, 2), (16, 1), (8, 1)]
+from .geometry import MINIMAX_M3_GEOMETRIES, Q_DTYPES
+
 QLENS = [1, 2, 4, 8, 32]
 BATCHES = [1, 3, 16, 64]
 QUICK = dict(qlens=[1, 4], batches=[1, 16])
@@ -30,7 +31,7 @@ def correctness_grid(*, quick: bool = False, log=print) -> list[dict]:
     qlens = QUICK["qlens"] if quick else QLENS
     batches = QUICK["batches"] if quick else BATCHES
     rows = []
-    cases = [c + (None,) for c in itertools.product(GEOMETRIES, ("bfloat16", "float8_e4m3fn"), qlens, batches)]
+    cases = [c + (None,) for c in itertools.product(MINIMAX_M3_GEOMETRIES, Q_DTYPES, qlens, batches)]
     cases += [((64, 4), "bfloat16", 4, 3, ns) for ns in (1, 100000)]  # force 1 and topk splits
     # every case on every occupancy the planner may pick on this GPU (same inputs)
     occupancies = supported_ctas_per_sm(device_arch(0))

@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 
+from .geometry import HEAD_DIM
+
 FP8 = torch.float8_e4m3fn
-HEAD_DIM = 128
 
 
 @dataclass

@@ -22,16 +22,17 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from . import cache, compiler, env
-from .geometry import SparseDecodeConfig, check_config
+from .geometry import (
+    DEFAULT_ARCHES, DEFAULT_PAGE_SIZE, DEFAULT_TOPK_BLOCKS, MINIMAX_M3_GEOMETRIES, Q_DTYPE_SHORT, Q_DTYPES,
+    SparseDecodeConfig, check_config,
+)
 
 log = logging.getLogger("msa_jit")
 
 # preset name -> (heads as (Hq, Hkv), q dtypes)
 PRESETS: dict[str, tuple[tuple[tuple[int, int], ...], tuple[str, ...]]] = {
-    "minimax-m3": (((64, 4), (32, 2), (16, 1), (8, 1)), ("bfloat16", "float8_e4m3fn")),
+    "minimax-m3": (MINIMAX_M3_GEOMETRIES, Q_DTYPES),
 }
-DEFAULT_ARCHES = ("sm_90a", "sm_100a")
-Q_DTYPE_SHORT = {"bfloat16": "bf16", "float8_e4m3fn": "fp8"}
 
 
 # ----------------------------------------------------------------------------- configs
@@ -50,8 +51,7 @@ def local_gpu_arch() -> str | None:
 
 
 def default_arches() -> list[str]:
-    """MSA_JIT_ARCH if set, else the local GPU's arch, else both sm_90a and sm_100a."""
-
+    """MSA_JIT_ARCH if set, else the local GPU's arch, else DEFAULT_ARCHES (sm_90a and sm_100a)."""
     forced = env.target_arch()
     if forced:
         return [forced]
@@ -61,7 +61,7 @@ def default_arches() -> list[str]:
 
 def warmup_configs(
     heads: Iterable[tuple[int, int]], q_dtypes: Iterable[str], arches: Iterable[str], *,
-    page_size: int = 128, topk_blocks: int = 16,
+    page_size: int = DEFAULT_PAGE_SIZE, topk_blocks: int = DEFAULT_TOPK_BLOCKS,
 ) -> list[SparseDecodeConfig]:
     """Every config a warmup of these (Hq, Hkv) layouts x query dtypes x archs builds.
 
@@ -100,7 +100,7 @@ class WarmupRow:
     def geometry(self) -> str:
         c = self.config
         g = f"{c.num_q_heads}/{c.num_kv_heads}"
-        if c.page_size != 128 or c.topk_blocks != 16:
+        if c.page_size != DEFAULT_PAGE_SIZE or c.topk_blocks != DEFAULT_TOPK_BLOCKS:
             g += f" page{c.page_size} top{c.topk_blocks}"
         return g
 

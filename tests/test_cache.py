@@ -779,7 +779,7 @@ def test_env_read_live_and_describe(monkeypatch):
     names = [n for n, _v, _d in table]
     assert names == ["MSA_JIT_CACHE_DIR", "MSA_JIT_NO_COMPILE", "MSA_JIT_CACHE_MAX_BYTES", "MSA_JIT_LOCK_TIMEOUT",
                      "MSA_JIT_ARCH", "MSA_JIT_ENABLE_SM100_UMMA", "MSA_JIT_LOG_LEVEL",
-                     "MSA_JIT_DSL_VERSION"]
+                     "MSA_JIT_DSL_VERSION", "MSA_JIT_DSL_RUNTIME"]
     values = {n: v for n, v, _d in table}
     assert values["MSA_JIT_ARCH"] == "garbage!" and values["MSA_JIT_CACHE_DIR"] is None
     assert all(isinstance(d, str) and d for _n, _v, d in table)
@@ -787,6 +787,37 @@ def test_env_read_live_and_describe(monkeypatch):
     policy = (Path(__file__).resolve().parents[1] / "cache_dir_policy.md").read_text()
     assert all(n in policy for n in names)
 
+
+
+def test_one_size_syntax_for_env_and_cli(monkeypatch):
+    """MSA_JIT_CACHE_MAX_BYTES and `cache prune --max-bytes` parse sizes with the same rules."""
+    import argparse
+
+    from msa_jit.cli.common import parse_size
+
+    for text, n in (("1P", 1 << 50), ("2GiB", 2 << 30), (".5k", 512), ("7", 7)):
+        monkeypatch.setenv("MSA_JIT_CACHE_MAX_BYTES", text)
+        assert env.parse_size(text) == parse_size(text) == env.cache_max_bytes() == n
+    for bad in ("5iB", "lots", "-1"):
+        monkeypatch.setenv("MSA_JIT_CACHE_MAX_BYTES", bad)
+        with pytest.raises(ValueError, match="MSA_JIT_CACHE_MAX_BYTES"):
+            env.cache_max_bytes()
+        with pytest.raises(argparse.ArgumentTypeError, match="not a size"):
+            parse_size(bad)
+
+
+def test_dsl_runtime_is_read_through_env(monkeypatch, tmp_path):
+    from msa_jit import loader
+
+    lib = tmp_path / "libcute_dsl_runtime.so"
+    lib.write_bytes(b"")
+    monkeypatch.setenv("MSA_JIT_DSL_RUNTIME", str(lib))
+    assert env.dsl_runtime() == lib and loader.find_runtime_library() == lib
+    monkeypatch.setenv("MSA_JIT_DSL_RUNTIME", str(tmp_path / "absent.so"))
+    with pytest.raises(FileNotFoundError, match="MSA_JIT_DSL_RUNTIME"):
+        loader.find_runtime_library()
+    monkeypatch.setenv("MSA_JIT_DSL_RUNTIME", "")
+    assert env.dsl_runtime() is None
 
 def test_cache_entry_is_hashable(tmp_path):
     c = ArtifactCache(tmp_path / "c")

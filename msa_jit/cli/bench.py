@@ -11,16 +11,20 @@ import argparse
 import json
 from pathlib import Path
 
+from .. import bench
+from ..geometry import Q_DTYPES
+
 HELP = "benchmark grid on this GPU: JSON + PNG (needs CUDA)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The grid (--geometries, --batches, --decode-query-lens, --q-dtype, --iters), --out, --baseline, --table."""
-    p.add_argument("--out", default="bench/results", help="folder for bench-<date>.json/.png")
-    p.add_argument("--geometries", default="64/4,16/1,8/1")
-    p.add_argument("--batches", default="1,4,16,64,256")
-    p.add_argument("--decode-query-lens", default="1,4", help="query tokens per request (qlen) of the grid")
-    p.add_argument("--q-dtype", default="bfloat16", choices=["bfloat16", "float8_e4m3fn"])
+    p.add_argument("--out", default=bench.RESULTS_DIR, help="folder for bench-<date>.json/.png")
+    p.add_argument("--geometries", default=",".join(bench.GRID_GEOMETRIES))
+    p.add_argument("--batches", default=",".join(map(str, bench.GRID_BATCHES)))
+    p.add_argument("--decode-query-lens", default=",".join(map(str, bench.GRID_QLENS)),
+                   help="query tokens per request (qlen) of the grid")
+    p.add_argument("--q-dtype", default="bfloat16", choices=list(Q_DTYPES))
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--baseline", default="auto",
                    help="result JSON to compare with (default: the newest in --out; 'none' to skip); "
@@ -31,8 +35,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Handler of `msa-jit bench`."""
-    from .. import bench
-
     if args.table:  # no GPU: print the README table of a result file
         print(bench.readme_table(json.loads(Path(args.table).read_text())))
         return 0

@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 import time
 from typing import Any, Sequence
 
 from .. import env, warmup
-from ..geometry import SparseDecodeConfig
+from ..geometry import DEFAULT_PAGE_SIZE, DEFAULT_TOPK_BLOCKS, Q_DTYPE_SHORT, Q_DTYPES, SparseDecodeConfig
 
 __all__ = [
     "Q_DTYPE_ALIASES",
     "add_geometry_arguments",
     "configs_from_args",
+    "warm_geometry_flags",
     "format_table",
     "human_size",
     "normalize_arch",
@@ -36,16 +38,12 @@ _HEADS_RE = re.compile(r"^\s*(\d+)\s*/\s*(\d+)\s*$")
 
 
 # ----------------------------------------------------------------------------- sizes, times, tables
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
-
-
 def parse_size(text: str) -> int:
-    """'1048576', '512M', '2G', '2GiB' -> bytes (binary suffixes, like MSA_JIT_CACHE_MAX_BYTES)."""
-    m = _SIZE_RE.match(text)
-    if m is None:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 2147483648, 512M, 2G)")
-    mult = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2).lower()]
-    return int(float(m.group(1)) * mult)
+    """`env.parse_size` as an argparse type: '512M', '2G', '2GiB' -> bytes (MSA_JIT_CACHE_MAX_BYTES's syntax)."""
+    try:
+        return env.parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def human_size(n: int | float) -> str:
@@ -122,20 +120,34 @@ def configs_from_args(args: argparse.Namespace) -> list[SparseDecodeConfig]:
     if not heads:
         raise ValueError("no geometry: give --heads Hq/Hkv (repeatable) or --preset " + "|".join(warmup.PRESETS))
     if not dtypes:
-        dtypes = ["bfloat16", "float8_e4m3fn"]
+        dtypes = list(Q_DTYPES)
     arches = [normalize_arch(a) for a in _split(args.arch)] or warmup.default_arches()
     return warmup.warmup_configs(heads, dtypes, arches, page_size=args.page_size, topk_blocks=args.topk_blocks)
 
 
+def warm_geometry_flags(args: argparse.Namespace, command: str) -> list[warmup.WarmupRow] | None:
+    """`warmup.run_warmup` of the configs the geometry flags name (one row per config); None,
+    after printing `msa-jit <command>: <why>` to stderr, when the flags name nothing it can build."""
+    try:
+        configs = configs_from_args(args)
+    except ValueError as e:
+        print(f"msa-jit {command}: {e}", file=sys.stderr)
+        return None
+    return warmup.run_warmup(configs, jobs=args.jobs, cache_dir=args.cache_dir, quiet=args.quiet)
+
+
 def add_geometry_arguments(p: argparse.ArgumentParser) -> None:
     """Geometry-selection flags shared by `warmup` and `inspect`."""
-    p.add_argument("--preset", choices=sorted(warmup.PRESETS), help="named set of geometries (minimax-m3: 64/4 32/2 16/1 8/1 x bf16,fp8)")
+    presets = "; ".join(f"{name}: {' '.join(f'{hq}/{hkv}' for hq, hkv in heads)} x {','.join(Q_DTYPE_SHORT.get(d, d) for d in dtypes)}"
+                        for name, (heads, dtypes) in sorted(warmup.PRESETS.items()))
+    p.add_argument("--preset", choices=sorted(warmup.PRESETS), help=f"named set of geometries ({presets})")
     p.add_argument("--heads", action="append", metavar="HQ/HKV", help="query/KV heads, repeatable or comma-separated (e.g. 64/4)")
     p.add_argument("--q-dtype", action="append", metavar="DTYPES", help="bf16,fp8 (default: both)")
     p.add_argument("--arch", action="append", metavar="ARCHES",
                    help="sm_90a,sm_100a (default: $MSA_JIT_ARCH, else this GPU's arch, else both)")
-    p.add_argument("--page-size", type=int, default=128, help="KV page size (default 128)")
-    p.add_argument("--topk-blocks", type=int, default=16, help="top-k blocks per token (default 16)")
+    p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE, help=f"KV page size (default {DEFAULT_PAGE_SIZE})")
+    p.add_argument("--topk-blocks", type=int, default=DEFAULT_TOPK_BLOCKS,
+                   help=f"top-k blocks per token (default {DEFAULT_TOPK_BLOCKS})")
     p.add_argument("--cache-dir", help="cache root for this run (sets MSA_JIT_CACHE_DIR for the workers)")
     p.add_argument("--jobs", "-j", type=int, default=None, help="parallel compile processes (default min(4, CPUs))")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress output")

@@ -10,12 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
-from .. import compiler, sass, warmup
-from .common import add_geometry_arguments, configs_from_args, format_table
+from .. import compiler, sass
+from .common import add_geometry_arguments, format_table, warm_geometry_flags
 
 HELP = "compile (if needed) and summarize SASS: registers, smem, spills, MMA"
 
@@ -34,12 +33,9 @@ def short_kernel_name(name: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Handler of `msa-jit inspect`."""
-    try:
-        configs = configs_from_args(args)
-    except ValueError as e:
-        print(f"msa-jit inspect: {e}", file=sys.stderr)
+    rows = warm_geometry_flags(args, "inspect")
+    if rows is None:
         return 2
-    rows = warmup.run_warmup(configs, jobs=args.jobs, cache_dir=args.cache_dir, quiet=args.quiet)
     out: list[dict[str, Any]] = []
     failed = False
     for r in rows:

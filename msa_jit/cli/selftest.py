@@ -18,7 +18,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arch", default=None, help="expected arch of this GPU (e.g. sm_100a); refuse if it differs")
     p.add_argument("--quick", action="store_true", help="a subset of the grid (qlen 1/4, batch 1/16)")
     p.add_argument("--no-bench", action="store_true", help="stop after the correctness grid")
-    p.add_argument("--out", default="bench/results", help="folder for the bench JSON/PNG")
+    from ..bench import RESULTS_DIR
+
+    p.add_argument("--out", default=RESULTS_DIR, help="folder for the bench JSON/PNG")
     p.add_argument("--iters", type=int, default=50)
 
 

@@ -8,12 +8,11 @@ table; exit 1 if a geometry failed, 2 for flags naming nothing it can build.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from typing import Sequence
 
 from .. import warmup
-from .common import add_geometry_arguments, configs_from_args, format_table
+from .common import add_geometry_arguments, format_table, warm_geometry_flags
 
 HELP = "compile kernels for geometries into the cache (no GPU needed)"
 
@@ -42,13 +41,10 @@ def render(rows: Sequence[warmup.WarmupRow]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Handler of `msa-jit warmup`."""
-    try:
-        configs = configs_from_args(args)
-    except ValueError as e:
-        print(f"msa-jit warmup: {e}", file=sys.stderr)
-        return 2
     t0 = time.perf_counter()
-    rows = warmup.run_warmup(configs, jobs=args.jobs, cache_dir=args.cache_dir, quiet=args.quiet)
+    rows = warm_geometry_flags(args, "warmup")
+    if rows is None:
+        return 2
     print(render(rows))
     if args.json:
         warmup.write_json(args.json, rows, wall_seconds=round(time.perf_counter() - t0, 3))
