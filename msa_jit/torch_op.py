@@ -10,11 +10,11 @@ How the plan crosses the op boundary (why not a registry id):
 * A custom op's schema takes tensors, scalars, strings and lists of them, not a Python
   object, so the plan is unpacked: every tensor the op reads (`block_table`, `seq_lens`,
   `kv_lens`) or writes (`out`, `lse`, the plan's split-KV workspace) is an explicit argument,
-  and the plan's shape scalars are int arguments. The compiler then sees every data
-  dependency: a `prepare` (its in-place refresh of `kv_lens`) or an engine op that writes
-  `block_table` earlier in the same graph is ordered before the kernel, functionalization
-  knows what is written, and CUDA-graph capture (inductor's cudagraph trees) knows every
-  address the replay touches.
+  and the plan's shape scalars (`ctas_per_sm`, the occupancy build the planner chose, among
+  them) are int arguments. The compiler then sees every data dependency: a `prepare` (its
+  in-place refresh of `kv_lens`) or an engine op that writes `block_table` earlier in the
+  same graph is ordered before the kernel, functionalization knows what is written, and
+  CUDA-graph capture (inductor's cudagraph trees) knows every address the replay touches.
 * A registry int would hide those reads and writes (a compiled graph could reorder or drop
   them, and functionalization would not copy back what the kernel wrote), and dynamo would
   bake the id into the graph as a constant, so each plan would need its own graph. With
@@ -31,9 +31,10 @@ How the plan crosses the op boundary (why not a registry id):
   zero by the kernel itself before it returns).
 
 The real implementation rebuilds a lightweight `SparseDecodePlan` from these arguments and
-calls `msa_jit.op.sparse_decode` (validation + dispatch). Compiled kernels are cached per
-geometry in this module, so the rebuilt plans share them. The fake (meta) implementation
-returns None and allocates nothing.
+calls `msa_jit.op.sparse_decode` (validation + dispatch); its `config(q_dtype)` equals the
+original plan's. Compiled kernels are cached in this module per config (geometry, arch and
+occupancy), so the rebuilt plans share them. The fake (meta) implementation returns None and
+allocates nothing.
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ WORKSPACE_FIELDS: tuple[str, ...] = tuple(
     n for n in _tensor_fields(SparseDecodePlan) if n not in _INPUT_FIELDS + _NOT_PASSED
 )
 
-# (Hq, Hkv, page, topk_blocks, arch) -> {q dtype: compiled kernel}, shared by the rebuilt plans.
+# (Hq, Hkv, page, topk_blocks, arch, ctas_per_sm) -> {q dtype: compiled kernel}, shared by the rebuilt
+# plans: every SparseDecodeConfig field but the q dtype, so a plan gets the build its config names.
 _KERNELS: dict[tuple[Any, ...], dict[torch.dtype, Callable[..., Any]]] = {}
 
 
@@ -95,7 +97,8 @@ def _rebuild_plan(
     """A SparseDecodePlan around the op's arguments (no allocation)."""
     device = seq_lens.device
     arch = _arch_of(device)
-    kkey = (ints["num_q_heads"], ints["num_kv_heads"], ints["page_size"], ints["topk_blocks"], arch)
+    kkey = (ints["num_q_heads"], ints["num_kv_heads"], ints["page_size"], ints["topk_blocks"], arch,
+            ints["ctas_per_sm"])
     values: dict[str, Any] = dict(
         ints,
         head_dim=HEAD_DIM,
@@ -136,6 +139,7 @@ def _sparse_decode_custom(
     topk_blocks: int,
     qlen: int,
     num_splits: int,
+    ctas_per_sm: int,
     sm_scale: float,
     q_scale: float,
     k_scale: float,
@@ -146,7 +150,7 @@ def _sparse_decode_custom(
     plan = _rebuild_plan(
         block_table, seq_lens, kv_lens, lse, workspace,
         dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, page_size=page_size,
-             topk_blocks=topk_blocks, qlen=qlen, num_splits=num_splits),
+             topk_blocks=topk_blocks, qlen=qlen, num_splits=num_splits, ctas_per_sm=ctas_per_sm),
     )
     sparse_decode(
         query, kv_cache, topk, out, plan,
@@ -172,6 +176,7 @@ def _sparse_decode_fake(
     topk_blocks: int,
     qlen: int,
     num_splits: int,
+    ctas_per_sm: int,
     sm_scale: float,
     q_scale: float,
     k_scale: float,
@@ -203,7 +208,7 @@ def op_args(
         plan.block_table, plan.seq_lens, plan.kv_lens,
         [getattr(plan, n) for n in WORKSPACE_FIELDS],
         plan.num_q_heads, plan.num_kv_heads, plan.page_size, plan.topk_blocks, plan.qlen, plan.num_splits,
-        float(sm_scale), float(q_scale), float(k_scale), float(v_scale), backend,
+        plan.ctas_per_sm, float(sm_scale), float(q_scale), float(k_scale), float(v_scale), backend,
     )
 
 
