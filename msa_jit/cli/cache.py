@@ -10,7 +10,8 @@ import json
 import sys
 from typing import Any
 
-from .. import cache, env, warmup
+from .. import cache, env
+from ..geometry import Q_DTYPE_SHORT
 from .common import format_table, human_size, parse_size, when
 
 HELP = "list / inspect / verify / prune / clear the artifact cache"
@@ -47,7 +48,7 @@ def entry_row(entry: cache.CacheEntry) -> dict[str, Any]:
         last_used = None
     return {
         "key": entry.key, "geometry": geometry, "arch": cfg.get("arch", "?"), "ctas_per_sm": cfg.get("ctas_per_sm", "?"),
-        "q_dtype": warmup.Q_DTYPE_SHORT.get(cfg.get("q_dtype"), cfg.get("q_dtype", "?")),
+        "q_dtype": Q_DTYPE_SHORT.get(cfg.get("q_dtype"), cfg.get("q_dtype", "?")),
         "dsl_version": fp.get("cutlass_dsl", "?"), "kernel_family": fp.get("kernel_family", "?"),
         "size": entry.size_bytes, "created": meta.get("created"), "last_used": last_used,
         "readonly": entry.readonly, "path": str(entry.path),
