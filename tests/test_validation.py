@@ -475,3 +475,22 @@ def test_fast_prepare_check():
     a = _prepare_base()
     assert _prepare_tensors_ok(a["block_table"], a["seq_lens"], a["seq_lens_cpu"])
     assert _prepare_tensors_ok(a["block_table"], a["seq_lens"], None)
+
+
+
+def test_one_set_of_parameter_names():
+    """supports, prepare, the planner, the engine adapter and the CLI name the geometry alike."""
+    import inspect
+
+    from msa_jit import SparseDecodePlanner, engine, prepare
+    from msa_jit.cli import build_parser
+
+    geometry = {"num_q_heads", "num_kv_heads", "page_size", "topk_blocks"}
+    for fn in (supports, prepare, SparseDecodePlanner.prepare, engine.prepare_decode_metadata,
+               engine.supports_cutlass_sparse_decode, engine.should_prepare_decode_metadata):
+        assert geometry <= set(inspect.signature(fn).parameters), fn
+    for fn in (supports, prepare, SparseDecodePlanner.prepare, engine.should_prepare_decode_metadata):
+        assert "decode_query_len" in inspect.signature(fn).parameters, fn
+    args = build_parser().parse_args(["warmup", "--heads", "8/1", "--topk-blocks", "8", "--page-size", "64"])
+    assert (args.topk_blocks, args.page_size) == (8, 64)
+    assert build_parser().parse_args(["bench", "--decode-query-lens", "1,2"]).decode_query_lens == "1,2"
