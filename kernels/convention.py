@@ -122,7 +122,7 @@ def symbolic_dims(config: Any) -> dict[str, Any]:
         "T": cute.sym_int32(), "P": cute.sym_int32(), "B": cute.sym_int32(),
         "max_blocks": cute.sym_int32(), "rows": cute.sym_int32(),
         "Hq": config.num_q_heads, "Hkv": config.num_kv_heads, "G": config.group_size,
-        "D": d, "page": config.page_size, "K": config.topk, "one": 1,
+        "D": d, "page": config.page_size, "K": config.topk_blocks, "one": 1,
         # an NVFP4 slot row: d / 2 bytes of e2m1 codes + d / 16 e4m3 block scales (72 for d = 128)
         "slots": (2 if nvfp4 else 1) * config.num_kv_heads, "row": d // 2 + d // 16 if nvfp4 else 2 * d,
     }

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from .geometry import SparseDecodeConfig, SupportResult, supports
 from .op import sparse_decode
-from .planner import SparseDecodePlan, SparseDecodePlanner, prepare
+from .plan import SparseDecodePlan
+from .planner import SparseDecodePlanner, prepare
 from .reference import sparse_decode_reference
 
 

@@ -23,7 +23,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-GEOMETRIES = {"64/4": (64, 4), "32/2": (32, 2), "16/1": (16, 1), "8/1": (8, 1)}
+from .geometry import MINIMAX_M3_GEOMETRIES
+
+# "Hq/Hkv" -> (Hq, Hkv) of every MiniMax-M3 layout (what bench points and scripts are named by)
+GEOMETRIES = {f"{hq}/{hkv}": (hq, hkv) for hq, hkv in MINIMAX_M3_GEOMETRIES}
+# the grid of `msa-jit bench` and of the README's table
+GRID_GEOMETRIES = ("64/4", "16/1", "8/1")
+GRID_BATCHES = (1, 4, 16, 64, 256)
+GRID_QLENS = (1, 4)
+RESULTS_DIR = "bench/results"  # where `msa-jit bench` / `selftest` write (relative to the working dir)
 BLOCK_BYTES = 128 * 256  # one (page, KV head) chunk: 128 tokens x (K 128 B + V 128 B)
 
 
@@ -384,7 +392,7 @@ def environment() -> dict[str, str]:
     }
 
 
-def run_grid(geometries=("64/4", "16/1", "8/1"), batches=(1, 4, 16, 64, 256), qlens=(1, 4),
+def run_grid(geometries=GRID_GEOMETRIES, batches=GRID_BATCHES, qlens=GRID_QLENS,
              q_dtype="bfloat16", shared=True, iters: int = 50, log=print) -> dict[str, Any]:
     import torch
 
@@ -443,8 +451,8 @@ def plot(result: dict[str, Any], path: str | Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def readme_table(result: dict[str, Any], geometries=("64/4", "16/1", "8/1"), batches=(1, 4, 16, 64, 256),
-                 qlens=(1, 4)) -> str:
+def readme_table(result: dict[str, Any], geometries=GRID_GEOMETRIES, batches=GRID_BATCHES,
+                 qlens=GRID_QLENS) -> str:
     """The README's markdown table (µs and % of copy per point) of a result file."""
     points = {(p["geometry"], p["qlen"], p["batch"]): p for p in result["points"] if not p["shared_blocks"]}
     lines = ["| geometry | qlen | " + " | ".join(f"B={b}" for b in batches) + " |",

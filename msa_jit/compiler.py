@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping
 
 from . import cache as _cache
 from . import env
-from .geometry import SparseDecodeConfig
+from .geometry import Q_DTYPE_SHORT, SparseDecodeConfig
 from .loader import load_artifact
 
 log = logging.getLogger("msa_jit")
@@ -216,7 +216,7 @@ def compile_sparse_decode(config: SparseDecodeConfig, out_dir: str | os.PathLike
         num_q_heads=config.num_q_heads,
         num_kv_heads=config.num_kv_heads,
         page_size=config.page_size,
-        topk=config.topk,
+        topk=config.topk_blocks,
         q_dtype=config.q_dtype,
         kv_dtype=config.kv_dtype,
         **{**cls.occupancy_options(config.ctas_per_sm, config.q_dtype), **(kernel_options or {})},
@@ -256,9 +256,9 @@ def ensure_compiled(config: SparseDecodeConfig, cache: _cache.ArtifactCache | No
 
 def warmup_command(config: SparseDecodeConfig) -> str:
     """The `msa-jit warmup` line that builds exactly this config (used in error messages)."""
-    q = {"bfloat16": "bf16", "float8_e4m3fn": "fp8"}.get(config.q_dtype, config.q_dtype)
+    q = Q_DTYPE_SHORT.get(config.q_dtype, config.q_dtype)
     cmd = (f"msa-jit warmup --heads {config.num_q_heads}/{config.num_kv_heads} --q-dtype {q} "
-           f"--arch {config.arch} --page-size {config.page_size} --topk {config.topk}")
+           f"--arch {config.arch} --page-size {config.page_size} --topk-blocks {config.topk_blocks}")
     if dsl_version() == "unknown":
         cmd += (f"\n    (this host has no CuTe DSL package metadata: set {env.DSL_VERSION} to the "
                 "DSL version the cache was warmed with, e.g. 4.8.1)")

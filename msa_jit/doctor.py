@@ -1,21 +1,22 @@
-"""`msa-jit doctor`: what this host has and whether msa-jit can serve kernels on it.
+"""What this host has and whether msa-jit can serve kernels on it (`msa-jit doctor`'s library).
 
-Every probe catches its own errors and reports them, so the command never raises. It never
-imports the DSL compiler (`cutlass`) and never compiles: preset readiness is a cache lookup.
+`collect()` gathers the report as a JSON-able dict, `render(report)` words it. Every probe
+catches its own errors and reports them, so neither raises. It never imports the DSL
+compiler (`cutlass`) and never compiles: preset readiness is a cache lookup.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib.metadata as md
 import importlib.util
-import json
 import platform
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Callable
+
+from . import env
 
 SM100_POLICY = (
     "On compute capability 10.x (B200/GB200) the portable mma.sync kernel compiled for sm_100a is "
@@ -109,28 +110,26 @@ def probe_toolchain() -> dict[str, Any]:
 
 def probe_cache(cache_dir: str | None = None) -> dict[str, Any]:
     """Cache root, state (ok / fallback / ephemeral), entries and size."""
-    from . import env
-    from .cli import open_cache
+    from . import cache
 
-    c = open_cache(cache_dir)
+    c = cache.open_cache(cache_dir)
     state = "ephemeral (deleted at exit)" if c.ephemeral else ("fallback" if c.fallback_reason else "ok")
     return {"root": str(c.root), "state": state, "fallback_reason": c.fallback_reason,
             "readonly_roots": [str(r) for r in c.readonly_roots], "entries": len(c.entries()),
             "size_bytes": c.size_bytes(), "cap_bytes": _probe(env.cache_max_bytes)}
 
 
+# variable -> the msa_jit.env function that parses it (doctor shows its value or its error)
 _PARSERS = {
-    "MSA_JIT_CACHE_DIR": "cache_dir", "MSA_JIT_NO_COMPILE": "no_compile",
-    "MSA_JIT_CACHE_MAX_BYTES": "cache_max_bytes", "MSA_JIT_LOCK_TIMEOUT": "lock_timeout_s",
-    "MSA_JIT_ARCH": "target_arch", "MSA_JIT_ENABLE_SM100_UMMA": "enable_sm100_umma",
-    "MSA_JIT_LOG_LEVEL": "log_level", "MSA_JIT_DSL_VERSION": "dsl_version_override",
+    env.CACHE_DIR: "cache_dir", env.NO_COMPILE: "no_compile",
+    env.CACHE_MAX_BYTES: "cache_max_bytes", env.LOCK_TIMEOUT: "lock_timeout_s",
+    env.ARCH: "target_arch", env.ENABLE_SM100_UMMA: "enable_sm100_umma",
+    env.LOG_LEVEL: "log_level", env.DSL_VERSION: "dsl_version_override", env.DSL_RUNTIME: "dsl_runtime",
 }
 
 
 def probe_env() -> list[dict[str, Any]]:
     """Every MSA_JIT_* variable: raw value, parsed value (or the parse error), documentation."""
-    from . import env
-
     out = []
     for name, raw, doc in env.describe():
         row: dict[str, Any] = {"name": name, "value": raw, "doc": doc}
@@ -147,8 +146,7 @@ def probe_env() -> list[dict[str, Any]]:
 
 def target_arches(gpu: dict[str, Any]) -> list[str]:
     """MSA_JIT_ARCH, else the GPUs' archs, else sm_90a and sm_100a."""
-    from . import env
-    from .warmup import DEFAULT_ARCHES
+    from .geometry import DEFAULT_ARCHES
 
     try:
         forced = env.target_arch()
@@ -162,17 +160,14 @@ def target_arches(gpu: dict[str, Any]) -> list[str]:
 
 def probe_presets(arches: list[str], cache_dir: str | None = None) -> list[dict[str, Any]]:
     """Which MiniMax-M3 preset geometries are in the cache for each arch (lookup only)."""
-    from . import compiler
-    from .cli import open_cache
-    from .geometry import SparseDecodeConfig
-    from .warmup import PRESETS, Q_DTYPE_SHORT
+    from . import cache, compiler
+    from .geometry import MINIMAX_M3_GEOMETRIES, Q_DTYPE_SHORT, Q_DTYPES, SparseDecodeConfig
 
-    c = open_cache(cache_dir)
-    heads, dtypes = PRESETS["minimax-m3"]
+    c = cache.open_cache(cache_dir)
     rows = []
     for arch in arches:
-        for hq, hkv in heads:
-            for q in dtypes:
+        for hq, hkv in MINIMAX_M3_GEOMETRIES:
+            for q in Q_DTYPES:
                 for cfg in compiler.plannable_configs(SparseDecodeConfig(hq, hkv, q_dtype=q, arch=arch)):
                     row: dict[str, Any] = {"geometry": f"{hq}/{hkv}", "q_dtype": Q_DTYPE_SHORT[q], "arch": arch,
                                            "ctas_per_sm": cfg.ctas_per_sm}
@@ -188,7 +183,7 @@ def probe_presets(arches: list[str], cache_dir: str | None = None) -> list[dict[
 
 def probe_policy(arches: list[str]) -> dict[str, Any]:
     """Kernel family chosen for each target arch now, and the SM100 selection policy."""
-    from . import compiler, env
+    from . import compiler
     from .geometry import SparseDecodeConfig
 
     families = {a: compiler.kernel_family(SparseDecodeConfig(16, 1, arch=a)) for a in arches}
@@ -205,7 +200,9 @@ def collect(cache_dir: str | None = None) -> dict[str, Any]:
     gpu = _probe(probe_gpu)
     arches = _probe(lambda: target_arches(gpu if isinstance(gpu, dict) else {}))
     if not isinstance(arches, list):
-        arches = ["sm_90a", "sm_100a"]
+        from .geometry import DEFAULT_ARCHES
+
+        arches = list(DEFAULT_ARCHES)
     return {
         "gpu": gpu, "driver": _probe(probe_driver), "versions": _probe(probe_versions),
         "toolchain": _probe(probe_toolchain), "cache": _probe(lambda: probe_cache(cache_dir)),
@@ -293,17 +290,3 @@ def render(r: dict[str, Any]) -> str:
         for arch, fam in k["families"].items():
             add(f"  {arch}: {fam} kernel" + (" (portable mma.sync)" if fam == "portable" else ""))
     return "\n".join(out)
-
-
-def cmd_doctor(args: argparse.Namespace) -> int:
-    """CLI handler of `msa-jit doctor` (always exit 0 unless printing itself fails)."""
-    report = collect(getattr(args, "cache_dir", None))
-    if getattr(args, "json", False):
-        print(json.dumps(report, indent=1, default=str))
-    else:
-        try:
-            print(render(report))
-        except Exception as e:  # a bug in rendering must still show the data
-            print(f"(rendering failed: {type(e).__name__}: {e})")
-            print(json.dumps(report, indent=1, default=str))
-    return 0

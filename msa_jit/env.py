@@ -29,6 +29,8 @@ __all__ = [
     "ARCH",
     "ENABLE_SM100_UMMA",
     "LOG_LEVEL",
+    "DSL_VERSION",
+    "DSL_RUNTIME",
     "VARIABLES",
     "DEFAULT_CACHE_MAX_BYTES",
     "DEFAULT_LOCK_TIMEOUT_S",
@@ -40,7 +42,9 @@ __all__ = [
     "enable_sm100_umma",
     "log_level",
     "dsl_version_override",
+    "dsl_runtime",
     "parse_arch",
+    "parse_size",
     "describe",
 ]
 
@@ -52,6 +56,7 @@ ARCH = "MSA_JIT_ARCH"
 ENABLE_SM100_UMMA = "MSA_JIT_ENABLE_SM100_UMMA"
 LOG_LEVEL = "MSA_JIT_LOG_LEVEL"
 DSL_VERSION = "MSA_JIT_DSL_VERSION"
+DSL_RUNTIME = "MSA_JIT_DSL_RUNTIME"
 
 DEFAULT_CACHE_MAX_BYTES = 2 * 1024**3
 DEFAULT_LOCK_TIMEOUT_S = 600.0
@@ -68,7 +73,7 @@ VARIABLES: dict[str, str] = {
         "instead of compiling (warm the cache with `msa-jit warmup`)."
     ),
     CACHE_MAX_BYTES: (
-        "Size cap of the cache, default 2GiB. Bytes, or a number with a binary K/M/G/T suffix "
+        "Size cap of the cache, default 2GiB. Bytes, or a number with a binary K/M/G/T/P suffix "
         "(2G = 2 GiB). After a build that exceeds it, least-recently-used entries are pruned."
     ),
     LOCK_TIMEOUT: (
@@ -85,6 +90,10 @@ VARIABLES: dict[str, str] = {
         "CuTe DSL version to key artifacts with when the DSL's package metadata is absent "
         "(a runtime-only host that has just libcute_dsl_runtime.so, e.g. the GPU bundle). "
         "Set it to the version the cache was warmed with (msa-jit cache list shows it)."
+    ),
+    DSL_RUNTIME: (
+        "Path of libcute_dsl_runtime.so to load artifacts with. Default: found under "
+        "nvidia_cutlass_dsl/{cu13,cu12}/lib on sys.path (a pip install or the GPU bundle)."
     ),
 }
 
@@ -131,24 +140,36 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgtp]?)(i?b)?\s*$", re.IG
 _SIZE_MULT = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4, "p": 1024**5}
 
 
+def parse_size(text: str) -> int:
+    """'2147483648', '512M', '2G', '2GiB', '1.5k' -> bytes (binary suffixes K/M/G/T/P).
+
+    The one size syntax of msa-jit (MSA_JIT_CACHE_MAX_BYTES, `msa-jit cache prune
+    --max-bytes`); ValueError naming the text otherwise.
+    """
+    m = _SIZE_RE.match(text)
+    if m is None:
+        raise ValueError(
+            f"{text!r} is not a size (expected a non-negative number of "
+            "bytes, optionally with a K/M/G/T suffix, e.g. 2147483648 or 2G)"
+        )
+    number, unit, _ = m.groups()
+    if unit == "" and m.group(3) is not None and m.group(3).lower() == "ib":
+        raise ValueError(f"{text!r} is not a size ('iB' needs a K/M/G/T prefix)")
+    mult = _SIZE_MULT[unit.lower()]
+    if "." in number:
+        return int(float(number) * mult)
+    return int(number) * mult
+
+
 def cache_max_bytes() -> int:
     """``MSA_JIT_CACHE_MAX_BYTES`` in bytes (default 2 GiB). Suffixes are binary."""
     value = _raw(CACHE_MAX_BYTES)
     if value is None:
         return DEFAULT_CACHE_MAX_BYTES
-    m = _SIZE_RE.match(value)
-    if m is None:
-        raise ValueError(
-            f"{CACHE_MAX_BYTES}={value!r} is not a size (expected a non-negative number of "
-            "bytes, optionally with a K/M/G/T suffix, e.g. 2147483648 or 2G)"
-        )
-    number, unit, _ = m.groups()
-    if unit == "" and m.group(3) is not None and m.group(3).lower() == "ib":
-        raise ValueError(f"{CACHE_MAX_BYTES}={value!r} is not a size ('iB' needs a K/M/G/T prefix)")
-    mult = _SIZE_MULT[unit.lower()]
-    if "." in number:
-        return int(float(number) * mult)
-    return int(number) * mult
+    try:
+        return parse_size(value)
+    except ValueError as e:
+        raise ValueError(f"{CACHE_MAX_BYTES}={e}") from None
 
 
 def lock_timeout_s() -> float:
@@ -200,6 +221,14 @@ def dsl_version_override() -> str | None:
     """``MSA_JIT_DSL_VERSION`` stripped, or None when unset/empty."""
     value = _raw(DSL_VERSION)
     return value.strip() if value and value.strip() else None
+
+
+def dsl_runtime() -> Path | None:
+    """``MSA_JIT_DSL_RUNTIME`` as a path (not checked here: the loader says if it is no file), or None."""
+    value = os.environ.get(DSL_RUNTIME)
+    if value is None or value == "":
+        return None
+    return Path(value)
 
 
 def enable_sm100_umma() -> bool:

@@ -18,6 +18,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 HEAD_DIM = 128
 PAGE_SIZES = (64, 128)
+DEFAULT_PAGE_SIZE = 128
+DEFAULT_TOPK_BLOCKS = 16
 MIN_TOPK = 1
 MAX_TOPK = 32
 MAX_GROUP_SIZE = 16
@@ -26,7 +28,13 @@ MAX_QLEN = 32
 Q_DTYPES = ("bfloat16", "float8_e4m3fn")
 KV_DTYPES = ("float8_e4m3fn", "nvfp4")  # SparseDecodeConfig.kv_dtype: the cache format
 OUT_DTYPES = ("bfloat16",)
+# short names of the query dtypes (CLI flags, tables)
+Q_DTYPE_SHORT = {"bfloat16": "bf16", "float8_e4m3fn": "fp8"}
 DEFAULT_ARCH = "sm_90a"
+# what a warmup builds for when neither MSA_JIT_ARCH nor a local GPU says (H100/H200, B200/B300)
+DEFAULT_ARCHES = ("sm_90a", "sm_100a")
+# (Hq, Hkv) of every MiniMax-M3 attention layout: the warmup preset, the selftest and bench grids
+MINIMAX_M3_GEOMETRIES = ((64, 4), (32, 2), (16, 1), (8, 1))
 # CTAs per SM a kernel can be built for: 2 (the default) or 3 (for grids of one wave at 3 per SM;
 # the planner picks, see planner.choose_ctas_per_sm)
 CTAS_PER_SM = (2, 3)
@@ -86,8 +94,8 @@ class SparseDecodeConfig:
     num_q_heads: int
     num_kv_heads: int
     head_dim: int = HEAD_DIM
-    page_size: int = 128
-    topk: int = 16
+    page_size: int = DEFAULT_PAGE_SIZE
+    topk_blocks: int = DEFAULT_TOPK_BLOCKS
     q_dtype: str = "bfloat16"
     kv_dtype: str = "float8_e4m3fn"
     out_dtype: str = "bfloat16"
@@ -107,7 +115,7 @@ class SparseDecodeConfig:
         """Short human description (without the arch), e.g. for logs and cache-miss messages."""
         return (
             f"sparse_decode Hq={self.num_q_heads} Hkv={self.num_kv_heads} (G={self.group_size}) "
-            f"D={self.head_dim} page={self.page_size} topk={self.topk} q={self.q_dtype} "
+            f"D={self.head_dim} page={self.page_size} topk_blocks={self.topk_blocks} q={self.q_dtype} "
             f"kv={self.kv_dtype} out={self.out_dtype} ctas/SM={self.ctas_per_sm}"
         )
 
@@ -128,20 +136,20 @@ def geometry_problems(
     num_q_heads: Any,
     num_kv_heads: Any,
     page_size: Any,
-    topk: Any,
+    topk_blocks: Any,
     head_dim: Any = HEAD_DIM,
 ) -> list[tuple[str, str]]:
     """List of (field, reason) for every head/page/topk rule the kernel design violates.
 
-    Field names are the SparseDecodeConfig field names; callers with other argument names
-    (e.g. `topk_blocks`) map them.
+    Field names are the SparseDecodeConfig field names, which are also the parameter names
+    of `supports`, `prepare` and the engine adapter.
     """
     out: list[tuple[str, str]] = []
     for name, val in (
         ("num_q_heads", num_q_heads),
         ("num_kv_heads", num_kv_heads),
         ("page_size", page_size),
-        ("topk", topk),
+        ("topk_blocks", topk_blocks),
         ("head_dim", head_dim),
     ):
         if not _is_int(val):
@@ -152,8 +160,8 @@ def geometry_problems(
         out.append(("head_dim", f"head_dim must be {HEAD_DIM}, got {head_dim}"))
     if page_size not in PAGE_SIZES:
         out.append(("page_size", f"page_size must be one of {PAGE_SIZES}, got {page_size}"))
-    if not MIN_TOPK <= topk <= MAX_TOPK:
-        out.append(("topk", f"topk must be in {MIN_TOPK}..{MAX_TOPK}, got {topk}"))
+    if not MIN_TOPK <= topk_blocks <= MAX_TOPK:
+        out.append(("topk_blocks", f"topk_blocks must be in {MIN_TOPK}..{MAX_TOPK}, got {topk_blocks}"))
     if num_q_heads < 1:
         out.append(("num_q_heads", f"num_q_heads must be >= 1, got {num_q_heads}"))
     if num_kv_heads < 1:
@@ -181,7 +189,7 @@ def check_config(cfg: SparseDecodeConfig) -> str | None:
         num_q_heads=cfg.num_q_heads,
         num_kv_heads=cfg.num_kv_heads,
         page_size=cfg.page_size,
-        topk=cfg.topk,
+        topk_blocks=cfg.topk_blocks,
         head_dim=cfg.head_dim,
     )]
     if cfg.q_dtype not in Q_DTYPES:
@@ -214,17 +222,18 @@ def supports(
     num_q_heads: int,
     num_kv_heads: int,
     page_size: int,
-    topk: int,
+    topk_blocks: int,
     head_dim: int = HEAD_DIM,
     q_dtype: Any = "bfloat16",
     batch: int | None = None,
-    qlen: int | None = None,
+    decode_query_len: int | None = None,
     arch: str | None = None,
 ) -> SupportResult:
     """Whether the sparse decode kernel can serve this geometry (and step shape, if given).
 
-    `q_dtype` is a torch dtype or its name. `batch` / `qlen` (optional) check the step shape:
-    batch >= 1, 1 <= qlen <= MAX_QLEN. Never raises for bad values; it returns the reason.
+    Parameter names are `prepare`'s. `q_dtype` is a torch dtype or its name. `batch` /
+    `decode_query_len` (optional) check the step shape: batch >= 1, 1 <= decode_query_len <=
+    MAX_QLEN. Never raises for bad values; it returns the reason.
     """
     try:
         qname = dtype_name(q_dtype)
@@ -232,7 +241,7 @@ def supports(
         return SupportResult(False, f"q_dtype: {e}")
     problems = [r for _, r in geometry_problems(
         num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, page_size=page_size,
-        topk=topk, head_dim=head_dim,
+        topk_blocks=topk_blocks, head_dim=head_dim,
     )]
     if qname not in Q_DTYPES:
         problems.append(f"q_dtype must be one of {Q_DTYPES}, got {qname!r}")
@@ -240,8 +249,9 @@ def supports(
         problems.append(f"arch must look like 'sm_90a' / 'sm_100a', got {arch!r}")
     if batch is not None and (not _is_int(batch) or batch < 1):
         problems.append(f"batch must be an int >= 1, got {batch!r}")
-    if qlen is not None and (not _is_int(qlen) or not MIN_QLEN <= qlen <= MAX_QLEN):
-        problems.append(f"qlen must be an int in {MIN_QLEN}..{MAX_QLEN}, got {qlen!r}")
+    if decode_query_len is not None and (not _is_int(decode_query_len)
+                                         or not MIN_QLEN <= decode_query_len <= MAX_QLEN):
+        problems.append(f"decode_query_len must be an int in {MIN_QLEN}..{MAX_QLEN}, got {decode_query_len!r}")
     if problems:
         return SupportResult(False, "; ".join(problems))
     return SupportResult(True, "")

@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from . import env
+
 RUNTIME_LIB = "libcute_dsl_runtime.so"
 FUNCTION_NAME = "sparse_decode"
 
@@ -23,12 +25,11 @@ def find_runtime_library() -> Path:
 
     Order: $MSA_JIT_DSL_RUNTIME, then nvidia_cutlass_dsl/{cu13,cu12}/lib on sys.path.
     """
-    override = os.environ.get("MSA_JIT_DSL_RUNTIME")
-    if override:
-        p = Path(override)
-        if not p.is_file():
-            raise FileNotFoundError(f"MSA_JIT_DSL_RUNTIME={override!r} is not a file")
-        return p
+    override = env.dsl_runtime()
+    if override is not None:
+        if not override.is_file():
+            raise FileNotFoundError(f"{env.DSL_RUNTIME}={str(override)!r} is not a file")
+        return override
     for entry in sys.path:
         for flavor in ("cu13", "cu12"):
             p = Path(entry or ".") / "nvidia_cutlass_dsl" / flavor / "lib" / RUNTIME_LIB
@@ -36,7 +37,7 @@ def find_runtime_library() -> Path:
                 return p
     raise FileNotFoundError(
         f"{RUNTIME_LIB} not found on sys.path: install nvidia-cutlass-dsl-libs-cu13 (or the full "
-        "nvidia-cutlass-dsl), source the GPU bundle (.gpu-bundle/setup.sh), or set MSA_JIT_DSL_RUNTIME"
+        f"nvidia-cutlass-dsl), source the GPU bundle (.gpu-bundle/setup.sh), or set {env.DSL_RUNTIME}"
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import torch
 
-from .planner import SparseDecodePlan
+from .plan import SparseDecodePlan
 from .reference import sparse_decode_reference
 from .validation import check_kv_scale, check_scale, validate_sparse_decode
 

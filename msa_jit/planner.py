@@ -11,17 +11,15 @@ from __future__ import annotations
 
 import functools
 import threading
-from dataclasses import dataclass, field
-from typing import Any, Callable
 
 import torch
 
-from .geometry import CTAS_PER_SM, HEAD_DIM, SparseDecodeConfig, device_arch, dtype_name, torch_dtype
+from .geometry import CTAS_PER_SM, HEAD_DIM, device_arch
+from .plan import PlanKey, SparseDecodePlan
 from .validation import validate_prepare, validate_prepare_tensors, validate_seq_lens_cpu
 
 __all__ = [
     "DEFAULT_NUM_SMS",
-    "SparseDecodePlan",
     "SparseDecodePlanner",
     "choose_ctas_per_sm",
     "choose_num_splits",
@@ -34,31 +32,28 @@ DEFAULT_NUM_SMS = 132
 # Target number of CTA waves when the (token, KV head) grid alone does not fill the GPU.
 TARGET_WAVES = 2
 
-PlanKey = tuple[int, int, int, int, int, int, int, torch.device]
-
-
 def _plan_key(block_table: torch.Tensor, seq_lens: torch.Tensor, qlen: int, num_q_heads: int,
-              num_kv_heads: int, page_size: int, topk: int) -> PlanKey:
+              num_kv_heads: int, page_size: int, topk_blocks: int) -> PlanKey:
     """The planner cache key of a prepare() call (same order as SparseDecodePlan.key)."""
     return (seq_lens.shape[0], qlen, block_table.stride(0), num_q_heads, num_kv_heads,
-            page_size, topk, seq_lens.device)
+            page_size, topk_blocks, seq_lens.device)
 
 
-def choose_num_splits(num_rows_heads: int, topk: int, num_sms: int) -> int:
-    """Split-KV factor in [1, topk] for a grid of `num_rows_heads` = T*Hkv CTAs per split.
+def choose_num_splits(num_rows_heads: int, topk_blocks: int, num_sms: int) -> int:
+    """Split-KV factor in [1, topk_blocks] for a grid of `num_rows_heads` = T*Hkv CTAs per split.
 
     1 when T*Hkv already fills the GPU (>= num_sms); otherwise the smallest factor giving
-    about TARGET_WAVES waves (T*Hkv*splits >= 2*num_sms), capped at topk, then normalized so
-    every split gets ceil(topk/splits) slots and none is empty for a full row.
+    about TARGET_WAVES waves (T*Hkv*splits >= 2*num_sms), capped at topk_blocks, then
+    normalized so every split gets ceil(topk_blocks/splits) slots and none is empty for a full row.
     """
-    topk = max(1, int(topk))
+    topk_blocks = max(1, int(topk_blocks))
     num_rows_heads = max(1, int(num_rows_heads))
     num_sms = max(1, int(num_sms))
     if num_rows_heads >= num_sms:
         return 1
-    splits = min(topk, -(-TARGET_WAVES * num_sms // num_rows_heads))
-    per_split = -(-topk // splits)
-    return max(1, -(-topk // per_split))
+    splits = min(topk_blocks, -(-TARGET_WAVES * num_sms // num_rows_heads))
+    per_split = -(-topk_blocks // splits)
+    return max(1, -(-topk_blocks // per_split))
 
 
 def choose_ctas_per_sm(grid_ctas: int, num_sms: int, supported: tuple[int, ...] = (2,)) -> int:
@@ -84,114 +79,6 @@ def _device_num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return _cuda_num_sms(device.index if device.index is not None else torch.cuda.current_device())
     return DEFAULT_NUM_SMS
-
-
-@dataclass(eq=False)
-class SparseDecodePlan:
-    """Cached state of one step shape. Tensors are allocated once and refreshed in place.
-
-    kv_lens, qo_offset: [T] int32, T = batch * qlen (refreshed every `prepare`).
-    partial_o: [T*Hkv*num_splits, G, head_dim] fp32, partial_lse: [T*Hkv*num_splits, G] fp32
-    (split-KV workspace), lse_scratch: [T, Hq] fp32 (used when the caller wants no lse).
-    block_table / seq_lens: the tensors of the latest `prepare`.
-    """
-
-    num_q_heads: int
-    num_kv_heads: int
-    page_size: int
-    topk: int
-    head_dim: int
-    batch: int
-    qlen: int
-    block_table_stride: int
-    device: torch.device
-    num_splits: int
-    kv_lens: torch.Tensor
-    qo_offset: torch.Tensor
-    partial_o: torch.Tensor
-    partial_lse: torch.Tensor
-    lse_scratch: torch.Tensor
-    unit_scale: torch.Tensor
-    block_table: torch.Tensor
-    seq_lens: torch.Tensor
-    arch: str | None = None
-    ctas_per_sm: int = 2  # occupancy of the kernel serving this plan (choose_ctas_per_sm)
-    # (query dtype, kv dtype) -> compiled kernel
-    kernels: dict[tuple[torch.dtype, str], Callable[..., Any]] = field(default_factory=dict)
-    # refresh(seq_lens): the per-step prologue launch bound to this plan's tensors (planner sets it)
-    refresh: Callable[[torch.Tensor], None] | None = None
-    # kv_lens, lse_scratch, partial_o, partial_lse as TVM-FFI tensors (kernel_tensors())
-    _ffi_tensors: tuple[Any, ...] | None = field(default=None, repr=False)
-    num_tokens: int = field(init=False)
-    group_size: int = field(init=False)
-    is_cuda: bool = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.num_tokens = self.batch * self.qlen
-        self.group_size = self.num_q_heads // self.num_kv_heads
-        self.is_cuda = self.device.type == "cuda"
-
-    @property
-    def key(self) -> PlanKey:
-        """The planner cache key of this plan."""
-        return (self.batch, self.qlen, self.block_table_stride, self.num_q_heads,
-                self.num_kv_heads, self.page_size, self.topk, self.device)
-
-    def config(self, q_dtype: Any, kv_dtype: str = "float8_e4m3fn") -> SparseDecodeConfig:
-        """SparseDecodeConfig of the kernel serving this plan for a query dtype (torch dtype or name)
-        and a cache format ("float8_e4m3fn" or "nvfp4")."""
-        if self.arch is None:
-            raise RuntimeError(
-                f"plan on {self.device} has no target arch: build it on a CUDA device or create "
-                "the planner with SparseDecodePlanner(arch='sm_90a')"
-            )
-        return SparseDecodeConfig(
-            num_q_heads=self.num_q_heads,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            page_size=self.page_size,
-            topk=self.topk,
-            q_dtype=dtype_name(q_dtype),
-            kv_dtype=kv_dtype,
-            arch=self.arch,
-            ctas_per_sm=self.ctas_per_sm,
-        )
-
-    def kernel_tensors(self) -> tuple[Any, ...]:
-        """The plan-owned kernel arguments (kernels/convention.py PLAN_TENSORS: kv_lens, lse_scratch,
-        partial_o, partial_lse) in the form the kernel call takes best.
-
-        The plan owns them for its whole life, so they are wrapped as TVM-FFI tensors once
-        (a torch tensor argument costs a DLPack exchange on every call); torch tensors when
-        tvm_ffi is not importable.
-        """
-        if self._ffi_tensors is None:
-            from .compiler import convention
-
-            ts = tuple(getattr(self, name) for name in convention().PLAN_TENSORS)
-            try:
-                import tvm_ffi
-
-                self._ffi_tensors = tuple(tvm_ffi.from_dlpack(t) for t in ts)
-            except ImportError:  # pragma: no cover - the kernel path needs tvm_ffi anyway
-                self._ffi_tensors = ts
-        return self._ffi_tensors
-
-    def resolve_kernel(self, q_dtype: Any, kv_dtype: str = "float8_e4m3fn") -> Callable[..., Any]:
-        """Compiled kernel for this plan's geometry, `q_dtype` and cache format (cached in `self.kernels`).
-
-        Calls `msa_jit.compiler.get_sparse_decode_kernel(config)` on the first use; the result
-        takes the arguments of kernels/convention.py in order.
-        """
-        dt = torch_dtype(q_dtype)
-        fn = self.kernels.get((dt, kv_dtype))
-        if fn is None:
-            cfg = self.config(dt, kv_dtype).validate()
-            from .compiler import get_sparse_decode_kernel
-
-            fn = get_sparse_decode_kernel(cfg)
-            self.kernels[(dt, kv_dtype)] = fn
-        return fn
 
 
 class SparseDecodePlanner:
@@ -270,11 +157,11 @@ class SparseDecodePlanner:
         return plan
 
     def _build(self, key: PlanKey, block_table: torch.Tensor, seq_lens: torch.Tensor) -> SparseDecodePlan:
-        batch, qlen, stride, hq, hkv, page, topk, device = key
+        batch, qlen, stride, hq, hkv, page, topk_blocks, device = key
         T = batch * qlen
         G = hq // hkv
         num_sms = self.num_sms if self.num_sms is not None else _device_num_sms(device)
-        splits = choose_num_splits(T * hkv, topk, num_sms)
+        splits = choose_num_splits(T * hkv, topk_blocks, num_sms)
         arch = device_arch(device) if device.type == "cuda" else self.arch
         from .compiler import supported_ctas_per_sm
 
@@ -289,7 +176,7 @@ class SparseDecodePlanner:
             num_q_heads=hq,
             num_kv_heads=hkv,
             page_size=page,
-            topk=topk,
+            topk_blocks=topk_blocks,
             head_dim=HEAD_DIM,
             batch=batch,
             qlen=qlen,

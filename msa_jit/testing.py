@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
+from .geometry import HEAD_DIM
 from .nvfp4 import NVFP4_V_SCALE_TILE, quantize_kv_nvfp4
 
 FP8 = torch.float8_e4m3fn
-HEAD_DIM = 128
 KV_DTYPES = ("fp8", "nvfp4")
 
 
@@ -169,7 +169,7 @@ def make_case(
     transposed_topk: bool = False,
     adversarial: bool = False,
     page_size: int = 128,
-    topk: int = 16,
+    topk_blocks: int = 16,
     padded: bool = False,
     kv_dtype: str = "fp8",
 ) -> Case:
@@ -192,7 +192,7 @@ def make_case(
         raise ValueError(f"page_size: an NVFP4 cache needs a multiple of {NVFP4_V_SCALE_TILE}, got {page_size}")
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
-    page, K = page_size, topk
+    page, K = page_size, topk_blocks
     T = batch * qlen
     hkv = num_kv_heads
     if ctx_lens is None:

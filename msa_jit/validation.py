@@ -8,7 +8,6 @@ came. Checks only read tensor metadata: no device->host sync, no allocation.
 from __future__ import annotations
 
 import math
-import re
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -16,7 +15,7 @@ import torch
 from .geometry import MAX_QLEN, MIN_QLEN, geometry_problems
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .planner import SparseDecodePlan
+    from .plan import SparseDecodePlan
 
 __all__ = [
     "BACKENDS",
@@ -38,8 +37,6 @@ Q_TORCH_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 KV_TORCH_DTYPES = (torch.float8_e4m3fn, torch.uint8)
 FP8_KV = "float8_e4m3fn"  # SparseDecodeConfig.kv_dtype of the fp8 cache [P, Hkv, page, 256]
 NVFP4_KV = "nvfp4"  # ... and of the NVFP4 cache, uint8 [P, 2*Hkv, page, 72] (msa_jit.nvfp4)
-# name used for SparseDecodeConfig fields in prepare()'s signature
-_PREPARE_NAMES = {"topk": "topk_blocks"}
 
 
 def _fmt_shape(x: torch.Tensor) -> str:
@@ -174,13 +171,10 @@ def validate_geometry(
                       ("page_size", page_size), ("topk_blocks", topk_blocks)):
         check_int(name, val)
     problems = geometry_problems(
-        num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, page_size=page_size, topk=topk_blocks
+        num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, page_size=page_size, topk_blocks=topk_blocks
     )
     if problems:
-        field, reason = problems[0]
-        name = _PREPARE_NAMES.get(field, field)
-        if name != field:
-            reason = re.sub(rf"\b{field}\b", name, reason)
+        name, reason = problems[0]
         raise ValueError(f"{name}: unsupported geometry: {reason}")
 
 
@@ -294,7 +288,7 @@ def validate_sparse_decode(
     Returns (the resolved backend: "kernel" or "reference", "auto" being kernel on CUDA; the
     cache format: FP8_KV or NVFP4_KV, told apart by kv_cache's shape).
     """
-    from .planner import SparseDecodePlan
+    from .plan import SparseDecodePlan
 
     if type(plan) is SparseDecodePlan and plan.is_cuda and (backend == "auto" or backend == "kernel"):
         fmt = kernel_call_ok(query, kv_cache, topk, out, plan, lse)
@@ -311,7 +305,7 @@ def validate_sparse_decode(
         raise TypeError(f"plan: expected a SparseDecodePlan (from prepare()), got {type(plan).__name__}")
     check_backend(backend)
 
-    T, hq, hkv, K = plan.num_tokens, plan.num_q_heads, plan.num_kv_heads, plan.topk
+    T, hq, hkv, K = plan.num_tokens, plan.num_q_heads, plan.num_kv_heads, plan.topk_blocks
     dev = plan.device
 
     check_dtype("query", query, Q_TORCH_DTYPES)
@@ -385,8 +379,8 @@ def kernel_call_ok(query: Any, kv_cache: Any, topk: Any, out: Any, plan: "Sparse
         fmt = NVFP4_KV
     else:
         return ""
-    if (topk.dtype != torch.int32 or topk.shape != (T, hkv, plan.topk) or topk.device != dev
-            or (plan.topk > 1 and topk.stride(2) != 1)):
+    if (topk.dtype != torch.int32 or topk.shape != (T, hkv, plan.topk_blocks) or topk.device != dev
+            or (plan.topk_blocks > 1 and topk.stride(2) != 1)):
         return ""
     if (out.dtype != torch.bfloat16 or out.shape != (T, hq, d) or not out.is_contiguous() or out.device != dev
             or out.data_ptr() % 16):

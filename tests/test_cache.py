@@ -22,6 +22,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from msa_jit import cache, env
+from msa_jit.cache import entry as cache_entry
+from msa_jit.cache import location as cache_location
 from msa_jit.cache import (
     ArtifactCache,
     ArtifactMissingError,
@@ -328,8 +330,8 @@ def test_verified_once_per_process(tmp_path, monkeypatch):
     entry, _ = get(c, {"g": "memo"})
     c2 = ArtifactCache(tmp_path / "c")
     calls = []
-    real = cache._sha256_file
-    monkeypatch.setattr(cache, "_sha256_file", lambda p: calls.append(p) or real(p))
+    real = cache_entry.sha256_file
+    monkeypatch.setattr(cache_entry, "sha256_file", lambda p: calls.append(p) or real(p))
     for _ in range(3):
         assert c2.lookup(entry.key) is not None
     assert len(calls) == 1
@@ -558,7 +560,7 @@ def test_prune_keeps_most_recently_used(tmp_path):
         os.utime(e.path / "meta.json", (1000 + i, 1000 + i))
     for e in (es[0], es[1]):  # used now: most recent
         assert c.lookup(e.key) is not None
-    size = {e.key: cache._tree_size(e.path) for e in es}
+    size = {e.key: cache_entry.tree_size(e.path) for e in es}
     cap = size[es[4].key] + size[es[0].key] + size[es[1].key]
     removed = c.prune(cap)
     assert set(removed) == {es[2].path, es[3].path}
@@ -656,19 +658,19 @@ def test_foreign_or_open_user_temp_dir_rejected(tmp_path):
     d = cache.user_temp_root()
     d.mkdir(mode=0o777)
     os.chmod(d, 0o777)
-    assert "world-writable" in cache._check_private_dir(d)
+    assert "world-writable" in cache_location.check_private_dir(d)
     os.rmdir(d)
     os.symlink(tmp_path, d)
-    assert "symlink" in cache._check_private_dir(d)
+    assert "symlink" in cache_location.check_private_dir(d)
 
 
 def test_readonly_prewarmed_root_still_used(tmp_path, monkeypatch):
     ro = tmp_path / "prewarmed"
     config = {"g": "ro"}
     warm, _ = get(ArtifactCache(ro), config)
-    real_probe = cache._probe_writable
+    real_probe = cache_location.probe_writable
     monkeypatch.setattr(
-        cache, "_probe_writable",
+        cache_location, "probe_writable",
         lambda root: "OSError EROFS: Read-only file system (simulated)" if Path(root) == ro else real_probe(root),
     )
     monkeypatch.setenv("MSA_JIT_NO_COMPILE", "1")
@@ -777,7 +779,7 @@ def test_env_read_live_and_describe(monkeypatch):
     names = [n for n, _v, _d in table]
     assert names == ["MSA_JIT_CACHE_DIR", "MSA_JIT_NO_COMPILE", "MSA_JIT_CACHE_MAX_BYTES", "MSA_JIT_LOCK_TIMEOUT",
                      "MSA_JIT_ARCH", "MSA_JIT_ENABLE_SM100_UMMA", "MSA_JIT_LOG_LEVEL",
-                     "MSA_JIT_DSL_VERSION"]
+                     "MSA_JIT_DSL_VERSION", "MSA_JIT_DSL_RUNTIME"]
     values = {n: v for n, v, _d in table}
     assert values["MSA_JIT_ARCH"] == "garbage!" and values["MSA_JIT_CACHE_DIR"] is None
     assert all(isinstance(d, str) and d for _n, _v, d in table)
@@ -785,6 +787,37 @@ def test_env_read_live_and_describe(monkeypatch):
     policy = (Path(__file__).resolve().parents[1] / "cache_dir_policy.md").read_text()
     assert all(n in policy for n in names)
 
+
+
+def test_one_size_syntax_for_env_and_cli(monkeypatch):
+    """MSA_JIT_CACHE_MAX_BYTES and `cache prune --max-bytes` parse sizes with the same rules."""
+    import argparse
+
+    from msa_jit.cli.common import parse_size
+
+    for text, n in (("1P", 1 << 50), ("2GiB", 2 << 30), (".5k", 512), ("7", 7)):
+        monkeypatch.setenv("MSA_JIT_CACHE_MAX_BYTES", text)
+        assert env.parse_size(text) == parse_size(text) == env.cache_max_bytes() == n
+    for bad in ("5iB", "lots", "-1"):
+        monkeypatch.setenv("MSA_JIT_CACHE_MAX_BYTES", bad)
+        with pytest.raises(ValueError, match="MSA_JIT_CACHE_MAX_BYTES"):
+            env.cache_max_bytes()
+        with pytest.raises(argparse.ArgumentTypeError, match="not a size"):
+            parse_size(bad)
+
+
+def test_dsl_runtime_is_read_through_env(monkeypatch, tmp_path):
+    from msa_jit import loader
+
+    lib = tmp_path / "libcute_dsl_runtime.so"
+    lib.write_bytes(b"")
+    monkeypatch.setenv("MSA_JIT_DSL_RUNTIME", str(lib))
+    assert env.dsl_runtime() == lib and loader.find_runtime_library() == lib
+    monkeypatch.setenv("MSA_JIT_DSL_RUNTIME", str(tmp_path / "absent.so"))
+    with pytest.raises(FileNotFoundError, match="MSA_JIT_DSL_RUNTIME"):
+        loader.find_runtime_library()
+    monkeypatch.setenv("MSA_JIT_DSL_RUNTIME", "")
+    assert env.dsl_runtime() is None
 
 def test_cache_entry_is_hashable(tmp_path):
     c = ArtifactCache(tmp_path / "c")

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from msa_jit import cache, cli, env, warmup
+from msa_jit.cli import common
 from msa_jit.geometry import SparseDecodeConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,44 +95,44 @@ def test_warmup_again_is_cached_and_quiet(warm, tmp_path):
 
 
 def ns(**kw) -> argparse.Namespace:
-    base = dict(preset=None, heads=None, q_dtype=None, arch=None, page_size=128, topk=16)
+    base = dict(preset=None, heads=None, q_dtype=None, arch=None, page_size=128, topk_blocks=16)
     base.update(kw)
     return argparse.Namespace(**base)
 
 
 def test_geometry_flags(monkeypatch):
-    assert warmup.parse_heads(" 64/4") == (64, 4)
-    assert [warmup.parse_q_dtype(x) for x in ("bf16", "FP8", "bfloat16")] == ["bfloat16", "float8_e4m3fn", "bfloat16"]
-    assert [warmup.normalize_arch(a) for a in ("sm_100a", "sm90a", "100a", "10.0a")] == [
+    assert common.parse_heads(" 64/4") == (64, 4)
+    assert [common.parse_q_dtype(x) for x in ("bf16", "FP8", "bfloat16")] == ["bfloat16", "float8_e4m3fn", "bfloat16"]
+    assert [common.normalize_arch(a) for a in ("sm_100a", "sm90a", "100a", "10.0a")] == [
         "sm_100a", "sm_90a", "sm_100a", "sm_100a"]
-    for bad in (lambda: warmup.parse_heads("64:4"), lambda: warmup.parse_q_dtype("fp16"),
-                lambda: warmup.normalize_arch("hopper")):
+    for bad in (lambda: common.parse_heads("64:4"), lambda: common.parse_q_dtype("fp16"),
+                lambda: common.normalize_arch("hopper")):
         with pytest.raises(ValueError):
             bad()
-    cfgs = warmup.configs_from_args(ns(heads=["64/4,16/1"], q_dtype=["bf16,fp8"], arch=["sm_90a,sm_100a"], topk=8))
+    cfgs = common.configs_from_args(ns(heads=["64/4,16/1"], q_dtype=["bf16,fp8"], arch=["sm_90a,sm_100a"], topk_blocks=8))
     # x 2 occupancies (2 and 3 CTAs per SM: the planner picks per step shape)
-    assert len(cfgs) == 16 and all(c.topk == 8 for c in cfgs)
+    assert len(cfgs) == 16 and all(c.topk_blocks == 8 for c in cfgs)
     assert {c.ctas_per_sm for c in cfgs} == {2, 3}
-    assert SparseDecodeConfig(16, 1, topk=8, q_dtype="float8_e4m3fn", arch="sm_100a", ctas_per_sm=3) in cfgs
+    assert SparseDecodeConfig(16, 1, topk_blocks=8, q_dtype="float8_e4m3fn", arch="sm_100a", ctas_per_sm=3) in cfgs
     # --preset minimax-m3: 4 head layouts x bf16,fp8 x archs; explicit flags replace the preset's
-    assert len(warmup.configs_from_args(ns(preset="minimax-m3", arch=["sm_100a"]))) == 16
-    only = warmup.configs_from_args(ns(preset="minimax-m3", arch=["sm_90a"], q_dtype=["fp8"]))
+    assert len(common.configs_from_args(ns(preset="minimax-m3", arch=["sm_100a"]))) == 16
+    only = common.configs_from_args(ns(preset="minimax-m3", arch=["sm_90a"], q_dtype=["fp8"]))
     assert len(only) == 8 and {c.q_dtype for c in only} == {"float8_e4m3fn"}
     with pytest.raises(ValueError, match="--heads"):
-        warmup.configs_from_args(ns())
+        common.configs_from_args(ns())
     with pytest.raises(ValueError, match="multiple"):
-        warmup.configs_from_args(ns(heads=["64/3"], arch=["sm_90a"]))
+        common.configs_from_args(ns(heads=["64/3"], arch=["sm_90a"]))
 
 
 def test_default_arch(monkeypatch):
     monkeypatch.setattr(warmup, "local_gpu_arch", lambda: None)
     assert warmup.default_arches() == ["sm_90a", "sm_100a"]
-    assert {c.arch for c in warmup.configs_from_args(ns(heads=["8/1"], q_dtype=["bf16"]))} == {"sm_90a", "sm_100a"}
+    assert {c.arch for c in common.configs_from_args(ns(heads=["8/1"], q_dtype=["bf16"]))} == {"sm_90a", "sm_100a"}
     monkeypatch.setattr(warmup, "local_gpu_arch", lambda: "sm_100a")
     assert warmup.default_arches() == ["sm_100a"]
     monkeypatch.setenv("MSA_JIT_ARCH", "9.0a")
     assert warmup.default_arches() == ["sm_90a"]
-    assert [c.arch for c in warmup.configs_from_args(ns(heads=["8/1"], arch=["sm_100a"]))] == ["sm_100a"] * 4
+    assert [c.arch for c in common.configs_from_args(ns(heads=["8/1"], arch=["sm_100a"]))] == ["sm_100a"] * 4
 
 
 def test_warmup_bad_geometry_exits_2():
@@ -245,10 +246,10 @@ def test_cache_verify_prune_clear(warm, tmp_path):
 
 
 def test_parse_size():
-    assert [cli.parse_size(s) for s in ("0", "1024", "512M", "2G", "2GiB", "1.5k")] == [
+    assert [common.parse_size(s) for s in ("0", "1024", "512M", "2G", "2GiB", "1.5k")] == [
         0, 1024, 512 << 20, 2 << 30, 2 << 30, 1536]
     with pytest.raises(argparse.ArgumentTypeError):
-        cli.parse_size("lots")
+        common.parse_size("lots")
 
 
 # ----------------------------------------------------------------------------- doctor

@@ -233,7 +233,7 @@ def test_no_compile_empty_cache_names_warmup_command(tmp_path, monkeypatch):
     assert cache.stats()["builds"] == 0
     # the printed command is a valid `msa-jit warmup` line naming exactly this geometry
     from msa_jit.cli import build_parser
-    from msa_jit.warmup import configs_from_args
+    from msa_jit.cli.common import configs_from_args
 
     args = build_parser().parse_args(shlex.split(hint.splitlines()[0])[1:])
     assert cfg in configs_from_args(args)  # with the geometry's other occupancy (warmup builds both)

@@ -19,12 +19,12 @@ import pytest
 import torch
 
 from helpers import make_case
+from msa_jit.geometry import MINIMAX_M3_GEOMETRIES as GEOMETRIES
 from msa_jit.geometry import CTAS_PER_SM  # every occupancy is pinned in turn, so both builds run at every shape
 from msa_jit.testing import compare_with_reference
 
 pytestmark = pytest.mark.gpu
 
-GEOMETRIES = [(64, 4), (32, 2), (16, 1), (8, 1)]
 QLENS = [1, 2, 4, 8, 32]
 Q_DTYPES = [torch.bfloat16, torch.float8_e4m3fn]
 BATCHES = [1, 3, 16, 64]
@@ -213,12 +213,12 @@ def test_artifacts_load_without_the_compiler():
         os.environ["MSA_JIT_NO_COMPILE"] = "1"
         import msa_jit
         from msa_jit import compiler, loader
-        from msa_jit.geometry import SparseDecodeConfig, device_arch
+        from msa_jit.geometry import KV_DTYPES, MINIMAX_M3_GEOMETRIES, Q_DTYPES, SparseDecodeConfig, device_arch
         arch = device_arch(0)
         rows = []
-        for hq, hkv in [(64, 4), (32, 2), (16, 1), (8, 1)]:
-            for qd in ("bfloat16", "float8_e4m3fn"):
-                for kv in ("float8_e4m3fn", "nvfp4"):
+        for hq, hkv in MINIMAX_M3_GEOMETRIES:
+            for qd in Q_DTYPES:
+                for kv in KV_DTYPES:
                     base = SparseDecodeConfig(num_q_heads=hq, num_kv_heads=hkv, q_dtype=qd, kv_dtype=kv, arch=arch)
                     for cfg in compiler.plannable_configs(base):
                         entry, built = compiler.ensure_compiled(cfg)

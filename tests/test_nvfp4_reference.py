@@ -73,7 +73,7 @@ CASES = [
 def test_nvfp4_reference_matches_the_literal_loop(geom, q_dtype):
     batch, qlen, hq, hkv, page, topk, ctx = geom
     c = make_case(batch, qlen, hq, hkv, q_dtype=q_dtype, seed=CASES.index(geom), ctx_lens=ctx,
-                  page_size=page, topk=topk, kv_dtype="nvfp4")
+                  page_size=page, topk_blocks=topk, kv_dtype="nvfp4")
     out, lse = sparse_decode_reference(*c.reference_args(), **c.scales())
     exp_out, exp_lse = literal_loop_reference(c)
     np.testing.assert_allclose(out.numpy(), exp_out, rtol=1e-12, atol=1e-12)
@@ -86,7 +86,7 @@ def test_nvfp4_reference_matches_the_literal_loop(geom, q_dtype):
                          ids=["plain", "adversarial", "transposed"])
 def test_nvfp4_reference_equals_the_reference_on_the_dequantized_float_cache(kw):
     kw = dict(qlen=2) | kw
-    c = make_case(4, kw.pop("qlen"), 8, 2, q_dtype=torch.bfloat16, seed=21, page_size=32, topk=5,
+    c = make_case(4, kw.pop("qlen"), 8, 2, q_dtype=torch.bfloat16, seed=21, page_size=32, topk_blocks=5,
                   kv_dtype="nvfp4", **kw)
     a = sparse_decode_reference(*c.reference_args(), **c.scales())
     args = list(c.reference_args())
@@ -97,7 +97,7 @@ def test_nvfp4_reference_equals_the_reference_on_the_dequantized_float_cache(kw)
 
 
 def test_reference_takes_global_scales_as_floats_or_one_element_tensors():
-    c = make_case(2, 2, 4, 1, q_dtype=FP8, seed=3, ctx_lens=[40, 200], page_size=32, topk=4, kv_dtype="nvfp4")
+    c = make_case(2, 2, 4, 1, q_dtype=FP8, seed=3, ctx_lens=[40, 200], page_size=32, topk_blocks=4, kv_dtype="nvfp4")
     a = sparse_decode_reference(*c.reference_args(), **c.scales())
     b = sparse_decode_reference(*c.reference_args(), **c.scales(scale_tensors=True))
     s = c.scales()
@@ -110,7 +110,7 @@ def test_reference_takes_global_scales_as_floats_or_one_element_tensors():
 
 
 def test_reference_on_a_float_cache_equals_the_fp8_cache_it_holds():
-    c = make_case(2, 2, 4, 2, q_dtype=torch.bfloat16, seed=9, ctx_lens=[100, 300], page_size=64, topk=4)
+    c = make_case(2, 2, 4, 2, q_dtype=torch.bfloat16, seed=9, ctx_lens=[100, 300], page_size=64, topk_blocks=4)
     a = sparse_decode_reference(*c.reference_args(), **c.scales())
     args = list(c.reference_args())
     for dt in (torch.float64, torch.float32, torch.bfloat16):     # fp8 values are exact in each
@@ -120,7 +120,7 @@ def test_reference_on_a_float_cache_equals_the_fp8_cache_it_holds():
 
 
 def test_reference_rejects_bad_nvfp4_inputs():
-    c = make_case(1, 1, 2, 1, q_dtype=torch.bfloat16, seed=5, ctx_lens=[20], page_size=16, topk=2, kv_dtype="nvfp4")
+    c = make_case(1, 1, 2, 1, q_dtype=torch.bfloat16, seed=5, ctx_lens=[20], page_size=16, topk_blocks=2, kv_dtype="nvfp4")
     with pytest.raises(ValueError, match="inconsistent shapes"):
         sparse_decode_reference(c.query[..., :64], *c.reference_args()[1:], **c.scales())
     with pytest.raises(ValueError, match="inconsistent shapes"):        # 2*Hkv slots, Hkv = 1
@@ -138,7 +138,7 @@ def test_reference_rejects_bad_nvfp4_inputs():
 # ---------------------------------------------------------------- msa_jit.testing
 
 def test_make_case_nvfp4_builds_the_cache_with_the_writer():
-    c = make_case(3, 2, 8, 2, q_dtype=torch.bfloat16, seed=4, page_size=32, topk=4, kv_dtype="nvfp4")
+    c = make_case(3, 2, 8, 2, q_dtype=torch.bfloat16, seed=4, page_size=32, topk_blocks=4, kv_dtype="nvfp4")
     P = c.kv_cache.shape[0]
     assert c.kv_dtype == "nvfp4" and c.kv_cache.dtype == torch.uint8 and c.kv_cache.is_contiguous()
     assert c.kv_cache.shape == (P, 4, 32, 72)
@@ -153,7 +153,7 @@ def test_make_case_nvfp4_builds_the_cache_with_the_writer():
 
 
 def test_make_case_defaults_stay_fp8():
-    c = make_case(2, 1, 4, 1, q_dtype=torch.bfloat16, seed=2, page_size=64, topk=4)
+    c = make_case(2, 1, 4, 1, q_dtype=torch.bfloat16, seed=2, page_size=64, topk_blocks=4)
     assert c.kv_dtype == "fp8" and c.kv_cache.dtype == FP8 and c.kv_cache.shape[-1] == 256
     assert c.k_unquantized is None and 0.5 <= c.k_scale <= 2.0
     with pytest.raises(ValueError, match="keeps no unquantized"):
@@ -165,7 +165,7 @@ def test_make_case_defaults_stay_fp8():
 
 
 def test_scales_as_tensors_are_the_same_numbers():
-    c = make_case(1, 1, 4, 1, q_dtype=torch.bfloat16, seed=1, page_size=16, topk=2, kv_dtype="nvfp4")
+    c = make_case(1, 1, 4, 1, q_dtype=torch.bfloat16, seed=1, page_size=16, topk_blocks=2, kv_dtype="nvfp4")
     f, t = c.scales(), c.scales(scale_tensors=True)
     for name in ("k_scale", "v_scale"):
         x = t[name]
@@ -175,7 +175,7 @@ def test_scales_as_tensors_are_the_same_numbers():
 
 
 def test_compare_with_reference_on_an_nvfp4_case():
-    c = make_case(2, 2, 8, 1, q_dtype=torch.bfloat16, seed=6, page_size=64, topk=4, kv_dtype="nvfp4")
+    c = make_case(2, 2, 8, 1, q_dtype=torch.bfloat16, seed=6, page_size=64, topk_blocks=4, kv_dtype="nvfp4")
     out, lse = sparse_decode_reference(*c.reference_args(), **c.scales())
     err, problems = compare_with_reference(c, out.to(torch.bfloat16), lse.float())
     assert problems == [] and err < 5e-3

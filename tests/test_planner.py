@@ -119,7 +119,7 @@ def test_cached_prepare_still_validates():
 def _case(batch=3, qlen=2, seed=0, **kw):
     kw.setdefault("ctx_lens", None)
     return make_case(batch, qlen, 4, 2, q_dtype=torch.bfloat16, seed=seed, device=DEV,
-                     page_size=64, topk=4, **kw)
+                     page_size=64, topk_blocks=4, **kw)
 
 
 def test_same_key_same_plan_and_addresses():
@@ -148,7 +148,7 @@ def test_plan_fields_and_workspace_shapes():
     p = planner.prepare(*c.prepare_args(), **c.prepare_kwargs())
     T, G = 6, 2
     assert (p.batch, p.qlen, p.num_tokens, p.group_size) == (2, 3, T, G)
-    assert (p.num_q_heads, p.num_kv_heads, p.page_size, p.topk, p.head_dim) == (4, 2, 64, 4, 128)
+    assert (p.num_q_heads, p.num_kv_heads, p.page_size, p.topk_blocks, p.head_dim) == (4, 2, 64, 4, 128)
     assert p.block_table_stride == c.block_table.stride(0)
     assert p.num_splits == choose_num_splits(T * 2, 4, 8)
     assert p.kv_lens.dtype == p.qo_offset.dtype == torch.int32 and p.kv_lens.shape == (T,)
@@ -268,7 +268,7 @@ def test_pinned_occupancy_is_checked(monkeypatch):
 def test_op_reference_backend_matches_reference(q_dtype, backend):
     if backend == "auto" and DEV == "cuda":
         pytest.skip("auto means the kernel on CUDA")
-    c = make_case(3, 2, 8, 2, q_dtype=q_dtype, seed=21, device=DEV, page_size=64, topk=5,
+    c = make_case(3, 2, 8, 2, q_dtype=q_dtype, seed=21, device=DEV, page_size=64, topk_blocks=5,
                   transposed_topk=True, padded=True)
     plan = SparseDecodePlanner().prepare(*c.prepare_args(), **c.prepare_kwargs())
     out, lse = c.new_out(), c.new_lse()
@@ -308,7 +308,7 @@ def test_resolve_kernel_uses_compiler_and_caches(monkeypatch):
     assert [(cfg.q_dtype, cfg.kv_dtype) for cfg in calls] == [
         ("bfloat16", "float8_e4m3fn"), ("float8_e4m3fn", "float8_e4m3fn"), ("bfloat16", "nvfp4")]
     cfg = calls[0]
-    assert (cfg.num_q_heads, cfg.num_kv_heads, cfg.page_size, cfg.topk, cfg.head_dim) == (4, 2, 64, 4, 128)
+    assert (cfg.num_q_heads, cfg.num_kv_heads, cfg.page_size, cfg.topk_blocks, cfg.head_dim) == (4, 2, 64, 4, 128)
     assert set(plan.kernels) == {(torch.bfloat16, "float8_e4m3fn"), (FP8, "float8_e4m3fn"), (torch.bfloat16, "nvfp4")}
 
 
@@ -329,7 +329,7 @@ def test_kernel_backend_passes_calling_convention(monkeypatch):
     fake.get_sparse_decode_kernel = lambda cfg: (lambda *a: seen.append(a))
     fake.supported_ctas_per_sm = lambda arch: (2, 3)
     monkeypatch.setitem(sys.modules, "msa_jit.compiler", fake)
-    c = make_case(2, 2, 8, 2, q_dtype=FP8, seed=3, device="cuda", page_size=64, topk=4)
+    c = make_case(2, 2, 8, 2, q_dtype=FP8, seed=3, device="cuda", page_size=64, topk_blocks=4)
     plan = SparseDecodePlanner().prepare(*c.prepare_args(), **c.prepare_kwargs())
     out = c.new_out()
     sparse_decode(c.query, c.kv_cache, c.topk, out, plan, backend="kernel", **c.scales())
@@ -366,7 +366,7 @@ def test_kernel_tensors_alias_the_plan_tensors():
 def test_prepare_is_cuda_graph_capturable():
     """A captured prepare() replays the prologue on the live seq_lens: no sync, no allocation."""
     planner = SparseDecodePlanner()
-    c = make_case(6, 3, 8, 2, q_dtype=torch.bfloat16, seed=8, device="cuda", page_size=64, topk=4)
+    c = make_case(6, 3, 8, 2, q_dtype=torch.bfloat16, seed=8, device="cuda", page_size=64, topk_blocks=4)
     seq = c.seq_lens.clone()
     plan = planner.prepare(c.block_table, seq, c.seq_lens_cpu, c.qlen, **c.prepare_kwargs())
     side = torch.cuda.Stream()
@@ -404,7 +404,7 @@ def test_prologue_signals_dependent_launch(trigger):
     """The bound prologue starts with griddepcontrol.launch_dependents (unless asked not to)."""
     from msa_jit.prologue import bind_refresh
 
-    c = make_case(4, 2, 8, 2, q_dtype=torch.bfloat16, seed=9, device="cuda", page_size=64, topk=4)
+    c = make_case(4, 2, 8, 2, q_dtype=torch.bfloat16, seed=9, device="cuda", page_size=64, topk_blocks=4)
     kv = torch.zeros(8, dtype=torch.int32, device="cuda")
     qo = torch.zeros(8, dtype=torch.int32, device="cuda")
     refresh = bind_refresh(c.seq_lens, kv, qo, 2, launch_dependents=trigger)

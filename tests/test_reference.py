@@ -90,7 +90,7 @@ CASES = [
 def test_reference_matches_loop(geom, q_dtype, transposed):
     batch, qlen, hq, hkv, page, topk, ctx = geom
     c = make_case(batch, qlen, hq, hkv, q_dtype=q_dtype, seed=CASES.index(geom) + 100 * transposed, device="cpu",
-                  ctx_lens=ctx, transposed_topk=transposed, page_size=page, topk=topk)
+                  ctx_lens=ctx, transposed_topk=transposed, page_size=page, topk_blocks=topk)
     if transposed:
         assert c.topk.stride() == (topk, c.num_tokens * topk, 1)  # really the [Hkv, T, K] layout
     _check(c)
@@ -100,13 +100,13 @@ def test_reference_matches_loop(geom, q_dtype, transposed):
 def test_reference_adversarial_matches_loop(seed):
     """Garbage pages, -1 mid-row, blocks past the request, duplicates: no OOB, set semantics."""
     c = make_case(4, 3, 4, 2, q_dtype=FP8, seed=seed, device="cpu", adversarial=True,
-                  padded=True, page_size=64, topk=6, ctx_lens=None if seed % 2 else [5, 130, 0, 520])
+                  padded=True, page_size=64, topk_blocks=6, ctx_lens=None if seed % 2 else [5, 130, 0, 520])
     _check(c)
 
 
 def test_empty_rows_are_zero_with_minus_inf_lse():
     c = make_case(3, 4, 4, 2, q_dtype=torch.bfloat16, seed=7, ctx_lens=[0, 2, 100],
-                  page_size=64, topk=4)
+                  page_size=64, topk_blocks=4)
     out, lse = _check(c)
     # request 0: all 4 rows empty; request 1 (seq_len 2, qlen 4): rows j=0,1 empty
     empty = [0, 1, 2, 3, 4, 5]
@@ -117,7 +117,7 @@ def test_empty_rows_are_zero_with_minus_inf_lse():
 
 def test_uint8_kv_storage_and_topk_width_mask():
     c = make_case(2, 2, 4, 2, q_dtype=torch.bfloat16, seed=11, ctx_lens=[150, 600],
-                  page_size=64, topk=5)
+                  page_size=64, topk_blocks=5)
     a = sparse_decode_reference(*c.reference_args(), **c.scales())
     args = list(c.reference_args())
     args[1] = c.kv_cache.view(torch.uint8)
@@ -127,7 +127,7 @@ def test_uint8_kv_storage_and_topk_width_mask():
 
 def test_single_visible_key_returns_its_value():
     """seq_len 1, qlen 1: the only key is position 0; out == v_scale * V exactly, lse == score."""
-    c = make_case(1, 1, 2, 1, q_dtype=torch.bfloat16, seed=5, ctx_lens=[1], page_size=64, topk=4)
+    c = make_case(1, 1, 2, 1, q_dtype=torch.bfloat16, seed=5, ctx_lens=[1], page_size=64, topk_blocks=4)
     out, lse = sparse_decode_reference(*c.reference_args(), **c.scales())
     p = int(c.block_table[0, 0])
     kv = c.kv_cache.view(FP8)[p, 0, 0].to(torch.float64)
@@ -137,7 +137,7 @@ def test_single_visible_key_returns_its_value():
 
 
 def test_reference_rejects_broken_block_table():
-    c = make_case(1, 1, 2, 1, q_dtype=torch.bfloat16, seed=5, ctx_lens=[100], page_size=64, topk=4)
+    c = make_case(1, 1, 2, 1, q_dtype=torch.bfloat16, seed=5, ctx_lens=[100], page_size=64, topk_blocks=4)
     bt = c.block_table.clone()
     bt[0, 0] = 10_000
     with pytest.raises(ValueError, match="block_table"):

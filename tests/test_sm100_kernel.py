@@ -22,10 +22,11 @@ from pathlib import Path
 
 import pytest
 
+from msa_jit.geometry import MINIMAX_M3_GEOMETRIES as GEOMETRIES
+from msa_jit.geometry import Q_DTYPES
+
 ROOT = Path(__file__).resolve().parents[1]
 TABLE = ROOT / "docs" / "logs" / "sm100-variants.md"
-GEOMETRIES = [(64, 4), (32, 2), (16, 1), (8, 1)]
-Q_DTYPES = ["bfloat16", "float8_e4m3fn"]
 
 _WORKER = r"""
 import importlib.util, json, sys

@@ -110,6 +110,61 @@ def test_compile_fullgraph_matches_eager_cpu():
     assert counters["stats"]["unique_graphs"] == graphs
 
 
+
+def _fake_kernel_path(monkeypatch) -> list[tuple[str, object]]:
+    """The kernel path on CPU, infrastructure faked, op code real: rebuilt plans get arch sm_90a (as a
+    CUDA device would give them), validation (run in full for the reference backend) answers
+    "kernel", and the resolver `compiler.get_sparse_decode_kernel` returns a stand-in kernel that
+    records the config it was built for. Returns the list of ("asked" | "launched", config)."""
+    from msa_jit import compiler, op, torch_op
+
+    events: list[tuple[str, object]] = []
+
+    def resolve(cfg):
+        events.append(("asked", cfg))
+        return lambda *args: events.append(("launched", cfg))
+
+    real_validate = op.validate_sparse_decode
+    monkeypatch.setattr(compiler, "get_sparse_decode_kernel", resolve)
+    monkeypatch.setattr(torch_op, "_arch_of", lambda device: "sm_90a")
+    monkeypatch.setattr(torch_op, "_KERNELS", {})
+    monkeypatch.setattr(op, "validate_sparse_decode", lambda *a: ("kernel", real_validate(*a[:-1], "reference")[1]))
+    return events
+
+
+@pytest.mark.parametrize("planner_kw,ctas", [
+    (dict(num_sms=8), 3),  # the planner's choice: 16 CTAs, more than one per SM and one wave at 3
+    (dict(num_sms=8, ctas_per_sm=2), 2),  # pinned against the choice
+    (dict(ctas_per_sm=3), 3),  # pinned where the planner would choose 2 (64 CTAs on 132 SMs)
+])
+def test_op_and_compiled_op_launch_the_plans_build(monkeypatch, planner_kw, ctas):
+    """The op (eager and under torch.compile) launches the occupancy build the plan names, like the
+    eager API: the plan's ctas_per_sm crosses the op boundary and keys the op's kernel cache."""
+    events = _fake_kernel_path(monkeypatch)
+    c = _case(torch.bfloat16, seed=11)
+    plan = _plan(c, SparseDecodePlanner(arch="sm_90a", **planner_kw))
+    assert plan.ctas_per_sm == ctas
+    want = plan.config(torch.bfloat16)
+    other = _plan(c, SparseDecodePlanner(arch="sm_90a", ctas_per_sm=5 - ctas))  # same geometry, other build
+
+    msa_jit.sparse_decode(c.query, c.kv_cache, c.topk, c.new_out(), plan, backend="kernel", **c.scales())
+    assert events == [("asked", want), ("launched", want)]
+    events.clear()
+    sparse_decode_op(c.query, c.kv_cache, c.topk, c.new_out(), other, backend="kernel", **c.scales())
+    sparse_decode_op(c.query, c.kv_cache, c.topk, c.new_out(), plan, backend="kernel", **c.scales())
+    other_cfg = other.config(torch.bfloat16)
+    assert other_cfg.ctas_per_sm != want.ctas_per_sm
+    assert events == [("asked", other_cfg), ("launched", other_cfg), ("asked", want), ("launched", want)]
+    events.clear()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        lambda q, kv, tk, o: sparse_decode_op(q, kv, tk, o, plan, backend="kernel", **c.scales()),
+        fullgraph=True, backend="aot_eager",
+    )
+    compiled(c.query, c.kv_cache, c.topk, c.new_out())
+    assert events == [("launched", want)]  # the op's cached build of this plan's config
+
 # ----------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, FP8])
@@ -166,3 +221,38 @@ def test_compile_inductor_and_cuda_graph_gpu():
     torch.cuda.synchronize()
     assert _rel(out_g, o64) < 1e-2
     torch.testing.assert_close(out_g, out_e, rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_compiled_op_runs_the_eager_build_gpu(monkeypatch):
+    """Under torch.compile(fullgraph=True) the op runs the artifact the eager API runs, for a step
+    shape where the planner picks the 3-CTA-per-SM build (T*Hkv = 2 CTAs per SM, one split)."""
+    from msa_jit import compiler, torch_op
+
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    hkv = 4
+    c = make_case(2 * num_sms // hkv, 1, 64, hkv, q_dtype=torch.bfloat16, seed=12, device="cuda")
+    plan = _plan(c, SparseDecodePlanner())
+    assert plan.ctas_per_sm == 3 and plan.num_splits == 1
+    asked = []
+    real = compiler.get_sparse_decode_kernel
+    monkeypatch.setattr(compiler, "get_sparse_decode_kernel", lambda cfg: asked.append(cfg) or real(cfg))
+    monkeypatch.setattr(torch_op, "_KERNELS", {})  # the op resolves its kernel afresh
+    scales = c.scales()
+
+    out_e, lse_e = c.new_out(), c.new_lse()
+    msa_jit.sparse_decode(c.query, c.kv_cache, c.topk, out_e, plan, lse=lse_e, backend="kernel", **scales)
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        lambda q, kv, tk, o, lse: sparse_decode_op(q, kv, tk, o, plan, lse=lse, backend="kernel", **scales),
+        fullgraph=True,
+    )
+    out_c, lse_c = c.new_out(), c.new_lse()
+    compiled(c.query, c.kv_cache, c.topk, out_c, lse_c)
+    torch.cuda.synchronize()
+    want = plan.config(torch.bfloat16)
+    assert want.ctas_per_sm == 3 and asked == [want, want]  # eager, then the op: the same config
+    # one build gives the same bits on every run (no atomics)
+    assert torch.equal(out_c, out_e) and torch.equal(lse_c, lse_e)
+    o64, _ = sparse_decode_reference(*c.reference_args(), **scales)
+    assert _rel(out_c, o64) < 1e-2

@@ -24,7 +24,7 @@ B, QLEN, T, HQ, HKV, PAGE, K = 2, 2, 4, 4, 2, 64, 4
 @functools.lru_cache(maxsize=None)
 def base():
     c = make_case(B, QLEN, HQ, HKV, q_dtype=torch.bfloat16, seed=0, device="cpu",
-                  ctx_lens=[70, 130], page_size=PAGE, topk=K)
+                  ctx_lens=[70, 130], page_size=PAGE, topk_blocks=K)
     plan = SparseDecodePlanner().prepare(*c.prepare_args(), **c.prepare_kwargs())
     return c, plan
 
@@ -290,7 +290,7 @@ def _s_backend(data, a):
 def _s_plan_mismatch(data, a):
     """A plan of another batch / head count: the tensors disagree with it (named: query)."""
     c = make_case(3, 1, HQ, HKV, q_dtype=torch.bfloat16, seed=1, ctx_lens=[10, 20, 30],
-                  page_size=PAGE, topk=K)
+                  page_size=PAGE, topk_blocks=K)
     plan = SparseDecodePlanner().prepare(*c.prepare_args(), **c.prepare_kwargs())
     return dict(plan=plan), ValueError
 
@@ -350,7 +350,7 @@ def test_sparse_decode_rejects_malformed(name, data):
        scale=st.floats(1e-3, 1e3), fp8=st.booleans())
 def test_sparse_decode_accepts_valid_variants(transposed, u8, with_lse, scale, fp8):
     c = make_case(B, QLEN, HQ, HKV, q_dtype=FP8 if fp8 else torch.bfloat16, seed=3, device="cpu",
-                  ctx_lens=[70, 130], page_size=PAGE, topk=K, transposed_topk=transposed)
+                  ctx_lens=[70, 130], page_size=PAGE, topk_blocks=K, transposed_topk=transposed)
     plan = SparseDecodePlanner().prepare(*c.prepare_args(), **c.prepare_kwargs())
     out = c.new_out()
     lse = c.new_lse() if with_lse else None
@@ -368,15 +368,15 @@ def test_sparse_decode_accepts_valid_variants(transposed, u8, with_lse, scale, f
        topk=st.integers(-1, 40), qlen=st.integers(-1, 40), batch=st.integers(-1, 3),
        q_dtype=st.sampled_from(["bfloat16", "float8_e4m3fn", "float16", torch.bfloat16, torch.float32]))
 def test_supports_agrees_with_rules(hq, hkv, page, topk, qlen, batch, q_dtype):
-    r = supports(num_q_heads=hq, num_kv_heads=hkv, page_size=page, topk=topk,
-                 q_dtype=q_dtype, batch=batch, qlen=qlen)
+    r = supports(num_q_heads=hq, num_kv_heads=hkv, page_size=page, topk_blocks=topk,
+                 q_dtype=q_dtype, batch=batch, decode_query_len=qlen)
     qname = str(q_dtype).replace("torch.", "")
     ok = (hq >= 1 and hkv >= 1 and hq % hkv == 0 and 1 <= hq // hkv <= 16 and page in (64, 128)
           and 1 <= topk <= 32 and 1 <= qlen <= 32 and batch >= 1 and qname in ("bfloat16", "float8_e4m3fn"))
     assert bool(r) == ok == r.ok
     assert (r.reason == "") == ok
     if ok:
-        cfg = SparseDecodeConfig(hq, hkv, page_size=page, topk=topk, q_dtype=qname)
+        cfg = SparseDecodeConfig(hq, hkv, page_size=page, topk_blocks=topk, q_dtype=qname)
         assert check_config(cfg) is None and cfg.group_size == hq // hkv
         assert cfg.to_dict()["q_dtype"] == qname
 
@@ -387,7 +387,7 @@ def test_check_config_reasons():
     for cfg, word in [
         (SparseDecodeConfig(64, 4, head_dim=64), "head_dim"),
         (SparseDecodeConfig(64, 4, page_size=256), "page_size"),
-        (SparseDecodeConfig(64, 4, topk=0), "topk"),
+        (SparseDecodeConfig(64, 4, topk_blocks=0), "topk_blocks"),
         (SparseDecodeConfig(64, 3), "multiple"),
         (SparseDecodeConfig(64, 2), "group size"),
         (SparseDecodeConfig(64, 4, q_dtype="float16"), "q_dtype"),
@@ -399,7 +399,8 @@ def test_check_config_reasons():
         assert reason is not None and word in reason, (cfg, reason)
     with pytest.raises(ValueError, match="page_size"):
         SparseDecodeConfig(64, 4, page_size=32).validate()
-    assert supports(num_q_heads=64, num_kv_heads=4, page_size=128, topk=16, qlen=33).reason.startswith("qlen")
+    assert supports(num_q_heads=64, num_kv_heads=4, page_size=128, topk_blocks=16,
+                    decode_query_len=33).reason.startswith("decode_query_len")
 
 
 # ----------------------------------------------------------------------------- kernel layouts
@@ -474,3 +475,22 @@ def test_fast_prepare_check():
     a = _prepare_base()
     assert _prepare_tensors_ok(a["block_table"], a["seq_lens"], a["seq_lens_cpu"])
     assert _prepare_tensors_ok(a["block_table"], a["seq_lens"], None)
+
+
+
+def test_one_set_of_parameter_names():
+    """supports, prepare, the planner, the engine adapter and the CLI name the geometry alike."""
+    import inspect
+
+    from msa_jit import SparseDecodePlanner, engine, prepare
+    from msa_jit.cli import build_parser
+
+    geometry = {"num_q_heads", "num_kv_heads", "page_size", "topk_blocks"}
+    for fn in (supports, prepare, SparseDecodePlanner.prepare, engine.prepare_decode_metadata,
+               engine.supports_cutlass_sparse_decode, engine.should_prepare_decode_metadata):
+        assert geometry <= set(inspect.signature(fn).parameters), fn
+    for fn in (supports, prepare, SparseDecodePlanner.prepare, engine.should_prepare_decode_metadata):
+        assert "decode_query_len" in inspect.signature(fn).parameters, fn
+    args = build_parser().parse_args(["warmup", "--heads", "8/1", "--topk-blocks", "8", "--page-size", "64"])
+    assert (args.topk_blocks, args.page_size) == (8, 64)
+    assert build_parser().parse_args(["bench", "--decode-query-lens", "1,2"]).decode_query_lens == "1,2"

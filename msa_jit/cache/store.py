@@ -1,4 +1,5 @@
-"""Disk cache of compiled artifacts (shared objects).
+"""The cache itself: ``ArtifactCache`` (lookup, build under a lock, publish, prune),
+its counters and ``default_cache``.
 
 The contract (locations, fallback, layout, key, concurrency, crash safety,
 pruning) is written down in ``cache_dir_policy.md`` at the repository root;
@@ -17,23 +18,12 @@ dir that lookups ignore and ``prune``/``clear`` remove.
 
 Only the standard library and ``filelock`` are imported: the runtime-only
 loader uses this module on hosts without the compiler.
-
-The implementation is split into modules; this one stays the public one and
-re-exports every name they define (private helpers included)::
-
-    cache_key.py       canonical_json, make_key, source_fingerprint, key checks
-    cache_location.py  preferred_root, user_temp_root, writability / private-dir probes
-    cache_entry.py     FORMAT / LAYOUT / META_NAME, CacheEntry, entry-file helpers
-    cache.py           errors, counters, root fallback (_resolve), ArtifactCache,
-                       default_cache
 """
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import errno
-import hashlib
 import json
 import logging
 import math
@@ -42,8 +32,6 @@ import re
 import secrets
 import shutil
 import socket
-import stat
-import tempfile
 import threading
 import time
 import warnings
@@ -55,93 +43,28 @@ from typing import Any
 
 import filelock
 
-from . import env
-from .cache_entry import (  # noqa: F401  (re-exported)
-    FORMAT, LAYOUT, META_NAME, CacheEntry, _Corrupt, _fsync_path, _host_tag, _parse_build_result,
-    _tree_size, _valid_artifact_name,
+from .. import env
+from .entry import (
+    FORMAT, LAYOUT, META_NAME, CacheEntry, CorruptEntry, check_artifacts, fsync_path, meta_signature,
+    parse_build_result, read_meta, sha256_file, tree_size,
 )
-from .cache_key import (  # noqa: F401  (re-exported)
-    _CHUNK, _KEY_RE, _KEY_SCHEMA, _check_key, _jsonable, _sha256_file, canonical_json, make_key,
-    source_fingerprint,
-)
-from .cache_location import (  # noqa: F401  (re-exported)
-    _check_private_dir, _describe_oserror, _probe_writable, _readable_v1, _Resolution, _user_tag,
-    preferred_root, user_temp_root,
-)
+from .errors import ArtifactMissingError, CacheError, CacheFallbackWarning, CacheLockTimeout
+from .key import KEY_RE, check_key, jsonable, make_key
+from .location import preferred_root, resolve
 
 __all__ = [
-    "FORMAT",
-    "LAYOUT",
-    "META_NAME",
     "STALE_TMP_AGE_S",
-    "CacheError",
-    "ArtifactMissingError",
-    "CacheLockTimeout",
-    "CacheDirError",
-    "CacheFallbackWarning",
-    "CacheEntry",
     "ArtifactCache",
-    "canonical_json",
-    "make_key",
-    "source_fingerprint",
-    "preferred_root",
-    "user_temp_root",
     "default_cache",
-    "stats",
+    "open_cache",
     "reset_stats",
+    "stats",
 ]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("msa_jit.cache")
 
 STALE_TMP_AGE_S = 3600.0  # unrecognised files in tmp/ older than this are garbage
 _SHARD_RE = re.compile(r"^[0-9a-f]{2}$")
-
-
-# --------------------------------------------------------------------------- errors
-
-
-class CacheError(RuntimeError):
-    """Base class of the cache's errors."""
-
-
-class ArtifactMissingError(CacheError):
-    """A kernel is not in the cache and ``MSA_JIT_NO_COMPILE=1`` forbids compiling it."""
-
-    def __init__(
-        self,
-        describe: str,
-        key: str,
-        roots: Iterable[os.PathLike | str] = (),
-        warmup_hint: str | None = None,
-    ) -> None:
-        self.describe = describe
-        self.key = key
-        self.roots = tuple(str(r) for r in roots)
-        self.warmup_hint = warmup_hint
-        where = f" in {', '.join(self.roots)}" if self.roots else ""
-        how = warmup_hint or "msa-jit warmup ...  (with this geometry)"
-        super().__init__(
-            f"msa-jit: no compiled kernel for {describe} (cache key {key}){where}, and "
-            f"{env.NO_COMPILE}=1 forbids compiling on this host. Warm the cache on a build host "
-            f"with the same msa-jit / CuTe DSL versions and GPU arch:\n    {how}\n"
-            f"then ship the cache directory and point {env.CACHE_DIR} at it "
-            f"(or unset {env.NO_COMPILE} to compile here)."
-        )
-
-    def __reduce__(self):  # picklable across processes despite the custom __init__
-        return (type(self), (self.describe, self.key, self.roots, self.warmup_hint))
-
-
-class CacheLockTimeout(CacheError, TimeoutError):
-    """Another process held an entry's build lock for longer than ``MSA_JIT_LOCK_TIMEOUT``."""
-
-
-class CacheDirError(CacheError):
-    """No usable cache directory at all (not even a temporary one)."""
-
-
-class CacheFallbackWarning(UserWarning):
-    """The configured cache directory is unusable; another one is used instead."""
 
 
 # --------------------------------------------------------------------------- stats
@@ -164,63 +87,6 @@ def reset_stats() -> None:
             _global_stats[k] = 0
 
 
-# --------------------------------------------------------------------------- locations
-# preferred_root, user_temp_root and the probes live in cache_location.py; the
-# fallback policy is here, so it calls them through this module's namespace
-# (what tests patch, e.g. msa_jit.cache._probe_writable).
-
-
-def _resolve(requested: os.PathLike | str | None) -> _Resolution:
-    if requested is None:
-        pref, source = preferred_root()
-    else:
-        pref, source = Path(os.path.abspath(os.path.expanduser(os.fspath(requested)))), "argument"
-    user_tmp = user_temp_root()
-    candidates = [pref] if pref == user_tmp else [pref, user_tmp]
-    rejected: list[tuple[Path, str]] = []
-    readonly: list[Path] = []
-    chosen: Path | None = None
-    for c in candidates:
-        reason = _check_private_dir(c) if c == user_tmp else None
-        if reason is None:
-            reason = _probe_writable(c)
-            if reason is not None and _readable_v1(c):
-                readonly.append(c)
-        if reason is None:
-            chosen = c
-            break
-        rejected.append((c, reason))
-    ephemeral = False
-    if chosen is None:
-        try:
-            chosen = Path(tempfile.mkdtemp(prefix="msa-jit-"))
-        except OSError as e:
-            raise CacheDirError(
-                "msa-jit: no usable cache directory: "
-                + "; ".join(f"{p} ({r})" for p, r in rejected)
-                + f"; a temporary directory could not be created either ({_describe_oserror(e)}). "
-                f"Set {env.CACHE_DIR} to a writable directory."
-            ) from e
-        atexit.register(shutil.rmtree, str(chosen), True)
-        ephemeral = True
-        reason = _probe_writable(chosen)
-        if reason is not None:
-            raise CacheDirError(f"msa-jit: temporary cache directory {chosen} is unusable ({reason})")
-    message = None
-    if rejected:
-        parts = [f"cannot use {p} ({r})" for p, r in rejected]
-        message = f"msa-jit cache: {'; '.join(parts)}; using {chosen} instead"
-        if ephemeral:
-            message += (
-                " (an in-process temporary directory deleted at exit: compiled kernels will "
-                "not be reused by other processes)"
-            )
-        if readonly:
-            message += f". Artifacts already in {', '.join(map(str, readonly))} are still used read-only"
-        message += f". Set {env.CACHE_DIR} to a writable directory to silence this warning."
-    return _Resolution(pref, source, chosen, tuple(readonly), ephemeral, message)
-
-
 # --------------------------------------------------------------------------- the cache
 
 
@@ -233,7 +99,7 @@ class ArtifactCache:
     """
 
     def __init__(self, root: os.PathLike | str | None = None) -> None:
-        res = _resolve(root)
+        res = resolve(root)
         self.requested_root: Path = res.requested
         self.root: Path = res.root
         self.readonly_roots: tuple[Path, ...] = res.readonly
@@ -255,11 +121,11 @@ class ArtifactCache:
         return self.root / LAYOUT
 
     def entry_path(self, key: str, root: Path | None = None) -> Path:
-        _check_key(key)
+        check_key(key)
         return (root or self.root) / LAYOUT / key[:2] / key
 
     def lock_path(self, key: str) -> Path:
-        _check_key(key)
+        check_key(key)
         return self.v1 / "locks" / f"{key}.lock"
 
     @property
@@ -297,80 +163,17 @@ class ArtifactCache:
             lock.release()
 
     # ---------------------------------------------------------------- reading
-    def _load(self, d: Path, key: str) -> tuple[dict, tuple] | None:
-        """(meta, signature) of the entry dir ``d``; None if it has no meta.json
-        (absent or incomplete); raises _Corrupt if meta.json is unusable."""
-        meta_path = d / META_NAME
-        try:
-            with open(meta_path, "rb") as f:
-                st = os.fstat(f.fileno())
-                raw = f.read()
-        except FileNotFoundError:
-            return None
-        except NotADirectoryError:
-            raise _Corrupt(f"{d} is not a directory", None) from None
-        except OSError as e:
-            raise _Corrupt(f"cannot read meta.json ({_describe_oserror(e)})", None) from None
-        sig = (st.st_dev, st.st_ino, hashlib.sha256(raw).hexdigest())
-        try:
-            meta = json.loads(raw)
-        except ValueError:
-            raise _Corrupt("meta.json is not valid JSON", sig) from None
-        if not isinstance(meta, dict):
-            raise _Corrupt("meta.json is not a JSON object", sig)
-        if meta.get("format") != FORMAT:
-            raise _Corrupt(f"meta.json format {meta.get('format')!r} != {FORMAT}", sig)
-        if meta.get("key") != key:
-            raise _Corrupt(f"meta.json key {meta.get('key')!r} != directory key", sig)
-        arts = meta.get("artifacts")
-        if not isinstance(arts, list) or not arts:
-            raise _Corrupt("meta.json lists no artifacts", sig)
-        for a in arts:
-            if not (
-                isinstance(a, dict)
-                and _valid_artifact_name(a.get("name"))
-                and isinstance(a.get("size"), int)
-                and isinstance(a.get("sha256"), str)
-            ):
-                raise _Corrupt(f"meta.json has a malformed artifact record {a!r}", sig)
-        return meta, sig
-
-    def _check_artifacts(self, d: Path, meta: dict, sig: tuple, hash_check: bool) -> None:
-        for a in meta["artifacts"]:
-            p = d / a["name"]
-            try:
-                st = os.lstat(p)
-            except OSError:
-                raise _Corrupt(f"artifact {a['name']} is missing", sig) from None
-            if not stat.S_ISREG(st.st_mode):
-                raise _Corrupt(f"artifact {a['name']} is not a regular file", sig)
-            if st.st_size != a["size"]:
-                raise _Corrupt(
-                    f"artifact {a['name']} has {st.st_size} bytes, meta.json says {a['size']}", sig
-                )
-        if hash_check:
-            for a in meta["artifacts"]:
-                try:
-                    digest, _ = _sha256_file(d / a["name"])
-                except OSError as e:
-                    raise _Corrupt(f"cannot read artifact {a['name']} ({_describe_oserror(e)})", sig) from None
-                if digest != a["sha256"]:
-                    raise _Corrupt(
-                        f"artifact {a['name']} sha256 {digest[:16]}... != recorded {a['sha256'][:16]}...",
-                        sig,
-                    )
-
     def _read_entry(self, root: Path, key: str, verify: bool) -> CacheEntry | None:
         """The entry of ``key`` under ``root`` if complete and intact, None if
-        absent; raises _Corrupt."""
+        absent; raises CorruptEntry."""
         d = self.entry_path(key, root)
-        loaded = self._load(d, key)
+        loaded = read_meta(d, key)
         if loaded is None:
             return None
         meta, sig = loaded
         memo = (str(root), key)
         need_hash = verify and self._verified.get(memo) != sig
-        self._check_artifacts(d, meta, sig, need_hash)
+        check_artifacts(d, meta, sig, need_hash)
         if need_hash:
             self._verified[memo] = sig
         return CacheEntry(d, key, meta, readonly=(root != self.root))
@@ -379,7 +182,7 @@ class ArtifactCache:
         for root in (self.root, *self.readonly_roots):
             try:
                 entry = self._read_entry(root, key, verify)
-            except _Corrupt as c:
+            except CorruptEntry as c:
                 self._count("corrupt")
                 self._verified.pop((str(root), key), None)
                 d = self.entry_path(key, root)
@@ -401,19 +204,11 @@ class ArtifactCache:
                 return entry
         return None
 
-    def _meta_sig(self, d: Path) -> tuple | None:
-        try:
-            with open(d / META_NAME, "rb") as f:
-                st = os.fstat(f.fileno())
-                return (st.st_dev, st.st_ino, hashlib.sha256(f.read()).hexdigest())
-        except OSError:
-            return None
-
     def _discard(self, key: str, d: Path, sig: tuple | None, locked: bool) -> None:
         """Remove a corrupt entry, unless it was replaced since it was judged."""
 
         def remove() -> None:
-            if self._meta_sig(d) == sig:
+            if meta_signature(d) == sig:
                 self._remove_path(d)
 
         if locked:
@@ -432,7 +227,7 @@ class ArtifactCache:
         (sizes are always checked). A corrupt entry is logged, removed, and
         reported as a miss so that the caller rebuilds it.
         """
-        _check_key(key)
+        check_key(key)
         entry = self._lookup(key, verify, locked=False)
         self._count("hits" if entry is not None else "misses")
         return entry
@@ -456,7 +251,7 @@ class ArtifactCache:
         CacheLockTimeout when another build holds the lock too long, ValueError
         when ``key != make_key(config, fingerprint)``.
         """
-        _check_key(key)
+        check_key(key)
         expected = make_key(config, fingerprint)
         if key != expected:
             raise ValueError(
@@ -510,12 +305,12 @@ class ArtifactCache:
             t0 = time.monotonic()
             result = build(tmp)
             build_s = time.monotonic() - t0
-            names, extra = _parse_build_result(result, tmp)
+            names, extra = parse_build_result(result, tmp)
             records = []
             for name in names:
                 p = tmp / name
-                digest, size = _sha256_file(p)
-                _fsync_path(p)
+                digest, size = sha256_file(p)
+                fsync_path(p)
                 records.append({"name": name, "size": size, "sha256": digest})
             created = time.time()
             if dataclasses.is_dataclass(config) and not isinstance(config, type):
@@ -524,8 +319,8 @@ class ArtifactCache:
                 "format": FORMAT,
                 "key": key,
                 "describe": describe,
-                "config": _jsonable(config),
-                "fingerprint": _jsonable(fingerprint),
+                "config": jsonable(config),
+                "fingerprint": jsonable(fingerprint),
                 "artifacts": records,
                 "created": created,
                 "created_iso": datetime.fromtimestamp(created, timezone.utc).isoformat(),
@@ -541,7 +336,7 @@ class ArtifactCache:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(part, tmp / META_NAME)  # meta.json LAST: marks the entry complete
-            _fsync_path(tmp, directory=True)
+            fsync_path(tmp, directory=True)
             return self._publish(tmp, key, meta)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -557,14 +352,14 @@ class ArtifactCache:
                 if e.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
                     raise
             else:
-                _fsync_path(dest.parent, directory=True)
-                self._verified[(str(self.root), key)] = self._meta_sig(dest)
+                fsync_path(dest.parent, directory=True)
+                self._verified[(str(self.root), key)] = meta_signature(dest)
                 return CacheEntry(dest, key, meta)
             # Something is in the way. A valid entry wins (first writer wins:
             # correctness does not depend on the lock); anything else is stale.
             try:
                 existing = self._read_entry(self.root, key, verify=True)
-            except _Corrupt as c:
+            except CorruptEntry as c:
                 log.warning("msa-jit cache: replacing invalid entry %s (%s)", dest, c.reason)
                 existing = None
             if existing is not None:
@@ -618,7 +413,7 @@ class ArtifactCache:
                     removed.append(child)
                 continue
             key = name[len("build-"):len("build-") + 64] if name.startswith("build-") else ""
-            if _KEY_RE.match(key):
+            if KEY_RE.match(key):
                 # A build in progress holds its key's lock: free lock => builder is dead.
                 with self._try_lock(key) as free:
                     if free and self._remove_path(child):
@@ -651,7 +446,7 @@ class ArtifactCache:
             except OSError:
                 continue
             for d in dirs:
-                if _KEY_RE.match(d.name) and d.name[:2] == shard.name:
+                if KEY_RE.match(d.name) and d.name[:2] == shard.name:
                     yield d.name, d
 
     def entries(self) -> list[CacheEntry]:
@@ -663,8 +458,8 @@ class ArtifactCache:
                 if key in out:
                     continue
                 try:
-                    loaded = self._load(d, key)
-                except _Corrupt:
+                    loaded = read_meta(d, key)
+                except CorruptEntry:
                     continue
                 if loaded is not None:
                     out[key] = CacheEntry(d, key, loaded[0], readonly=(root != self.root))
@@ -683,18 +478,18 @@ class ArtifactCache:
                 if key in seen:
                     continue
                 try:
-                    loaded = self._load(d, key)
+                    loaded = read_meta(d, key)
                     if loaded is None:
                         continue  # incomplete (a build dir never lands here); prune() removes it
                     meta, sig = loaded
-                    self._check_artifacts(d, meta, sig, hash_check=True)
+                    check_artifacts(d, meta, sig, hash_check=True)
                     self._verified[(str(root), key)] = sig
                     results.append((CacheEntry(d, key, meta, readonly=ro), None))
-                except _Corrupt as c:
+                except CorruptEntry as c:
                     try:
-                        got = self._load(d, key)
+                        got = read_meta(d, key)
                         meta = got[0] if got else {}
-                    except _Corrupt:
+                    except CorruptEntry:
                         meta = {}
                     self._verified.pop((str(root), key), None)
                     results.append((CacheEntry(d, key, meta, readonly=ro), c.reason))
@@ -705,7 +500,7 @@ class ArtifactCache:
 
     def size_bytes(self) -> int:
         """Bytes under the writable root's v1/ (entries and in-progress builds)."""
-        return _tree_size(self.v1)
+        return tree_size(self.v1)
 
     def prune(self, max_bytes: int | None = None, *, _protect: Iterable[str] = ()) -> list[Path]:
         """Remove garbage (dead builds' temp dirs, trash, incomplete entries), then
@@ -730,7 +525,7 @@ class ArtifactCache:
                 break
             if key in protect:
                 continue
-            size = _tree_size(d)
+            size = tree_size(d)
             if self._remove_path(d):
                 self._verified.pop((str(self.root), key), None)
                 removed.append(d)
@@ -767,3 +562,9 @@ def default_cache() -> ArtifactCache:
             cache = ArtifactCache(pref)
             _defaults[str(pref)] = cache
         return cache
+
+
+def open_cache(root: os.PathLike | str | None = None) -> ArtifactCache:
+    """``ArtifactCache(root)`` for an explicit root (e.g. ``--cache-dir``), else the shared
+    ``default_cache()``."""
+    return ArtifactCache(root) if root else default_cache()

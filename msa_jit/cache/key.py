@@ -1,8 +1,9 @@
 """Cache keys: canonical JSON, ``make_key``, ``source_fingerprint`` and key checks.
 
-Part of the disk cache (``msa_jit.cache`` re-exports every public name; the
-contract is ``cache_dir_policy.md`` §3). Only the standard library is
-imported: the runtime-only loader uses the cache on hosts without the compiler.
+Part of the disk cache (``msa_jit.cache`` exports the public names; the contract
+is ``cache_dir_policy.md`` §3). Only the standard library and ``.entry`` (the
+file hash) are imported: the runtime-only loader uses the cache on hosts without
+the compiler.
 """
 
 from __future__ import annotations
@@ -18,21 +19,25 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from .entry import sha256_file
+
 __all__ = [
+    "KEY_RE",
     "canonical_json",
+    "check_key",
+    "jsonable",
     "make_key",
     "source_fingerprint",
 ]
 
 _KEY_SCHEMA = 1
-_KEY_RE = re.compile(r"^[0-9a-f]{64}$")
-_CHUNK = 1 << 20
+KEY_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
-def _jsonable(obj: Any, where: str = "$") -> Any:
+def jsonable(obj: Any, where: str = "$") -> Any:
     """Canonical JSON-compatible copy of ``obj``; TypeError on anything ambiguous."""
     if isinstance(obj, enum.Enum):
-        return _jsonable(obj.value, where)
+        return jsonable(obj.value, where)
     if obj is None or isinstance(obj, (bool, str)):
         return obj
     if isinstance(obj, int):
@@ -42,7 +47,7 @@ def _jsonable(obj: Any, where: str = "$") -> Any:
             raise TypeError(f"{where}: non-finite float {obj!r} cannot be part of a cache key")
         return float(obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return _jsonable(dataclasses.asdict(obj), where)
+        return jsonable(dataclasses.asdict(obj), where)
     if isinstance(obj, Mapping):
         out = {}
         for k, v in obj.items():
@@ -50,10 +55,10 @@ def _jsonable(obj: Any, where: str = "$") -> Any:
                 k = k.value
             if not isinstance(k, str):
                 raise TypeError(f"{where}: mapping key {k!r} is not a str")
-            out[k] = _jsonable(v, f"{where}.{k}")
+            out[k] = jsonable(v, f"{where}.{k}")
         return out
     if isinstance(obj, (list, tuple)):
-        return [_jsonable(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+        return [jsonable(v, f"{where}[{i}]") for i, v in enumerate(obj)]
     raise TypeError(
         f"{where}: {type(obj).__name__} value {obj!r} is not JSON-serializable; "
         "put only str/int/float/bool/None/list/dict (or enums, dataclasses) in a cache key"
@@ -63,7 +68,7 @@ def _jsonable(obj: Any, where: str = "$") -> Any:
 def canonical_json(obj: Any) -> str:
     """The canonical JSON text used for keys: sorted keys, no blanks, ASCII, no NaN."""
     return json.dumps(
-        _jsonable(obj), sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
+        jsonable(obj), sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
     )
 
 
@@ -83,19 +88,6 @@ def make_key(config: Mapping[str, Any], fingerprint: Mapping[str, Any]) -> str:
         raise TypeError(f"fingerprint must be a mapping, got {type(fingerprint).__name__}")
     payload = {"schema": _KEY_SCHEMA, "config": config, "fingerprint": fingerprint}
     return hashlib.sha256(canonical_json(payload).encode("ascii")).hexdigest()
-
-
-def _sha256_file(path: Path) -> tuple[str, int]:
-    h = hashlib.sha256()
-    n = 0
-    with open(path, "rb") as f:
-        while True:
-            chunk = f.read(_CHUNK)
-            if not chunk:
-                break
-            h.update(chunk)
-            n += len(chunk)
-    return h.hexdigest(), n
 
 
 def source_fingerprint(
@@ -128,11 +120,12 @@ def source_fingerprint(
     rel = sorted((f.relative_to(base).as_posix(), f) for f in files)
     h = hashlib.sha256(b"msa-jit-sources-v1\0")
     for name, f in rel:
-        digest, size = _sha256_file(f)
+        digest, size = sha256_file(f)
         h.update(f"{name}\0{size}\0{digest}\n".encode("utf-8", "surrogateescape"))
     return h.hexdigest()
 
 
-def _check_key(key: str) -> None:
-    if not isinstance(key, str) or not _KEY_RE.match(key):
+def check_key(key: str) -> None:
+    """ValueError unless ``key`` is 64 lower-case hex digits (what ``make_key`` returns)."""
+    if not isinstance(key, str) or not KEY_RE.match(key):
         raise ValueError(f"invalid cache key {key!r}: expected 64 lower-case hex digits (make_key)")

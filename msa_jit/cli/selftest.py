@@ -1,0 +1,57 @@
+"""`msa-jit selftest`: hardware check of the GPU it runs on.
+
+The correctness grid (`msa_jit.selftest.correctness_grid`: every MiniMax-M3 geometry x qlen
+x query dtype x batch on every occupancy, against the float64 reference), then the bench.
+Exit 0 only if every case passes; 2 without a GPU or on an --arch that is not this GPU's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+HELP = "hardware check of this GPU: correctness on the full grid, then bench"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """--arch, --quick, --no-bench, --out, --iters."""
+    p.add_argument("--arch", default=None, help="expected arch of this GPU (e.g. sm_100a); refuse if it differs")
+    p.add_argument("--quick", action="store_true", help="a subset of the grid (qlen 1/4, batch 1/16)")
+    p.add_argument("--no-bench", action="store_true", help="stop after the correctness grid")
+    from ..bench import RESULTS_DIR
+
+    p.add_argument("--out", default=RESULTS_DIR, help="folder for the bench JSON/PNG")
+    p.add_argument("--iters", type=int, default=50)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Handler of `msa-jit selftest`."""
+    import torch
+
+    from .. import selftest
+    from ..compiler import kernel_family
+    from ..geometry import SparseDecodeConfig, device_arch
+
+    if not torch.cuda.is_available():
+        print("msa-jit selftest needs a CUDA GPU (torch.cuda.is_available() is False)")
+        return 2
+    arch = device_arch(0)
+    if args.arch and args.arch != arch:
+        print(f"--arch {args.arch} given, but this GPU is {arch} ({torch.cuda.get_device_name()}): "
+              "the selftest checks the GPU it runs on")
+        return 2
+    family = kernel_family(SparseDecodeConfig(num_q_heads=64, num_kv_heads=4, arch=arch))
+    print(f"selftest on {torch.cuda.get_device_name()} ({arch}), kernel family: {family}")
+    t0 = time.time()
+    rows = selftest.correctness_grid(quick=args.quick)
+    failed = [r for r in rows if r["problems"]]
+    worst = max((r["rel_l2"] for r in rows if r["rel_l2"] == r["rel_l2"]), default=float("nan"))
+    print(f"correctness: {len(rows) - len(failed)}/{len(rows)} cases passed, worst rel L2 {worst:.2e} "
+          f"({time.time() - t0:.0f} s)")
+    if failed:
+        return 1
+    if not args.no_bench:
+        from .. import bench
+
+        bench.main(args.out, iters=args.iters)
+    return 0

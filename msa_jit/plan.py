@@ -1,0 +1,128 @@
+"""`SparseDecodePlan`: the per-step state of one step shape (what `prepare` returns, what the op reads).
+
+A leaf of the runtime: only torch and `msa_jit.geometry` are imported (the compiler, on a
+plan's first kernel resolution). The planner builds plans, validation and the op read them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .geometry import SparseDecodeConfig, dtype_name, torch_dtype
+
+__all__ = ["PlanKey", "SparseDecodePlan"]
+
+# (batch, qlen, block_table.stride(0), Hq, Hkv, page_size, topk_blocks, device): the planner's cache key
+PlanKey = tuple[int, int, int, int, int, int, int, torch.device]
+
+
+@dataclass(eq=False)
+class SparseDecodePlan:
+    """Cached state of one step shape. Tensors are allocated once and refreshed in place.
+
+    kv_lens, qo_offset: [T] int32, T = batch * qlen (refreshed every `prepare`).
+    partial_o: [T*Hkv*num_splits, G, head_dim] fp32, partial_lse: [T*Hkv*num_splits, G] fp32
+    (split-KV workspace), lse_scratch: [T, Hq] fp32 (used when the caller wants no lse),
+    unit_scale: [1] fp32 = 1.0 (the kernel's scale tensor when the caller gives python floats).
+    block_table / seq_lens: the tensors of the latest `prepare`.
+    """
+
+    num_q_heads: int
+    num_kv_heads: int
+    page_size: int
+    topk_blocks: int
+    head_dim: int
+    batch: int
+    qlen: int
+    block_table_stride: int
+    device: torch.device
+    num_splits: int
+    kv_lens: torch.Tensor
+    qo_offset: torch.Tensor
+    partial_o: torch.Tensor
+    partial_lse: torch.Tensor
+    lse_scratch: torch.Tensor
+    unit_scale: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    arch: str | None = None
+    ctas_per_sm: int = 2  # occupancy of the kernel serving this plan (choose_ctas_per_sm)
+    # (query dtype, kv dtype) -> compiled kernel
+    kernels: dict[tuple[torch.dtype, str], Callable[..., Any]] = field(default_factory=dict)
+    # refresh(seq_lens): the per-step prologue launch bound to this plan's tensors (planner sets it)
+    refresh: Callable[[torch.Tensor], None] | None = None
+    # kernels/convention.py PLAN_TENSORS as TVM-FFI tensors (kernel_tensors())
+    _ffi_tensors: tuple[Any, ...] | None = field(default=None, repr=False)
+    num_tokens: int = field(init=False)
+    group_size: int = field(init=False)
+    is_cuda: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.num_tokens = self.batch * self.qlen
+        self.group_size = self.num_q_heads // self.num_kv_heads
+        self.is_cuda = self.device.type == "cuda"
+
+    @property
+    def key(self) -> PlanKey:
+        """The planner cache key of this plan."""
+        return (self.batch, self.qlen, self.block_table_stride, self.num_q_heads,
+                self.num_kv_heads, self.page_size, self.topk_blocks, self.device)
+
+    def config(self, q_dtype: Any, kv_dtype: str = "float8_e4m3fn") -> SparseDecodeConfig:
+        """SparseDecodeConfig of the kernel serving this plan for a query dtype (torch dtype or name)
+        and a cache format ("float8_e4m3fn" or "nvfp4")."""
+        if self.arch is None:
+            raise RuntimeError(
+                f"plan on {self.device} has no target arch: build it on a CUDA device or create "
+                "the planner with SparseDecodePlanner(arch='sm_90a')"
+            )
+        return SparseDecodeConfig(
+            num_q_heads=self.num_q_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            page_size=self.page_size,
+            topk_blocks=self.topk_blocks,
+            q_dtype=dtype_name(q_dtype),
+            kv_dtype=kv_dtype,
+            arch=self.arch,
+            ctas_per_sm=self.ctas_per_sm,
+        )
+
+    def kernel_tensors(self) -> tuple[Any, ...]:
+        """The plan-owned kernel arguments (kernels/convention.py PLAN_TENSORS: kv_lens, lse_scratch,
+        partial_o, partial_lse, unit_scale) in the form the kernel call takes best.
+
+        The plan owns them for its whole life, so they are wrapped as TVM-FFI tensors once
+        (a torch tensor argument costs a DLPack exchange on every call); torch tensors when
+        tvm_ffi is not importable.
+        """
+        if self._ffi_tensors is None:
+            from .compiler import convention
+
+            ts = tuple(getattr(self, name) for name in convention().PLAN_TENSORS)
+            try:
+                import tvm_ffi
+
+                self._ffi_tensors = tuple(tvm_ffi.from_dlpack(t) for t in ts)
+            except ImportError:  # pragma: no cover - the kernel path needs tvm_ffi anyway
+                self._ffi_tensors = ts
+        return self._ffi_tensors
+
+    def resolve_kernel(self, q_dtype: Any, kv_dtype: str = "float8_e4m3fn") -> Callable[..., Any]:
+        """Compiled kernel for this plan's geometry, `q_dtype` and cache format (cached in `self.kernels`).
+
+        Calls `msa_jit.compiler.get_sparse_decode_kernel(config)` on the first use; the result
+        takes the arguments of kernels/convention.py in order.
+        """
+        dt = torch_dtype(q_dtype)
+        fn = self.kernels.get((dt, kv_dtype))
+        if fn is None:
+            cfg = self.config(dt, kv_dtype).validate()
+            from .compiler import get_sparse_decode_kernel
+
+            fn = get_sparse_decode_kernel(cfg)
+            self.kernels[(dt, kv_dtype)] = fn
+        return fn
