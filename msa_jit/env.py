@@ -29,6 +29,8 @@ __all__ = [
     "ARCH",
     "ENABLE_SM100_UMMA",
     "LOG_LEVEL",
+    "VLLM_PLUGIN",
+    "VLLM_SM100",
     "VARIABLES",
     "DEFAULT_CACHE_MAX_BYTES",
     "DEFAULT_LOCK_TIMEOUT_S",
@@ -40,6 +42,8 @@ __all__ = [
     "enable_sm100_umma",
     "log_level",
     "dsl_version_override",
+    "vllm_plugin_enabled",
+    "vllm_sm100",
     "parse_arch",
     "describe",
 ]
@@ -52,6 +56,8 @@ ARCH = "MSA_JIT_ARCH"
 ENABLE_SM100_UMMA = "MSA_JIT_ENABLE_SM100_UMMA"
 LOG_LEVEL = "MSA_JIT_LOG_LEVEL"
 DSL_VERSION = "MSA_JIT_DSL_VERSION"
+VLLM_PLUGIN = "MSA_JIT_VLLM_PLUGIN"
+VLLM_SM100 = "MSA_JIT_VLLM_SM100"
 
 DEFAULT_CACHE_MAX_BYTES = 2 * 1024**3
 DEFAULT_LOCK_TIMEOUT_S = 600.0
@@ -85,6 +91,14 @@ VARIABLES: dict[str, str] = {
         "CuTe DSL version to key artifacts with when the DSL's package metadata is absent "
         "(a runtime-only host that has just libcute_dsl_runtime.so, e.g. the GPU bundle). "
         "Set it to the version the cache was warmed with (msa-jit cache list shows it)."
+    ),
+    VLLM_PLUGIN: (
+        "Bool, default 1. 0 turns the vLLM plugin off: msa_jit.vllm_plugin.register() patches "
+        "nothing (it logs one line saying so)."
+    ),
+    VLLM_SM100: (
+        "Bool, default 0. 1: on compute capability 10.x the vLLM plugin also routes MiniMax-M3 "
+        "decode through msa-jit; by default vLLM keeps its own fmha_sm100 path there."
     ),
 }
 
@@ -200,6 +214,16 @@ def dsl_version_override() -> str | None:
     """``MSA_JIT_DSL_VERSION`` stripped, or None when unset/empty."""
     value = _raw(DSL_VERSION)
     return value.strip() if value and value.strip() else None
+
+
+def vllm_plugin_enabled() -> bool:
+    """``MSA_JIT_VLLM_PLUGIN``: whether the vLLM plugin patches anything (default True)."""
+    return _bool(VLLM_PLUGIN, default=True)
+
+
+def vllm_sm100() -> bool:
+    """``MSA_JIT_VLLM_SM100``: route vLLM's SM100 MiniMax-M3 decode through msa-jit (default False)."""
+    return _bool(VLLM_SM100)
 
 
 def enable_sm100_umma() -> bool:
