@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import enum
 import importlib.util
+from abc import ABC
 import logging
 import sys
 from dataclasses import dataclass, field
@@ -148,7 +149,7 @@ class MultipleOf:
         self.base = base
 
 
-class AttentionBackend:
+class AttentionBackend(ABC):
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...] | None:
         return None
@@ -157,7 +158,7 @@ class AttentionBackend:
 M = TypeVar("M")
 
 
-class AttentionImplBase(Generic[M]):
+class AttentionImplBase(ABC, Generic[M]):
     pass
 
 
@@ -169,7 +170,7 @@ class AttentionMetadata:
     pass
 
 
-class AttentionMetadataBuilder(Generic[M]):
+class AttentionMetadataBuilder(ABC, Generic[M]):
     reorder_batch_threshold: int | None = None
 
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any,
