@@ -125,6 +125,7 @@ _PARSERS = {
     env.CACHE_MAX_BYTES: "cache_max_bytes", env.LOCK_TIMEOUT: "lock_timeout_s",
     env.ARCH: "target_arch", env.ENABLE_SM100_UMMA: "enable_sm100_umma",
     env.LOG_LEVEL: "log_level", env.DSL_VERSION: "dsl_version_override", env.DSL_RUNTIME: "dsl_runtime",
+    env.VLLM_PLUGIN: "vllm_plugin_enabled", env.VLLM_SM100: "vllm_sm100",
 }
 
 

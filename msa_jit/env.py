@@ -31,6 +31,8 @@ __all__ = [
     "LOG_LEVEL",
     "DSL_VERSION",
     "DSL_RUNTIME",
+    "VLLM_PLUGIN",
+    "VLLM_SM100",
     "VARIABLES",
     "DEFAULT_CACHE_MAX_BYTES",
     "DEFAULT_LOCK_TIMEOUT_S",
@@ -43,6 +45,8 @@ __all__ = [
     "log_level",
     "dsl_version_override",
     "dsl_runtime",
+    "vllm_plugin_enabled",
+    "vllm_sm100",
     "parse_arch",
     "parse_size",
     "describe",
@@ -57,6 +61,8 @@ ENABLE_SM100_UMMA = "MSA_JIT_ENABLE_SM100_UMMA"
 LOG_LEVEL = "MSA_JIT_LOG_LEVEL"
 DSL_VERSION = "MSA_JIT_DSL_VERSION"
 DSL_RUNTIME = "MSA_JIT_DSL_RUNTIME"
+VLLM_PLUGIN = "MSA_JIT_VLLM_PLUGIN"
+VLLM_SM100 = "MSA_JIT_VLLM_SM100"
 
 DEFAULT_CACHE_MAX_BYTES = 2 * 1024**3
 DEFAULT_LOCK_TIMEOUT_S = 600.0
@@ -94,6 +100,14 @@ VARIABLES: dict[str, str] = {
     DSL_RUNTIME: (
         "Path of libcute_dsl_runtime.so to load artifacts with. Default: found under "
         "nvidia_cutlass_dsl/{cu13,cu12}/lib on sys.path (a pip install or the GPU bundle)."
+    ),
+    VLLM_PLUGIN: (
+        "Bool, default 1. 0 turns the vLLM plugin off: msa_jit.vllm_plugin.register() patches "
+        "nothing (it logs one line saying so)."
+    ),
+    VLLM_SM100: (
+        "Bool, default 0. 1: on compute capability 10.x the vLLM plugin also routes MiniMax-M3 "
+        "decode through msa-jit; by default vLLM keeps its own fmha_sm100 path there."
     ),
 }
 
@@ -229,6 +243,14 @@ def dsl_runtime() -> Path | None:
     if value is None or value == "":
         return None
     return Path(value)
+def vllm_plugin_enabled() -> bool:
+    """``MSA_JIT_VLLM_PLUGIN``: whether the vLLM plugin patches anything (default True)."""
+    return _bool(VLLM_PLUGIN, default=True)
+
+
+def vllm_sm100() -> bool:
+    """``MSA_JIT_VLLM_SM100``: route vLLM's SM100 MiniMax-M3 decode through msa-jit (default False)."""
+    return _bool(VLLM_SM100)
 
 
 def enable_sm100_umma() -> bool:

@@ -779,7 +779,8 @@ def test_env_read_live_and_describe(monkeypatch):
     names = [n for n, _v, _d in table]
     assert names == ["MSA_JIT_CACHE_DIR", "MSA_JIT_NO_COMPILE", "MSA_JIT_CACHE_MAX_BYTES", "MSA_JIT_LOCK_TIMEOUT",
                      "MSA_JIT_ARCH", "MSA_JIT_ENABLE_SM100_UMMA", "MSA_JIT_LOG_LEVEL",
-                     "MSA_JIT_DSL_VERSION", "MSA_JIT_DSL_RUNTIME"]
+                     "MSA_JIT_DSL_VERSION", "MSA_JIT_DSL_RUNTIME",
+                     "MSA_JIT_VLLM_PLUGIN", "MSA_JIT_VLLM_SM100"]
     values = {n: v for n, v, _d in table}
     assert values["MSA_JIT_ARCH"] == "garbage!" and values["MSA_JIT_CACHE_DIR"] is None
     assert all(isinstance(d, str) and d for _n, _v, d in table)

@@ -1,4 +1,5 @@
-"""msa_jit.engine: the seed API by name and signature, support checks, a run vs the reference."""
+"""msa_jit.engine: the seed API by name and signature, support checks, NVFP4 dispatch, runs vs the
+reference (decode and msa_sparse_prefill). vLLM 0.33's own signatures: tests/test_engine_parity.py."""
 
 from __future__ import annotations
 
@@ -119,10 +120,14 @@ def test_seed_document_parses_to_the_fallback():
 
 
 @pytest.mark.parametrize("qualname", sorted(EXPECTED))
-def test_signature_matches_seed(qualname):
+def test_signature_accepts_seed(qualname):
+    """The seed's parameters come first, unchanged; what vLLM 0.33 added (tests/test_engine_parity.py)
+    follows, each with a default, so every seed call still binds."""
     expected = _expected()
     assert qualname in expected
-    assert _ours(qualname) == expected[qualname]
+    ours = _ours(qualname)
+    assert ours[:len(expected[qualname])] == expected[qualname]
+    assert all(default is not None for _, _, default in ours[len(expected[qualname]):])
 
 
 def test_dataclasses_match_seed():
@@ -257,3 +262,203 @@ def test_gpu_step_and_graph_replay(batch, qlen):
     torch.cuda.synchronize()
     _check(c, out_g)
     torch.testing.assert_close(out_g, out, rtol=1e-2, atol=1e-3)
+
+
+# ----------------------------------------------------------------------------- vLLM 0.33 additions
+@pytest.mark.parametrize("dtype,ok", [("nvfp4", True), ("nvfp4_4over6", True), ("nvfp4_ds_mla", False),
+                                      ("fp8", False), ("auto", False), ("bfloat16", False), (None, False)])
+def test_is_nvfp4_kv_cache(dtype, ok):
+    assert engine.is_nvfp4_kv_cache(dtype) is ok
+
+
+@pytest.mark.parametrize("backend", ["triton", "cutlass", "msa_jit"])
+def test_nvfp4_takes_the_path_whatever_the_backend(monkeypatch, backend):
+    monkeypatch.setattr(engine, "_device_capability", lambda: (9, 0))
+    assert supports_cutlass_sparse_decode(**{**_OK, "decode_backend": backend, "kv_cache_dtype": "nvfp4"})
+    assert not supports_cutlass_sparse_decode(**{**_OK, "decode_backend": "triton"})
+    monkeypatch.setattr(engine, "_device_capability", lambda: (8, 9))
+    assert not supports_cutlass_sparse_decode(**{**_OK, "kv_cache_dtype": "nvfp4"})
+
+
+@pytest.mark.parametrize("dtype,batch,floor,ok", [
+    ("fp8", 3, None, True), ("fp8", 3, 16, False), ("fp8", 16, 16, True), ("fp8", 1, 0, True),
+    ("nvfp4", 3, 16, True),  # NVFP4 has no fallback kernel: the floor does not apply
+    ("fp8", 0, None, False), ("nvfp4", 0, None, False),
+])
+def test_min_batch_size(monkeypatch, dtype, batch, floor, ok):
+    monkeypatch.setattr(engine, "_device_capability", lambda: (9, 0))
+    kw = {**_OK, "kv_cache_dtype": dtype}
+    assert should_prepare_decode_metadata(batch, 1, **kw, min_batch_size=floor) is ok
+
+
+def test_min_batch_size_type():
+    with pytest.raises(TypeError, match="min_batch_size"):
+        should_prepare_decode_metadata(4, 1, **_OK, min_batch_size="16")
+
+
+def _nvfp4_cache(pages: int, hkv: int, page: int = 128) -> torch.Tensor:
+    return torch.randint(0, 256, (pages, 2 * hkv, page, 72), dtype=torch.uint8)
+
+
+def test_nvfp4_views_follow_the_contract():
+    """Slot 2h = K of head h, 2h+1 = V; a slot is page*72 flat bytes: data [page, 64] then scales
+    [page, 8] (not 72-byte rows)."""
+    from msa_jit.nvfp4 import is_nvfp4_kv_layout, nvfp4_kv_cache_slots
+
+    page, hkv, pages = 16, 2, 3
+    kv = _nvfp4_cache(pages, hkv, page)
+    flat = kv.view(pages, 2 * hkv, page * 72)
+    k_data, k_sc, v_data, v_sc = engine.nvfp4_kv_cache_views(kv)
+    assert k_data.shape == v_data.shape == (pages, hkv, page, 64)
+    assert k_sc.shape == v_sc.shape == (pages, hkv, page, 8)
+    for p in range(pages):
+        for h in range(hkv):
+            for side, (data, sc) in enumerate(((k_data, k_sc), (v_data, v_sc))):
+                slot = flat[p, 2 * h + side]
+                assert torch.equal(data[p, h].reshape(-1), slot[:page * 64])
+                assert torch.equal(sc[p, h].reshape(-1), slot[page * 64:])
+    k_slots, v_slots = nvfp4_kv_cache_slots(kv)
+    assert torch.equal(k_slots, kv[:, 0::2]) and torch.equal(v_slots, kv[:, 1::2])
+    assert is_nvfp4_kv_layout(kv, hkv, page) and not is_nvfp4_kv_layout(kv, hkv + 1, page)
+    with pytest.raises(ValueError, match="NVFP4 layout"):
+        engine.nvfp4_kv_cache_views(kv[:, :3])
+    with pytest.raises(TypeError, match="uint8"):
+        engine.nvfp4_kv_cache_views(kv.view(torch.int8))
+
+
+def test_kv_cache_layout_dispatch():
+    assert engine.kv_cache_layout(torch.zeros(2, 4, 128, 256, dtype=FP8)) == "fp8"
+    assert engine.kv_cache_layout(torch.zeros(2, 4, 128, 256, dtype=torch.uint8)) == "fp8"
+    assert engine.kv_cache_layout(_nvfp4_cache(2, 4)) == "nvfp4"
+    for bad in (torch.zeros(2, 4, 128, 72, dtype=FP8), torch.zeros(2, 3, 128, 72, dtype=torch.uint8),
+                torch.zeros(2, 4, 128, 128, dtype=torch.uint8), torch.zeros(2, 4, 128, 256, dtype=torch.bfloat16)):
+        with pytest.raises(ValueError, match=r"fp8 layout \[P, Hkv, page_size, 256\].*NVFP4 layout "
+                                             r"\[P, 2\*Hkv, page_size, 72\].*got shape"):
+            engine.kv_cache_layout(bad)
+    with pytest.raises(TypeError, match="kv_cache"):
+        engine.kv_cache_layout([1, 2])
+
+
+def _decode_call(c, md, kv, out, **kw):
+    msa_cutlass_sparse_decode(c.query, kv, c.topk, out, md, scale=c.sm_scale, q_scale_float=c.q_scale,
+                              k_scale_float=c.k_scale, v_scale_float=c.v_scale, **kw)
+
+
+def test_nvfp4_call_says_it_is_not_there_yet():
+    c = make_case(2, 1, 16, 1, q_dtype=FP8, seed=41)
+    md = prepare_decode_metadata(c.block_table, c.seq_lens, c.seq_lens_cpu, c.qlen,
+                                 plan_cache=MSACutlassDecodePlanCache(), **c.prepare_kwargs())
+    kv = _nvfp4_cache(c.kv_cache.shape[0], 1)
+    out = c.new_out()
+    one = torch.ones(1, dtype=torch.float32)
+    with pytest.raises(NotImplementedError, match=r"recognised the NVFP4 layout .*no NVFP4 kernel yet"):
+        _decode_call(c, md, kv, out, k_scale=one, v_scale=one)
+    with pytest.raises(TypeError, match="k_scale, v_scale: the NVFP4 layout"):
+        _decode_call(c, md, kv, out)
+    with pytest.raises(ValueError, match=r"recognised the NVFP4 layout.*expected \[P, 2, 128, 72\]"):
+        _decode_call(c, md, _nvfp4_cache(c.kv_cache.shape[0], 2), out, k_scale=one, v_scale=one)
+    assert torch.isnan(out).all(), "nothing may be written on failure"
+
+
+def test_fp8_errors_name_the_layout():
+    c = make_case(2, 1, 16, 1, q_dtype=FP8, seed=42)
+    md = prepare_decode_metadata(c.block_table, c.seq_lens, c.seq_lens_cpu, c.qlen,
+                                 plan_cache=MSACutlassDecodePlanCache(), **c.prepare_kwargs())
+    out = c.new_out()
+    kv2 = torch.zeros(c.kv_cache.shape[0], 2, 128, 256, dtype=FP8)  # 2 KV heads, the plan has 1
+    with pytest.raises(ValueError, match=r"kv_cache recognised as the fp8 layout .*: kv_cache: expected shape"):
+        _decode_call(c, md, kv2, out)
+    assert torch.isnan(out).all()
+    # vLLM's default LBNHC layout: the per-layer view interleaves the heads of a token
+    lbnhc = torch.zeros(c.kv_cache.shape[0], 128, 2, 256, dtype=FP8).transpose(1, 2)  # [P, 2, 128, 256]
+    with pytest.raises(ValueError, match="not contiguous.*LBHNC"):
+        _decode_call(c, md, lbnhc, out)
+    assert torch.isnan(out).all()
+    # the fp8 path ignores the NVFP4 scale tensors, as the engine does
+    _decode_call(c, md, c.kv_cache, out, k_scale=torch.full((1,), 100.0), v_scale=None)
+    _check(c, out)
+
+
+# ----------------------------------------------------------------------------- msa_sparse_prefill
+def test_oracle_agrees_with_the_reference():
+    """tests/engine_cases.oracle (used for prefill) against msa_jit's float64 reference."""
+    import engine_cases as ec
+
+    c = make_case(3, 2, 16, 1, q_dtype=FP8, seed=43)
+    rows = [t // c.qlen for t in range(c.num_tokens)]
+    pos = [int(c.seq_lens_cpu[t // c.qlen]) - c.qlen + t % c.qlen for t in range(c.num_tokens)]
+    ref, _ = sparse_decode_reference(*c.reference_args(), **c.scales())
+    mine = ec.oracle(c.query, c.kv_cache, c.topk, c.block_table, rows, pos, sm_scale=c.sm_scale,
+                     q_scale=c.q_scale, k_scale=c.k_scale, v_scale=c.v_scale)
+    torch.testing.assert_close(mine, ref.double(), rtol=1e-9, atol=1e-9)
+
+
+def _prefill_run(device, prefills, chunk, hq, hkv, q_dtype, seed):
+    import engine_cases as ec
+
+    step = ec.make_step(num_decodes=0, decode_qlen=1, prefills=prefills, num_q_heads=hq,
+                        num_kv_heads=hkv, seed=seed, device=device)
+    T = step.num_tokens
+    q = (step.query_fp8 if q_dtype == FP8 else step.query_bf16).view(T, hq, 128)
+    out = torch.full((T, hq, 128), float("nan"), dtype=torch.bfloat16, device=device)
+    cu = step.query_start_loc
+    ctx = (step.seq_lens - (cu[1:] - cu[:-1])).to(torch.int32)
+    engine.msa_sparse_prefill(
+        q, step.kv_u8.view(FP8), step.topk_buffer[:T], out, block_table=step.block_table,
+        cu_seqlens_q=cu, context_lens=ctx, page_size=128, scale=step.sm_scale,
+        q_scale_float=step.q_scale if q_dtype == FP8 else 1.0, k_scale_float=step.k_scale,
+        v_scale_float=step.v_scale, plan_cache=MSACutlassDecodePlanCache(), chunk_tokens=chunk)
+    err = ec.relative_error(out, step.expected())
+    assert err < 1e-2, err
+    return step
+
+
+@pytest.mark.parametrize("prefills,chunk,q_dtype", [
+    ([(0, 9)], 4, FP8),                      # 4 + 4 + 1 (padded)
+    ([(0, 3), (250, 8), (129, 5)], 8, FP8),  # chunks across requests, exact multiple of 8
+    ([(0, 5), (1000, 2)], 16, torch.bfloat16),  # one padded chunk
+])
+def test_prefill_matches_the_oracle_cpu(prefills, chunk, q_dtype):
+    _prefill_run("cpu", prefills, chunk, 16, 1, q_dtype, seed=44 + chunk)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq,hkv", [(64, 4), (8, 1)])
+def test_prefill_matches_the_oracle_gpu(hq, hkv):
+    _prefill_run("cuda", [(0, 200), (3000, 70), (5, 33)], engine.PREFILL_CHUNK_TOKENS, hq, hkv, FP8, seed=45)
+
+
+def test_prefill_reuses_one_plan_and_a_padded_tail_is_zero():
+    """Tokens past cu_seqlens_q[-1] (a padded batch) get zeros; one plan serves every chunk."""
+    c = make_case(1, 1, 16, 1, q_dtype=FP8, seed=46, ctx_lens=[300])
+    n = 6
+    q = c.query.expand(n, -1, -1).contiguous()
+    topk = c.topk.expand(n, -1, -1).contiguous()
+    out = torch.full((n, 16, 128), float("nan"), dtype=torch.bfloat16)
+    cache = MSACutlassDecodePlanCache()
+    cu = torch.tensor([0, 4], dtype=torch.int32)  # 4 real tokens, 2 of padding
+    ctx = torch.tensor([296], dtype=torch.int32)
+    engine.msa_sparse_prefill(q, c.kv_cache, topk, out, block_table=c.block_table, cu_seqlens_q=cu,
+                              context_lens=ctx, page_size=128, scale=c.sm_scale, q_scale_float=c.q_scale,
+                              k_scale_float=c.k_scale, v_scale_float=c.v_scale, plan_cache=cache,
+                              chunk_tokens=4)
+    assert len(cache.plans) == 1 and list(cache.plans)[0][:2] == (4, 1)
+    assert torch.all(out[4:] == 0)
+    _check(c, out[3:4])  # token 3 sits at position 299 = the decode token of the case
+
+
+@pytest.mark.parametrize("change,err,match", [
+    ({"chunk_tokens": 0}, ValueError, "chunk_tokens"),
+    ({"cu_seqlens_q": torch.tensor([0, 2, 4], dtype=torch.int32)}, ValueError, "cu_seqlens_q"),
+    ({"block_table": None}, TypeError, "block_table"),
+])
+def test_prefill_rejects_bad_input(change, err, match):
+    c = make_case(1, 1, 16, 1, q_dtype=FP8, seed=47)
+    out = c.new_out()
+    kw = dict(block_table=c.block_table, cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32),
+              context_lens=c.seq_lens - 1, page_size=128, scale=c.sm_scale, q_scale_float=1.0,
+              k_scale_float=1.0, v_scale_float=1.0)
+    kw.update(change)
+    with pytest.raises(err, match=match):
+        engine.msa_sparse_prefill(c.query, c.kv_cache, c.topk, out, **kw)
+    assert torch.isnan(out).all()

@@ -1,0 +1,251 @@
+"""vLLM 0.33's own MiniMax-M3 attention code, unmodified, with msa_jit.vllm_plugin applied.
+
+The real `shared/engine/vllm-0.33.0/` files run on the stand-ins of tests/vllm_standins.py
+(which names every stand-in): model.py's impl choice and construction and its
+`_allocate_query_fp8` (tests/engine_cases.py, by ast), `MiniMaxM3SparseMSAMetadataBuilder.build`
+and `MiniMaxM3SparseMSAImpl.forward` on a real step, checked against a float64 oracle.
+CPU: the op's float64 reference backend (engine._device_capability reports 9.0). GPU
+(`-m gpu`, an SM90 device): the same code with CUDA tensors and the compiled kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import engine_cases as ec
+import vllm_standins as vs
+
+from msa_jit import SparseDecodePlan, engine, env, vllm_plugin
+
+pytestmark = pytest.mark.skipif(not vs.engine_files_present(),
+                                reason=f"the vLLM engine files are not in {vs.ENGINE_DIR}")
+
+LAYER = "model.layers.3.self_attn.attn"
+TOL = 1e-2
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request) -> str:
+    if request.param == "cuda" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the plugin's SM90 path needs a compute capability 9.x GPU")
+    return request.param
+
+
+def _capability(device: str) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability()) if device == "cuda" else (9, 0)  # type: ignore[return-value]
+
+
+@pytest.fixture
+def vllm(monkeypatch, device):
+    """Stand-ins + the real engine files, then register() as vLLM would call it."""
+    for name in (env.VLLM_PLUGIN, env.VLLM_SM100, "VLLM_MINIMAX_M3_MSA_CUTLASS_MIN_BATCH"):
+        monkeypatch.delenv(name, raising=False)
+    if device == "cpu":
+        monkeypatch.setattr(engine, "_device_capability", lambda: (9, 0))
+    ns = vs.install(monkeypatch, capability=_capability(device))
+    ns.line = vllm_plugin.register()
+    assert "through msa-jit" in ns.line, ns.line
+    return ns
+
+
+def _engine_step(ns, step: ec.Step, device: str, *, decode_backend: str = "cutlass",
+                 kv_cache_dtype: str = "fp8", kv_cache: torch.Tensor | None = None,
+                 wiring: ec.ModelWiring | None = None) -> SimpleNamespace:
+    """One layer of one step as vLLM runs it: model wiring, builder.build, impl.forward."""
+    hq, hkv, T = step.num_q_heads, step.num_kv_heads, step.num_tokens
+    cfg = ec.vllm_config(num_q_heads=hq, decode_backend=decode_backend, kv_cache_dtype=kv_cache_dtype,
+                         decode_qlen=step.decode_qlen)
+    ns.config.vllm_config = cfg
+    wiring = wiring or ec.ModelWiring.parse()
+    attn = wiring.layer_namespace(num_heads=hq, num_kv_heads=hkv, kv_cache_dtype=kv_cache_dtype)
+    backend, impl_cls = wiring.select(ns.common.select_main_backend_and_impl_cls, attn, cfg)
+    impl = wiring.make_impl(impl_cls, attn, cfg)
+    attn.impl = impl
+    spec = SimpleNamespace(num_kv_heads=hkv, block_size=ec.PAGE)
+    builder = backend.get_builder_cls()(spec, [LAYER], cfg, torch.device(device))
+    cm = vs.CommonAttentionMetadata(
+        query_start_loc=step.query_start_loc, query_start_loc_cpu=step.query_start_loc_cpu,
+        seq_lens=step.seq_lens, num_reqs=len(step.query_lens), num_actual_tokens=T,
+        max_query_len=max(step.query_lens), max_seq_len=max(step.seq_lens_list),
+        block_table_tensor=step.block_table,
+        slot_mapping=torch.zeros(T, dtype=torch.int64, device=device),
+        seq_lens_cpu_upper_bound=step.seq_lens_cpu,
+    )
+    md = builder.build(0, cm)
+    ns.forward_context.attn_metadata = {LAYER: md}
+    layer = SimpleNamespace(
+        layer_name=LAYER, topk_indices_buffer=step.topk_buffer, _q_scale_float=step.q_scale,
+        _k_scale_float=step.k_scale, _v_scale_float=step.v_scale,
+        _k_scale=torch.tensor([step.k_scale], dtype=torch.float32, device=device),
+        _v_scale=torch.tensor([step.v_scale], dtype=torch.float32, device=device),
+    )
+    # The model's buffers: T + 2 rows (padding past num_actual_tokens must stay untouched).
+    rows = T + 2
+    qkv = torch.empty(rows, 1, device=device)
+    query_fp8 = wiring.allocate_query_fp8(attn, qkv)
+    query = torch.full((rows, hq * ec.D), float("nan"), dtype=torch.bfloat16, device=device)
+    if query_fp8 is not None:  # the fused insert then writes only the fp8 query
+        query_fp8.zero_()
+        query_fp8[:T] = step.query_fp8
+    else:
+        query[:T] = step.query_bf16
+    output = torch.full((rows, hq * ec.D), float("nan"), dtype=torch.bfloat16, device=device)
+    ret = impl.forward(layer, query, step.kv_u8 if kv_cache is None else kv_cache, output,
+                       query_fp8=query_fp8)
+    assert ret is output
+    return SimpleNamespace(backend=backend, impl=impl, builder=builder, md=md, output=output,
+                           query=query, query_fp8=query_fp8, layer=layer)
+
+
+def _check_output(step: ec.Step, output: torch.Tensor) -> float:
+    T = step.num_tokens
+    err = ec.relative_error(output[:T].view(T, step.num_q_heads, ec.D), step.expected())
+    assert err < TOL, err
+    assert torch.isnan(output[T:]).all(), "rows past num_actual_tokens were written"
+    return err
+
+
+@pytest.mark.parametrize("num_decodes,qlen,hq,hkv", [(3, 1, 16, 1), (2, 3, 32, 2), (5, 1, 64, 4)])
+def test_decode_step_runs_msa_jit_inside_the_engine(vllm, device, num_decodes, qlen, hq, hkv):
+    step = ec.make_step(num_decodes=num_decodes, decode_qlen=qlen, prefills=[], num_q_heads=hq,
+                        num_kv_heads=hkv, seed=100 + num_decodes * qlen, device=device)
+    r = _engine_step(vllm, step, device)
+    assert issubclass(r.backend, vllm.msa.MiniMaxM3SparseMSABackend)
+    assert r.backend.supported_kv_cache_layouts() == (vs.KVCacheLayout.LBHNC,)
+    assert isinstance(r.impl, vllm.msa.MiniMaxM3SparseMSAImpl) and r.impl.use_cutlass_decode
+    assert r.query_fp8 is not None and r.query_fp8.dtype == torch.float8_e4m3fn
+    assert torch.isnan(r.query).all(), "the bf16 query must not be needed for decode"
+    d = r.md.decode
+    assert isinstance(d, vllm.msa.MiniMaxM3SparseMSADecodeMetadata)
+    assert isinstance(d.msa_cutlass, engine.MSACutlassDecodeMetadata)  # batch < 16: no floor
+    assert isinstance(d.msa_cutlass.plan, SparseDecodePlan)
+    assert d.msa_cutlass.plan.batch == num_decodes and d.msa_cutlass.plan.qlen == qlen
+    assert r.builder.msa_cutlass_plan_cache.plans, "the builder's own plan cache holds the plan"
+    _check_output(step, r.output)
+    assert not vllm.kernels.prefill_calls
+
+
+def test_engine_batch_floor_env_is_honoured(vllm, device, monkeypatch):
+    monkeypatch.setenv("VLLM_MINIMAX_M3_MSA_CUTLASS_MIN_BATCH", "16")
+    step = ec.make_step(num_decodes=3, decode_qlen=1, prefills=[], num_q_heads=16, num_kv_heads=1,
+                        seed=7, device=device)
+    with pytest.raises(AssertionError, match="Triton decode ran"):  # 3 < 16: the engine's fallback
+        _engine_step(vllm, step, device)
+
+
+def _triton_prefill_hook(step: ec.Step):
+    """The Triton prefill stand-in's answer, from the arguments the impl passed."""
+
+    def hook(call):
+        q, cu, ctx = call["q"], call["cu_seqlens_q"].cpu().tolist(), call["prefix_lens"].cpu().tolist()
+        rows, pos = [], []
+        for r in range(len(cu) - 1):
+            for j in range(cu[r + 1] - cu[r]):
+                rows.append(r)
+                pos.append(ctx[r] + j)
+        assert q.dtype == torch.bfloat16 and call["kv_cache"].dtype == torch.float8_e4m3fn
+        ref = ec.oracle(q, call["kv_cache"], call["topk_idx"].transpose(0, 1), call["block_table"],
+                        rows, pos, sm_scale=call["sm_scale"], q_scale=1.0,
+                        k_scale=float(call["k_scale"]), v_scale=float(call["v_scale"]))
+        call["output"].copy_(ref.to(torch.bfloat16))
+
+    return hook
+
+
+def test_mixed_step_prefill_through_the_engines_triton_prefill(vllm, device):
+    step = ec.make_step(num_decodes=2, decode_qlen=1, prefills=[(0, 5), (300, 9)], num_q_heads=16,
+                        num_kv_heads=1, seed=21, device=device)
+    vllm.kernels.prefill_hook = _triton_prefill_hook(step)
+    r = _engine_step(vllm, step, device)
+    (call,) = vllm.kernels.prefill_calls
+    nd = step.num_decodes
+    assert call["topk_idx"].shape == (1, step.num_tokens - nd, 16)
+    # the prefill query is the fp8 one dequantized (the fused insert wrote nothing else)
+    torch.testing.assert_close(call["q"].float().cpu(), step.query_bf16[nd:].view(-1, 16, ec.D).float().cpu(),
+                               rtol=1e-2, atol=1e-2)
+    _check_output(step, r.output)
+    assert vllm.forward_context.attn_metadata[LAYER] is r.md, "the decode-only view was not restored"
+
+
+@pytest.mark.parametrize("hq,hkv", [(16, 1), (64, 4)])
+def test_mixed_step_prefill_through_msa_jit(vllm, device, monkeypatch, hq, hkv):
+    """The NVFP4 prefill path (msa_sparse_prefill), on an fp8 cache: full chunks and a padded
+    last one (on the GPU the real chunk of 256 tokens, on a CPU 16 to keep the reference quick)."""
+    if device == "cpu":
+        monkeypatch.setattr(vllm_plugin.MsaJitPrefillMixin, "prefill_chunk_tokens", 16)
+        prefills = [(0, 20), (1000, 6), (5, 11)]  # 37 tokens: 16 + 16 + 5
+    else:
+        prefills = [(0, 200), (1000, 60), (5, 40)]  # 300 tokens: 256 + 44
+    step = ec.make_step(num_decodes=3, decode_qlen=1, prefills=prefills, num_q_heads=hq,
+                        num_kv_heads=hkv, seed=22 + hq, device=device)
+    monkeypatch.setattr(vllm_plugin.MsaJitPrefillMixin, "fp8_prefill", "msa_jit")
+    r = _engine_step(vllm, step, device)
+    assert not vllm.kernels.prefill_calls
+    _check_output(step, r.output)
+
+
+def test_prefill_only_step(vllm, device, monkeypatch):
+    step = ec.make_step(num_decodes=0, decode_qlen=1, prefills=[(130, 7)], num_q_heads=16,
+                        num_kv_heads=1, seed=23, device=device)
+    monkeypatch.setattr(vllm_plugin.MsaJitPrefillMixin, "fp8_prefill", "msa_jit")
+    r = _engine_step(vllm, step, device)
+    assert r.md.decode is None
+    _check_output(step, r.output)
+
+
+@pytest.mark.parametrize("kv_cache_dtype,decode_backend", [("auto", "cutlass"), ("fp8", "triton"),
+                                                           ("fp8_e5m2", "cutlass")])
+def test_other_configs_keep_the_engines_choice(vllm, device, kv_cache_dtype, decode_backend):
+    cfg = ec.vllm_config(num_q_heads=16, decode_backend=decode_backend, kv_cache_dtype=kv_cache_dtype)
+    vllm.config.vllm_config = cfg
+    wiring = ec.ModelWiring.parse()
+    attn = wiring.layer_namespace(num_heads=16, num_kv_heads=1, kv_cache_dtype=kv_cache_dtype)
+    backend, impl_cls = wiring.select(vllm.common.select_main_backend_and_impl_cls, attn, cfg)
+    assert (backend, impl_cls) == (vllm.common.MiniMaxM3SparseBackend, vllm.common.MiniMaxM3SparseTritonImpl)
+    attn.impl = wiring.make_impl(impl_cls, attn, cfg)
+    assert wiring.allocate_query_fp8(attn, torch.empty(4, 1, device=device)) is None
+
+
+def test_without_the_plugin_the_engine_refuses_hopper(monkeypatch, device):
+    """What register() changes: on SM90 the unpatched engine picks Triton and refuses NVFP4."""
+    ns = vs.install(monkeypatch, capability=_capability(device))
+    ns.config.vllm_config = ec.vllm_config(num_q_heads=16, decode_backend="cutlass", kv_cache_dtype="fp8")
+    sel = ns.common.select_main_backend_and_impl_cls
+    assert sel(topk_blocks=16, kv_cache_dtype="fp8", num_kv_heads=1)[1] is ns.common.MiniMaxM3SparseTritonImpl
+    with pytest.raises(ValueError, match="NVFP4 KV cache only with the SM100 MSA backend"):
+        sel(topk_blocks=16, kv_cache_dtype="nvfp4", num_kv_heads=1)
+
+
+def _nvfp4_cache(step: ec.Step) -> torch.Tensor:
+    pages = step.kv_u8.shape[0]
+    return torch.zeros(pages, 2 * step.num_kv_heads, ec.PAGE, 72, dtype=torch.uint8, device=step.kv_u8.device)
+
+
+@pytest.mark.parametrize("prefills", [[], [(0, 6)]])
+def test_nvfp4_step_reaches_msa_jit(vllm, device, prefills):
+    """NVFP4 on SM90: the engine's code plans and calls msa-jit (no batch floor, no Triton
+    fallback); until the NVFP4 kernel lands the call raises that clear error."""
+    step = ec.make_step(num_decodes=2, decode_qlen=1, prefills=prefills, num_q_heads=16,
+                        num_kv_heads=1, seed=31, device=device)
+    with pytest.raises(NotImplementedError, match="recognised the NVFP4 layout.*no NVFP4 kernel yet"):
+        _engine_step(vllm, step, device, decode_backend="triton", kv_cache_dtype="nvfp4",
+                     kv_cache=_nvfp4_cache(step))
+    md = vllm.forward_context.attn_metadata[LAYER]
+    assert isinstance(md.decode.msa_cutlass, engine.MSACutlassDecodeMetadata)
+
+
+def test_nvfp4_backend_and_query(vllm, device):
+    cfg = ec.vllm_config(num_q_heads=16, decode_backend="triton", kv_cache_dtype="nvfp4")
+    vllm.config.vllm_config = cfg
+    wiring = ec.ModelWiring.parse()
+    attn = wiring.layer_namespace(num_heads=16, num_kv_heads=1, kv_cache_dtype="nvfp4")
+    backend, impl_cls = wiring.select(vllm.common.select_main_backend_and_impl_cls, attn, cfg)
+    assert backend is vllm.msa.MiniMaxM3SparseMSANvfp4Backend
+    attn.impl = wiring.make_impl(impl_cls, attn, cfg)
+    assert attn.impl.use_nvfp4_kv and attn.impl.use_cutlass_decode
+    q = wiring.allocate_query_fp8(attn, torch.empty(4, 1, device=device))
+    assert q is not None and q.shape == (4, 16 * ec.D)
+    assert math.isclose(attn.impl.scale, ec.D ** -0.5)

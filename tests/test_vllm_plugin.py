@@ -1,0 +1,180 @@
+"""msa_jit.vllm_plugin.register(): when it patches what, one log line, never raises."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import sys
+import tomllib
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import vllm_standins as vs
+
+from msa_jit import engine, env, vllm_plugin
+
+ROOT = Path(__file__).resolve().parents[1]
+needs_engine = pytest.mark.skipif(not vs.engine_files_present(),
+                                  reason=f"the vLLM engine files are not in {vs.ENGINE_DIR}")
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    for name in (env.VLLM_PLUGIN, env.VLLM_SM100):
+        monkeypatch.delenv(name, raising=False)
+
+
+def _register(caplog) -> str:
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=vllm_plugin.LOG.name):
+        line = vllm_plugin.register()
+    records = [r for r in caplog.records if r.name == vllm_plugin.LOG.name]
+    assert [r.getMessage() for r in records] == [line], "register() must log exactly one line"
+    assert "\n" not in line and line.startswith("msa-jit vLLM plugin:")
+    return line
+
+
+def _untouched(ns) -> bool:
+    originals = [getattr(ns.engine_msa, n) for n in vllm_plugin.REBOUND_NAMES]
+    return ([getattr(ns.msa, n) for n in vllm_plugin.REBOUND_NAMES] == originals
+            and not hasattr(ns.common.select_main_backend_and_impl_cls, "__msa_jit_original__"))
+
+
+def test_without_vllm_it_logs_one_line_and_returns(monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
+    assert _register(caplog) == "msa-jit vLLM plugin: vLLM is not installed; nothing patched"
+
+
+def test_entry_point_is_declared_and_loads():
+    ep_table = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]
+    value = ep_table["vllm.general_plugins"]["msa_jit"]
+    assert value == "msa_jit.vllm_plugin:register"
+    ep = importlib.metadata.EntryPoint(name="msa_jit", value=value, group="vllm.general_plugins")
+    assert ep.load() is vllm_plugin.register
+
+
+@needs_engine
+def test_sm90_patches_names_and_selector(monkeypatch, caplog):
+    ns = vs.install(monkeypatch, capability=(9, 0))
+    original = ns.common.select_main_backend_and_impl_cls
+    line = _register(caplog)
+    assert "SM90 through msa-jit" in line and "select_main_backend_and_impl_cls" in line
+    for name in vllm_plugin.REBOUND_NAMES:
+        assert getattr(ns.msa, name) is getattr(engine, name), name
+    wrapped = ns.common.select_main_backend_and_impl_cls
+    assert wrapped.__msa_jit_original__ is original
+    # idempotent: one more line, nothing wrapped twice
+    assert "already applied" in _register(caplog)
+    assert ns.common.select_main_backend_and_impl_cls is wrapped
+    # vLLM's own module is untouched (only its importer's names are rebound)
+    assert ns.engine_msa.supports_cutlass_sparse_decode is not engine.supports_cutlass_sparse_decode
+
+
+@needs_engine
+@pytest.mark.parametrize("bound_original", [True, False])
+def test_model_module_imported_before_register(monkeypatch, caplog, bound_original):
+    """model.py does `from ...common.sparse_attention import select_main_backend_and_impl_cls`."""
+    ns = vs.install(monkeypatch, capability=(9, 0))
+    model = ModuleType(vllm_plugin.MODEL_MODULE)
+    other = object()
+    model.select_main_backend_and_impl_cls = ns.common.select_main_backend_and_impl_cls if bound_original else other
+    monkeypatch.setitem(sys.modules, vllm_plugin.MODEL_MODULE, model)
+    line = _register(caplog)
+    if bound_original:
+        assert model.select_main_backend_and_impl_cls is ns.common.select_main_backend_and_impl_cls
+        assert f"{vllm_plugin.MODEL_MODULE}.select_main_backend_and_impl_cls" in line
+    else:  # someone else's function: not ours to replace
+        assert model.select_main_backend_and_impl_cls is other
+
+
+@needs_engine
+def test_sm100_needs_the_opt_in(monkeypatch, caplog):
+    ns = vs.install(monkeypatch, capability=(10, 0))
+    line = _register(caplog)
+    assert "fmha_sm100 path kept" in line and env.VLLM_SM100 in line and _untouched(ns)
+    monkeypatch.setenv(env.VLLM_SM100, "1")
+    line = _register(caplog)
+    assert "SM100 through msa-jit" in line and "prefill stays on fmha_sm100" in line
+    assert ns.msa.msa_cutlass_sparse_decode is engine.msa_cutlass_sparse_decode
+    # the engine already picks its MSA backend on 10.x: the selector is left alone
+    assert not hasattr(ns.common.select_main_backend_and_impl_cls, "__msa_jit_original__")
+
+
+@needs_engine
+@pytest.mark.parametrize("capability,expect", [((8, 0), "msa-jit serves 9.x and 10.x"),
+                                               ((12, 0), "msa-jit serves 9.x and 10.x"),
+                                               (None, "not a CUDA platform")])
+def test_other_devices_are_left_alone(monkeypatch, caplog, capability, expect):
+    ns = vs.install(monkeypatch, capability=capability)
+    assert expect in _register(caplog) and _untouched(ns)
+
+
+@needs_engine
+def test_unknown_vllm_version(monkeypatch, caplog):
+    ns = vs.install(monkeypatch, version="0.34.0")
+    line = _register(caplog)
+    assert "vLLM 0.34.0 is not a version this plugin knows (0.33.0)" in line and _untouched(ns)
+
+
+@needs_engine
+@pytest.mark.parametrize("value,expect", [("0", "off (MSA_JIT_VLLM_PLUGIN=0)"),
+                                          ("perhaps", "not applied (ValueError: MSA_JIT_VLLM_PLUGIN=")])
+def test_env_var_turns_it_off(monkeypatch, caplog, value, expect):
+    ns = vs.install(monkeypatch)
+    monkeypatch.setenv(env.VLLM_PLUGIN, value)
+    assert expect in _register(caplog) and _untouched(ns)
+
+
+@needs_engine
+def test_missing_engine_module(monkeypatch, caplog):
+    vs.install(monkeypatch)
+    monkeypatch.setitem(sys.modules, vllm_plugin.MSA_MODULE, None)
+    assert "cannot be imported" in _register(caplog)
+
+
+@needs_engine
+def test_a_failure_patches_nothing(monkeypatch, caplog):
+    ns = vs.install(monkeypatch)
+
+    def boom(*a, **k):
+        raise RuntimeError("kaboom")
+
+    monkeypatch.setattr(vllm_plugin, "make_impl_cls", boom)
+    line = _register(caplog)
+    assert "not applied (RuntimeError: kaboom)" in line and _untouched(ns)
+    assert caplog.records[-1].levelno == logging.WARNING
+
+
+@needs_engine
+def test_selector_routes(monkeypatch, caplog):
+    """On SM90: fp8 + "cutlass" and NVFP4 go to the MSA backends with msa-jit's impl;
+    everything else gets the engine's own answer (and its own errors)."""
+    import engine_cases as ec
+
+    ns = vs.install(monkeypatch, capability=(9, 0))
+    _register(caplog)
+    sel = ns.common.select_main_backend_and_impl_cls
+    common, msa = ns.common, ns.msa
+
+    def pick(dtype: str, backend: str = "cutlass", topk: int = 16):
+        ns.config.vllm_config = ec.vllm_config(num_q_heads=16, decode_backend=backend, kv_cache_dtype=dtype)
+        return sel(topk_blocks=topk, kv_cache_dtype=dtype, num_kv_heads=1)
+
+    b, impl = pick("fp8")
+    assert issubclass(b, msa.MiniMaxM3SparseMSABackend) and b.get_builder_cls() is msa.MiniMaxM3SparseMSAMetadataBuilder
+    # the kernel needs each (page, head) block contiguous: LBHNC, not vLLM's default LBNHC
+    assert b.supported_kv_cache_layouts() == (vs.KVCacheLayout.LBHNC,)
+    assert msa.MiniMaxM3SparseMSABackend.supported_kv_cache_layouts() is None
+    assert issubclass(impl, msa.MiniMaxM3SparseMSAImpl)
+    assert issubclass(impl, vllm_plugin.MsaJitPrefillMixin) and impl.__name__ == "MsaJitSparseMSAImpl"
+    assert pick("fp8_e4m3")[0] is b
+    assert pick("nvfp4", "triton") == (msa.MiniMaxM3SparseMSANvfp4Backend, impl)
+    triton = (common.MiniMaxM3SparseBackend, common.MiniMaxM3SparseTritonImpl)
+    assert pick("fp8", "triton") == triton
+    assert pick("auto") == triton and pick("fp8_e5m2") == triton
+    assert pick("fp8", topk=12) == triton  # the engine's MSA top-k counts are 4/8/16/32
+    with pytest.raises(ValueError, match="only the 'nvfp4' NVFP4 KV cache dtype"):
+        pick("nvfp4_4over6")
+    ns.config.vllm_config = None  # no current config: the engine's default backend ("triton")
+    assert sel(topk_blocks=16, kv_cache_dtype="fp8", num_kv_heads=1) == triton
