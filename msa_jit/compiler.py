@@ -138,6 +138,20 @@ def _sources_hash() -> str:
     return _cache.source_fingerprint(kernel_sources())
 
 
+def tvm_ffi_version() -> str:
+    """apache-tvm-ffi's version: package metadata, else the module's __version__ (the GPU bundle
+    unpacks tvm_ffi without its dist-info), else "unknown"."""
+    found = _dist_version("apache-tvm-ffi")
+    if found == "unknown":
+        try:
+            import tvm_ffi
+
+            found = str(getattr(tvm_ffi, "__version__", "unknown"))
+        except ImportError:
+            pass
+    return found
+
+
 def fingerprint(config: SparseDecodeConfig) -> dict[str, str]:
     """What, besides the config, decides the artifact's bytes (never Python/torch versions).
 
@@ -148,7 +162,7 @@ def fingerprint(config: SparseDecodeConfig) -> dict[str, str]:
         "kernel_sources": _sources_hash(),
         "kernel_family": kernel_family(config),
         "cutlass_dsl": dsl_version(),
-        "tvm_ffi": _dist_version("apache-tvm-ffi"),
+        "tvm_ffi": tvm_ffi_version(),
     }
 
 
