@@ -233,23 +233,23 @@ def e2m1x8_to_f16x2x4(w: Int32, *, loc=None, ip=None):
 
     No e2m1 conversion instruction before SM100, so each code becomes an e4m3 byte first: an
     e2m1 code s|e1 e0 m is the e4m3 byte s|0 0 e1 e0|m 0 0 scaled by 2**-6 (normals and the
-    subnormal 0.5 alike), i.e. byte = 32*s + mag (the nibble n + 3*(n & 8)) shifted left by
-    2; then two `cvt.rn.f16x2.e4m3x2` per 4 codes. Even codes (low nibbles) and odd codes
-    (high nibbles, after a shift by 4) take 4 integer ops each.
+    subnormal 0.5 alike): the magnitude moves to bits 2..4, the sign to bit 7. A high nibble's
+    sign already sits at bit 7 (3 integer ops per 4 codes), a low nibble's moves up by 4 (4
+    ops); then two `cvt.rn.f16x2.e4m3x2` per 4 codes.
     """
     s = _asm(
         llvm.StructType.get_literal([T.i32()] * 4),
         [_i32(w, loc, ip)],
-        "{\n\t.reg .b32 y, z, sy, sz, ey, ez;\n\t.reg .b16 yl, yh, zl, zh;\n\t"
-        "and.b32 y, $4, 0x0F0F0F0F;\n\t"
-        "and.b32 sy, $4, 0x08080808;\n\t"
-        "mad.lo.u32 ey, sy, 3, y;\n\t"
-        "shl.b32 ey, ey, 2;\n\t"
-        "shr.u32 z, $4, 4;\n\t"
-        "and.b32 sz, z, 0x08080808;\n\t"
-        "and.b32 z, z, 0x0F0F0F0F;\n\t"
-        "mad.lo.u32 ez, sz, 3, z;\n\t"
-        "shl.b32 ez, ez, 2;\n\t"
+        "{\n\t.reg .b32 t, u, ey, ez;\n\t.reg .b16 yl, yh, zl, zh;\n\t"
+        # low nibbles: magnitude (w << 2) & 0x1C, sign (w << 4) & 0x80
+        "shl.b32 t, $4, 2;\n\t"
+        "and.b32 t, t, 0x1C1C1C1C;\n\t"
+        "shl.b32 u, $4, 4;\n\t"
+        "lop3.b32 ey, u, t, 0x80808080, 0xEC;\n\t"  # (u & c) | t
+        # high nibbles: magnitude (w >> 2) & 0x1C, sign w & 0x80
+        "shr.u32 t, $4, 2;\n\t"
+        "and.b32 t, t, 0x1C1C1C1C;\n\t"
+        "lop3.b32 ez, $4, t, 0x80808080, 0xEC;\n\t"
         "mov.b32 {yl, yh}, ey;\n\t"
         "mov.b32 {zl, zh}, ez;\n\t"
         "cvt.rn.f16x2.e4m3x2 $0, yl;\n\t"

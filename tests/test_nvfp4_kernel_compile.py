@@ -61,3 +61,31 @@ def test_the_umma_kernel_never_serves_nvfp4(monkeypatch):
     monkeypatch.setenv("MSA_JIT_ENABLE_SM100_UMMA", "1")
     assert compiler.kernel_family(SparseDecodeConfig(8, 1, arch="sm_100a")) == "sm100"
     assert compiler.kernel_family(SparseDecodeConfig(8, 1, arch="sm_100a", kv_dtype="nvfp4")) == "portable"
+
+
+def test_e2m1_to_e4m3_bytes_formula():
+    """The integer steps of kernels/ptx.py e2m1x8_to_f16x2x4, modelled here bit for bit (shifts,
+    masks, lop3 0xEC = (a & c) | b): every code of every nibble position becomes the e4m3 byte
+    whose value is the code's times 2**-6 (then cvt.f16x2.e4m3x2 is exact)."""
+    import random
+
+    e2m1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+    def e4m3(b):
+        sign = -1.0 if b & 0x80 else 1.0
+        e, m = (b >> 3) & 15, b & 7
+        return sign * (2.0**-6 * m / 8 if e == 0 else 2.0 ** (e - 7) * (1 + m / 8))
+
+    def lop3_ec(a, b, c):
+        return (a & c) | b
+
+    rng = random.Random(0)
+    words = [rng.getrandbits(32) for _ in range(500)] + [0x0, 0xFFFFFFFF, 0x88888888, 0x77777777, 0x76543210]
+    for w in words:
+        low = lop3_ec((w << 4) & 0xFFFFFFFF, ((w << 2) & 0xFFFFFFFF) & 0x1C1C1C1C, 0x80808080)
+        high = lop3_ec(w, (w >> 2) & 0x1C1C1C1C, 0x80808080)
+        for i in range(4):
+            for word, nib in ((low, 2 * i), (high, 2 * i + 1)):
+                code = (w >> (4 * nib)) & 15
+                want = (-1.0 if code & 8 else 1.0) * e2m1[code & 7] * 2.0**-6
+                assert e4m3((word >> (8 * i)) & 0xFF) == want, (hex(w), nib)
