@@ -26,7 +26,7 @@ class SparseDecodeKernelBase:
     pdl = False
 
     @staticmethod
-    def occupancy_options(ctas_per_sm: int, q_dtype: str) -> dict:
+    def occupancy_options(ctas_per_sm: int, q_dtype: str, kv_dtype: str = "float8_e4m3fn") -> dict:
         """Constructor options of the build for `ctas_per_sm` CTAs per SM (SparseDecodeConfig)."""
         if ctas_per_sm == 2:
             return {}

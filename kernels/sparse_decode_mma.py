@@ -73,16 +73,18 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
     pdl = True
 
     @staticmethod
-    def occupancy_options(ctas_per_sm: int, q_dtype: str) -> dict:
+    def occupancy_options(ctas_per_sm: int, q_dtype: str, kv_dtype: str = "float8_e4m3fn") -> dict:
         """Constructor options of the build for `ctas_per_sm` CTAs per SM (SparseDecodeConfig.ctas_per_sm).
 
-        3: 2 stages, Q fragments in shared memory, K / V read per sub-tile (128 registers), the
-        lean softmax (measured 2026-12-03 T1243 / T1246, docs/performance.md #29).
+        3: Q fragments in shared memory, K / V read per sub-tile (128 registers), the lean
+        softmax, and as many stages as fit: 2 of an fp8 page (32 KiB), 3 of an NVFP4 one (18 KiB)
+        (measured 2026-12-03 T1243 / T1246, docs/performance.md #29, and #33 for NVFP4).
         """
         if ctas_per_sm == 2:
             return {}
         if ctas_per_sm == 3:
-            return {"q_frags": "smem", "smem_reads": "staged", "ctas_per_sm": 3, "stages": 2, "softmax": "lean"}
+            return {"q_frags": "smem", "smem_reads": "staged", "ctas_per_sm": 3, "softmax": "lean",
+                    "stages": 3 if kv_dtype == "nvfp4" else 2}
         raise ValueError(f"no build for {ctas_per_sm} CTAs per SM")
 
     def __init__(

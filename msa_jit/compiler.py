@@ -233,7 +233,7 @@ def compile_sparse_decode(config: SparseDecodeConfig, out_dir: str | os.PathLike
         topk=config.topk_blocks,
         q_dtype=config.q_dtype,
         kv_dtype=config.kv_dtype,
-        **{**cls.occupancy_options(config.ctas_per_sm, config.q_dtype), **(kernel_options or {})},
+        **{**cls.occupancy_options(config.ctas_per_sm, config.q_dtype, config.kv_dtype), **(kernel_options or {})},
     )
     t0 = time.perf_counter()
     compiled = cute.compile(kernel, *conv.fake_arguments(config),

@@ -49,7 +49,9 @@ class SparseDecodePlan:
     block_table: torch.Tensor
     seq_lens: torch.Tensor
     arch: str | None = None
-    ctas_per_sm: int = 2  # occupancy of the kernel serving this plan (choose_ctas_per_sm)
+    # occupancy of the kernel serving this plan for an fp8 / an NVFP4 cache (planner.choose_ctas_per_sm)
+    ctas_per_sm: int = 2
+    nvfp4_ctas_per_sm: int = 2
     # (query dtype, kv dtype) -> compiled kernel
     kernels: dict[tuple[torch.dtype, str], Callable[..., Any]] = field(default_factory=dict)
     # refresh(seq_lens): the per-step prologue launch bound to this plan's tensors (planner sets it)
@@ -88,7 +90,7 @@ class SparseDecodePlan:
             q_dtype=dtype_name(q_dtype),
             kv_dtype=kv_dtype,
             arch=self.arch,
-            ctas_per_sm=self.ctas_per_sm,
+            ctas_per_sm=self.nvfp4_ctas_per_sm if kv_dtype == "nvfp4" else self.ctas_per_sm,
         )
 
     def kernel_tensors(self) -> tuple[Any, ...]:

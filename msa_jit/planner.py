@@ -56,16 +56,20 @@ def choose_num_splits(num_rows_heads: int, topk_blocks: int, num_sms: int) -> in
     return max(1, -(-topk_blocks // per_split))
 
 
-def choose_ctas_per_sm(grid_ctas: int, num_sms: int, supported: tuple[int, ...] = (2,)) -> int:
-    """Occupancy of the kernel for a grid of `grid_ctas` = T*Hkv*num_splits CTAs.
+def choose_ctas_per_sm(grid_ctas: int, num_sms: int, supported: tuple[int, ...] = (2,),
+                       kv_dtype: str = "float8_e4m3fn") -> int:
+    """Occupancy of the kernel for a grid of `grid_ctas` = T*Hkv*num_splits CTAs and a cache format.
 
-    3 per SM (2 stages each) when the grid is more than one CTA per SM and fits one wave at 3 per
-    SM, else 2 (3 stages each). Measured on the H200 (docs/performance.md #29): 3 per SM is
+    fp8: 3 per SM (2 stages each) when the grid is more than one CTA per SM and fits one wave at 3
+    per SM, else 2 (3 stages each). Measured on the H200 (docs/performance.md #29): 3 per SM is
     0.7-1.6 us faster at 256 CTAs and 7-15% at 320-384 (one wave instead of 1.2-1.5), equal at
-    64, 12-15% slower at 512 (1.3 waves) and 2-4% at 1024. `supported`: what the arch's
-    kernel can be built for (compiler.supported_ctas_per_sm).
+    64, 12-15% slower at 512 (1.3 waves) and 2-4% at 1024. NVFP4 (its 18 KiB pages leave room for
+    3 stages at 3 per SM; its conversions make a CTA latency-bound, so more warps win): 3 per SM
+    whenever the grid is more than one CTA per SM (#33: 11% faster at 1024 CTAs, 4-12% at 256),
+    2 below (equal at 64). `supported`: what the arch's kernel can be built for
+    (compiler.supported_ctas_per_sm).
     """
-    if 3 in supported and num_sms < grid_ctas <= 3 * num_sms:
+    if 3 in supported and num_sms < grid_ctas and (kv_dtype == "nvfp4" or grid_ctas <= 3 * num_sms):
         return 3
     return 2 if 2 in supported else min(supported)
 
@@ -166,9 +170,10 @@ class SparseDecodePlanner:
         from .compiler import supported_ctas_per_sm
 
         supported = supported_ctas_per_sm(arch) if arch is not None else CTAS_PER_SM
-        ctas_per_sm = self.ctas_per_sm
+        ctas_per_sm = nvfp4_ctas_per_sm = self.ctas_per_sm  # a pin holds for both cache formats
         if ctas_per_sm is None:
             ctas_per_sm = choose_ctas_per_sm(T * hkv * splits, num_sms, supported)
+            nvfp4_ctas_per_sm = choose_ctas_per_sm(T * hkv * splits, num_sms, supported, "nvfp4")
         elif ctas_per_sm not in supported:
             raise ValueError(f"ctas_per_sm={ctas_per_sm}: the kernel for {arch} is built for {supported} only")
         f32 = dict(dtype=torch.float32, device=device)
@@ -193,6 +198,7 @@ class SparseDecodePlanner:
             seq_lens=seq_lens,
             arch=arch,
             ctas_per_sm=ctas_per_sm,
+            nvfp4_ctas_per_sm=nvfp4_ctas_per_sm,
         )
         from .prologue import bind_refresh  # imports triton: only once a plan is built
 

@@ -70,9 +70,9 @@ WORKSPACE_FIELDS: tuple[str, ...] = tuple(
     n for n in _tensor_fields(SparseDecodePlan) if n not in _INPUT_FIELDS + _NOT_PASSED
 )
 
-# (Hq, Hkv, page, topk_blocks, arch, ctas_per_sm) -> {(q dtype, kv dtype): compiled kernel}, shared by
-# the rebuilt plans: every SparseDecodeConfig field but the two dtypes (the op keys those per call),
-# so a plan gets the build its config names.
+# (Hq, Hkv, page, topk_blocks, arch, ctas_per_sm, nvfp4_ctas_per_sm) -> {(q dtype, kv dtype): kernel},
+# shared by the rebuilt plans: every SparseDecodeConfig field but the two dtypes (the op keys those per
+# call), so a plan gets the build its config names.
 _KERNELS: dict[tuple[Any, ...], dict[torch.dtype, Callable[..., Any]]] = {}
 
 
@@ -100,7 +100,7 @@ def _rebuild_plan(
     device = seq_lens.device
     arch = _arch_of(device)
     kkey = (ints["num_q_heads"], ints["num_kv_heads"], ints["page_size"], ints["topk_blocks"], arch,
-            ints["ctas_per_sm"])
+            ints["ctas_per_sm"], ints["nvfp4_ctas_per_sm"])
     values: dict[str, Any] = dict(
         ints,
         head_dim=HEAD_DIM,
@@ -144,6 +144,7 @@ def _sparse_decode_custom(
     qlen: int,
     num_splits: int,
     ctas_per_sm: int,
+    nvfp4_ctas_per_sm: int,
     sm_scale: float,
     q_scale: float,
     k_scale: float,
@@ -156,7 +157,8 @@ def _sparse_decode_custom(
     plan = _rebuild_plan(
         block_table, seq_lens, kv_lens, unit_scale, lse, workspace,
         dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, page_size=page_size,
-             topk_blocks=topk_blocks, qlen=qlen, num_splits=num_splits, ctas_per_sm=ctas_per_sm),
+             topk_blocks=topk_blocks, qlen=qlen, num_splits=num_splits, ctas_per_sm=ctas_per_sm,
+             nvfp4_ctas_per_sm=nvfp4_ctas_per_sm),
     )
     sparse_decode(
         query, kv_cache, topk, out, plan,
@@ -186,6 +188,7 @@ def _sparse_decode_fake(
     qlen: int,
     num_splits: int,
     ctas_per_sm: int,
+    nvfp4_ctas_per_sm: int,
     sm_scale: float,
     q_scale: float,
     k_scale: float,
@@ -225,7 +228,7 @@ def op_args(
         plan.block_table, plan.seq_lens, plan.kv_lens, plan.unit_scale,
         [getattr(plan, n) for n in WORKSPACE_FIELDS],
         plan.num_q_heads, plan.num_kv_heads, plan.page_size, plan.topk_blocks, plan.qlen, plan.num_splits,
-        plan.ctas_per_sm, float(sm_scale), float(q_scale), 1.0 if k_t is not None else float(k_scale),
+        plan.ctas_per_sm, plan.nvfp4_ctas_per_sm, float(sm_scale), float(q_scale), 1.0 if k_t is not None else float(k_scale),
         1.0 if v_t is not None else float(v_scale), k_t, v_t, backend,
     )
 

@@ -323,29 +323,35 @@ def test_resolve_kernel_without_arch_on_cpu():
 
 @pytest.mark.gpu
 def test_kernel_backend_passes_calling_convention(monkeypatch):
-    """With a fake compiler, check the exact argument list of the kernel call (docs/design.md)."""
+    """With a fake kernel resolver, check the exact argument list of the kernel call (kernels/convention.py)."""
+    import math
+
+    from msa_jit import compiler
+
+    conv = compiler.convention()
     seen = []
     fake = types.ModuleType("msa_jit.compiler")
     fake.get_sparse_decode_kernel = lambda cfg: (lambda *a: seen.append(a))
     fake.supported_ctas_per_sm = lambda arch: (2, 3)
+    fake.convention = lambda: conv
     monkeypatch.setitem(sys.modules, "msa_jit.compiler", fake)
     c = make_case(2, 2, 8, 2, q_dtype=FP8, seed=3, device="cuda", page_size=64, topk_blocks=4)
     plan = SparseDecodePlanner().prepare(*c.prepare_args(), **c.prepare_kwargs())
     out = c.new_out()
     sparse_decode(c.query, c.kv_cache, c.topk, out, plan, backend="kernel", **c.scales())
     (a,) = seen
-    assert len(a) == 13
-    assert a[0].dtype == torch.uint8 and a[0].data_ptr() == c.query.data_ptr()
-    assert a[1].dtype == torch.uint8 and a[2] is c.topk and a[3] is plan.block_table
+    got = dict(zip(conv.ARGUMENT_NAMES, a))
+    assert len(a) == len(conv.ARGUMENT_NAMES)
+    assert got["query"].dtype == torch.uint8 and got["query"].data_ptr() == c.query.data_ptr()
+    assert got["kv_cache"].dtype == torch.uint8 and got["topk"] is c.topk and got["block_table"] is plan.block_table
     # the plan's own tensors travel as the TVM-FFI views made once per plan (same memory)
-    kv_lens, lse_scratch, partial_o, partial_lse = plan.kernel_tensors()
-    assert a[4] is kv_lens and a[5] is out and a[6] is lse_scratch
-    assert a[7] is partial_o and a[8] is partial_lse
-    assert (a[9], a[10]) == (plan.qlen, plan.num_splits)
-    import math
-
-    assert math.isclose(a[11], c.sm_scale * c.q_scale * c.k_scale / math.log(2))
-    assert a[12] == c.v_scale
+    kv_lens, lse_scratch, partial_o, partial_lse, unit_scale = plan.kernel_tensors()
+    assert got["kv_lens"] is kv_lens and got["out"] is out and got["lse"] is lse_scratch
+    assert got["partial_o"] is partial_o and got["partial_lse"] is partial_lse
+    assert got["k_scale_tensor"] is unit_scale and got["v_scale_tensor"] is unit_scale  # python float scales
+    assert (got["qlen"], got["num_splits"]) == (plan.qlen, plan.num_splits)
+    assert math.isclose(got["qk_scale_log2"], c.sm_scale * c.q_scale * c.k_scale / math.log(2))
+    assert got["v_scale"] == c.v_scale
 
 
 def test_kernel_tensors_alias_the_plan_tensors():
@@ -412,3 +418,30 @@ def test_prologue_signals_dependent_launch(trigger):
     assert ("griddepcontrol.launch_dependents" in ptx) == trigger
     exp_kv, exp_qo = _expected(c.seq_lens.cpu().tolist(), 2)
     assert kv.cpu().tolist() == exp_kv and qo.cpu().tolist() == exp_qo
+
+
+def test_nvfp4_takes_three_ctas_per_sm_above_one_wave():
+    """NVFP4 (latency-bound, 3 stages fit at 3 per SM): 3 per SM for every grid past one CTA per SM,
+    2 below; fp8 keeps its one-wave rule; a pinned planner pins both formats (docs/performance.md #33)."""
+    from msa_jit.planner import choose_ctas_per_sm
+
+    assert choose_ctas_per_sm(1024, 132, (2, 3), "nvfp4") == 3
+    assert choose_ctas_per_sm(1024, 132, (2, 3)) == 2
+    assert choose_ctas_per_sm(256, 132, (2, 3), "nvfp4") == choose_ctas_per_sm(256, 132, (2, 3)) == 3
+    assert choose_ctas_per_sm(64, 132, (2, 3), "nvfp4") == 2
+    assert choose_ctas_per_sm(1024, 132, (2,), "nvfp4") == 2  # an arch without the 3-CTA build
+    c = _case(batch=64, qlen=4, seed=9)
+    plan = SparseDecodePlanner(num_sms=16, arch="sm_90a").prepare(*c.prepare_args(), **c.prepare_kwargs())
+    assert (plan.ctas_per_sm, plan.nvfp4_ctas_per_sm) == (2, 3)  # 512 CTAs on 16 SMs: 10.7 waves at 3
+    assert plan.config(torch.bfloat16, "nvfp4").ctas_per_sm == 3
+    assert plan.config(torch.bfloat16).ctas_per_sm == plan.ctas_per_sm
+    pinned = SparseDecodePlanner(num_sms=16, arch="sm_90a", ctas_per_sm=2).prepare(*c.prepare_args(), **c.prepare_kwargs())
+    assert pinned.config(torch.bfloat16, "nvfp4").ctas_per_sm == pinned.config(torch.bfloat16).ctas_per_sm == 2
+
+
+def test_nvfp4_three_cta_build_keeps_three_stages():
+    from msa_jit.kernels.sparse_decode_mma import SparseDecodeMmaKernel
+
+    assert SparseDecodeMmaKernel.occupancy_options(3, "bfloat16", "nvfp4")["stages"] == 3
+    assert SparseDecodeMmaKernel.occupancy_options(3, "bfloat16")["stages"] == 2
+    assert SparseDecodeMmaKernel.occupancy_options(2, "bfloat16", "nvfp4") == {}
