@@ -102,7 +102,6 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
         softmax: str = "plain",
         smem_reads: str = "block",
         ctas_per_sm: int = 2,
-        s_chains: int = 1,
     ):
         super().__init__(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, page_size=page_size,
                          topk=topk, q_dtype=q_dtype, kv_dtype=kv_dtype)
@@ -127,7 +126,6 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
         for name, value, allowed in (
             ("q_frags", q_frags, ("regs", "smem")), ("softmax", softmax, ("plain", "lean")),
             ("smem_reads", smem_reads, ("block", "staged")), ("ctas_per_sm", ctas_per_sm, (1, 2, 3)),
-            ("s_chains", s_chains, (1, 2)),
         ):
             if value not in allowed:
                 raise ValueError(f"{name} {value!r} not in {allowed}")
@@ -151,9 +149,6 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
         # softmax (fewer live registers, the stage is released after the last V read)
         self.staged = smem_reads == "staged"
         self.ctas_per_sm = ctas_per_sm
-        # independent MMA accumulator chains per S n-tile: 2 = one per half of head_dim (4 k-steps
-        # deep instead of 8, summed after): more instruction-level parallelism for a warp
-        self.s_chains = s_chains
 
     # ------------------------------------------------------------------ host side
     def storage_type(self):
@@ -340,9 +335,8 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
 
         # ---- S = Q K^T: 2 * nsub independent accumulation chains of 8 k-steps
         sv = cute.make_rmem_tensor(4 * nt_s, Float32)
-        dh = [[[Float32(0.0)] * 4 for _ in range(nt_s)] for _ in range(self.s_chains)]
+        d = [[Float32(0.0)] * 4 for _ in range(nt_s)]
         for kh in cutlass.range_constexpr(2):
-            d = dh[kh % self.s_chains]
             if cutlass.const_expr(self.staged):  # only this half's K words are live
                 kw_h = [self.load_k(stage, k_keys[n], kh, c) for n in range(nt_s)]
             else:
@@ -363,10 +357,7 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
                         d[n] = ptx.mma_f16_16816(a[0], a[1], a[2], a[3], bk[n][2 * kq], bk[n][2 * kq + 1], *d[n])
         for n in cutlass.range_constexpr(nt_s):
             for e in cutlass.range_constexpr(4):
-                if cutlass.const_expr(self.s_chains == 2):
-                    sv[4 * n + e] = dh[0][n][e] + dh[1][n][e]
-                else:
-                    sv[4 * n + e] = dh[0][n][e]
+                sv[4 * n + e] = d[n][e]
 
         # ---- one online-softmax step for the block (rows g and g+8 = heads h*G+g, h*G+g+8).
         # n-tile n = 2*sub + j, column 2c+e holds key key_base + 16*sub + 4c + 2j + e.
