@@ -1,0 +1,148 @@
+"""Kernel builds of both cache formats, per layer, in one process: build here, time on the GPU host.
+
+    python bench/kv_format_ab.py build --dir .kv-variants          # here (no GPU): compile the variants
+    python3 bench/kv_format_ab.py run --dir .kv-variants --out $OUT # GPU host: JSON (device, date, command)
+
+A variant is (cache format, constructor options of the portable kernel). Every variant is timed
+on the same steps, interleaved over rounds, as the engine runs the op (one prologue, then L
+layers in one CUDA graph, L2 flushed; marginal = (t(L) - t(1)) / (L - 1), msa_jit.bench's
+time_graph). The NVFP4 steps hold random NVFP4 bytes (valid codes, block scales in
+[2**-3, 2**0)) of the same pages as the fp8 steps: the timing does not depend on the values, and
+building a quantized 300 MB cache would cost more than the whole run. Percent of copy is
+counted on each format's bytes (32 KiB / 18 KiB per (page, KV head) block).
+
+VARIANTS lists what was measured (bench/results/kv-format-ab-*.json); `s_chains` existed only in
+commit 753f3e2 (measured 1-3% slower, dropped): check that commit out to rebuild those two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+C3 = {"q_frags": "smem", "smem_reads": "staged", "ctas_per_sm": 3, "softmax": "lean"}
+VARIANTS = {  # name -> (kv dtype, kernel options)
+    "n_c2": ("nvfp4", {}),
+    "n_c2_sc2": ("nvfp4", {"s_chains": 2}),
+    "n_c3s3": ("nvfp4", dict(C3, stages=3)),  # the NVFP4 3-CTA build since e4513cb
+    "n_c3s3_sc2": ("nvfp4", dict(C3, stages=3, s_chains=2)),
+    "f_c2": ("float8_e4m3fn", {}),
+    "f_c2_sc2": ("float8_e4m3fn", {"s_chains": 2}),
+    "f_c3": ("float8_e4m3fn", dict(C3, stages=2)),  # the fp8 3-CTA build
+}
+GEOMS = [(64, 4), (8, 1)]
+POINTS = [("64/4", 256, 1), ("64/4", 64, 1), ("8/1", 256, 1), ("64/4", 16, 1), ("64/4", 1, 1), ("64/4", 64, 4)]
+
+
+def _so(root: Path, name: str, hq: int, hkv: int) -> Path:
+    return root / name / f"{hq}x{hkv}" / "sparse_decode.so"
+
+
+def build(a: argparse.Namespace) -> int:
+    from msa_jit import sass
+    from msa_jit.compiler import compile_sparse_decode
+    from msa_jit.geometry import SparseDecodeConfig
+
+    for name in a.variants or VARIANTS:
+        kv, opt = VARIANTS[name]
+        for hq, hkv in GEOMS:
+            so = _so(Path(a.dir), name, hq, hkv)
+            so.parent.mkdir(parents=True, exist_ok=True)
+            cfg = SparseDecodeConfig(num_q_heads=hq, num_kv_heads=hkv, kv_dtype=kv, arch=a.arch)
+            compile_sparse_decode(cfg, so.parent, kernel_options=opt)
+            r = [x for x in sass.summarize(so) if "merge" not in x["kernel"].lower()][0]
+            print(f"{name} {hq}/{hkv}: {r['registers']} registers, {r['local_ops']} local ops", flush=True)
+    return 0
+
+
+def random_nvfp4_like(kv):
+    """Random NVFP4 bytes [P, 2*Hkv, page, 72] for the pages of an fp8 cache [P, Hkv, page, 256]."""
+    import torch
+
+    pages, hkv, page, _ = kv.shape
+    c = torch.randint(0, 256, (pages, 2 * hkv, page * 72), dtype=torch.uint8, device=kv.device)
+    c[..., page * 64:] = torch.randint(0x30, 0x40, (pages, 2 * hkv, page * 8), dtype=torch.uint8, device=kv.device)
+    return c.view(pages, 2 * hkv, page, 72)
+
+
+def run(a: argparse.Namespace) -> int:
+    import torch
+
+    from msa_jit import SparseDecodePlanner, loader, sparse_decode
+    from msa_jit.bench import GEOMETRIES, copy_bandwidth, environment, make_step, time_graph
+
+    names = a.variants or list(VARIANTS)
+    fns = {(n, g): loader.load_artifact(_so(Path(a.dir), n, *g))[0] for n in names for g in GEOMS}
+    bw = copy_bandwidth()
+    rows = []
+    layers = 4
+    for geo, batch, qlen in POINTS:
+        hq, hkv = GEOMETRIES[geo]
+        steps = [make_step(hq, hkv, batch, qlen, "bfloat16", seed=i) for i in range(layers)]
+        for s in steps:
+            s["kv_nvfp4"] = random_nvfp4_like(s["kv_cache"])
+        bt, sl, slc = steps[0]["block_table"], steps[0]["seq_lens"], steps[0]["seq_lens_cpu"]
+        kw = dict(num_q_heads=hq, num_kv_heads=hkv, page_size=128, topk_blocks=16)
+        planner = SparseDecodePlanner(ctas_per_sm=2)  # the kernels are injected below
+        plan = planner.prepare(bt, sl, slc, qlen, **kw)
+        one = torch.ones((), device="cuda")
+
+        def graph_of(n, kv):
+            def step():
+                p = planner.prepare(bt, sl, slc, qlen, **kw)
+                for s in steps[:n]:
+                    cache = s["kv_nvfp4"] if kv == "nvfp4" else s["kv_cache"]
+                    sparse_decode(s["query"], cache, s["topk"], s["out"], p, sm_scale=1 / math.sqrt(128),
+                                  k_scale=one, v_scale=one)
+            return step
+
+        res: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
+        for _ in range(a.rounds):  # interleaved: drift hits every variant alike
+            for n in names:
+                kv = VARIANTS[n][0]
+                plan.kernels[(torch.bfloat16, kv)] = fns[(n, (hq, hkv))]
+                t1 = statistics.median(time_graph(graph_of(1, kv), iters=30))
+                tl = statistics.median(time_graph(graph_of(layers, kv), iters=30))
+                res[n].append((t1, (tl - t1) / (layers - 1)))
+        for n in names:
+            kv = VARIANTS[n][0]
+            nbytes = steps[0]["kv_bytes"] // (128 * 256) * (128 * (144 if kv == "nvfp4" else 256))
+            m = statistics.median(x[1] for x in res[n])
+            row = dict(variant=n, kv_dtype=kv, geometry=geo, batch=batch, qlen=qlen, num_splits=plan.num_splits,
+                       step_us=round(statistics.median(x[0] for x in res[n]), 2), marginal_us=round(m, 2),
+                       marginal_pct_of_copy=round(100 * nbytes / (m * 1e-6) / bw, 1))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del steps
+        torch.cuda.empty_cache()
+    out = {"environment": environment(), "copy_tbps": round(bw / 1e12, 3),
+           "date": time.strftime("%Y-%m-%dT%H%M", time.gmtime()), "command": " ".join(sys.argv),
+           "variants": {n: VARIANTS[n] for n in names}, "rows": rows}
+    path = Path(a.out) / f"kv-format-ab-{out['date']}.json"
+    path.write_text(json.dumps(out, indent=1))
+    print("wrote", path)
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build")
+    b.add_argument("--arch", default="sm_90a")
+    r = sub.add_parser("run")
+    r.add_argument("--out", default=".")
+    r.add_argument("--rounds", type=int, default=3)
+    for p in (b, r):
+        p.add_argument("--dir", default=".kv-variants")
+        p.add_argument("--variants", nargs="+", choices=sorted(VARIANTS))
+    a = ap.parse_args()
+    return build(a) if a.cmd == "build" else run(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
