@@ -213,7 +213,7 @@ def _gap_cases(c):
 
     kv = c.kv_cache
     return [
-        ("topk", dict(topk=c.topk.to(torch.uint32)), TypeError),  # the function takes uint32 for int32
+        ("topk", dict(topk=c.topk.view(torch.uint32)), TypeError),  # the function takes uint32 for int32
         ("kv_cache", dict(kv_cache=kv.view(torch.int8)), TypeError),  # ... and int8 for uint8
         ("kv_cache", dict(kv_cache=kv.view(torch.uint8)[:0]), ValueError),  # P is a free symbol there
         ("kv_cache", dict(kv_cache=torch.zeros(kv.shape[0], HKV, PAGE, 128, dtype=torch.bfloat16)), TypeError),
@@ -356,7 +356,7 @@ def _gpu_mutations(c):
         ("kv_cache", dict(kv_cache=kv[:0]), ValueError),
         ("kv_cache", dict(kv_cache=kv.cpu()), ValueError),
         ("kv_cache", dict(kv_cache=kv[:, :, :64]), ValueError),
-        ("topk", dict(topk=tk.to(torch.uint32)), TypeError),
+        ("topk", dict(topk=tk.view(torch.uint32)), TypeError),
         ("topk", dict(topk=tk.long()), TypeError),
         ("topk", dict(topk=tk[:-1]), ValueError),
         ("topk", dict(topk=tk.cpu()), ValueError),
@@ -403,8 +403,8 @@ def test_gpu_fast_path_equals_the_checked_path(kv_dtype, q_dtype):
     plan = SparseDecodePlanner().prepare(*c.prepare_args(), **c.prepare_kwargs())
     scale_forms = [c.scales()]
     t = c.scales(scale_tensors=True)
-    if isinstance(t.get("k_scale"), torch.Tensor):
-        scale_forms += [t, dict(t, k_scale=t["k_scale"].reshape(()), v_scale=t["v_scale"].reshape(()))]
+    if isinstance(t.get("k_scale"), torch.Tensor):  # 0-dim, and as [1]
+        scale_forms += [t, dict(t, k_scale=t["k_scale"].reshape(1), v_scale=t["v_scale"].reshape(1))]
     for kv in (c.kv_cache, c.kv_cache.view(torch.uint8)):
         for scales in scale_forms:
             outs = []
