@@ -1,18 +1,40 @@
-"""The public op: `sparse_decode(query, kv_cache, topk, out, plan, ...)` (validation + dispatch)."""
+"""The public op: `sparse_decode(query, kv_cache, topk, out, plan, ...)` (validation + dispatch).
+
+A call on a CUDA plan whose kernel is loaded takes the fast path: the few checks the exported
+function does not make in Python, everything else left to the
+function's own TVM-FFI argument decoding, which checks every tensor's type, dtype, rank,
+static dims and strides, 16-byte alignment, device type and index, and binds each symbolic
+dim (T, pages, batch, ...) across all tensors, the plan's included, before it launches
+anything. Any exception from that path re-runs the full validation, which raises the named
+ValueError / TypeError; only when that passes is the original exception re-raised (a CUDA
+launch error). Every other call (the reference backend, ints or CPU tensors as scales, tensor
+subclasses, the first call of a plan) takes the checked path: the full validation first.
+"""
 
 from __future__ import annotations
 
 import math
+from typing import Any
+
 import torch
 
 from .plan import SparseDecodePlan
 from .reference import sparse_decode_reference
-from .validation import check_kv_scale, check_scale, validate_sparse_decode
+from .validation import FP8_KV, NVFP4_KV, check_kv_scale, check_scale, validate_sparse_decode
 
 __all__ = ["LOG2E", "sparse_decode"]
 
 LOG2E = 1.0 / math.log(2.0)
 _call_arguments = None  # kernels/convention.py:call_arguments, looked up on the first kernel call
+
+_Tensor = torch.Tensor
+_FP8 = torch.float8_e4m3fn
+_U8 = torch.uint8
+_I32 = torch.int32
+_INF = math.inf
+# the last dim of an NVFP4 cache [P, 2*Hkv, page, 72] (head_dim 128: 64 code bytes + 8 scales);
+# an fp8 cache's is 256. Only picks which kernel's argument checks then decide.
+_NVFP4_ROW = 72
 
 
 def _kernel_call_arguments():
@@ -53,11 +75,96 @@ def sparse_decode(
     "auto" (kernel on CUDA, reference otherwise). Everything is validated before anything is
     written; errors are ValueError / TypeError naming the argument.
     """
+    if type(plan) is SparseDecodePlan and plan.is_cuda and (backend == "auto" or backend == "kernel"):
+        try:
+            if _kernel_fast_path(query, kv_cache, topk, out, plan, sm_scale, q_scale, k_scale, v_scale, lse):
+                return
+            failure = None
+        except Exception as e:  # noqa: BLE001 - named below, or re-raised
+            failure = e
+        if failure is not None:
+            # an argument check of the exported function, a DLPack export or an attribute read
+            # failed before any launch (or a launch failed): the full validation names a bad
+            # argument (outside the except: no chained traceback); otherwise it is re-raised
+            _validate(query, kv_cache, topk, out, plan, sm_scale, q_scale, k_scale, v_scale, lse, backend)
+            raise failure
+    _checked_sparse_decode(query, kv_cache, topk, out, plan, sm_scale=sm_scale, q_scale=q_scale,
+                           k_scale=k_scale, v_scale=v_scale, lse=lse, backend=backend)
+
+
+def _kernel_fast_path(query: Any, kv_cache: Any, topk: Any, out: Any, plan: SparseDecodePlan, sm_scale: Any,
+                      q_scale: Any, k_scale: Any, v_scale: Any, lse: Any) -> bool:
+    """Launch the plan's loaded kernel, or return False (nothing done) for what only the checked
+    path handles.
+
+    Checked here because the exported function's argument decoding does not: the scales
+    (finite floats > 0, or CUDA tensors), out / lse being torch tensors (it takes any DLPack
+    producer), topk int32 (it also takes uint32), an fp8 or uint8 cache (it also takes int8
+    for uint8), at least one page (P is a free symbol there), and the query dtype (plan.kernels
+    holds bf16 / fp8 kernels only). Everything else (shapes against the plan, strides,
+    alignment, devices) the function checks before its first launch; docs/performance.md
+    ("Host cost, round 2") lists who checks what.
+    """
+    if not (type(sm_scale) is float and 0.0 < sm_scale < _INF and type(q_scale) is float and 0.0 < q_scale < _INF):
+        return False
+    # a scale tensor goes in as [1] (a 0-dim one viewed); the function checks float32, [1], device
+    if type(k_scale) is float and 0.0 < k_scale < _INF:
+        ks, k_dev = k_scale, None
+    elif isinstance(k_scale, _Tensor) and k_scale.is_cuda:
+        ks, k_dev = 1.0, k_scale if k_scale.dim() == 1 else k_scale.view(1)
+    else:
+        return False
+    if type(v_scale) is float and 0.0 < v_scale < _INF:
+        vs, v_dev = v_scale, None
+    elif isinstance(v_scale, _Tensor) and v_scale.is_cuda:
+        vs, v_dev = 1.0, v_scale if v_scale.dim() == 1 else v_scale.view(1)
+    else:
+        return False
+    kv_dtype = kv_cache.dtype
+    kv_shape = kv_cache.shape
+    if kv_shape[0] < 1 or type(out) is not _Tensor or topk.dtype is not _I32:
+        return False
+    if kv_dtype is _FP8:
+        fmt, kv = FP8_KV, kv_cache.view(_U8)
+    elif kv_dtype is _U8:
+        fmt, kv = (NVFP4_KV if kv_shape[-1] == _NVFP4_ROW else FP8_KV), kv_cache
+    else:
+        return False
+    q_dtype = query.dtype
+    fn = plan.kernels.get((q_dtype, fmt))
+    ffi = plan._ffi_tensors
+    if fn is None or ffi is None:
+        return False
+    if lse is None:
+        lse = ffi[1]
+    elif type(lse) is not _Tensor:
+        return False
+    kv_lens, _, partial_o, partial_lse, unit = ffi
+    # kernels/convention.py ARGUMENTS order (call_arguments); tests pin the two to each other
+    fn(query.view(_U8) if q_dtype is _FP8 else query, kv, topk, plan.block_table, kv_lens, out, lse,
+       partial_o, partial_lse, unit if k_dev is None else k_dev, unit if v_dev is None else v_dev,
+       plan.qlen, plan.num_splits, sm_scale * q_scale * ks * LOG2E, vs)
+    return True
+
+
+def _validate(query: Any, kv_cache: Any, topk: Any, out: Any, plan: Any, sm_scale: Any, q_scale: Any,
+              k_scale: Any, v_scale: Any, lse: Any, backend: Any) -> tuple[str, str, float, float, float, Any, float, Any]:
+    """Every check of the op: (backend, cache format, sm, q, k scale, k tensor, v scale, v tensor)."""
     resolved, kv_dtype = validate_sparse_decode(query, kv_cache, topk, out, plan, lse, backend)
     sm = check_scale("sm_scale", sm_scale)
     qs = check_scale("q_scale", q_scale)
     ks, k_dev = check_kv_scale("k_scale", k_scale, plan, resolved)
     vs, v_dev = check_kv_scale("v_scale", v_scale, plan, resolved)
+    return resolved, kv_dtype, sm, qs, ks, k_dev, vs, v_dev
+
+
+def _checked_sparse_decode(
+    query: Any, kv_cache: Any, topk: Any, out: Any, plan: Any, *, sm_scale: Any, q_scale: Any = 1.0,
+    k_scale: Any = 1.0, v_scale: Any = 1.0, lse: Any = None, backend: Any = "auto",
+) -> None:
+    """`sparse_decode` with every check in Python before the call (the path before the fast one)."""
+    resolved, kv_dtype, sm, qs, ks, k_dev, vs, v_dev = _validate(
+        query, kv_cache, topk, out, plan, sm_scale, q_scale, k_scale, v_scale, lse, backend)
 
     if resolved == "reference":
         with torch.no_grad():  # the kernel path needs no autograd guard (~1.5 us saved per call)

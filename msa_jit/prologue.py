@@ -123,10 +123,11 @@ def bind_refresh(
 
     `JITFunction.__call__` re-binds and re-specializes every argument on every launch (~17 us of
     CPU on the H200 host); for a plan everything but the seq_lens pointer is fixed, so the first
-    launch's CompiledKernel is called directly (Triton's `compiled[grid](*args)`). That path is
-    checked once against the PyTorch formula when the plan is built (outside graph capture) and
-    dropped for the plain launch if it differs or fails; a seq_lens whose 16-byte alignment
-    differs from the one the kernel was specialized for also takes the plain launch.
+    launch's CompiledKernel is called directly (Triton's `compiled[grid](*args)`, the pointers
+    passed as ints). That path is checked once against the PyTorch formula when the plan is built
+    (outside graph capture) and dropped for the plain launch if it differs or fails; a seq_lens
+    whose 16-byte alignment differs from the one the kernel was specialized for also takes the
+    plain launch.
     launch_dependents: the PDL trigger (see the module docstring); False only for A/B runs.
     """
     num_rows = kv_lens.numel()
@@ -145,12 +146,16 @@ def bind_refresh(
     except Exception:  # noqa: BLE001 - an older / newer Triton without the CompiledKernel runner
         return plain
     aligned = seq_lens.data_ptr() % 16 == 0
+    # pointers as ints: Triton's launcher then skips its data_ptr() call and driver pointer query
+    # per tensor (the plan's kv_lens / qo_offset never move; seq_lens is validated by prepare)
+    kv_ptr, qo_ptr = kv_lens.data_ptr(), qo_offset.data_ptr()
 
     def bound(s: torch.Tensor) -> None:
-        if (s.data_ptr() % 16 == 0) != aligned:
+        ptr = s.data_ptr()
+        if (ptr % 16 == 0) != aligned:
             refresh_plan_tensors(s, kv_lens, qo_offset, qlen, pdl)
         else:
-            runner(s, kv_lens, qo_offset, num_rows, qlen, BLOCK_ROWS, pdl)
+            runner(ptr, kv_ptr, qo_ptr, num_rows, qlen, BLOCK_ROWS, pdl)
 
     want_kv, want_qo = kv_lens.clone(), qo_offset.clone()
     refresh_plan_tensors_torch(seq_lens, want_kv, want_qo, qlen)

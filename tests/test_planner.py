@@ -323,35 +323,38 @@ def test_resolve_kernel_without_arch_on_cpu():
 
 @pytest.mark.gpu
 def test_kernel_backend_passes_calling_convention(monkeypatch):
-    """With a fake kernel resolver, check the exact argument list of the kernel call (kernels/convention.py)."""
+    """With a fake compiler, check the exact argument list of the kernel call (kernels/convention.py):
+    the first call (checked path, which resolves the kernel) and the next (fast path) alike."""
     import math
 
-    from msa_jit import compiler
+    from msa_jit.compiler import convention
 
-    conv = compiler.convention()
+    conv = convention()
     seen = []
     fake = types.ModuleType("msa_jit.compiler")
     fake.get_sparse_decode_kernel = lambda cfg: (lambda *a: seen.append(a))
     fake.supported_ctas_per_sm = lambda arch: (2, 3)
-    fake.convention = lambda: conv
+    fake.convention = convention
     monkeypatch.setitem(sys.modules, "msa_jit.compiler", fake)
     c = make_case(2, 2, 8, 2, q_dtype=FP8, seed=3, device="cuda", page_size=64, topk_blocks=4)
     plan = SparseDecodePlanner().prepare(*c.prepare_args(), **c.prepare_kwargs())
     out = c.new_out()
-    sparse_decode(c.query, c.kv_cache, c.topk, out, plan, backend="kernel", **c.scales())
-    (a,) = seen
-    got = dict(zip(conv.ARGUMENT_NAMES, a))
-    assert len(a) == len(conv.ARGUMENT_NAMES)
-    assert got["query"].dtype == torch.uint8 and got["query"].data_ptr() == c.query.data_ptr()
-    assert got["kv_cache"].dtype == torch.uint8 and got["topk"] is c.topk and got["block_table"] is plan.block_table
-    # the plan's own tensors travel as the TVM-FFI views made once per plan (same memory)
-    kv_lens, lse_scratch, partial_o, partial_lse, unit_scale = plan.kernel_tensors()
-    assert got["kv_lens"] is kv_lens and got["out"] is out and got["lse"] is lse_scratch
-    assert got["partial_o"] is partial_o and got["partial_lse"] is partial_lse
-    assert got["k_scale_tensor"] is unit_scale and got["v_scale_tensor"] is unit_scale  # python float scales
-    assert (got["qlen"], got["num_splits"]) == (plan.qlen, plan.num_splits)
-    assert math.isclose(got["qk_scale_log2"], c.sm_scale * c.q_scale * c.k_scale / math.log(2))
-    assert got["v_scale"] == c.v_scale
+    for _ in range(2):
+        sparse_decode(c.query, c.kv_cache, c.topk, out, plan, backend="kernel", **c.scales())
+    assert len(seen) == 2
+    for args in seen:
+        a = dict(zip(conv.ARGUMENT_NAMES, args))
+        assert len(args) == len(conv.ARGUMENTS)
+        assert a["query"].dtype == torch.uint8 and a["query"].data_ptr() == c.query.data_ptr()
+        assert a["kv_cache"].dtype == torch.uint8 and a["topk"] is c.topk and a["block_table"] is plan.block_table
+        # the plan's own tensors travel as the TVM-FFI views made once per plan (same memory)
+        kv_lens, lse_scratch, partial_o, partial_lse, unit = plan.kernel_tensors()
+        assert a["kv_lens"] is kv_lens and a["out"] is out and a["lse"] is lse_scratch
+        assert a["partial_o"] is partial_o and a["partial_lse"] is partial_lse
+        assert a["k_scale_tensor"] is unit and a["v_scale_tensor"] is unit
+        assert (a["qlen"], a["num_splits"]) == (plan.qlen, plan.num_splits)
+        assert math.isclose(a["qk_scale_log2"], c.sm_scale * c.q_scale * c.k_scale / math.log(2))
+        assert a["v_scale"] == c.v_scale
 
 
 def test_kernel_tensors_alias_the_plan_tensors():

@@ -182,6 +182,31 @@ def test_prepare_rejects_malformed(name, data):
         assert not _prepare_tensors_ok(a["block_table"], a["seq_lens"], a["seq_lens_cpu"])
 
 
+@pytest.mark.parametrize("name", [n for n in PREPARE_MUTATIONS if n in ("block_table", "seq_lens", "seq_lens_cpu")])
+@SETTINGS
+@given(data=st.data())
+def test_cached_prepare_rejects_malformed(name, data):
+    """The same tensors against a planner that already holds the base step's plan: the cached
+    step's one-pass check never lets a malformed tensor through, and errors name it."""
+    a = _prepare_base()
+    planner = SparseDecodePlanner()
+    plan = _call_prepare(planner, a)
+    change, exc = PREPARE_MUTATIONS[name](data, a)
+    if _is_negative(change):
+        return  # a value check, made when a plan is built (this planner has built it)
+    a.update(change)
+    with pytest.raises((ValueError, TypeError)) as ei:
+        _call_prepare(planner, a)
+    assert name.strip() in str(ei.value), str(ei.value)
+    assert isinstance(ei.value, exc), f"{type(ei.value).__name__}: {ei.value}"
+    assert list(planner.plans.values()) == [plan]
+
+
+def _is_negative(change):
+    s = change.get("seq_lens_cpu")
+    return isinstance(s, torch.Tensor) and s.dtype in (torch.int32, torch.int64) and bool((s < 0).any())
+
+
 # ----------------------------------------------------------------------------- sparse_decode
 def _op_base():
     c, plan = base()
