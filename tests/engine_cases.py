@@ -17,11 +17,12 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+from vllm_standins import ENGINE_DIR
 
 FP8 = torch.float8_e4m3fn
 D = 128
 PAGE = 128
-MODEL_PY = Path(__file__).resolve().parents[1].parent / "shared" / "engine" / "vllm-0.33.0" / "model.py"
+MODEL_PY = ENGINE_DIR / "model.py"
 
 
 def oracle(q: torch.Tensor, kv_cache: torch.Tensor, topk: torch.Tensor, block_table: torch.Tensor,
