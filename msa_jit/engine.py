@@ -28,9 +28,10 @@ Differences from the engine's module, all widening what it accepts:
   takes this path whatever the backend (as in the engine).
 * Query: bfloat16 or float8_e4m3fn (the parameter keeps the engine's name `query_fp8`).
 * `kv_cache` is dispatched by shape: `[P, Hkv, page, 256]` float8_e4m3fn or its uint8 storage is
-  the fp8 layout; uint8 `[P, 2*Hkv, page, 72]` is the NVFP4 layout (`nvfp4_kv_cache_views`),
-  which takes the global scales `k_scale` / `v_scale` (one-element float32 tensors). The engine
-  calls every uint8 cache NVFP4 (its caller views fp8 caches as float8 first).
+  the fp8 layout; uint8 `[P, 2*Hkv, page, 72]` is the NVFP4 layout (`msa_jit.nvfp4`), which
+  takes the global scales `k_scale` / `v_scale` (one-element float32 tensors, 0-dim as vLLM
+  keeps them or [1]; the kernel reads them on the device). The engine calls every uint8 cache
+  NVFP4 (its caller views fp8 caches as float8 first).
 * CPU tensors are accepted by `prepare` and run the float64 reference (tests, notebooks);
   the engine requires CUDA.
 * `prepare_decode_metadata(..., plan_cache=None)` uses a process-wide cache instead of a
@@ -335,15 +336,17 @@ def msa_cutlass_sparse_decode(
     kv_cache (`kv_cache_layout`): fp8 [P, Hkv, page, 256] with the scalar scales
     k_scale_float / v_scale_float (k_scale / v_scale are ignored, as in the engine), or NVFP4
     uint8 [P, 2*Hkv, page, 72] with the global scales k_scale / v_scale (one-element float32
-    tensors; required). Backend: the compiled kernel on CUDA, the float64 reference on a CPU.
-    Errors name the argument and the layout recognised.
+    tensors, 0-dim or [1], on the cache's device; required; k_scale_float / v_scale_float are
+    then ignored, as in the engine). Backend: the compiled kernel on CUDA, the float64
+    reference on a CPU. Errors name the argument and the layout recognised.
     """
     layout = kv_cache_layout(kv_cache)
     if layout == "nvfp4":
-        if k_scale is None or v_scale is None:
+        missing = [n for n, v in (("k_scale", k_scale), ("v_scale", v_scale)) if v is None]
+        if missing:
             raise TypeError(
-                f"k_scale, v_scale: {_NVFP4_LAYOUT} needs its global scales (one-element float32 "
-                "tensors, vLLM's layer._k_scale / layer._v_scale), got None"
+                f"{', '.join(missing)}: {_NVFP4_LAYOUT} needs its global scales k_scale and v_scale "
+                "(one-element float32 tensors, vLLM's layer._k_scale / layer._v_scale), got None"
             )
         kwargs = dict(sm_scale=scale, q_scale=q_scale_float, k_scale=k_scale, v_scale=v_scale)
         name = _NVFP4_LAYOUT

@@ -1,9 +1,11 @@
 """Inputs and a float64 oracle for engine-level tests: mixed decode + prefill steps as vLLM
-builds them (decode-first batch, token-major topk buffer, paged fp8 cache), and the wiring code
-of vLLM's MiniMax-M3 model (model.py) extracted by ast so that tests run it unmodified.
+builds them (decode-first batch, token-major topk buffer, a paged fp8 or NVFP4 cache), and the
+wiring code of vLLM's MiniMax-M3 model (model.py) extracted by ast so that tests run it unmodified.
 
 The oracle is written from the contract alone (per token: pos = seq_len - qlen + j, keys of the
 token's top-k blocks at positions < pos + 1), independent of msa_jit's planner and reference.
+An NVFP4 step's cache is written by msa_jit.nvfp4 from bf16 K/V; the oracle reads it
+dequantized (`msa_jit.nvfp4.dequantize_kv_nvfp4`, the format's float64 reader).
 """
 
 from __future__ import annotations
@@ -17,11 +19,14 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+from vllm_standins import ENGINE_DIR
+
+from msa_jit.nvfp4 import dequantize_kv_nvfp4, nvfp4_kv_cache_shape, write_kv_nvfp4
 
 FP8 = torch.float8_e4m3fn
 D = 128
 PAGE = 128
-MODEL_PY = Path(__file__).resolve().parents[1].parent / "shared" / "engine" / "vllm-0.33.0" / "model.py"
+MODEL_PY = ENGINE_DIR / "model.py"
 
 
 def oracle(q: torch.Tensor, kv_cache: torch.Tensor, topk: torch.Tensor, block_table: torch.Tensor,
@@ -30,13 +35,15 @@ def oracle(q: torch.Tensor, kv_cache: torch.Tensor, topk: torch.Tensor, block_ta
     """float64 [N, Hq, 128]: token i (block-table row rows[i], position pos[i]) attends to the
     keys of its top-k blocks topk[i, h] (logical, -1 padded) at positions <= pos[i].
 
-    q: [N, Hq, 128] (any float dtype, times q_scale); kv_cache: fp8 [P, Hkv, page, 256]."""
+    q: [N, Hq, 128] (any float dtype, times q_scale); kv_cache [P, Hkv, page, 256]: fp8 (or its
+    uint8 storage), or float values (a dequantized cache, with k_scale = v_scale = 1)."""
     n, hq, _ = q.shape
     _, hkv, page, _ = kv_cache.shape
     k_top = topk.shape[-1]
     g = hq // hkv
     qd = q.detach().double().cpu() * q_scale
-    kv = kv_cache.detach().cpu().view(FP8).double()
+    kv = kv_cache.detach().cpu()
+    kv = (kv.view(FP8) if kv.dtype in (FP8, torch.uint8) else kv).double()
     tk, bt = topk.detach().cpu(), block_table.detach().cpu()
     out = torch.zeros(n, hq, D, dtype=torch.float64)
     for i in range(n):
@@ -63,8 +70,10 @@ class Step:
     """One scheduler step, decode requests first. Tensors on `device` unless *_cpu.
 
     query_fp8 [T, Hq*128] fp8 (q_true = query_fp8 * q_scale); query_bf16: q_true rounded to bf16;
-    kv_u8: the fp8 cache [P, Hkv, 128, 256] as vLLM's uint8 storage; topk_buffer
-    [T + pad, Hkv, K] int32 (rows past T: garbage nobody may read).
+    kv_u8: the cache as vLLM stores it, uint8: kv_dtype "fp8" [P, Hkv, 128, 256] (fp8 bytes,
+    values times k_scale / v_scale) or "nvfp4" [P, 2*Hkv, 128, 72] (msa_jit.nvfp4's layout,
+    k_scale / v_scale its global scales); topk_buffer [T + pad, Hkv, K] int32 (rows past T:
+    garbage nobody may read).
     """
 
     num_decodes: int
@@ -86,6 +95,7 @@ class Step:
     q_scale: float
     k_scale: float
     v_scale: float
+    kv_dtype: str = "fp8"
 
     @property
     def num_tokens(self) -> int:
@@ -103,16 +113,25 @@ class Step:
         """float64 [T, Hq, 128] of the whole step."""
         rows, pos = self.token_rows_and_pos()
         q = self.query_fp8.view(self.num_tokens, self.num_q_heads, D)
-        return oracle(q, self.kv_u8, self.topk_buffer[:self.num_tokens], self.block_table, rows, pos,
-                      sm_scale=self.sm_scale, q_scale=self.q_scale, k_scale=self.k_scale,
-                      v_scale=self.v_scale)
+        kv, ks, vs = self.kv_u8, self.k_scale, self.v_scale
+        if self.kv_dtype == "nvfp4":
+            kv, ks, vs = torch.cat(dequantize_kv_nvfp4(kv.cpu(), ks, vs), dim=-1), 1.0, 1.0
+        return oracle(q, kv, self.topk_buffer[:self.num_tokens], self.block_table, rows, pos,
+                      sm_scale=self.sm_scale, q_scale=self.q_scale, k_scale=ks, v_scale=vs)
 
 
 def make_step(*, num_decodes: int, decode_qlen: int, prefills: list[tuple[int, int]],
               num_q_heads: int, num_kv_heads: int, seed: int, device: Any = "cpu",
               decode_seq_lens: list[int] | None = None, topk_blocks: int = 16,
-              pad_tokens: int = 3) -> Step:
-    """prefills: (context_len, query_len) per prefill request; decode seq_lens random (or given)."""
+              pad_tokens: int = 3, kv_dtype: str = "fp8") -> Step:
+    """prefills: (context_len, query_len) per prefill request; decode seq_lens random (or given).
+
+    kv_dtype "fp8": random fp8 K/V, random per-tensor scales. "nvfp4": random bf16 K/V quantized
+    by msa_jit.nvfp4.write_kv_nvfp4 into the pages the step uses (the spare pages stay zero, as
+    in a fresh vLLM cache), with random global scales of 1..2 x amax / (6 * 448), float32 values.
+    """
+    if kv_dtype not in ("fp8", "nvfp4"):
+        raise ValueError(f"kv_dtype: expected 'fp8' or 'nvfp4', got {kv_dtype!r}")
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     if decode_seq_lens is None:
@@ -145,20 +164,32 @@ def make_step(*, num_decodes: int, decode_qlen: int, prefills: list[tuple[int, i
                 topk[t, h] = torch.tensor(row, dtype=torch.int32)
             t += 1
     x = torch.randn((P, hkv, PAGE, 2 * D), generator=gen)
-    kv = (torch.where(x >= 0, 1.0, -1.0) * x.abs().clamp_min(0.02)).to(FP8)
     q_scale = rng.uniform(0.5, 2.0)
     qf = torch.randn((T, num_q_heads * D), generator=gen).clamp(-6, 6).to(FP8)
     qsl = torch.tensor([0] + [sum(query_lens[:i + 1]) for i in range(nreq)], dtype=torch.int32)
     sl_cpu = torch.tensor(seq_lens, dtype=torch.int32)
     dev = torch.device(device)
+    if kv_dtype == "fp8":
+        kv_u8 = (torch.where(x >= 0, 1.0, -1.0) * x.abs().clamp_min(0.02)).to(FP8).view(torch.uint8).to(dev)
+        k_scale, v_scale = rng.uniform(0.5, 2.0), rng.uniform(0.5, 2.0)
+    else:
+        used = sorted(perm[:sum(nblocks)])  # the pages of the block table
+        kv = x[used].to(torch.bfloat16).to(dev)
+        k, v = kv[..., :D], kv[..., D:]
+        # vLLM reads the global scales from the checkpoint: not the quantizer's default here,
+        # but >= it, so that no block scale saturates
+        k_scale, v_scale = (float(torch.tensor(float(a.abs().amax()) / (6 * 448) * rng.uniform(1.0, 2.0),
+                                               dtype=torch.float32)) for a in (k, v))
+        kv_u8 = torch.zeros(nvfp4_kv_cache_shape(P, hkv, PAGE), dtype=torch.uint8, device=dev)
+        write_kv_nvfp4(kv_u8, used, k, v, k_scale, v_scale)
     return Step(
         num_decodes=num_decodes, decode_qlen=decode_qlen, query_lens=query_lens,
         seq_lens_list=seq_lens, num_q_heads=num_q_heads, num_kv_heads=hkv,
         query_fp8=qf.to(dev), query_bf16=(qf.float() * q_scale).to(torch.bfloat16).to(dev),
-        kv_u8=kv.view(torch.uint8).to(dev), topk_buffer=topk.to(dev), block_table=bt.to(dev),
+        kv_u8=kv_u8, topk_buffer=topk.to(dev), block_table=bt.to(dev),
         seq_lens=sl_cpu.to(dev), seq_lens_cpu=sl_cpu, query_start_loc=qsl.to(dev),
         query_start_loc_cpu=qsl, sm_scale=1 / math.sqrt(D), q_scale=q_scale,
-        k_scale=rng.uniform(0.5, 2.0), v_scale=rng.uniform(0.5, 2.0),
+        k_scale=k_scale, v_scale=v_scale, kv_dtype=kv_dtype,
     )
 
 

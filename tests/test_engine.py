@@ -1,5 +1,6 @@
-"""msa_jit.engine: the seed API by name and signature, support checks, NVFP4 dispatch, runs vs the
-reference (decode and msa_sparse_prefill). vLLM 0.33's own signatures: tests/test_engine_parity.py."""
+"""msa_jit.engine: the seed API by name and signature, support checks, fp8 and NVFP4 runs vs the
+reference (decode and msa_sparse_prefill), errors naming the layout. vLLM 0.33's own signatures:
+tests/test_engine_parity.py; vLLM's own code running it: tests/test_engine_vllm.py."""
 
 from __future__ import annotations
 
@@ -319,8 +320,10 @@ def test_nvfp4_views_follow_the_contract():
                 assert torch.equal(sc[p, h].reshape(-1), slot[page * 64:])
     k_slots, v_slots = nvfp4_kv_cache_slots(kv)
     assert torch.equal(k_slots, kv[:, 0::2]) and torch.equal(v_slots, kv[:, 1::2])
-    assert is_nvfp4_kv_layout(kv, hkv, page) and not is_nvfp4_kv_layout(kv, hkv + 1, page)
-    with pytest.raises(ValueError, match="NVFP4 layout"):
+    assert is_nvfp4_kv_layout(kv) and engine.kv_cache_layout(kv) == "nvfp4"
+    assert not is_nvfp4_kv_layout(kv[:, :3])  # an odd slot count is no K/V pair
+    assert not is_nvfp4_kv_layout(torch.zeros(pages, hkv, page, 256, dtype=torch.uint8))  # fp8 storage
+    with pytest.raises(ValueError, match=r"expected an NVFP4 cache \[P, 2\*Hkv, page, 72\]"):
         engine.nvfp4_kv_cache_views(kv[:, :3])
     with pytest.raises(TypeError, match="uint8"):
         engine.nvfp4_kv_cache_views(kv.view(torch.int8))
@@ -344,19 +347,88 @@ def _decode_call(c, md, kv, out, **kw):
                               k_scale_float=c.k_scale, v_scale_float=c.v_scale, **kw)
 
 
-def test_nvfp4_call_says_it_is_not_there_yet():
-    c = make_case(2, 1, 16, 1, q_dtype=FP8, seed=41)
+def _nvfp4_adapter_run(device: str, batch: int, qlen: int, hq: int, hkv: int, seed: int) -> None:
+    """msa_cutlass_sparse_decode on an NVFP4 cache (make_case: bf16 K/V through
+    msa_jit.nvfp4.quantize_kv_nvfp4) with the global scales as vLLM passes them (0-dim float32
+    device tensors; [1] works too), against the float64 reference on the same NVFP4 cache.
+    k_scale_float / v_scale_float are what the fp8 path reads: wrong ones here must not matter."""
+    c = make_case(batch, qlen, hq, hkv, q_dtype=FP8, seed=seed, device=device, padded=True, kv_dtype="nvfp4")
     md = prepare_decode_metadata(c.block_table, c.seq_lens, c.seq_lens_cpu, c.qlen,
                                  plan_cache=MSACutlassDecodePlanCache(), **c.prepare_kwargs())
-    kv = _nvfp4_cache(c.kv_cache.shape[0], 1)
-    out = c.new_out()
-    one = torch.ones(1, dtype=torch.float32)
-    with pytest.raises(NotImplementedError, match=r"recognised the NVFP4 layout .*no NVFP4 kernel yet"):
-        _decode_call(c, md, kv, out, k_scale=one, v_scale=one)
-    with pytest.raises(TypeError, match="k_scale, v_scale: the NVFP4 layout"):
+    ref, _ = sparse_decode_reference(*c.reference_args(), **c.scales())
+    scales = c.scales(scale_tensors=True)
+    for shape in ((), (1,)):
+        out = c.new_out()
+        msa_cutlass_sparse_decode(c.query, c.kv_cache, c.topk, out, md, scale=c.sm_scale,
+                                  q_scale_float=c.q_scale, k_scale_float=7.0, v_scale_float=0.125,
+                                  k_scale=scales["k_scale"].reshape(shape),
+                                  v_scale=scales["v_scale"].reshape(shape))
+        assert not torch.isnan(out).any()
+        rel = float((out.double().cpu() - ref).norm() / ref.norm())
+        assert rel < 1e-2, (shape, rel)
+    # the tensors' values are what the op reads: a V scale twice as large doubles the output
+    out2 = c.new_out()
+    msa_cutlass_sparse_decode(c.query, c.kv_cache, c.topk, out2, md, scale=c.sm_scale,
+                              q_scale_float=c.q_scale, k_scale_float=c.k_scale, v_scale_float=c.v_scale,
+                              k_scale=scales["k_scale"], v_scale=scales["v_scale"] * 2)
+    rel2 = float((out2.double().cpu() - 2 * ref).norm() / (2 * ref).norm())
+    assert rel2 < 1e-2, rel2
+    if device != "cuda":
+        return
+    assert list(md.plan.kernels) == [(FP8, "nvfp4")], "the compiled NVFP4 kernel ran"
+    # CUDA graph: the kernel reads the scale tensors on the device at every replay
+    ks, vs = scales["k_scale"].clone(), scales["v_scale"].clone()
+    out_g = c.new_out()
+
+    def step():
+        msa_cutlass_sparse_decode(c.query, c.kv_cache, c.topk, out_g, md, scale=c.sm_scale,
+                                  q_scale_float=c.q_scale, k_scale_float=c.k_scale,
+                                  v_scale_float=c.v_scale, k_scale=ks, v_scale=vs)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    vs.mul_(2)
+    out_g.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    rel_g = float((out_g.double().cpu() - 2 * ref).norm() / (2 * ref).norm())
+    assert rel_g < 1e-2, rel_g
+
+
+@pytest.mark.parametrize("batch,qlen,hq,hkv", [(3, 1, 16, 1), (2, 3, 32, 2)])
+def test_nvfp4_call_matches_the_reference(batch, qlen, hq, hkv):
+    _nvfp4_adapter_run("cpu", batch, qlen, hq, hkv, seed=41 + qlen)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,qlen,hq,hkv", [(1, 1, 64, 4), (5, 3, 64, 4), (64, 1, 16, 1), (7, 2, 8, 1)])
+def test_nvfp4_call_matches_the_reference_gpu(batch, qlen, hq, hkv):
+    _nvfp4_adapter_run("cuda", batch, qlen, hq, hkv, seed=48 + batch)
+
+
+def test_nvfp4_errors_name_the_layout():
+    c = make_case(2, 1, 16, 1, q_dtype=FP8, seed=41, kv_dtype="nvfp4")
+    md = prepare_decode_metadata(c.block_table, c.seq_lens, c.seq_lens_cpu, c.qlen,
+                                 plan_cache=MSACutlassDecodePlanCache(), **c.prepare_kwargs())
+    kv, out = c.kv_cache, c.new_out()
+    one = torch.tensor(1.0)
+    with pytest.raises(TypeError, match=r"^k_scale, v_scale: the NVFP4 layout \[P, 2\*Hkv, page_size, 72\] "
+                                        r"\(uint8\) needs its global scales"):
         _decode_call(c, md, kv, out)
-    with pytest.raises(ValueError, match=r"recognised the NVFP4 layout.*expected \[P, 2, 128, 72\]"):
-        _decode_call(c, md, _nvfp4_cache(c.kv_cache.shape[0], 2), out, k_scale=one, v_scale=one)
+    with pytest.raises(TypeError, match=r"^v_scale: the NVFP4 layout .*needs its global scales"):
+        _decode_call(c, md, kv, out, k_scale=one)
+    with pytest.raises(ValueError, match=r"kv_cache recognised as the NVFP4 layout \[P, 2\*Hkv, page_size, 72\] "
+                                         r"\(uint8\): kv_cache: expected .*NVFP4 \[num_pages, 2, 128, 72\]"):
+        _decode_call(c, md, torch.zeros(kv.shape[0], 4, 128, 72, dtype=torch.uint8), out, k_scale=one, v_scale=one)
+    with pytest.raises(TypeError, match=r"kv_cache recognised as the NVFP4 layout .*: k_scale: expected a python "
+                                        r"float \(or a 1-element CPU tensor\)"):
+        _decode_call(c, md, kv, out, k_scale=torch.ones(2), v_scale=one)
+    with pytest.raises(ValueError, match=r"kv_cache recognised as the NVFP4 layout .*: v_scale: expected a finite "
+                                         r"float > 0"):
+        _decode_call(c, md, kv, out, k_scale=one, v_scale=torch.tensor(0.0))
     assert torch.isnan(out).all(), "nothing may be written on failure"
 
 
@@ -366,7 +438,8 @@ def test_fp8_errors_name_the_layout():
                                  plan_cache=MSACutlassDecodePlanCache(), **c.prepare_kwargs())
     out = c.new_out()
     kv2 = torch.zeros(c.kv_cache.shape[0], 2, 128, 256, dtype=FP8)  # 2 KV heads, the plan has 1
-    with pytest.raises(ValueError, match=r"kv_cache recognised as the fp8 layout .*: kv_cache: expected shape"):
+    with pytest.raises(ValueError, match=r"kv_cache recognised as the fp8 layout .*: kv_cache: expected "
+                                         r"fp8 \[num_pages, 1, 128, 256\].*got shape \[\d+, 2, 128, 256\]"):
         _decode_call(c, md, kv2, out)
     assert torch.isnan(out).all()
     # vLLM's default LBNHC layout: the per-layer view interleaves the heads of a token
@@ -380,16 +453,23 @@ def test_fp8_errors_name_the_layout():
 
 
 # ----------------------------------------------------------------------------- msa_sparse_prefill
-def test_oracle_agrees_with_the_reference():
-    """tests/engine_cases.oracle (used for prefill) against msa_jit's float64 reference."""
+@pytest.mark.parametrize("kv_dtype", ["fp8", "nvfp4"])
+def test_oracle_agrees_with_the_reference(kv_dtype):
+    """tests/engine_cases.oracle (used for prefill and the engine steps) against msa_jit's float64
+    reference; NVFP4: the oracle on the dequantized cache, the reference on the NVFP4 bytes."""
     import engine_cases as ec
+    from msa_jit.nvfp4 import dequantize_kv_nvfp4
 
-    c = make_case(3, 2, 16, 1, q_dtype=FP8, seed=43)
+    c = make_case(3, 2, 16, 1, q_dtype=FP8, seed=43, kv_dtype=kv_dtype)
     rows = [t // c.qlen for t in range(c.num_tokens)]
     pos = [int(c.seq_lens_cpu[t // c.qlen]) - c.qlen + t % c.qlen for t in range(c.num_tokens)]
     ref, _ = sparse_decode_reference(*c.reference_args(), **c.scales())
-    mine = ec.oracle(c.query, c.kv_cache, c.topk, c.block_table, rows, pos, sm_scale=c.sm_scale,
-                     q_scale=c.q_scale, k_scale=c.k_scale, v_scale=c.v_scale)
+    kv, ks, vs = c.kv_cache, c.k_scale, c.v_scale
+    if kv_dtype == "nvfp4":
+        kv, ks, vs = torch.cat(dequantize_kv_nvfp4(kv, ks, vs), dim=-1), 1.0, 1.0
+    mine = ec.oracle(c.query, kv, c.topk, c.block_table, rows, pos, sm_scale=c.sm_scale,
+                     q_scale=c.q_scale, k_scale=ks, v_scale=vs)
+    assert ref.norm() > 0
     torch.testing.assert_close(mine, ref.double(), rtol=1e-9, atol=1e-9)
 
 

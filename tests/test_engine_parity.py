@@ -12,20 +12,19 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
-from pathlib import Path
 from typing import Any
 
 import pytest
+import vllm_standins as vs
 
 from msa_jit import engine, vllm_plugin
 
-ENGINE = Path(__file__).resolve().parents[1].parent / "shared" / "engine" / "vllm-0.33.0"
+ENGINE = vs.ENGINE_DIR
 CALLER = ENGINE / "sparse_attention_msa.py"
 MODULE = ENGINE / "msa_cutlass_sparse_decode.py"
 MODULE_NAME = "vllm.models.minimax_m3.nvidia.msa_cutlass_sparse_decode"
 
-pytestmark = pytest.mark.skipif(not (CALLER.is_file() and MODULE.is_file()),
-                                reason=f"the vLLM engine files are not in {ENGINE}")
+pytestmark = pytest.mark.skipif(not vs.engine_files_present(), reason=vs.ENGINE_SKIP_REASON)
 
 Param = tuple[str, str, Any]
 

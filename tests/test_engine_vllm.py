@@ -1,11 +1,12 @@
 """vLLM 0.33's own MiniMax-M3 attention code, unmodified, with msa_jit.vllm_plugin applied.
 
-The real `shared/engine/vllm-0.33.0/` files run on the stand-ins of tests/vllm_standins.py
-(which names every stand-in): model.py's impl choice and construction and its
-`_allocate_query_fp8` (tests/engine_cases.py, by ast), `MiniMaxM3SparseMSAMetadataBuilder.build`
-and `MiniMaxM3SparseMSAImpl.forward` on a real step, checked against a float64 oracle.
-CPU: the op's float64 reference backend (engine._device_capability reports 9.0). GPU
-(`-m gpu`, an SM90 device): the same code with CUDA tensors and the compiled kernel.
+The real vLLM files (tests/vllm_standins.ENGINE_DIR: `shared/engine/vllm-0.33.0/` or
+$MSA_JIT_TEST_ENGINE_DIR) run on the stand-ins of tests/vllm_standins.py (which names every
+stand-in): model.py's impl choice and construction and its `_allocate_query_fp8`
+(tests/engine_cases.py, by ast), `MiniMaxM3SparseMSAMetadataBuilder.build` and
+`MiniMaxM3SparseMSAImpl.forward` on a real step, fp8 and NVFP4 caches, checked against a
+float64 oracle. CPU: the op's float64 reference backend (engine._device_capability reports
+9.0). GPU (`-m gpu`, an SM90 device): the same code with CUDA tensors and the compiled kernel.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import vllm_standins as vs
 from msa_jit import SparseDecodePlan, engine, env, vllm_plugin
 
 pytestmark = pytest.mark.skipif(not vs.engine_files_present(),
-                                reason=f"the vLLM engine files are not in {vs.ENGINE_DIR}")
+                                reason=vs.ENGINE_SKIP_REASON)
 
 LAYER = "model.layers.3.self_attn.attn"
 TOL = 1e-2
@@ -52,10 +53,13 @@ def vllm(monkeypatch, device):
 
 
 def _engine_step(ns, step: ec.Step, device: str, *, decode_backend: str = "cutlass",
-                 kv_cache_dtype: str = "fp8", kv_cache: torch.Tensor | None = None,
+                 kv_cache_dtype: str | None = None, kv_cache: torch.Tensor | None = None,
                  wiring: ec.ModelWiring | None = None) -> SimpleNamespace:
-    """One layer of one step as vLLM runs it: model wiring, builder.build, impl.forward."""
+    """One layer of one step as vLLM runs it: model wiring, builder.build, impl.forward.
+
+    kv_cache_dtype: vLLM's --kv-cache-dtype, by default the step's ("fp8" or "nvfp4")."""
     hq, hkv, T = step.num_q_heads, step.num_kv_heads, step.num_tokens
+    kv_cache_dtype = step.kv_dtype if kv_cache_dtype is None else kv_cache_dtype
     cfg = ec.vllm_config(num_q_heads=hq, decode_backend=decode_backend, kv_cache_dtype=kv_cache_dtype,
                          decode_qlen=step.decode_qlen)
     ns.config.vllm_config = cfg
@@ -76,11 +80,13 @@ def _engine_step(ns, step: ec.Step, device: str, *, decode_backend: str = "cutla
     )
     md = builder.build(0, cm)
     ns.forward_context.attn_metadata = {LAYER: md}
+    # vLLM's Attention layer keeps the scales twice: floats and 0-dim float32 device tensors
+    # (the NVFP4 path reads the tensors)
     layer = SimpleNamespace(
         layer_name=LAYER, topk_indices_buffer=step.topk_buffer, _q_scale_float=step.q_scale,
         _k_scale_float=step.k_scale, _v_scale_float=step.v_scale,
-        _k_scale=torch.tensor([step.k_scale], dtype=torch.float32, device=device),
-        _v_scale=torch.tensor([step.v_scale], dtype=torch.float32, device=device),
+        _k_scale=torch.tensor(step.k_scale, dtype=torch.float32, device=device),
+        _v_scale=torch.tensor(step.v_scale, dtype=torch.float32, device=device),
     )
     # The model's buffers: T + 2 rows (padding past num_actual_tokens must stay untouched).
     rows = T + 2
@@ -219,22 +225,51 @@ def test_without_the_plugin_the_engine_refuses_hopper(monkeypatch, device):
         sel(topk_blocks=16, kv_cache_dtype="nvfp4", num_kv_heads=1)
 
 
-def _nvfp4_cache(step: ec.Step) -> torch.Tensor:
-    pages = step.kv_u8.shape[0]
-    return torch.zeros(pages, 2 * step.num_kv_heads, ec.PAGE, 72, dtype=torch.uint8, device=step.kv_u8.device)
+# (num_decodes, qlen, prefills on a CPU, prefills on the GPU, Hq, Hkv): on the GPU the prefill
+# fills the real 256-token chunk and a padded last one; on a CPU chunks of 16 keep it quick.
+NVFP4_STEPS = {
+    "decode": (3, 1, [], [], 16, 1),
+    "decode-qlen3": (2, 3, [], [], 32, 2),
+    "mixed": (2, 1, [(0, 6), (300, 13)], [(0, 200), (3000, 70)], 16, 1),
+    "mixed-qlen2": (3, 2, [(1000, 20), (5, 11)], [(1000, 260), (5, 11)], 64, 4),
+    "prefill-only": (0, 1, [(130, 7)], [(130, 300)], 16, 1),
+}
 
 
-@pytest.mark.parametrize("prefills", [[], [(0, 6)]])
-def test_nvfp4_step_reaches_msa_jit(vllm, device, prefills):
-    """NVFP4 on SM90: the engine's code plans and calls msa-jit (no batch floor, no Triton
-    fallback); until the NVFP4 kernel lands the call raises that clear error."""
-    step = ec.make_step(num_decodes=2, decode_qlen=1, prefills=prefills, num_q_heads=16,
-                        num_kv_heads=1, seed=31, device=device)
-    with pytest.raises(NotImplementedError, match="recognised the NVFP4 layout.*no NVFP4 kernel yet"):
-        _engine_step(vllm, step, device, decode_backend="triton", kv_cache_dtype="nvfp4",
-                     kv_cache=_nvfp4_cache(step))
-    md = vllm.forward_context.attn_metadata[LAYER]
-    assert isinstance(md.decode.msa_cutlass, engine.MSACutlassDecodeMetadata)
+@pytest.mark.parametrize("name", sorted(NVFP4_STEPS))
+def test_nvfp4_step_runs_msa_jit_inside_the_engine(vllm, device, monkeypatch, name):
+    """NVFP4 on SM90, for real: the engine's builder plans and its impl decodes through msa-jit
+    (no batch floor, no Triton fallback), prefill tokens through msa_sparse_prefill, both on
+    the NVFP4 cache with the layer's 0-dim global-scale tensors; output vs the float64 oracle
+    on the dequantized cache. On the GPU the compiled NVFP4 kernel serves every plan."""
+    num_decodes, qlen, cpu_prefills, gpu_prefills, hq, hkv = NVFP4_STEPS[name]
+    if device == "cpu":
+        monkeypatch.setattr(vllm_plugin.MsaJitPrefillMixin, "prefill_chunk_tokens", 16)
+    prefill_cache = engine.MSACutlassDecodePlanCache()  # msa_sparse_prefill's plans, to inspect them
+    monkeypatch.setattr(engine, "_DEFAULT_CACHE", prefill_cache)
+    step = ec.make_step(num_decodes=num_decodes, decode_qlen=qlen, num_q_heads=hq, num_kv_heads=hkv,
+                        prefills=cpu_prefills if device == "cpu" else gpu_prefills,
+                        seed=31 + num_decodes * qlen + hq, device=device, kv_dtype="nvfp4")
+    assert step.kv_u8.shape == (step.kv_u8.shape[0], 2 * hkv, ec.PAGE, 72)
+    r = _engine_step(vllm, step, device, decode_backend="triton")  # NVFP4 needs no opt-in
+    assert r.backend is vllm.msa.MiniMaxM3SparseMSANvfp4Backend
+    assert isinstance(r.impl, vllm_plugin.MsaJitPrefillMixin)
+    assert r.impl.use_nvfp4_kv and r.impl.use_cutlass_decode
+    assert r.query_fp8 is not None and torch.isnan(r.query).all(), "NVFP4 reads only the fp8 query"
+    assert r.layer._k_scale.dim() == 0 and r.layer._k_scale.dtype == torch.float32
+    plans = list(prefill_cache.plans.values())
+    assert bool(plans) == bool(step.num_tokens > num_decodes * qlen), "prefill ran through msa-jit"
+    if num_decodes:
+        d = r.md.decode.msa_cutlass
+        assert isinstance(d, engine.MSACutlassDecodeMetadata)
+        assert (d.plan.batch, d.plan.qlen) == (num_decodes, qlen)
+        plans.append(d.plan)
+    else:
+        assert r.md.decode is None
+    for plan in plans:  # a CPU plan runs the reference (no kernel); a GPU plan the NVFP4 kernel
+        assert list(plan.kernels) == ([] if device == "cpu" else [(torch.float8_e4m3fn, "nvfp4")])
+    _check_output(step, r.output)
+    assert not vllm.kernels.prefill_calls, "the engine's Triton prefill cannot read NVFP4"
 
 
 def test_nvfp4_backend_and_query(vllm, device):

@@ -1,6 +1,7 @@
 """Stand-ins for the vLLM 0.33.0 infrastructure that the real engine files import (vLLM is not
 installed in CI). The engine's own code is never stood in for: `install()` loads the unmodified
-files of `shared/engine/vllm-0.33.0/` under their real module names
+files of `shared/engine/vllm-0.33.0/` (or of $MSA_JIT_TEST_ENGINE_DIR: `ENGINE_DIR`) under their
+real module names
 
     vllm.models.minimax_m3.common.sparse_attention       <- common/sparse_attention.py
     vllm.models.minimax_m3.nvidia.msa_cutlass_sparse_decode <- msa_cutlass_sparse_decode.py
@@ -44,6 +45,7 @@ import enum
 import importlib.util
 from abc import ABC
 import logging
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,7 +55,33 @@ from typing import Any, Generic, Literal, NamedTuple, Protocol, TypeVar
 import pytest
 import torch
 
-ENGINE_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "engine" / "vllm-0.33.0"
+ROOT = Path(__file__).resolve().parents[1]
+# Where the tests find the vLLM files: this test-only variable when set (a GPU host gets the repo
+# alone, not shared/: copy the folder into a git-ignored one of the repo and point here; a
+# relative path is taken from the repository root), else shared/ beside the checkout.
+ENGINE_DIR_VAR = "MSA_JIT_TEST_ENGINE_DIR"
+DEFAULT_ENGINE_DIR = ROOT.parent / "shared" / "engine" / "vllm-0.33.0"
+# The four files every engine test reads (model.py: tests/engine_cases.py's ModelWiring).
+ENGINE_FILES = ("common/sparse_attention.py", "msa_cutlass_sparse_decode.py", "sparse_attention_msa.py",
+                "model.py")
+
+
+def engine_dir_candidates() -> list[Path]:
+    """$MSA_JIT_TEST_ENGINE_DIR (if set), then shared/engine/vllm-0.33.0 beside the checkout."""
+    value = os.environ.get(ENGINE_DIR_VAR, "").strip()
+    given = [] if not value else [Path(value).expanduser()]
+    return [p if p.is_absolute() else ROOT / p for p in given] + [DEFAULT_ENGINE_DIR]
+
+
+def find_engine_dir() -> Path | None:
+    """The first of `engine_dir_candidates()` holding all of ENGINE_FILES, None if none does."""
+    return next((d for d in engine_dir_candidates() if all((d / f).is_file() for f in ENGINE_FILES)), None)
+
+
+_FOUND = find_engine_dir()
+ENGINE_DIR = _FOUND if _FOUND is not None else engine_dir_candidates()[0]
+ENGINE_SKIP_REASON = (f"the vLLM 0.33.0 engine files ({', '.join(ENGINE_FILES)}) are in none of "
+                      f"{', '.join(str(d) for d in engine_dir_candidates())} (set {ENGINE_DIR_VAR})")
 REAL_FILES = {
     "vllm.models.minimax_m3.common.sparse_attention": ENGINE_DIR / "common" / "sparse_attention.py",
     "vllm.models.minimax_m3.nvidia.msa_cutlass_sparse_decode": ENGINE_DIR / "msa_cutlass_sparse_decode.py",
@@ -62,7 +90,9 @@ REAL_FILES = {
 
 
 def engine_files_present() -> bool:
-    return all(p.is_file() for p in REAL_FILES.values())
+    """Whether ENGINE_DIR holds the four engine files (else the engine tests skip with
+    ENGINE_SKIP_REASON)."""
+    return _FOUND is not None
 
 
 # ----------------------------------------------------------------------------- stand-ins
