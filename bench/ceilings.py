@@ -7,6 +7,7 @@ What a kernel with no index chain and no math reaches, measured exactly like a d
 
 - `read_2g`: a Triton kernel reading 2 GiB contiguously, events around one launch (like the
   copy): the HBM read ceiling, as a ratio to the copy (which counts read + write bytes).
+  `msa-jit bench` measures the same (`msa_jit.bench.readers.read_bandwidth`) in its own run.
 - `gather`: the same kernel reading N random 32 KiB chunks of a 4 GiB cache (the decode
   step's access pattern without topk / block table / math), at the bytes of the
   T·Hkv = 256 and 1024 points, and contiguous chunks at the same bytes.
@@ -15,7 +16,9 @@ What a kernel with no index chain and no math reaches, measured exactly like a d
   whose id takes two dependent loads (topk slot -> block table), like the kernel's.
 - `floor`: a graph of one tiny kernel (the launch + event floor in every step figure);
   `batch1_floor`: the index chain and one chunk per program for 64 chunks, then a tiny kernel
-  (the least a batch-1 step can cost here), as a standalone graph and inside a graph.
+  (the least a batch-1 step can cost here), as a standalone graph and inside a graph. The
+  bench's per-layer floor probe (`floor_marginal_us` beside every small-batch row of
+  `msa-jit bench`, `msa_jit.bench.readers.floor_layer`) supersedes it for the targets.
 
 With `--layers` (needs the compiled kernels, like `msa-jit bench`): `msa_jit.bench.per_layer`,
 the op as an engine runs it (one prologue, then L layers in one graph).
@@ -31,29 +34,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+if __name__ == "__main__":  # the checkout's msa_jit, also without PYTHONPATH
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 import torch
 import triton
 import triton.language as tl
 
+# the readers the bench also runs (one source): sum_chunk / read_chunks, the 2 GiB read
+from msa_jit.bench.readers import read_bandwidth, read_chunks, sum_chunk
+
 CHUNK = 128 * 256  # one (page, KV head) block: 32 KiB
 CACHE_BYTES = 4 << 30
-
-
-@triton.jit
-def _sum_chunk(base, CHUNK_WORDS: tl.constexpr, BLOCK: tl.constexpr):
-    """Sum of the int32 words at base[0 : CHUNK_WORDS] as a [BLOCK] vector (all loads issued first)."""
-    acc = tl.zeros([BLOCK], dtype=tl.int32)
-    for off in tl.static_range(0, CHUNK_WORDS, BLOCK):
-        acc += tl.load(base + off + tl.arange(0, BLOCK))
-    return acc
-
-
-@triton.jit
-def _read_chunks(src, chunk_ids, out, CHUNK_WORDS: tl.constexpr, BLOCK: tl.constexpr):
-    """Program p sums the int32 words of chunk chunk_ids[p]."""
-    pid = tl.program_id(0)
-    acc = _sum_chunk(src + tl.load(chunk_ids + pid).to(tl.int64) * CHUNK_WORDS, CHUNK_WORDS, BLOCK)
-    tl.store(out + pid, tl.sum(acc, axis=0))
 
 
 @triton.jit
@@ -63,16 +55,16 @@ def _read_rows(src, chunk_ids, out, SLOTS: tl.constexpr, CHUNK_WORDS: tl.constex
     r = tl.program_id(0)
     acc = tl.zeros([BLOCK], dtype=tl.int32)
     for i in range(SLOTS):
-        acc += _sum_chunk(src + tl.load(chunk_ids + r * SLOTS + i).to(tl.int64) * CHUNK_WORDS, CHUNK_WORDS, BLOCK)
+        acc += sum_chunk(src + tl.load(chunk_ids + r * SLOTS + i).to(tl.int64) * CHUNK_WORDS, CHUNK_WORDS, BLOCK)
     tl.store(out + r, tl.sum(acc, axis=0))
 
 
 @triton.jit
 def _read_indexed(src, slots, table, out, CHUNK_WORDS: tl.constexpr, BLOCK: tl.constexpr):
-    """Like _read_chunks, but the chunk id takes two dependent loads (topk slot -> block table)."""
+    """Like read_chunks, but the chunk id takes two dependent loads (topk slot -> block table)."""
     pid = tl.program_id(0)
     page = tl.load(table + tl.load(slots + pid))
-    acc = _sum_chunk(src + page.to(tl.int64) * CHUNK_WORDS, CHUNK_WORDS, BLOCK)
+    acc = sum_chunk(src + page.to(tl.int64) * CHUNK_WORDS, CHUNK_WORDS, BLOCK)
     tl.store(out + pid, tl.sum(acc, axis=0))
 
 
@@ -80,23 +72,22 @@ def _reader(src: torch.Tensor, ids: torch.Tensor):
     out = torch.empty(ids.numel(), dtype=torch.int32, device=src.device)
 
     def run():
-        _read_chunks[(ids.numel(),)](src, ids, out, CHUNK_WORDS=CHUNK // 4, BLOCK=2048, num_warps=4)
+        read_chunks[(ids.numel(),)](src, ids, out, CHUNK_WORDS=CHUNK // 4, BLOCK=2048, num_warps=4)
 
     return run
 
 
 def ceilings(copy_bw: float, log=print) -> dict[str, Any]:
-    from msa_jit.bench import event_seconds, median_in_graph, time_graph
+    from msa_jit.bench import median_in_graph, time_graph
 
     def pct(nbytes: int, us: float) -> float:
         return round(100 * nbytes / (us * 1e-6) / copy_bw, 1)
 
     res: dict[str, Any] = {}
+    read_bw = read_bandwidth(2 << 30)
+    res["read_2g"] = {"tbps": round(read_bw / 1e12, 3), "pct_of_copy": round(100 * read_bw / copy_bw, 1)}
     src = torch.randint(-2**31, 2**31 - 1, (CACHE_BYTES // 4,), dtype=torch.int32, device="cuda")
     n_all = CACHE_BYTES // CHUNK
-    ids_2g = torch.arange((2 << 30) // CHUNK, dtype=torch.int32, device="cuda")
-    us = event_seconds(_reader(src, ids_2g)) * 1e6
-    res["read_2g"] = {"tbps": round((2 << 30) / us / 1e6, 3), "pct_of_copy": pct(2 << 30, us)}
     log(f"read 2 GiB contiguous: {res['read_2g']}")
     g = torch.Generator(device="cpu").manual_seed(0)
     res["gather"] = []
@@ -176,5 +167,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     raise SystemExit(main())

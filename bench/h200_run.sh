@@ -1,29 +1,49 @@
 #!/usr/bin/env bash
-# One device run on the lent H200 (docs/gpu-workflow.md): carry .gpu-bundle, .artifacts, .variants.
-#   bash bench/h200_run.sh tests variants ceilings     # any of: tests memcheck variants trace ceilings bench selftest per_layer_ab host_ab
-#   VARIANTS="now lsu" bash bench/h200_run.sh variants  # time only these variants
-# Logs and result files go to $OUT (at most 8 files come back).
+# One device run on the lent H200 (docs/gpu-workflow.md): carry .gpu-bundle, .artifacts (warmed for
+# BOTH cache formats: python bench/warm_kv_formats.py), and .variants for variants / trace.
+#   bash bench/h200_run.sh tests memcheck racecheck selftest bench ceilings    # the round's full run
+#   any of: tests memcheck racecheck selftest bench bench_quick ceilings host_ab variants trace per_layer_ab
+#   VARIANTS="now lsu" bash bench/h200_run.sh variants   # time only these variants
+#   BASELINE=bench/results/bench-....json                # compare with (default: newest in bench/results)
+# Every step runs under a timeout that ends it by DEADLINE seconds after the start (default 570:
+# the device call's limit is 600 s), so the logs of the steps before it always come back.
+# Files in $OUT (at most 8 come back): gpu-tests.log memcheck.log racecheck.log selftest.log
+# bench.log bench-<date>.json bench-<date>.png ceilings-<date>.json (ceilings' log: its tail only).
 set -uo pipefail
 source .gpu-bundle/setup.sh >/dev/null
 export PYTHONPATH=$PWD:${PYTHONPATH:-} MSA_JIT_CACHE_DIR=$PWD/.artifacts MSA_JIT_NO_COMPILE=1 \
        MSA_JIT_DSL_VERSION=4.8.1 PYTHONUNBUFFERED=1
+START=$(date +%s)
+DEADLINE=${DEADLINE:-570}
+GPU_TESTS="test_kernel_gpu.py test_planner.py test_torch_op.py test_nvfp4*.py test_engine*.py test_bench.py"  # globbed in tests/
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+
+# limit STEP_SECONDS: the step's own cap, cut to what is left before DEADLINE
+limit() { local left=$(( DEADLINE - ($(date +%s) - START) )); (( left < $1 )) && echo $(( left > 5 ? left : 5 )) || echo "$1"; }
+
 for step in "$@"; do
   t0=$(date +%s)
   case $step in
-    tests) (cd tests && python3 -m pytest test_kernel_gpu.py test_planner.py test_op_fast_path.py -m gpu -q -rA) > $OUT/gpu-tests.log 2>&1
+    tests) (cd tests && timeout "$(limit 240)" python3 -m pytest $GPU_TESTS -m gpu -q -rA) > $OUT/gpu-tests.log 2>&1
            tail -n 1 $OUT/gpu-tests.log ;;
-    memcheck) (cd tests && compute-sanitizer --tool memcheck --error-exitcode 9 python3 gpu_memcheck.py) \
+    memcheck) (cd tests && timeout "$(limit 120)" compute-sanitizer --tool memcheck --error-exitcode 9 python3 gpu_memcheck.py) \
                > $OUT/memcheck.log 2>&1; echo "memcheck rc=$?" | tee -a $OUT/memcheck.log ;;
+    racecheck) (cd tests && timeout "$(limit 180)" compute-sanitizer --tool racecheck --error-exitcode 9 python3 gpu_memcheck.py) \
+                > $OUT/racecheck.log 2>&1; echo "racecheck rc=$?" | tee -a $OUT/racecheck.log; tail -n 3 $OUT/racecheck.log ;;
+    selftest) timeout "$(limit 150)" python3 -m msa_jit selftest --no-bench --out $OUT > $OUT/selftest.log 2>&1
+              echo "selftest rc=$?" | tee -a $OUT/selftest.log; tail -n 2 $OUT/selftest.log ;;
+    bench|bench_quick) BASELINE=${BASELINE:-$(python3 -c \
+             'from msa_jit.bench import latest_result; print(latest_result("bench/results") or "none")')}
+           timeout "$(limit 330)" python3 -m msa_jit bench --out $OUT --baseline "$BASELINE" \
+             $([ "$step" = bench_quick ] && echo --quick) > $OUT/bench.log 2>&1
+           echo "bench rc=$?" | tee -a $OUT/bench.log; grep -E "^REGRESSION|FAILED" $OUT/bench.log | head -n 20
+           sed -n '/^| issue | target/,$p' $OUT/bench.log ;;
+    ceilings) timeout "$(limit 90)" python3 bench/ceilings.py --out $OUT 2>&1 | tail -n 12 ;;
     variants) python3 bench/variants.py run --dir .variants --out $OUT ${VARIANTS:+--variants $VARIANTS} 2>&1 | tee $OUT/variants.log | tail -n 40 ;;
     trace) python3 bench/trace_ctas.py --dir .variants --out $OUT ${TRACES:+--variants $TRACES} 2>&1 | tee $OUT/trace.log | tail -n 8 ;;
-    ceilings) python3 bench/ceilings.py --out $OUT --layers 2>&1 | tee $OUT/ceilings.log | tail -n 20 ;;
-    bench) python3 -m msa_jit bench --out $OUT --baseline bench/results/bench-2026-12-03T1342.json 2>&1 \
-             | tee $OUT/bench.log | tail -n 45 ;;
-    selftest) python3 -m msa_jit selftest --no-bench --out $OUT 2>&1 | tee $OUT/selftest.log | tail -n 5 ;;
     per_layer_ab) python3 bench/per_layer_ab.py --out $OUT 2>&1 | tee $OUT/per-layer-ab.log | tail -n 26 ;;
-    host_ab) python3 bench/host_ab.py --out $OUT 2>&1 | tee $OUT/host-ab.log | tail -n 46 ;;
+    host_ab) timeout "$(limit 60)" python3 bench/host_ab.py --out $OUT 2>&1 | tail -n 46 ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
-  echo "== $step: $(( $(date +%s) - t0 )) s"
+  echo "== $step: $(( $(date +%s) - t0 )) s (total $(( $(date +%s) - START )) s)"
 done

@@ -1,8 +1,10 @@
-"""`msa-jit bench`: the performance grid on a GPU (`msa_jit.bench`), or a result file's table.
+"""`msa-jit bench`: the performance grid on a GPU (`msa_jit.bench`), or a result file's table / targets.
 
-Writes bench-<date>.json/.png into --out and compares with the newest previous result;
-exit 1 on a point more than 5% slower. `--table RESULT_JSON` prints the README's table of a
-result file and needs no GPU.
+Writes bench-<date>.json/.png into --out, compares with the newest previous result (exit 1 on
+a point or per-layer row more than 5% slower, a row that failed, or a run stopped by SIGTERM:
+the rows done are written) and prints the targets of
+#18 / #19. `--table RESULT_JSON` prints the README's tables of a result file, `--summary
+RESULT_JSON` its targets; neither needs a GPU.
 """
 
 from __future__ import annotations
@@ -12,25 +14,55 @@ import json
 from pathlib import Path
 
 from .. import bench
-from ..geometry import Q_DTYPES
+from ..geometry import KV_DTYPES, Q_DTYPES
 
 HELP = "benchmark grid on this GPU: JSON + PNG (needs CUDA)"
 
 
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The grid (--geometries, --batches, --decode-query-lens, --q-dtype, --iters), --out, --baseline, --table."""
+    """The grid (--geometries, --batches, --decode-query-lens, --kv-dtypes, --q-dtype, --quick,
+    --floor-batches, --no-shared, --layers, --iters, --in-graph, --no-host), --out, --baseline,
+    --table, --summary."""
     p.add_argument("--out", default=bench.RESULTS_DIR, help="folder for bench-<date>.json/.png")
     p.add_argument("--geometries", default=",".join(bench.GRID_GEOMETRIES))
     p.add_argument("--batches", default=",".join(map(str, bench.GRID_BATCHES)))
-    p.add_argument("--decode-query-lens", default=",".join(map(str, bench.GRID_QLENS)),
-                   help="query tokens per request (qlen) of the grid")
+    p.add_argument("--decode-query-lens", default=None,
+                   help=f"query tokens per request (qlen) of the grid (default {','.join(map(str, bench.GRID_QLENS))}; "
+                        f"--quick: {','.join(map(str, bench.QUICK_QLENS))})")
+    p.add_argument("--kv-dtypes", default=",".join(bench.GRID_KV_DTYPES),
+                   help=f"cache formats to time, of {','.join(KV_DTYPES)}")
     p.add_argument("--q-dtype", default="bfloat16", choices=list(Q_DTYPES))
-    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--quick", action="store_true",
+                   help="about half the rows: qlen 1 and 4 only, one speculative-decode point (64/4 B=64 qlen 4)")
+    p.add_argument("--floor-batches", default=",".join(map(str, bench.FLOOR_BATCHES)),
+                   help="batches whose rows get the floor probe ('' for none)")
+    p.add_argument("--no-shared", action="store_true", help="skip the speculative-decode (shared-block) rows")
+    p.add_argument("--layers", type=int, default=bench.NUM_LAYERS, help="layers per graph of the per-layer figure")
+    p.add_argument("--iters", type=int, default=50, help="timed graph replays per figure")
+    p.add_argument("--in-graph", action="store_true", help="also time each one-layer step inside one larger graph")
+    p.add_argument("--no-host", action="store_true", help="skip the host-side (CPU) figures")
     p.add_argument("--baseline", default="auto",
-                   help="result JSON to compare with (default: the newest in --out; 'none' to skip); "
-                        "exit 1 if a point is >5%% slower")
+                   help="result JSON to compare with (default: the newest in --out, or with --summary the file the "
+                        "result names; 'none' to skip); exit 1 if a point is >5%% slower")
     p.add_argument("--table", metavar="RESULT_JSON",
-                   help="print the README's markdown table of a result file and exit (no GPU)")
+                   help="print the README's markdown tables of a result file and exit (no GPU)")
+    p.add_argument("--summary", metavar="RESULT_JSON",
+                   help="print the #18 / #19 targets of a result file, measured vs goal, and exit (no GPU)")
+
+
+def _summary_baseline(args: argparse.Namespace, result: dict) -> dict | None:
+    if args.baseline in (None, "none"):
+        return None
+    path = result.get("baseline") if args.baseline == "auto" else args.baseline
+    if not path or not Path(path).is_file():
+        if args.baseline != "auto":
+            raise SystemExit(f"--baseline: no file {path}")
+        return None
+    return json.loads(Path(path).read_text())
 
 
 def run(args: argparse.Namespace) -> int:
@@ -38,9 +70,21 @@ def run(args: argparse.Namespace) -> int:
     if args.table:  # no GPU: print the README table of a result file
         print(bench.readme_table(json.loads(Path(args.table).read_text())))
         return 0
-    geos = tuple(args.geometries.split(","))
-    batches = tuple(int(b) for b in args.batches.split(","))
-    qlens = tuple(int(q) for q in args.decode_query_lens.split(","))
-    result = bench.main(args.out, geometries=geos, batches=batches, qlens=qlens, q_dtype=args.q_dtype,
-                        iters=args.iters, baseline=args.baseline)
-    return 1 if result.get("regressions") else 0
+    if args.summary:  # no GPU: the targets of a result file
+        result = json.loads(Path(args.summary).read_text())
+        print(bench.format_targets(bench.check_targets(result, _summary_baseline(args, result))))
+        return 0
+    geos, kvs = tuple(args.geometries.split(",")), tuple(args.kv_dtypes.split(","))
+    bad = [g for g in geos if g not in bench.GEOMETRIES] + [k for k in kvs if k not in KV_DTYPES]
+    if bad:
+        print(f"msa-jit bench: unknown {', '.join(map(repr, bad))}; geometries are {', '.join(bench.GEOMETRIES)}, "
+              f"cache formats {', '.join(KV_DTYPES)}")
+        return 2
+    qlens = (_ints(args.decode_query_lens) if args.decode_query_lens
+             else bench.QUICK_QLENS if args.quick else bench.GRID_QLENS)
+    shared = () if args.no_shared else bench.QUICK_SHARED_POINTS if args.quick else bench.SHARED_POINTS
+    result = bench.main(args.out, geometries=geos, batches=_ints(args.batches), qlens=qlens, kv_dtypes=kvs,
+                        q_dtype=args.q_dtype, shared_points=shared, floor_batches=_ints(args.floor_batches),
+                        iters=args.iters, num_layers=args.layers, in_graph=args.in_graph, host=not args.no_host,
+                        baseline=args.baseline)
+    return 1 if result.get("regressions") or result.get("errors") or result.get("incomplete") else 0
