@@ -13,9 +13,11 @@ set -uo pipefail
 source .gpu-bundle/setup.sh >/dev/null
 export PYTHONPATH=$PWD:${PYTHONPATH:-} MSA_JIT_CACHE_DIR=$PWD/.artifacts MSA_JIT_NO_COMPILE=1 \
        MSA_JIT_DSL_VERSION=4.8.1 PYTHONUNBUFFERED=1
+# the engine-code tests read vLLM's files from a carried, git-ignored copy (../shared does not travel)
+[ -d .engine-src/vllm-0.33.0 ] && export MSA_JIT_TEST_ENGINE_DIR=$PWD/.engine-src/vllm-0.33.0
 START=$(date +%s)
 DEADLINE=${DEADLINE:-570}
-GPU_TESTS="test_kernel_gpu.py test_planner.py test_torch_op.py test_nvfp4*.py test_engine*.py test_bench.py"  # globbed in tests/
+GPU_TESTS="test_kernel_gpu.py test_planner.py test_torch_op.py test_op_fast_path.py test_nvfp4*.py test_engine*.py test_vllm_plugin.py test_bench.py"  # globbed in tests/
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 
 # limit STEP_SECONDS: the step's own cap, cut to what is left before DEADLINE

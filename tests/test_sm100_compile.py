@@ -31,6 +31,6 @@ def test_every_minimax_geometry_compiles_for_sm100a(tmp_path):
     assert len(builds) == 16, builds  # 64/4, 32/2, 16/1, 8/1 x bf16, fp8 x 2 and 3 CTAs per SM
     for r in rows:  # no local memory beyond the 3-per-SM build's accepted row sum
         assert r["sm"] == 100 and r["local_ops"] <= r["accepted_local_ops"], r
-        assert r["accepted_local_ops"] == (6 if r["ctas_per_sm"] == 3 else 0), r
+        assert r["accepted_local_ops"] == (12 if r["ctas_per_sm"] == 3 else 0), r  # compiler.KERNEL_REGISTRY
     for r in main:
         assert r["mma_ops"].get("HMMA", 0) > 0 and r["registers"] <= 255, r
