@@ -2,26 +2,35 @@
 
 `warmup_configs(...)` expands head layouts x query dtypes x archs into every config the
 planner may pick (`compiler.plannable_configs`); `run_warmup(configs)` ensures each is in the
-cache. The parent process never imports the DSL compiler: it looks every config up in the
-cache first and hands only the misses to spawn-context worker processes, each of which calls
-`msa_jit.compiler.ensure_compiled` (the cache's per-entry lock makes concurrent warmups of
-the same geometry build it once).
+cache. The parent process never imports the DSL compiler: it resolves the cache root once,
+looks every config up there and hands only the misses to spawn-context worker processes,
+which open exactly that root and call `msa_jit.compiler.ensure_compiled` (the cache's
+per-entry lock makes concurrent warmups of the same geometry build it once). The workers
+protect the warm-up's working set from the automatic prune, die with the parent however it
+dies, and ignore Ctrl-C: the parent cancels the queue, ends them and raises
+WarmupInterrupted (cache_dir_policy.md §11).
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
+import multiprocessing
+import multiprocessing.connection as mp_connection
 import os
+import signal
 import sys
+import threading
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
-from concurrent.futures.process import BrokenProcessPool
+from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from . import cache, compiler, env
+from .cache.entry import tree_size
 from .geometry import (
     DEFAULT_ARCHES, DEFAULT_PAGE_SIZE, DEFAULT_TOPK_BLOCKS, MINIMAX_M3_GEOMETRIES, Q_DTYPE_SHORT, Q_DTYPES,
     SparseDecodeConfig, check_config,
@@ -89,7 +98,7 @@ class WarmupRow:
     """Outcome for one geometry."""
 
     config: SparseDecodeConfig
-    status: str = "pending"  # compiled | cached | failed
+    status: str = "pending"  # compiled | cached | failed; after Ctrl-C also interrupted | cancelled
     seconds: float = 0.0
     artifact: str | None = None
     key: str | None = None
@@ -119,51 +128,255 @@ class WarmupRow:
 
 
 # ----------------------------------------------------------------------------- workers
-def _worker_init(cache_dir: str | None) -> None:
-    if cache_dir:
-        os.environ[env.CACHE_DIR] = cache_dir
+# Each worker is a spawned process fed one build at a time over its own pipe: nothing is ever
+# queued inside a worker, so cancelling the queue is "send no more", and ending the warm-up
+# is ending the workers (cache_dir_policy.md §11).
+STOP_GRACE_S = 2.0  # how long a stopped worker may take to delete its build dir before SIGKILL
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+class WarmupInterrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) stopped `run_warmup`: the queued builds were cancelled and the workers
+    ended. `rows` as far as they got: compiled / cached / failed (finished; kept in the cache),
+    interrupted (were building), cancelled (never started)."""
+
+    def __init__(self, rows: list[WarmupRow]) -> None:
+        super().__init__("msa-jit warmup interrupted")
+        self.rows = rows
+
+
+def _die_with_parent() -> None:
+    """End this worker when the warm-up's parent dies, however it dies (even SIGKILL): on Linux
+    the kernel sends SIGKILL (PR_SET_PDEATHSIG); everywhere a watchdog thread waits on the
+    spawn sentinel, a pipe the parent holds open for as long as it lives."""
+    parent = multiprocessing.parent_process()
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+    if parent is None:
+        return
+
+    def watch() -> None:
+        parent.join()
+        os._exit(1)  # the build lock is an flock: it goes with the process
+
+    threading.Thread(target=watch, name="msa-jit-parent-watchdog", daemon=True).start()
+    if os.getppid() != parent.pid:  # the parent died before the prctl took effect
+        os._exit(1)
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # unwinds the build: its temp dir is deleted, its lock released
+
+
+def _worker_main(conn: Any, root: str, readonly_roots: tuple[str, ...], protect: tuple[str, ...]) -> None:
+    """A compile worker: open exactly the parent's cache root, then build each config the
+    parent sends (a dict; None: exit), answering with `compile_one`'s result."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     from .logs import configure_logging
 
     configure_logging()
+    try:
+        _serve(conn, root, readonly_roots, protect)
+    except SystemExit as e:  # SIGTERM: the build has unwound (temp dir deleted, lock released)
+        logging.shutdown()
+        sys.stderr.flush()
+        # skip the interpreter's teardown: over a second with torch imported, past the
+        # parent's grace period (STOP_GRACE_S) on a small machine
+        os._exit(e.code if isinstance(e.code, int) else 1)
 
 
-def compile_one(cfg_dict: dict[str, Any]) -> dict[str, Any]:
-    """Worker: ensure_compiled(cfg) -> {status, seconds, artifact, key, error} (never raises)."""
+def _serve(conn: Any, root: str, readonly_roots: tuple[str, ...], protect: tuple[str, ...]) -> None:
+    problem = None
+    try:
+        c = cache.ArtifactCache(root, fallback=False, readonly_roots=readonly_roots)
+        c.protect(protect)
+    except Exception as e:
+        c, problem = None, f"{type(e).__name__}: {e}"
+    while True:
+        try:
+            job = conn.recv()
+        except (EOFError, OSError):
+            return  # the parent is gone
+        if job is None:
+            return
+        res = compile_one(job, c) if c is not None else _failed(problem, 0.0)
+        try:
+            conn.send(res)
+        except OSError:
+            return
+
+
+def _failed(error: str | None, seconds: float) -> dict[str, Any]:
+    return {"status": "failed", "seconds": seconds, "artifact": None, "key": None, "error": error, "extra": {}}
+
+
+def compile_one(cfg_dict: dict[str, Any], c: cache.ArtifactCache | None = None) -> dict[str, Any]:
+    """Worker: ensure_compiled(cfg) in cache `c` (default: the default cache) ->
+    {status, seconds, artifact, key, error, extra}; an error is reported, not raised."""
     t0 = time.perf_counter()
     try:
         from . import compiler
 
         cfg = SparseDecodeConfig(**cfg_dict)
-        entry, built = compiler.ensure_compiled(cfg)
+        entry, built = compiler.ensure_compiled(cfg, cache=c)
         return {"status": "compiled" if built else "cached", "seconds": time.perf_counter() - t0,
                 "artifact": str(entry.artifact_path()), "key": entry.key, "error": None,
                 "extra": dict(entry.meta.get("extra") or {})}
-    except BaseException as e:  # report, never kill the pool
-        return {"status": "failed", "seconds": time.perf_counter() - t0, "artifact": None, "key": None,
-                "error": f"{type(e).__name__}: {e}", "extra": {}}
+    except Exception as e:  # report, keep the worker; SIGTERM's SystemExit ends it
+        return _failed(f"{type(e).__name__}: {e}", time.perf_counter() - t0)
 
 
-def _lookup_cached(rows: list[WarmupRow], cache_dir: str | None) -> None:
-    """Mark rows already in the cache as cached (no compiler import, no worker)."""
+@contextmanager
+def _sigint_blocked() -> Iterator[None]:
+    """Block SIGINT while a worker is spawned: the child inherits the mask, so a Ctrl-C that
+    lands before it ignores SIGINT cannot kill it mid-import (with a traceback); the parent
+    gets the signal as soon as the mask is restored."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+@dataclass
+class _Worker:
+    proc: Any
+    conn: Any
+    row: WarmupRow | None = None
+
+
+class _Pool:
+    """The warm-up's worker processes (spawn context, one build in flight each)."""
+
+    def __init__(self, c: cache.ArtifactCache, protect: Sequence[str]) -> None:
+        self._ctx = multiprocessing.get_context("spawn")
+        self._args = (str(c.root), tuple(str(r) for r in c.readonly_roots), tuple(protect))
+        self.workers: list[_Worker] = []
+        self.hurry = False
+
+    def start(self) -> _Worker:
+        parent_end, child_end = self._ctx.Pipe()
+        proc = self._ctx.Process(target=_worker_main, args=(child_end, *self._args), daemon=True,
+                                 name=f"msa-jit-warmup-{len(self.workers)}")
+        with _sigint_blocked():
+            proc.start()
+        child_end.close()
+        w = _Worker(proc, parent_end)
+        self.workers.append(w)
+        return w
+
+    def give(self, w: _Worker, row: WarmupRow) -> None:
+        w.row = row
+        try:
+            w.conn.send(row.config.to_dict())
+        except OSError:
+            pass  # the worker died: `wait` sees its sentinel and fails this row
+
+    def busy(self) -> list[_Worker]:
+        return [w for w in self.workers if w.row is not None]
+
+    def wait(self) -> list[tuple[_Worker, dict[str, Any]]]:
+        """Block until a busy worker answers or dies: [(worker, result)] of those that did."""
+        busy = self.busy()
+        mp_connection.wait([w.conn for w in busy] + [w.proc.sentinel for w in busy])
+        done = []
+        for w in busy:
+            res = None
+            try:
+                if w.conn.poll():
+                    res = w.conn.recv()
+            except (EOFError, OSError):
+                pass
+            if res is None and not w.proc.is_alive():
+                w.proc.join()
+                res = _failed(f"the worker process died ({_exit_text(w.proc.exitcode)}) while building this kernel", 0.0)
+                self.workers.remove(w)
+            if res is not None:
+                done.append((w, res))
+        return done
+
+    def stop(self, graceful: bool) -> None:
+        """End every worker: graceful, tell idle workers to exit; otherwise SIGTERM, then after
+        STOP_GRACE_S (or at once once `hurry` is set: another Ctrl-C) SIGKILL."""
+        for w in self.workers:
+            try:
+                if graceful:
+                    w.conn.send(None)
+                else:
+                    w.proc.terminate()
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + (10.0 if graceful else STOP_GRACE_S)
+        for w in self.workers:
+            while w.proc.is_alive() and not self.hurry and time.monotonic() < deadline:
+                w.proc.join(0.05)
+        for w in self.workers:
+            if w.proc.is_alive():
+                w.proc.kill()
+        for w in self.workers:
+            w.proc.join(5.0)
+            w.conn.close()
+        self.workers = []
+
+
+@contextmanager
+def _further_sigints(pool: _Pool | None) -> Iterator[None]:
+    """While the warm-up ends, a (further) Ctrl-C only hurries it (no grace period for the
+    workers) instead of raising where the cleanup happens to be; the caller's handler is put
+    back on the way out (only the main thread can; signals only reach it anyway)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        if pool is not None:
+            pool.hurry = True
+
+    old = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+def _exit_text(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            pass
+    return f"exit status {code}"
+
+
+# ----------------------------------------------------------------------------- the warm-up
+def _keys_and_cached(rows: list[WarmupRow], c: cache.ArtifactCache) -> list[str]:
+    """Set each row's key, mark rows already in the cache as cached (no compiler import, no
+    worker); returns every key (the warm-up's working set)."""
     from . import compiler
 
-    try:
-        c = cache.open_cache(cache_dir)
-    except Exception as e:
-        log.warning("msa-jit warmup: cannot open the cache for a quick lookup: %s", e)
-        return
+    keys = []
     for row in rows:
         t0 = time.perf_counter()
         try:
-            key = compiler.cache_key(row.config)
-            entry = c.lookup(key)
+            row.key = compiler.cache_key(row.config)
+            keys.append(row.key)
+            entry = c.lookup(row.key)
         except Exception as e:
             log.debug("msa-jit warmup: lookup of %s failed: %s", row.geometry, e)
             continue
         if entry is not None:
-            row.status, row.key = "cached", key
+            row.status = "cached"
             row.artifact = str(entry.artifact_path())
             row.seconds = time.perf_counter() - t0
+    return keys
 
 
 def _progress(total: int, quiet: bool) -> tuple[Callable[[WarmupRow], None], Callable[[], None]]:
@@ -196,48 +409,108 @@ def _progress(total: int, quiet: bool) -> tuple[Callable[[WarmupRow], None], Cal
     return advance, close
 
 
+def _open_cache(cache_dir: str | None, allow_ephemeral: bool) -> cache.ArtifactCache:
+    c = cache.open_cache(cache_dir)
+    if c.ephemeral and not allow_ephemeral:
+        raise cache.CacheDirError(
+            f"msa-jit warmup: refusing to compile, nothing would be kept: no persistent cache directory "
+            f"is usable (the warning above says why), so the cache fell back to {c.root}, an in-process "
+            f"temporary directory deleted when this warm-up exits. Set {env.CACHE_DIR} (or --cache-dir) "
+            "to a writable directory."
+        )
+    return c
+
+
+def _check_cap(rows: Sequence[WarmupRow], c: cache.ArtifactCache) -> None:
+    """Say so when MSA_JIT_CACHE_MAX_BYTES is below this warm-up's kernels in the writable
+    root: they are kept (the workers protect them), but the next build elsewhere prunes them."""
+    try:
+        cap = env.cache_max_bytes()
+    except ValueError:
+        return  # the build itself reported it
+    dirs = {Path(r.artifact).parent for r in rows if r.status in ("compiled", "cached") and r.artifact}
+    dirs = {d for d in dirs if d.is_relative_to(c.root)}
+    size = sum(tree_size(d) for d in dirs)
+    if size > cap:
+        log.warning(
+            "msa-jit warmup: %s = %d bytes is smaller than the %d kernels of this warm-up (%d bytes in %s): "
+            "all are kept (a warm-up never prunes its own), but the next build in this cache outside a "
+            "warm-up will prune the least recently used of them. Raise %s to at least %d.",
+            env.CACHE_MAX_BYTES, cap, len(dirs), size, c.root, env.CACHE_MAX_BYTES, size,
+        )
+
+
 def run_warmup(
     configs: Sequence[SparseDecodeConfig], *, jobs: int | None = None, cache_dir: str | None = None,
-    quiet: bool = False,
+    quiet: bool = False, allow_ephemeral: bool = False,
 ) -> list[WarmupRow]:
-    """Ensure every config is compiled; returns one row per config (in the given order)."""
+    """Ensure every config is compiled; returns one row per config (in the given order).
+
+    The cache root is resolved once, here, and the workers write exactly there. Raises
+    CacheDirError when that root is an in-process temporary directory (nothing would outlive
+    the warm-up) unless `allow_ephemeral` (`msa-jit inspect` reads the artifacts before it
+    exits); WarmupInterrupted (a KeyboardInterrupt) on Ctrl-C, after cancelling the queued
+    builds and ending the workers.
+    """
     rows = [WarmupRow(c) for c in configs]
     if cache_dir:
         cache_dir = os.path.abspath(os.path.expanduser(cache_dir))
     advance, close = _progress(len(rows), quiet)
+    pool: _Pool | None = None
+    c: cache.ArtifactCache | None = None
+    interrupted = False
     try:
-        _lookup_cached(rows, cache_dir)
+        c = _open_cache(cache_dir, allow_ephemeral)
+        keys = _keys_and_cached(rows, c)
         for row in rows:
             if row.status == "cached":
                 advance(row)
-        todo = [r for r in rows if r.status == "pending"]
-        if todo:
-            import multiprocessing
-
-            n = max(1, min(jobs or min(4, os.cpu_count() or 1), len(todo)))
-            ctx = multiprocessing.get_context("spawn")
-            try:
-                with ProcessPoolExecutor(n, mp_context=ctx, initializer=_worker_init, initargs=(cache_dir,)) as pool:
-                    futures = {pool.submit(compile_one, r.config.to_dict()): r for r in todo}
-                    for fut in as_completed(futures):
-                        row = futures[fut]
-                        try:
-                            res = fut.result()
-                        except BaseException as e:  # a worker died (e.g. killed)
-                            res = {"status": "failed", "error": f"{type(e).__name__}: {e}"}
-                        row.status = res.get("status", "failed")
-                        row.seconds = float(res.get("seconds") or 0.0)
-                        row.artifact, row.key = res.get("artifact"), res.get("key")
-                        row.error, row.extra = res.get("error"), res.get("extra") or {}
-                        advance(row)
-            except (BrokenProcessPool, OSError, RuntimeError) as e:  # could not start / lost the pool
-                for row in todo:
-                    if row.status == "pending":
-                        row.status, row.error = "failed", f"worker pool failed: {type(e).__name__}: {e}"
-                        advance(row)
+        pending = deque(r for r in rows if r.status == "pending")
+        if pending:
+            pool = _Pool(c, keys)
+            for _ in range(max(1, min(jobs or min(4, os.cpu_count() or 1), len(pending)))):
+                pool.give(pool.start(), pending.popleft())
+            while pool.busy():
+                for w, res in pool.wait():
+                    row, w.row = w.row, None
+                    row.status = res.get("status", "failed")
+                    row.seconds = float(res.get("seconds") or 0.0)
+                    row.artifact, row.key = res.get("artifact"), res.get("key") or row.key
+                    row.error, row.extra = res.get("error"), res.get("extra") or {}
+                    advance(row)
+                    if pending:
+                        pool.give(w if w in pool.workers else pool.start(), pending.popleft())
+    except KeyboardInterrupt:
+        interrupted = True
+        building = {id(w.row) for w in (pool.busy() if pool else [])}
+        for row in rows:
+            if row.status == "pending":
+                row.status = "interrupted" if id(row) in building else "cancelled"
+    except (OSError, RuntimeError) as e:  # could not start a worker / lost its pipe
+        if isinstance(e, cache.CacheDirError):
+            raise
+        for row in rows:
+            if row.status == "pending":
+                row.status, row.error = "failed", f"worker pool failed: {type(e).__name__}: {e}"
+                advance(row)
     finally:
-        close()
+        with _further_sigints(pool):
+            if pool is not None:
+                pool.stop(graceful=not interrupted)
+            close()
+            if interrupted:  # raised in here: nothing is in flight (the except clause handled it)
+                raise WarmupInterrupted(rows) from None
+    if c is not None:
+        _check_cap(rows, c)
     return rows
+
+
+def interrupted_summary(rows: Sequence[WarmupRow]) -> str:
+    """'1 compiled, 0 cached, 2 interrupted, 3 not started' (failed counted when there are any)."""
+    n = {s: sum(r.status == s for r in rows) for s in ("compiled", "cached", "failed", "interrupted", "cancelled")}
+    failed = f", {n['failed']} failed" if n["failed"] else ""
+    return (f"{n['compiled']} compiled, {n['cached']} cached{failed}, {n['interrupted']} interrupted, "
+            f"{n['cancelled']} not started")
 
 
 def summary(rows: Sequence[WarmupRow]) -> dict[str, int]:

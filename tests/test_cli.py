@@ -180,6 +180,7 @@ def test_progress_bar_on_a_tty(monkeypatch):
 
 
 def test_logging_follows_env(monkeypatch, tmp_path):
+    (tmp_path / "c").mkdir()  # a --cache-dir that does not exist is exit 2
     monkeypatch.setenv("MSA_JIT_LOG_LEVEL", "info")
     run_main(["cache", "info", "--cache-dir", str(tmp_path / "c")])
     logger = logging.getLogger("msa_jit")

@@ -27,7 +27,10 @@ class CacheError(RuntimeError):
 
 
 class ArtifactMissingError(CacheError):
-    """A kernel is not in the cache and ``MSA_JIT_NO_COMPILE=1`` forbids compiling it."""
+    """A kernel is not in the cache and ``MSA_JIT_NO_COMPILE=1`` forbids compiling it.
+
+    ``corrupt``: one ``"<entry dir> (<why>; <what was done>)"`` per cached entry of this key
+    that was found corrupt on the way (so the message says why a shipped kernel is missing)."""
 
     def __init__(
         self,
@@ -35,23 +38,26 @@ class ArtifactMissingError(CacheError):
         key: str,
         roots: Iterable[os.PathLike | str] = (),
         warmup_hint: str | None = None,
+        corrupt: Iterable[str] = (),
     ) -> None:
         self.describe = describe
         self.key = key
         self.roots = tuple(str(r) for r in roots)
         self.warmup_hint = warmup_hint
+        self.corrupt = tuple(corrupt)
         where = f" in {', '.join(self.roots)}" if self.roots else ""
         how = warmup_hint or "msa-jit warmup ...  (with this geometry)"
+        bad = f" The cached entry is corrupt: {'; '.join(self.corrupt)}." if self.corrupt else ""
         super().__init__(
-            f"msa-jit: no compiled kernel for {describe} (cache key {key}){where}, and "
-            f"{env.NO_COMPILE}=1 forbids compiling on this host. Warm the cache on a build host "
+            f"msa-jit: no {'usable ' if bad else ''}compiled kernel for {describe} (cache key {key}){where}, "
+            f"and {env.NO_COMPILE}=1 forbids compiling on this host.{bad} Warm the cache on a build host "
             f"with the same msa-jit / CuTe DSL versions and GPU arch:\n    {how}\n"
             f"then ship the cache directory and point {env.CACHE_DIR} at it "
             f"(or unset {env.NO_COMPILE} to compile here)."
         )
 
     def __reduce__(self):  # picklable across processes despite the custom __init__
-        return (type(self), (self.describe, self.key, self.roots, self.warmup_hint))
+        return (type(self), (self.describe, self.key, self.roots, self.warmup_hint, self.corrupt))
 
 
 class CacheLockTimeout(CacheError, TimeoutError):

@@ -25,6 +25,7 @@ __all__ = [
     "KEY_RE",
     "canonical_json",
     "check_key",
+    "entry_key_problem",
     "jsonable",
     "make_key",
     "source_fingerprint",
@@ -129,3 +130,22 @@ def check_key(key: str) -> None:
     """ValueError unless ``key`` is 64 lower-case hex digits (what ``make_key`` returns)."""
     if not isinstance(key, str) or not KEY_RE.match(key):
         raise ValueError(f"invalid cache key {key!r}: expected 64 lower-case hex digits (make_key)")
+
+
+def entry_key_problem(meta: Mapping[str, Any], key: str) -> str | None:
+    """None when ``make_key(meta["config"], meta["fingerprint"]) == key`` (the entry in the
+    directory ``key`` was built for what that key names), else why not.
+
+    A mismatch (an entry copied under another key, its ``"key"`` field rewritten) would run a
+    kernel built for another geometry or convention, so the entry is never served."""
+    config, fp = meta.get("config"), meta.get("fingerprint")
+    if not isinstance(config, Mapping) or not isinstance(fp, Mapping):
+        return "meta.json has no config / fingerprint object to derive the key from"
+    try:
+        derived = make_key(config, fp)
+    except TypeError as e:
+        return f"meta.json's config / fingerprint cannot be keyed ({e})"
+    if derived != key:
+        return (f"meta.json's config and fingerprint give key {derived[:12]}..., not the directory's "
+                f"{key[:12]}... (an entry copied under another key)")
+    return None

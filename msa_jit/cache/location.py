@@ -26,6 +26,8 @@ from .errors import CacheDirError, describe_oserror
 __all__ = [
     "Resolution",
     "check_private_dir",
+    "not_a_directory",
+    "pinned",
     "preferred_root",
     "probe_writable",
     "readable_v1",
@@ -64,11 +66,28 @@ def user_temp_root() -> Path:
     return Path(tempfile.gettempdir()) / f"msa-jit-{_user_tag()}"
 
 
+def not_a_directory(path: Path) -> str | None:
+    """Why ``path`` exists but is no directory (a file, a dangling symlink, a symlink loop);
+    None when it is a directory (a symlink to one included) or does not exist."""
+    if os.path.isdir(path) or not os.path.lexists(path):
+        return None
+    if os.path.islink(path):
+        try:
+            os.stat(path)
+        except OSError as e:
+            return f"{path} is a broken symlink ({describe_oserror(e)})"
+    return f"{path} exists and is not a directory"
+
+
 def probe_writable(root: Path) -> str | None:
     """None if ``root/v1`` can be created and written (a probe file written,
     fsynced and removed), else the reason."""
+    v1 = root / LAYOUT
+    for d in (root, v1, v1 / "tmp", v1 / "locks"):
+        why = not_a_directory(d)  # else mkdir(exist_ok=True) reports a symlink loop as EEXIST
+        if why is not None:
+            return why
     try:
-        v1 = root / LAYOUT
         for d in (v1, v1 / "tmp", v1 / "locks"):
             d.mkdir(parents=True, exist_ok=True)
         fd, name = tempfile.mkstemp(prefix=".probe-", dir=v1 / "tmp")
@@ -116,7 +135,8 @@ def readable_v1(root: Path) -> bool:
 @dataclass(frozen=True)
 class Resolution:
     """What `resolve` chose: the requested root and where it came from, the root used, the
-    read-only roots kept, whether the root is an in-process temp dir, the warning text."""
+    read-only roots kept, whether the root is an in-process temp dir, the warning text, and
+    whether the root holds a cache at all (False only for ``resolve(create=False)``)."""
 
     requested: Path
     source: str
@@ -124,15 +144,48 @@ class Resolution:
     readonly: tuple[Path, ...]
     ephemeral: bool
     message: str | None
+    exists: bool = True
 
 
-def resolve(requested: os.PathLike | str | None) -> Resolution:
+def _absolute(path: os.PathLike | str) -> Path:
+    return Path(os.path.abspath(os.path.expanduser(os.fspath(path))))
+
+
+def _creatable(root: Path) -> bool:
+    """Whether ``root`` is a directory, or its nearest existing ancestor is one (so that
+    creating it is what a first use would do, not a fallback)."""
+    p = root
+    while not os.path.lexists(p):
+        if p.parent == p:
+            return False
+        p = p.parent
+    return os.path.isdir(p)
+
+
+def pinned(root: os.PathLike | str, readonly: tuple[os.PathLike | str, ...] = ()) -> Resolution:
+    """The resolution of ``ArtifactCache(root, fallback=False)``: exactly ``root`` (one another
+    process already resolved, e.g. the warm-up's parent for its workers) with those read-only
+    roots; CacheDirError when ``root`` is no longer usable, never a fallback."""
+    root = _absolute(root)
+    reason = probe_writable(root)
+    if reason is not None:
+        raise CacheDirError(f"msa-jit: cache root {root} is unusable ({reason})")
+    return Resolution(root, "pinned", root, tuple(_absolute(r) for r in readonly), False, None)
+
+
+def resolve(requested: os.PathLike | str | None, *, create: bool = True) -> Resolution:
     """Choose the cache root for ``ArtifactCache(requested)`` (cache_dir_policy.md §1): the
-    preferred root, else the private per-user temp dir, else an in-process temp dir."""
+    preferred root, else the private per-user temp dir, else an in-process temp dir.
+
+    ``create=False`` (the maintenance commands): a preferred root without a ``v1/`` tree that
+    a first use would simply create is reported as it is (``exists=False``: an empty cache)
+    instead of being created; an unusable one still falls back, as it would at run time."""
     if requested is None:
         pref, source = preferred_root()
     else:
-        pref, source = Path(os.path.abspath(os.path.expanduser(os.fspath(requested)))), "argument"
+        pref, source = _absolute(requested), "argument"
+    if not create and not os.path.lexists(pref / LAYOUT) and _creatable(pref):
+        return Resolution(pref, source, pref, (), False, None, exists=False)
     user_tmp = user_temp_root()
     candidates = [pref] if pref == user_tmp else [pref, user_tmp]
     rejected: list[tuple[Path, str]] = []

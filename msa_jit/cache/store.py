@@ -49,8 +49,8 @@ from .entry import (
     parse_build_result, read_meta, sha256_file, tree_size,
 )
 from .errors import ArtifactMissingError, CacheError, CacheFallbackWarning, CacheLockTimeout
-from .key import KEY_RE, check_key, jsonable, make_key
-from .location import preferred_root, resolve
+from .key import KEY_RE, check_key, entry_key_problem, jsonable, make_key
+from .location import not_a_directory, pinned, preferred_root, resolve
 
 __all__ = [
     "STALE_TMP_AGE_S",
@@ -96,16 +96,35 @@ class ArtifactCache:
     ``root`` is fixed at construction: the argument, else MSA_JIT_CACHE_DIR,
     else $XDG_CACHE_HOME/msa-jit, else ~/.cache/msa-jit, else the per-user
     temp dir; an unusable root falls back (one ``CacheFallbackWarning``).
+
+    ``fallback=False``: exactly ``root`` with ``readonly_roots`` (what another process
+    resolved: the warm-up's workers get their parent's), CacheDirError if it is unusable.
+    ``create=False``: a root without a cache that a first use would create is left alone and
+    read as empty (``exists`` is False); the maintenance commands use it.
     """
 
-    def __init__(self, root: os.PathLike | str | None = None) -> None:
-        res = resolve(root)
+    def __init__(
+        self,
+        root: os.PathLike | str | None = None,
+        *,
+        fallback: bool = True,
+        readonly_roots: Iterable[os.PathLike | str] = (),
+        create: bool = True,
+    ) -> None:
+        if fallback:
+            res = resolve(root, create=create)
+        elif root is None:
+            raise ValueError("ArtifactCache(fallback=False) needs the root to use")
+        else:
+            res = pinned(root, tuple(readonly_roots))
         self.requested_root: Path = res.requested
         self.root: Path = res.root
         self.readonly_roots: tuple[Path, ...] = res.readonly
         self.ephemeral: bool = res.ephemeral
         self.fallback_reason: str | None = res.message
+        self.exists: bool = res.exists
         self._verified: dict[tuple[str, str], tuple] = {}
+        self._protected: set[str] = set()
         self._stats = dict.fromkeys(_STAT_NAMES, 0)
         self._mu = threading.Lock()
         if res.message is not None:
@@ -172,13 +191,20 @@ class ArtifactCache:
             return None
         meta, sig = loaded
         memo = (str(root), key)
-        need_hash = verify and self._verified.get(memo) != sig
+        known = self._verified.get(memo) == sig  # this very meta.json passed every check before
+        if not known:
+            why = entry_key_problem(meta, key)
+            if why is not None:
+                raise CorruptEntry(why, sig)
+        need_hash = verify and not known
         check_artifacts(d, meta, sig, need_hash)
         if need_hash:
             self._verified[memo] = sig
         return CacheEntry(d, key, meta, readonly=(root != self.root))
 
-    def _lookup(self, key: str, verify: bool, locked: bool) -> CacheEntry | None:
+    def _lookup(self, key: str, verify: bool, locked: bool, corrupt: list[str] | None = None) -> CacheEntry | None:
+        """The entry of ``key`` (writable root first); a corrupt one is logged, removed (or, in
+        a read-only root, skipped) and described in ``corrupt``."""
         for root in (self.root, *self.readonly_roots):
             try:
                 entry = self._read_entry(root, key, verify)
@@ -186,14 +212,19 @@ class ArtifactCache:
                 self._count("corrupt")
                 self._verified.pop((str(root), key), None)
                 d = self.entry_path(key, root)
+                shard_problem = not_a_directory(d.parent)
+                reason = f"its shard: {shard_problem}" if shard_problem else c.reason
                 if root != self.root:
-                    log.warning("msa-jit cache: skipping corrupt read-only entry %s: %s", d, c.reason)
+                    log.warning("msa-jit cache: skipping corrupt read-only entry %s: %s", d, reason)
+                    if corrupt is not None:
+                        corrupt.append(f"{d} ({reason}; read-only, skipped)")
                     continue
-                log.warning(
-                    "msa-jit cache: entry %s is corrupt (%s); removing it so that it is rebuilt",
-                    d, c.reason,
-                )
-                self._discard(key, d, c.sig, locked)
+                then = (f"{env.NO_COMPILE}=1: it is not rebuilt on this host" if env.no_compile()
+                        else "so that it is rebuilt")
+                log.warning("msa-jit cache: entry %s is corrupt (%s); removing it (%s)", d, reason, then)
+                self._discard(key, d, c.sig, locked, bad_shard=shard_problem is not None)
+                if corrupt is not None:
+                    corrupt.append(f"{d} ({reason}; removed)")
                 continue
             if entry is not None:
                 if not entry.readonly:
@@ -204,11 +235,14 @@ class ArtifactCache:
                 return entry
         return None
 
-    def _discard(self, key: str, d: Path, sig: tuple | None, locked: bool) -> None:
-        """Remove a corrupt entry, unless it was replaced since it was judged."""
+    def _discard(self, key: str, d: Path, sig: tuple | None, locked: bool, bad_shard: bool = False) -> None:
+        """Remove a corrupt entry, unless it was replaced since it was judged (or, when its
+        shard is no directory, move the shard aside: no entry can live in it)."""
 
         def remove() -> None:
-            if meta_signature(d) == sig:
+            if bad_shard:
+                self._heal_shard(d.parent)
+            elif meta_signature(d) == sig:
                 self._remove_path(d)
 
         if locked:
@@ -257,14 +291,16 @@ class ArtifactCache:
             raise ValueError(
                 f"cache key {key} does not match make_key(config, fingerprint) = {expected} for {describe}"
             )
-        entry = self._lookup(key, verify, locked=False)
+        corrupt: list[str] = []
+        entry = self._lookup(key, verify, locked=False, corrupt=corrupt)
         if entry is not None:
             self._count("hits")
             return entry, False
         self._count("misses")
         if env.no_compile():
             raise ArtifactMissingError(
-                describe, key, roots=(self.root, *self.readonly_roots), warmup_hint=warmup_hint
+                describe, key, roots=(self.root, *self.readonly_roots), warmup_hint=warmup_hint,
+                corrupt=corrupt,
             )
         timeout = env.lock_timeout_s()
         lock = self._file_lock(key, timeout)
@@ -344,6 +380,7 @@ class ArtifactCache:
 
     def _publish(self, tmp: Path, key: str, meta: dict) -> CacheEntry:
         dest = self.entry_path(key)
+        self._heal_shard(dest.parent)
         dest.parent.mkdir(parents=True, exist_ok=True)
         for _ in range(5):
             try:
@@ -368,13 +405,30 @@ class ArtifactCache:
             self._remove_path(dest)
         raise CacheError(f"msa-jit cache: could not publish {tmp} onto {dest}")
 
+    def protect(self, keys: Iterable[str]) -> None:
+        """Never let this instance's automatic prune remove the entries of ``keys`` (a warm-up
+        protects its whole working set: what it built must survive its own later builds)."""
+        keys = list(keys)
+        for k in keys:
+            check_key(k)
+        self._protected.update(keys)
+
     def _auto_prune(self, protect: str) -> None:
         try:
             cap = env.cache_max_bytes()
             if self.size_bytes() > cap:
-                self.prune(cap, _protect=(protect,))
+                self.prune(cap, _protect={protect, *self._protected})
         except Exception as e:  # a prune problem must not fail a successful build
             log.warning("msa-jit cache: automatic prune of %s failed: %s", self.root, e)
+
+    def _heal_shard(self, shard: Path) -> None:
+        """A shard path that is no directory (a symlink loop, a dangling link, a file) can hold
+        no entry and makes every publish under it fail: move it aside (the link itself, never
+        what it points to). A symlink to a real directory is followed, like a symlinked root."""
+        why = not_a_directory(shard)
+        if why is not None:
+            log.warning("msa-jit cache: %s; moving it aside", why)
+            self._remove_path(shard)
 
     # ---------------------------------------------------------------- removal
     def _remove_path(self, path: Path) -> bool:
@@ -425,6 +479,9 @@ class ArtifactCache:
                 continue
             if old and self._remove_path(child):
                 removed.append(child)
+        for shard, _why in self._bad_shards(self.root):
+            self._heal_shard(shard)
+            removed.append(shard)
         for key, d in self._iter_entry_dirs(self.root):
             if (d / META_NAME).exists():
                 continue
@@ -434,6 +491,19 @@ class ArtifactCache:
         return removed
 
     # ---------------------------------------------------------------- maintenance
+    def _bad_shards(self, root: Path) -> list[tuple[Path, str]]:
+        """(path, why) of every shard name under ``root/v1`` that is no real directory."""
+        try:
+            names = sorted(p for p in (root / LAYOUT).iterdir() if _SHARD_RE.match(p.name))
+        except OSError:
+            return []
+        out = []
+        for p in names:
+            why = not_a_directory(p)
+            if why is not None:
+                out.append((p, why))
+        return out
+
     def _iter_entry_dirs(self, root: Path) -> Iterator[tuple[str, Path]]:
         v1 = root / LAYOUT
         try:
@@ -466,14 +536,19 @@ class ArtifactCache:
         return list(out.values())
 
     def verify(self, remove: bool = False) -> list[tuple[CacheEntry, str | None]]:
-        """Full check (sizes and sha256) of every entry: ``(entry, None)`` when
+        """Full check (key, sizes and sha256) of every entry: ``(entry, None)`` when
         intact, ``(entry, reason)`` otherwise (entries with an unusable
-        meta.json get ``meta == {}``). ``remove=True`` deletes bad entries of
-        the writable root."""
+        meta.json get ``meta == {}``; a shard that is no directory is reported as
+        an entry whose ``key`` is the shard's name). ``remove=True`` deletes bad
+        entries (and bad shards) of the writable root."""
         results: list[tuple[CacheEntry, str | None]] = []
         seen: set[str] = set()
         for root in (self.root, *self.readonly_roots):
             ro = root != self.root
+            for shard, why in self._bad_shards(root):
+                results.append((CacheEntry(shard, shard.name, {}, readonly=ro), f"not a shard directory: {why}"))
+                if remove and not ro:
+                    self._heal_shard(shard)
             for key, d in self._iter_entry_dirs(root):
                 if key in seen:
                     continue
@@ -482,6 +557,9 @@ class ArtifactCache:
                     if loaded is None:
                         continue  # incomplete (a build dir never lands here); prune() removes it
                     meta, sig = loaded
+                    why = entry_key_problem(meta, key)
+                    if why is not None:
+                        raise CorruptEntry(why, sig)
                     check_artifacts(d, meta, sig, hash_check=True)
                     self._verified[(str(root), key)] = sig
                     results.append((CacheEntry(d, key, meta, readonly=ro), None))
@@ -564,7 +642,10 @@ def default_cache() -> ArtifactCache:
         return cache
 
 
-def open_cache(root: os.PathLike | str | None = None) -> ArtifactCache:
+def open_cache(root: os.PathLike | str | None = None, *, create: bool = True) -> ArtifactCache:
     """``ArtifactCache(root)`` for an explicit root (e.g. ``--cache-dir``), else the shared
-    ``default_cache()``."""
+    ``default_cache()``. ``create=False``: see ``ArtifactCache`` (nothing is created for a
+    root that holds no cache yet)."""
+    if not create:
+        return ArtifactCache(root, create=False)
     return ArtifactCache(root) if root else default_cache()

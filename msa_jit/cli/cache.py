@@ -1,12 +1,16 @@
 """`msa-jit cache list|info|verify|prune|clear`: inspect and maintain the artifact cache.
 
-`verify` exits 1 when an entry is bad; `clear` refuses (exit 2) without --yes.
+`verify` exits 1 when an entry is bad; `clear` refuses (exit 2) without --yes, and when the
+configured root is unusable and the cache fell back to another one (which may hold other
+configurations' kernels: clear that one by naming it with --cache-dir). None of them creates
+a cache: a root without one reads as empty, and a --cache-dir that does not exist is exit 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -57,8 +61,12 @@ def entry_row(entry: cache.CacheEntry) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     """Handler of `msa-jit cache ...`."""
-    c = cache.open_cache(args.cache_dir)
     action = args.cache_command
+    if args.cache_dir and not os.path.lexists(os.path.expanduser(args.cache_dir)):
+        print(f"msa-jit cache {action}: --cache-dir {args.cache_dir} does not exist", file=sys.stderr)
+        return 2
+    c = cache.open_cache(args.cache_dir, create=False)
+    where = f"{c.root}" + ("" if c.exists else " (no cache there yet)")
     if action == "list":
         rows = [entry_row(e) for e in c.entries()]
         if args.json:
@@ -69,19 +77,19 @@ def run(args: argparse.Namespace) -> int:
             [[r["key"][:12] + (" (ro)" if r["readonly"] else ""), r["geometry"], r["arch"], r["q_dtype"], r["ctas_per_sm"],
               r["dsl_version"], human_size(r["size"]), when(r["created"]), when(r["last_used"])] for r in rows],
         ))
-        print(f"{len(rows)} entries in {c.root}")
+        print(f"{len(rows)} entries in {where}")
         return 0
     if action == "info":
         entries = c.entries()
         info = {
-            "root": str(c.root), "fallback_reason": c.fallback_reason, "ephemeral": c.ephemeral,
+            "root": str(c.root), "exists": c.exists, "fallback_reason": c.fallback_reason, "ephemeral": c.ephemeral,
             "readonly_roots": [str(r) for r in c.readonly_roots], "entries": len(entries),
             "size_bytes": c.size_bytes(), "cap_bytes": env.cache_max_bytes(),
         }
         if args.json:
             print(json.dumps(info, indent=1))
             return 0
-        print(f"root:           {info['root']}{' (temporary, deleted at exit)' if c.ephemeral else ''}")
+        print(f"root:           {where}{' (temporary, deleted at exit)' if c.ephemeral else ''}")
         print(f"fallback:       {info['fallback_reason'] or 'none (the configured root is used)'}")
         print(f"read-only roots: {', '.join(info['readonly_roots']) or 'none'}")
         print(f"entries:        {info['entries']}")
@@ -94,20 +102,25 @@ def run(args: argparse.Namespace) -> int:
         for e, why in bad:
             gone = " (removed)" if args.remove and not e.readonly else ""
             print(f"BAD {e.key[:12]} {e.path}: {why}{gone}")
-        print(f"{len(results) - len(bad)} ok, {len(bad)} bad")
+        print(f"{len(results) - len(bad)} ok, {len(bad)} bad in {where}")
         return 1 if bad else 0
     if action == "prune":
         removed = c.prune(args.max_bytes)
         for p in removed:
             print(f"removed {p}")
-        print(f"pruned {len(removed)} path(s); {human_size(c.size_bytes())} left in {c.root}")
+        print(f"pruned {len(removed)} path(s); {human_size(c.size_bytes())} left in {where}")
         return 0
     if action == "clear":
         if not args.yes:
             print(f"msa-jit cache clear: refusing to delete every entry in {c.root} without --yes",
                   file=sys.stderr)
             return 2
+        if c.root != c.requested_root:
+            print(f"msa-jit cache clear: refusing: the configured cache {c.requested_root} is unusable and this "
+                  f"run fell back to {c.root}, which may hold other configurations' kernels. To clear that "
+                  f"one, name it: msa-jit cache clear --yes --cache-dir {c.root}", file=sys.stderr)
+            return 2
         removed = c.clear()
-        print(f"cleared {len(removed)} path(s) from {c.root}")
+        print(f"cleared {len(removed)} path(s) from {where}")
         return 0
     raise AssertionError(action)

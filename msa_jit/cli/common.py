@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import re
+import signal
 import sys
+import threading
 import time
 from typing import Any, Sequence
 
@@ -23,6 +25,7 @@ __all__ = [
     "warm_geometry_flags",
     "format_table",
     "human_size",
+    "interrupted",
     "normalize_arch",
     "parse_heads",
     "parse_q_dtype",
@@ -125,15 +128,29 @@ def configs_from_args(args: argparse.Namespace) -> list[SparseDecodeConfig]:
     return warmup.warmup_configs(heads, dtypes, arches, page_size=args.page_size, topk_blocks=args.topk_blocks)
 
 
-def warm_geometry_flags(args: argparse.Namespace, command: str) -> list[warmup.WarmupRow] | None:
+def warm_geometry_flags(args: argparse.Namespace, command: str,
+                        allow_ephemeral: bool = False) -> list[warmup.WarmupRow] | None:
     """`warmup.run_warmup` of the configs the geometry flags name (one row per config); None,
-    after printing `msa-jit <command>: <why>` to stderr, when the flags name nothing it can build."""
+    after printing `msa-jit <command>: <why>` to stderr, when the flags name nothing it can build.
+    run_warmup's CacheDirError and WarmupInterrupted propagate (see `interrupted`)."""
     try:
         configs = configs_from_args(args)
     except ValueError as e:
         print(f"msa-jit {command}: {e}", file=sys.stderr)
         return None
-    return warmup.run_warmup(configs, jobs=args.jobs, cache_dir=args.cache_dir, quiet=args.quiet)
+    return warmup.run_warmup(configs, jobs=args.jobs, cache_dir=args.cache_dir, quiet=args.quiet,
+                             allow_ephemeral=allow_ephemeral)
+
+
+def interrupted(command: str, e: warmup.WarmupInterrupted) -> int:
+    """Ctrl-C during a warm-up: the one line saying what finished and what did not; exit 130.
+    Further Ctrl-Cs are ignored from here on: the command is exiting, and one must not turn the
+    exit into a traceback."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    print(f"msa-jit {command}: interrupted: {warmup.interrupted_summary(e.rows)} "
+          "(finished builds are kept in the cache)", file=sys.stderr)
+    return 130
 
 
 def add_geometry_arguments(p: argparse.ArgumentParser) -> None:

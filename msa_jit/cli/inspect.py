@@ -13,8 +13,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from .. import compiler, sass
-from .common import add_geometry_arguments, format_table, warm_geometry_flags
+from .. import compiler, sass, warmup
+from .common import add_geometry_arguments, format_table, interrupted, warm_geometry_flags
 
 HELP = "compile (if needed) and summarize SASS: registers, smem, spills, MMA"
 
@@ -36,7 +36,10 @@ def short_kernel_name(name: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Handler of `msa-jit inspect`."""
-    rows = warm_geometry_flags(args, "inspect")
+    try:  # the artifacts are read before this process exits: a temporary cache will do
+        rows = warm_geometry_flags(args, "inspect", allow_ephemeral=True)
+    except warmup.WarmupInterrupted as e:
+        return interrupted("inspect", e)
     if rows is None:
         return 2
     out: list[dict[str, Any]] = []

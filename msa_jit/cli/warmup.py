@@ -2,17 +2,20 @@
 
 Geometries come from flags (`--heads 64/4 --q-dtype bf16,fp8 --arch sm_90a,sm_100a`) or a
 preset (`--preset minimax-m3`); the work is `msa_jit.warmup.run_warmup`. Prints a closing
-table; exit 1 if a geometry failed, 2 for flags naming nothing it can build.
+table; exit 1 if a geometry failed or if no persistent cache directory is usable (nothing
+would be kept), 2 for flags naming nothing it can build, 130 on Ctrl-C (one line on stderr:
+what finished, what did not).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from typing import Sequence
 
-from .. import warmup
-from .common import add_geometry_arguments, format_table, warm_geometry_flags
+from .. import cache, warmup
+from .common import add_geometry_arguments, format_table, interrupted, warm_geometry_flags
 
 HELP = "compile kernels for geometries into the cache (no GPU needed)"
 
@@ -42,7 +45,13 @@ def render(rows: Sequence[warmup.WarmupRow]) -> str:
 def run(args: argparse.Namespace) -> int:
     """Handler of `msa-jit warmup`."""
     t0 = time.perf_counter()
-    rows = warm_geometry_flags(args, "warmup")
+    try:
+        rows = warm_geometry_flags(args, "warmup")
+    except cache.CacheDirError as e:  # e.g. only an in-process temp dir: nothing would be kept
+        print(e, file=sys.stderr)
+        return 1
+    except warmup.WarmupInterrupted as e:
+        return interrupted("warmup", e)
     if rows is None:
         return 2
     print(render(rows))

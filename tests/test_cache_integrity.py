@@ -1,0 +1,214 @@
+"""The cache never serves an entry that is not what its key names, heals a broken layout, and
+its maintenance commands touch nothing they were not asked to (cache_dir_policy.md §2, §4, §6).
+
+CPU only, fake builds (random bytes), like tests/test_cache.py.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+
+from msa_jit import cache, cli
+from msa_jit.cache import ArtifactCache, ArtifactMissingError, CacheFallbackWarning, make_key
+
+FP = {"source": "fake", "dsl": "0"}
+
+pytestmark = pytest.mark.usefixtures("isolated_env")  # tests/conftest.py
+
+
+def fake_build(size: int = 1000):
+    def build(tmp: Path) -> dict:
+        (tmp / "kernel.so").write_bytes(os.urandom(size))
+        return {"artifacts": ["kernel.so"], "extra": {}}
+
+    return build
+
+
+def get(c: ArtifactCache, config: dict, **kw):
+    return c.get_or_build(make_key(config, FP), fake_build(), config=config, fingerprint=FP,
+                          describe=f"fake {config}", **kw)
+
+
+def run_main(argv: list[str], capsys) -> tuple[int, str, str]:
+    rc = cli.main(argv)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.fixture
+def cli_logging():
+    """cli.main() configures the msa_jit logger: put it back for the other tests."""
+    logger = logging.getLogger("msa_jit")
+    level, handlers = logger.level, list(logger.handlers)
+    yield
+    logger.setLevel(level)
+    logger.handlers[:] = handlers
+
+
+# =========================================================================== the key check (§4)
+
+
+def plant_under_other_key(c: ArtifactCache, src: cache.CacheEntry, key: str) -> Path:
+    """Copy entry `src` under `key`, its meta.json's "key" rewritten to match the directory
+    (what a re-keying tool or a hand copy would leave): only the key check can tell."""
+    dest = c.entry_path(key)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(src.path, dest)
+    meta = json.loads((dest / "meta.json").read_text())
+    meta["key"] = key
+    (dest / "meta.json").write_text(json.dumps(meta))
+    return dest
+
+
+def test_entry_under_another_key_is_never_served(tmp_path, caplog):
+    root = tmp_path / "c"
+    three, _ = get(ArtifactCache(root), {"ctas_per_sm": 3})
+    two = {"ctas_per_sm": 2}
+    dest = plant_under_other_key(ArtifactCache(root), three, make_key(two, FP))
+
+    fresh = ArtifactCache(root)  # a new process: nothing memoized
+    res = {e.key: why for e, why in fresh.verify()}
+    assert res[three.key] is None
+    assert "give key" in res[make_key(two, FP)] and three.key[:12] in res[make_key(two, FP)]
+    for verify in (False, True):  # the check is not part of the (optional) hash check
+        with caplog.at_level(logging.WARNING, logger="msa_jit.cache"):
+            assert ArtifactCache(root).lookup(make_key(two, FP), verify=verify) is None
+        if not verify:
+            assert not dest.exists()  # a writable root's bad entry is removed ...
+            plant_under_other_key(fresh, three, make_key(two, FP))
+    assert any("give key" in r.getMessage() for r in caplog.records)
+    entry, built = get(ArtifactCache(root), two)  # ... and rebuilt
+    assert built and entry.meta["config"] == two
+    assert ArtifactCache(root).lookup(three.key) is not None  # the real 3-CTA entry is untouched
+
+
+def test_entry_under_another_key_in_a_readonly_root_is_skipped(tmp_path, monkeypatch):
+    ro = tmp_path / "prewarmed"
+    three, _ = get(ArtifactCache(ro), {"ctas_per_sm": 3})
+    dest = plant_under_other_key(ArtifactCache(ro), three, make_key({"ctas_per_sm": 2}, FP))
+    from msa_jit.cache import location
+
+    real = location.probe_writable
+    monkeypatch.setattr(location, "probe_writable", lambda r: "EROFS (simulated)" if Path(r) == ro else real(r))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CacheFallbackWarning)
+        c = ArtifactCache(ro)
+    assert c.readonly_roots == (ro,)
+    assert c.lookup(make_key({"ctas_per_sm": 2}, FP)) is None and dest.exists()  # skipped, never touched
+    assert c.lookup(three.key).readonly
+
+
+def test_meta_without_config_is_corrupt(tmp_path):
+    c = ArtifactCache(tmp_path / "c")
+    e, _ = get(c, {"g": 1})
+    meta = json.loads((e.path / "meta.json").read_text())
+    del meta["fingerprint"]
+    (e.path / "meta.json").write_text(json.dumps(meta))
+    assert "fingerprint" in dict((x.key, why) for x, why in ArtifactCache(tmp_path / "c").verify())[e.key]
+    assert ArtifactCache(tmp_path / "c").lookup(e.key) is None
+
+
+# =========================================================================== a broken layout heals (§2)
+
+
+def test_shard_symlink_loop_heals(tmp_path):
+    root = tmp_path / "c"
+    config = {"g": "loop"}
+    key = make_key(config, FP)
+    entry, _ = get(ArtifactCache(root), config)
+    shard = root / "v1" / key[:2]
+    shutil.rmtree(shard)
+    os.symlink(key[:2], shard)  # v1/08 -> 08: a loop in place of the shard dir
+
+    c = ArtifactCache(root)
+    bad = [(e, why) for e, why in c.verify() if why]
+    assert len(bad) == 1 and bad[0][0].path == shard and "symbolic links" in bad[0][1]
+    entry, built = get(c, config)  # heals: the loop is moved aside, the build is published
+    assert built and shard.is_dir() and not shard.is_symlink()
+    assert ArtifactCache(root).lookup(key) is not None
+    assert get(ArtifactCache(root), config)[1] is False  # and the next run finds it
+    assert ArtifactCache(root).verify() == [(ArtifactCache(root).lookup(key), None)]
+
+
+def test_verify_remove_drops_a_bad_shard(tmp_path):
+    root = tmp_path / "c"
+    good, _ = get(ArtifactCache(root), {"g": 1})
+    other = next(f"{i:02x}" for i in range(256) if f"{i:02x}" != good.key[:2])
+    (root / "v1" / other).write_text("a file where a shard dir belongs")
+    res = ArtifactCache(root).verify(remove=True)
+    assert [why is None for _, why in res].count(False) == 1
+    assert not (root / "v1" / other).exists()
+    assert ArtifactCache(root).verify() == [(good, None)]
+
+
+def test_v1_symlink_loop_is_named_as_such(tmp_path):
+    root = tmp_path / "c"
+    root.mkdir()
+    os.symlink("v1", root / "v1")
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        c = ArtifactCache(root)
+    msg = " ".join(str(w.message) for w in rec if issubclass(w.category, CacheFallbackWarning))
+    assert "ELOOP" in msg and "EEXIST" not in msg and str(root / "v1") in msg
+    assert c.root == cache.user_temp_root()
+
+
+# =========================================================================== no-compile (§5.2)
+
+
+def test_no_compile_names_the_corrupt_entry(tmp_path, monkeypatch, caplog):
+    root = tmp_path / "c"
+    config = {"g": "prod"}
+    entry, _ = get(ArtifactCache(root), config)
+    data = bytearray(entry.artifact_path().read_bytes())
+    data[7] ^= 0xFF
+    entry.artifact_path().write_bytes(bytes(data))
+    monkeypatch.setenv("MSA_JIT_NO_COMPILE", "1")
+    with caplog.at_level(logging.WARNING, logger="msa_jit.cache"), pytest.raises(ArtifactMissingError) as ei:
+        get(ArtifactCache(root), config)
+    msg = str(ei.value)
+    assert "corrupt" in msg and "sha256" in msg and str(entry.path) in msg
+    logged = " ".join(r.getMessage() for r in caplog.records)
+    assert "corrupt" in logged and "so that it is rebuilt" not in logged and "not rebuilt on this host" in logged
+    import pickle
+
+    assert str(pickle.loads(pickle.dumps(ei.value))) == msg  # raised in warm-up workers too
+
+
+# =========================================================================== maintenance commands (§6)
+
+
+def test_cache_commands_create_nothing_on_a_mistyped_path(tmp_path, monkeypatch, capsys, cli_logging):
+    typo = tmp_path / "cahce"
+    for argv in (["list"], ["info"], ["verify"], ["prune"], ["clear", "--yes"]):
+        rc, out, err = run_main(["cache", *argv, "--cache-dir", str(typo)], capsys)
+        assert rc == 2 and "does not exist" in err and str(typo) in err, (argv, out, err)
+        assert not typo.exists()
+    # the configured default root that does not exist yet: empty, and still not created
+    fresh = tmp_path / "fresh"
+    monkeypatch.setenv("MSA_JIT_CACHE_DIR", str(fresh))
+    for argv in (["list"], ["info"], ["verify"], ["prune"], ["clear", "--yes"]):
+        rc, out, err = run_main(["cache", *argv], capsys)
+        assert rc == 0 and not fresh.exists(), (argv, out, err)
+        assert "no cache there yet" in out, (argv, out)
+
+
+def test_cache_clear_refuses_a_fallback_root(tmp_path, capsys, cli_logging):
+    shared = cache.user_temp_root()  # the per-user temp dir: other configurations' entries live here
+    kept, _ = get(ArtifactCache(shared), {"g": "someone else's"})
+    blocker = tmp_path / "f"
+    blocker.write_text("x")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CacheFallbackWarning)
+        rc, out, err = run_main(["cache", "clear", "--yes", "--cache-dir", str(blocker)], capsys)
+    assert rc == 2 and "refusing" in err and str(shared) in err and str(blocker) in err
+    assert kept.path.exists()
+    rc, out, err = run_main(["cache", "clear", "--yes", "--cache-dir", str(shared)], capsys)  # asked for by name
+    assert rc == 0 and not kept.path.exists()
