@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping
 
 from . import cache as _cache
 from . import env
-from .geometry import Q_DTYPE_SHORT, SparseDecodeConfig
+from .geometry import KV_DTYPE_SHORT, Q_DTYPE_SHORT, SparseDecodeConfig
 from .loader import load_artifact
 
 log = logging.getLogger("msa_jit")
@@ -159,6 +159,9 @@ def cache_key(config: SparseDecodeConfig) -> str:
 def _kernel_class(family: str):
     import importlib
 
+    # Our cache is the only one: the DSL's own file cache (in /tmp) would be a second,
+    # unmanaged layer. Takes effect when this process imports cutlass for the first time.
+    os.environ.setdefault("CUTE_DSL_DISABLE_FILE_CACHING", "1")
     entry = KERNEL_REGISTRY[family]
     kernels_package()
     module = importlib.import_module(f"msa_jit.kernels.{entry.module}")
@@ -199,28 +202,13 @@ def compile_sparse_decode(config: SparseDecodeConfig, out_dir: str | os.PathLike
     reason = check_config(config)
     if reason:
         raise ValueError(f"cannot compile {config}: {reason}")
-    # Our cache is the only one: the DSL's own file cache (in /tmp) would be a second,
-    # unmanaged layer. Takes effect when this process imports cutlass for the first time.
-    os.environ.setdefault("CUTE_DSL_DISABLE_FILE_CACHING", "1")
+    os.environ.setdefault("CUTE_DSL_DISABLE_FILE_CACHING", "1")  # see _kernel_class
     import cutlass.cute as cute
 
     out_dir = Path(out_dir)
     family = kernel_family(config)
-    occupancies = KERNEL_REGISTRY[family].occupancies
-    if config.ctas_per_sm not in occupancies:
-        raise ValueError(f"cannot compile {config}: the {family} kernel has no build for "
-                         f"{config.ctas_per_sm} CTAs per SM (it has {sorted(occupancies)})")
-    cls = kernel_class or _kernel_class(family)
+    kernel = make_kernel(config, kernel_options, kernel_class)
     conv = convention()
-    kernel = cls(
-        num_q_heads=config.num_q_heads,
-        num_kv_heads=config.num_kv_heads,
-        page_size=config.page_size,
-        topk=config.topk_blocks,
-        q_dtype=config.q_dtype,
-        kv_dtype=config.kv_dtype,
-        **{**cls.occupancy_options(config.ctas_per_sm, config.q_dtype), **(kernel_options or {})},
-    )
     t0 = time.perf_counter()
     compiled = cute.compile(kernel, *conv.fake_arguments(config),
                             options=f"{conv.COMPILE_OPTIONS} --gpu-arch {config.arch}")
@@ -234,17 +222,50 @@ def compile_sparse_decode(config: SparseDecodeConfig, out_dir: str | os.PathLike
         raise RuntimeError(f"linking {so.name} failed:\n{proc.stderr}")
     obj.unlink()
     seconds = time.perf_counter() - t0
-    log.info("msa-jit compiled %s for %s in %.2fs (%s)", config.describe(), config.arch, seconds, out_dir)
+    # the caller publishes out_dir (a temporary build dir) into the cache: ensure_compiled logs the path
     return {
         "artifacts": [conv.ARTIFACT_NAME],
         "extra": {"kernel_family": family, "compile_s": round(t_compile, 3), "total_s": round(seconds, 3)},
     }
 
 
+def make_kernel(config: SparseDecodeConfig, kernel_options: dict[str, Any] | None = None,
+                kernel_class: type | None = None) -> Any:
+    """The kernel object `compile_sparse_decode` traces for `config` (imports the DSL): the
+    registered class of its family with the constructor options of its occupancy."""
+    family = kernel_family(config)
+    occupancies = KERNEL_REGISTRY[family].occupancies
+    if config.ctas_per_sm not in occupancies:
+        raise ValueError(f"cannot compile {config}: the {family} kernel has no build for "
+                         f"{config.ctas_per_sm} CTAs per SM (it has {sorted(occupancies)})")
+    cls = kernel_class or _kernel_class(family)
+    return cls(
+        num_q_heads=config.num_q_heads,
+        num_kv_heads=config.num_kv_heads,
+        page_size=config.page_size,
+        topk=config.topk_blocks,
+        q_dtype=config.q_dtype,
+        kv_dtype=config.kv_dtype,
+        **{**cls.occupancy_options(config.ctas_per_sm, config.q_dtype), **(kernel_options or {})},
+    )
+
+
+def dynamic_smem_bytes(config: SparseDecodeConfig) -> int:
+    """Dynamic shared memory the decode kernel of `config` is launched with: the size of its
+    shared-storage struct (kernel.storage_type(), what the launch allocates). Imports the DSL;
+    the split merge kernel takes none."""
+    from .geometry import check_config
+
+    reason = check_config(config)
+    if reason:
+        raise ValueError(f"unsupported sparse decode config: {reason}")
+    return int(make_kernel(config).storage_type().size_in_bytes())
+
+
 def ensure_compiled(config: SparseDecodeConfig, cache: _cache.ArtifactCache | None = None) -> tuple[_cache.CacheEntry, bool]:
     """The cache entry for config, compiling on a miss (or failing fast in no-compile mode)."""
     cache = cache or _cache.default_cache()
-    return cache.get_or_build(
+    entry, built = cache.get_or_build(
         cache_key(config),
         lambda tmp: compile_sparse_decode(config, tmp),
         config=config.to_dict(),
@@ -252,12 +273,18 @@ def ensure_compiled(config: SparseDecodeConfig, cache: _cache.ArtifactCache | No
         describe=f"{config.describe()} for {config.arch}",
         warmup_hint=warmup_command(config),
     )
+    if built:
+        seconds = (entry.meta.get("extra") or {}).get("total_s")
+        log.info("msa-jit compiled %s for %s in %ss: %s", config.describe(), config.arch,
+                 seconds if seconds is not None else "?", entry.path)
+    return entry, built
 
 
 def warmup_command(config: SparseDecodeConfig) -> str:
     """The `msa-jit warmup` line that builds exactly this config (used in error messages)."""
     q = Q_DTYPE_SHORT.get(config.q_dtype, config.q_dtype)
-    cmd = (f"msa-jit warmup --heads {config.num_q_heads}/{config.num_kv_heads} --q-dtype {q} "
+    kv = KV_DTYPE_SHORT.get(config.kv_dtype, config.kv_dtype)
+    cmd = (f"msa-jit warmup --heads {config.num_q_heads}/{config.num_kv_heads} --q-dtype {q} --kv-dtype {kv} "
            f"--arch {config.arch} --page-size {config.page_size} --topk-blocks {config.topk_blocks}")
     if dsl_version() == "unknown":
         cmd += (f"\n    (this host has no CuTe DSL package metadata: set {env.DSL_VERSION} to the "
