@@ -499,12 +499,12 @@ def main(out_dir: str, baseline: str | None = "auto", **kw) -> dict[str, Any]:
     Points slower than the baseline by more than 5% are listed in result["regressions"].
     """
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     if baseline == "auto":
         baseline = latest_result(out)
     elif baseline in (None, "none"):
         baseline = None
     result = run_grid(**kw)
+    out.mkdir(parents=True, exist_ok=True)  # only now: a run that fails leaves no empty folder
     if baseline:
         result["baseline"] = str(baseline)
         result["regressions"] = regressions(result, json.loads(Path(baseline).read_text()))
