@@ -344,6 +344,9 @@ def test_inspect_one_geometry(warm, tmp_path, monkeypatch):
     monkeypatch.setattr(sass, "summarize", lambda path, with_sass=True: spilled)
     rc, out, _ = run_main(["inspect", *WARM_ARGS, "--cache-dir", str(warm["root"]), "-q"])
     assert rc == 1 and "SPILL 8/1 q bf16 kv fp8 sm_90a 2/SM" in out and "SPILL 8/1 q bf16 kv fp8 sm_90a 3/SM" in out
+    spill_lines = [line for line in out.splitlines() if line.startswith("SPILL")]
+    assert all(len(line) < 100 and ": 7 LDL/STL" in line and "kernel_cutlass" not in line for line in spill_lines)
+    assert any("sparse_decode_mma: 7 LDL/STL" in line for line in spill_lines), spill_lines
 
 
 @pytest.mark.slow

@@ -237,6 +237,20 @@ def test_cache_errors_are_one_line(monkeypatch, tmp_path):
         f"msa-jit cache list: PermissionError: [Errno 13] Permission denied: '{tmp_path / 'entry'}'"]
 
 
+def test_inspect_shows_a_failed_builds_first_line(monkeypatch, tmp_path):
+    error = "DSLUserCodeError: \nerror[PHASE]: Cannot use a Runtime value\n   --> kernels/x.py:560:14"
+
+    def run(configs, **kw):
+        return [warmup.WarmupRow(c, status="failed", error=error) for c in configs]
+
+    monkeypatch.setattr(warmup, "run_warmup", run)
+    js = tmp_path / "i.json"
+    rc, out, _ = run_main(["inspect", "--heads", "8/1", "--q-dtype", "bf16", "--arch", "sm_90a", "--json", str(js)])
+    assert rc == 1 and "ERROR" in out and "DSLUserCodeError: ..." in out and "PHASE" not in out
+    assert max(len(line) for line in out.splitlines()) < 120
+    assert [k["error"] for k in json.loads(js.read_text())["kernels"]] == [error, error]
+
+
 # ----------------------------------------------------------------------------- item 12: output
 def test_cache_fallback_is_said_without_python_warnings(fake_run, tmp_path):
     blocker = tmp_path / "a-file"

@@ -52,6 +52,12 @@ def _dynamic_smem(config, kernel: str, memo: dict) -> int | None:
     return memo[config]
 
 
+def _first_line(error: str | None) -> str:
+    """An error's first line for the table (the whole text is in the JSON)."""
+    lines = [line.strip() for line in (error or "").splitlines() if line.strip()]
+    return (lines[0] + (" ..." if len(lines) > 1 else "")) if lines else ""
+
+
 def _smem(o: dict[str, Any]) -> str:
     return "?" if o["smem"] is None else str(o["smem"])
 
@@ -92,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
           f"{o['local_ops']}" + (f" (<= {o['accepted_local_ops']} accepted)" if o["accepted_local_ops"] else ""),
           "n/a" if o["mma_ops"] is None else " ".join(f"{k}:{v}" for k, v in sorted(o["mma_ops"].items())) or "-"]
          if "kernel" in o else [o["geometry"], o["q_dtype"], o["kv_dtype"], o["arch"], o["ctas_per_sm"], "ERROR",
-                                "", "", "", "", o["error"]]
+                                "", "", "", "", _first_line(o["error"])]
          for o in out],
     )
     text = sys.stderr if args.json == "-" else sys.stdout  # stdout is the JSON then
@@ -106,7 +112,8 @@ def run(args: argparse.Namespace) -> int:
     spills = [o for o in out if (o.get("local_ops") or 0) > o["accepted_local_ops"]]
     for o in spills:
         print(f"SPILL {o['geometry']} q {o['q_dtype']} kv {o['kv_dtype']} {o['arch']} {o['ctas_per_sm']}/SM "
-              f"{o['kernel']}: {o['local_ops']} LDL/STL (accepted: {o['accepted_local_ops']})", file=text)
+              f"{short_kernel_name(o['kernel'])}: {o['local_ops']} LDL/STL (accepted: {o['accepted_local_ops']})",
+              file=text)
     print(f"{len(out)} kernel(s), {len(spills)} with local-memory ops beyond the accepted"
           f"{'' if with_sass else ' (not checked)'}{', errors above' if failed else ''}", file=text)
     if args.json:
