@@ -229,7 +229,7 @@ def test_no_compile_empty_cache_names_warmup_command(tmp_path, monkeypatch):
         compiler.ensure_compiled(cfg)
     msg = str(ei.value)
     hint = compiler.warmup_command(cfg)
-    assert hint in msg and "msa-jit warmup --heads 32/2 --q-dtype fp8 --arch sm_100a" in msg
+    assert hint in msg and "msa-jit warmup --heads 32/2 --q-dtype fp8 --kv-dtype fp8 --arch sm_100a" in msg
     assert cache.stats()["builds"] == 0
     # the printed command is a valid `msa-jit warmup` line naming exactly this geometry
     from msa_jit.cli import build_parser
