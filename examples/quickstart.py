@@ -1,6 +1,6 @@
 """Quickstart: one MSA block-sparse decode step with msa_jit, checked and timed.
 
-    python examples/quickstart.py [--batch 8] [--qlen 2] [--heads 64/4] [--q-dtype bf16|fp8]
+    python examples/quickstart.py [--batch 8] [--qlen 2] [--heads 64/4] [--q-dtype bf16|fp8] [--iters N]
 
 Builds a random decode step that follows the operator contract (paged fp8 KV cache, per
 token and KV head the top-16 logical blocks of 128 tokens), plans it, compiles (or loads
@@ -119,12 +119,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heads", default="64/4", help="Hq/Hkv, e.g. 64/4, 32/2, 16/1, 8/1")
     ap.add_argument("--q-dtype", choices=("bf16", "fp8"), default="bf16")
     ap.add_argument("--max-ctx", type=int, default=4096)
-    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--iters", type=int, default=None,
+                    help="timed steps (default 50 on a GPU, 3 with the CPU reference backend)")
     args = ap.parse_args(argv)
+    if args.iters is not None and args.iters < 1:
+        ap.error(f"--iters must be >= 1, got {args.iters}")
     hq, hkv = (int(x) for x in args.heads.split("/"))
     q_dtype = FP8 if args.q_dtype == "fp8" else torch.bfloat16
 
     cuda = torch.cuda.is_available()
+    iters = args.iters if args.iters is not None else (50 if cuda else 3)
     device = "cuda" if cuda else "cpu"
     backend = "kernel" if cuda else "reference"
     print(f"msa_jit {msa_jit.__version__}, torch {torch.__version__}, device: "
@@ -174,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(5):
             step()
         times = []
-        for _ in range(args.iters):
+        for _ in range(iters):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             step()
@@ -183,15 +187,15 @@ def main(argv: list[str] | None = None) -> int:
             times.append(a.elapsed_time(b) * 1e3)
         us = statistics.median(times)
         tbps = s["distinct_blocks"] * PAGE * 2 * HEAD_DIM / (us * 1e-6) / 1e12
-        print(f"time (prepare + kernel, eager, CUDA events, median of {args.iters}): {us:.1f} us, "
+        print(f"time (prepare + kernel, eager, CUDA events, median of {iters}): {us:.1f} us, "
               f"{tbps:.3f} TB/s effective (distinct KV bytes / time)")
     else:
         times = []
-        for _ in range(3):
+        for _ in range(iters):
             t0 = time.perf_counter()
             step()
             times.append((time.perf_counter() - t0) * 1e6)
-        print(f"time (reference backend on CPU, median of 3): {statistics.median(times):.0f} us "
+        print(f"time (reference backend on CPU, median of {iters}): {statistics.median(times):.0f} us "
               "(float64 reference, not the kernel)")
     return 0 if ok else 1
 

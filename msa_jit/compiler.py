@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping
 
 from . import cache as _cache
 from . import env
-from .geometry import Q_DTYPE_SHORT, SparseDecodeConfig
+from .geometry import KV_DTYPE_SHORT, Q_DTYPE_SHORT, SparseDecodeConfig
 from .loader import load_artifact
 
 log = logging.getLogger("msa_jit")
@@ -67,9 +67,9 @@ class KernelFamily:
     # SparseDecodeConfig.ctas_per_sm values; the class's occupancy_options(n, q_dtype) gives the
     # constructor options of each build (docs/performance.md #29 measured them)
     occupancies: tuple[int, ...] = (2,)
-    # ctas_per_sm, or (arch, ctas_per_sm) where an arch differs -> local-memory instructions (LDL +
-    # STL) in the decode kernel's SASS that were measured and accepted; `msa-jit inspect` flags
-    # more as a spill (default: none accepted)
+    # ctas_per_sm, or (arch, ctas_per_sm) where an arch differs, or (arch, ctas_per_sm, q_dtype)
+    # where a query dtype does -> local-memory instructions (LDL + STL) in the decode kernel's SASS
+    # that were measured and accepted; `msa-jit inspect` flags more as a spill (default: none)
     accepted_local_ops: Mapping[Any, int] = field(default_factory=dict)
 
 
@@ -78,9 +78,11 @@ class KernelFamily:
 KERNEL_REGISTRY: dict[str, KernelFamily] = {
     # 3 per SM: one loop-carried row sum lives in local memory (L1-resident; measured faster anyway);
     # on sm_100a the fp8-query build also keeps the device-scaled qk_scale_log2 there since the
-    # scale tensors (session 8: 7-12 LDL/STL; sm_90a: 0); the sm_100a build never ran on hardware
+    # scale tensors (session 8: 7-12 LDL/STL); on sm_90a the fp8-query fp8-cache builds of the
+    # Hkv=1 geometries (16/1, 8/1) keep three loop-carried words there (15 LDL/STL, 12 bytes per
+    # thread; 64/4 and 32/2: 5); the sm_100a build never ran on hardware
     "portable": KernelFamily("sparse_decode_mma", "SparseDecodeMmaKernel", (2, 3),
-                             accepted_local_ops={3: 6, ("sm_100a", 3): 12}),
+                             accepted_local_ops={3: 6, ("sm_90a", 3, "float8_e4m3fn"): 15, ("sm_100a", 3): 12}),
     # tcgen05 kernel: compiles and its SASS is checked in CI, never run on hardware yet, so
     # kernel_family() picks it only with MSA_JIT_ENABLE_SM100_UMMA=1 on sm_100*.
     "sm100": KernelFamily("sparse_decode_sm100", "SparseDecodeSm100Kernel", (2,)),
@@ -103,7 +105,11 @@ def supported_ctas_per_sm(arch: str) -> tuple[int, ...]:
 def accepted_local_ops(config: SparseDecodeConfig) -> int:
     """LDL + STL instructions the decode kernel built for `config` may have without being a regression."""
     accepted = KERNEL_REGISTRY[kernel_family(config)].accepted_local_ops
-    return accepted.get((config.arch, config.ctas_per_sm), accepted.get(config.ctas_per_sm, 0))
+    for key in ((config.arch, config.ctas_per_sm, config.q_dtype), (config.arch, config.ctas_per_sm),
+                config.ctas_per_sm):
+        if key in accepted:
+            return accepted[key]
+    return 0
 
 
 def plannable_configs(config: SparseDecodeConfig) -> list[SparseDecodeConfig]:
@@ -178,6 +184,9 @@ def cache_key(config: SparseDecodeConfig) -> str:
 def _kernel_class(family: str):
     import importlib
 
+    # Our cache is the only one: the DSL's own file cache (in /tmp) would be a second,
+    # unmanaged layer. Takes effect when this process imports cutlass for the first time.
+    os.environ.setdefault("CUTE_DSL_DISABLE_FILE_CACHING", "1")
     entry = KERNEL_REGISTRY[family]
     kernels_package()
     module = importlib.import_module(f"msa_jit.kernels.{entry.module}")
@@ -218,28 +227,13 @@ def compile_sparse_decode(config: SparseDecodeConfig, out_dir: str | os.PathLike
     reason = check_config(config)
     if reason:
         raise ValueError(f"cannot compile {config}: {reason}")
-    # Our cache is the only one: the DSL's own file cache (in /tmp) would be a second,
-    # unmanaged layer. Takes effect when this process imports cutlass for the first time.
-    os.environ.setdefault("CUTE_DSL_DISABLE_FILE_CACHING", "1")
+    os.environ.setdefault("CUTE_DSL_DISABLE_FILE_CACHING", "1")  # see _kernel_class
     import cutlass.cute as cute
 
     out_dir = Path(out_dir)
     family = kernel_family(config)
-    occupancies = KERNEL_REGISTRY[family].occupancies
-    if config.ctas_per_sm not in occupancies:
-        raise ValueError(f"cannot compile {config}: the {family} kernel has no build for "
-                         f"{config.ctas_per_sm} CTAs per SM (it has {sorted(occupancies)})")
-    cls = kernel_class or _kernel_class(family)
+    kernel = make_kernel(config, kernel_options, kernel_class)
     conv = convention()
-    kernel = cls(
-        num_q_heads=config.num_q_heads,
-        num_kv_heads=config.num_kv_heads,
-        page_size=config.page_size,
-        topk=config.topk_blocks,
-        q_dtype=config.q_dtype,
-        kv_dtype=config.kv_dtype,
-        **{**cls.occupancy_options(config.ctas_per_sm, config.q_dtype, config.kv_dtype), **(kernel_options or {})},
-    )
     t0 = time.perf_counter()
     compiled = cute.compile(kernel, *conv.fake_arguments(config),
                             options=f"{conv.COMPILE_OPTIONS} --gpu-arch {config.arch}")
@@ -253,17 +247,50 @@ def compile_sparse_decode(config: SparseDecodeConfig, out_dir: str | os.PathLike
         raise RuntimeError(f"linking {so.name} failed:\n{proc.stderr}")
     obj.unlink()
     seconds = time.perf_counter() - t0
-    log.info("msa-jit compiled %s for %s in %.2fs (%s)", config.describe(), config.arch, seconds, out_dir)
+    # the caller publishes out_dir (a temporary build dir) into the cache: ensure_compiled logs the path
     return {
         "artifacts": [conv.ARTIFACT_NAME],
         "extra": {"kernel_family": family, "compile_s": round(t_compile, 3), "total_s": round(seconds, 3)},
     }
 
 
+def make_kernel(config: SparseDecodeConfig, kernel_options: dict[str, Any] | None = None,
+                kernel_class: type | None = None) -> Any:
+    """The kernel object `compile_sparse_decode` traces for `config` (imports the DSL): the
+    registered class of its family with the constructor options of its occupancy."""
+    family = kernel_family(config)
+    occupancies = KERNEL_REGISTRY[family].occupancies
+    if config.ctas_per_sm not in occupancies:
+        raise ValueError(f"cannot compile {config}: the {family} kernel has no build for "
+                         f"{config.ctas_per_sm} CTAs per SM (it has {sorted(occupancies)})")
+    cls = kernel_class or _kernel_class(family)
+    return cls(
+        num_q_heads=config.num_q_heads,
+        num_kv_heads=config.num_kv_heads,
+        page_size=config.page_size,
+        topk=config.topk_blocks,
+        q_dtype=config.q_dtype,
+        kv_dtype=config.kv_dtype,
+        **{**cls.occupancy_options(config.ctas_per_sm, config.q_dtype, config.kv_dtype), **(kernel_options or {})},
+    )
+
+
+def dynamic_smem_bytes(config: SparseDecodeConfig) -> int:
+    """Dynamic shared memory the decode kernel of `config` is launched with: the size of its
+    shared-storage struct (kernel.storage_type(), what the launch allocates). Imports the DSL;
+    the split merge kernel takes none."""
+    from .geometry import check_config
+
+    reason = check_config(config)
+    if reason:
+        raise ValueError(f"unsupported sparse decode config: {reason}")
+    return int(make_kernel(config).storage_type().size_in_bytes())
+
+
 def ensure_compiled(config: SparseDecodeConfig, cache: _cache.ArtifactCache | None = None) -> tuple[_cache.CacheEntry, bool]:
     """The cache entry for config, compiling on a miss (or failing fast in no-compile mode)."""
     cache = cache or _cache.default_cache()
-    return cache.get_or_build(
+    entry, built = cache.get_or_build(
         cache_key(config),
         lambda tmp: compile_sparse_decode(config, tmp),
         config=config.to_dict(),
@@ -271,12 +298,18 @@ def ensure_compiled(config: SparseDecodeConfig, cache: _cache.ArtifactCache | No
         describe=f"{config.describe()} for {config.arch}",
         warmup_hint=warmup_command(config),
     )
+    if built:
+        seconds = (entry.meta.get("extra") or {}).get("total_s")
+        log.info("msa-jit compiled %s for %s in %ss: %s", config.describe(), config.arch,
+                 seconds if seconds is not None else "?", entry.path)
+    return entry, built
 
 
 def warmup_command(config: SparseDecodeConfig) -> str:
     """The `msa-jit warmup` line that builds exactly this config (used in error messages)."""
     q = Q_DTYPE_SHORT.get(config.q_dtype, config.q_dtype)
-    cmd = (f"msa-jit warmup --heads {config.num_q_heads}/{config.num_kv_heads} --q-dtype {q} "
+    kv = KV_DTYPE_SHORT.get(config.kv_dtype, config.kv_dtype)
+    cmd = (f"msa-jit warmup --heads {config.num_q_heads}/{config.num_kv_heads} --q-dtype {q} --kv-dtype {kv} "
            f"--arch {config.arch} --page-size {config.page_size} --topk-blocks {config.topk_blocks}")
     if dsl_version() == "unknown":
         cmd += (f"\n    (this host has no CuTe DSL package metadata: set {env.DSL_VERSION} to the "

@@ -45,7 +45,7 @@ def probe_gpu() -> dict[str, Any]:
     """CUDA devices seen by torch: name, compute capability, arch string."""
     import torch
 
-    from .geometry import device_arch
+    from .geometry import arch_problem, device_arch
 
     if not torch.cuda.is_available():
         return {"available": False, "torch_cuda": torch.version.cuda,
@@ -54,8 +54,9 @@ def probe_gpu() -> dict[str, Any]:
     devices = []
     for i in range(torch.cuda.device_count()):
         major, minor = torch.cuda.get_device_capability(i)
+        arch = device_arch(i)
         devices.append({"index": i, "name": torch.cuda.get_device_name(i),
-                        "capability": f"{major}.{minor}", "arch": device_arch(i)})
+                        "capability": f"{major}.{minor}", "arch": arch, "arch_problem": arch_problem(arch)})
     return {"available": True, "torch_cuda": torch.version.cuda, "devices": devices}
 
 
@@ -119,22 +120,12 @@ def probe_cache(cache_dir: str | None = None) -> dict[str, Any]:
             "size_bytes": c.size_bytes(), "cap_bytes": _probe(env.cache_max_bytes)}
 
 
-# variable -> the msa_jit.env function that parses it (doctor shows its value or its error)
-_PARSERS = {
-    env.CACHE_DIR: "cache_dir", env.NO_COMPILE: "no_compile",
-    env.CACHE_MAX_BYTES: "cache_max_bytes", env.LOCK_TIMEOUT: "lock_timeout_s",
-    env.ARCH: "target_arch", env.ENABLE_SM100_UMMA: "enable_sm100_umma",
-    env.LOG_LEVEL: "log_level", env.DSL_VERSION: "dsl_version_override", env.DSL_RUNTIME: "dsl_runtime",
-    env.VLLM_PLUGIN: "vllm_plugin_enabled", env.VLLM_SM100: "vllm_sm100",
-}
-
-
 def probe_env() -> list[dict[str, Any]]:
     """Every MSA_JIT_* variable: raw value, parsed value (or the parse error), documentation."""
     out = []
     for name, raw, doc in env.describe():
         row: dict[str, Any] = {"name": name, "value": raw, "doc": doc}
-        fn = getattr(env, _PARSERS.get(name, ""), None)
+        fn = getattr(env, env.PARSERS.get(name, ""), None)
         if fn is not None:
             try:
                 val = fn()
@@ -146,7 +137,7 @@ def probe_env() -> list[dict[str, Any]]:
 
 
 def target_arches(gpu: dict[str, Any]) -> list[str]:
-    """MSA_JIT_ARCH, else the GPUs' archs, else sm_90a and sm_100a."""
+    """MSA_JIT_ARCH, else the GPUs' archs that msa-jit builds for, else sm_90a and sm_100a."""
     from .geometry import DEFAULT_ARCHES
 
     try:
@@ -155,30 +146,34 @@ def target_arches(gpu: dict[str, Any]) -> list[str]:
         forced = None
     if forced:
         return [forced]
-    archs = sorted({d["arch"] for d in gpu.get("devices", []) if "arch" in d})
+    archs = sorted({d["arch"] for d in gpu.get("devices", []) if "arch" in d and not d.get("arch_problem")})
     return archs or list(DEFAULT_ARCHES)
 
 
 def probe_presets(arches: list[str], cache_dir: str | None = None) -> list[dict[str, Any]]:
-    """Which MiniMax-M3 preset geometries are in the cache for each arch (lookup only)."""
+    """Which MiniMax-M3 preset geometries (head layouts x query dtypes x KV cache formats x
+    occupancies) are in the cache for each arch (lookup only)."""
     from . import cache, compiler
-    from .geometry import MINIMAX_M3_GEOMETRIES, Q_DTYPE_SHORT, Q_DTYPES, SparseDecodeConfig
+    from .geometry import KV_DTYPE_SHORT, KV_DTYPES, MINIMAX_M3_GEOMETRIES, Q_DTYPE_SHORT, Q_DTYPES, SparseDecodeConfig
 
     c = cache.open_cache(cache_dir)
     rows = []
     for arch in arches:
         for hq, hkv in MINIMAX_M3_GEOMETRIES:
             for q in Q_DTYPES:
-                for cfg in compiler.plannable_configs(SparseDecodeConfig(hq, hkv, q_dtype=q, arch=arch)):
-                    row: dict[str, Any] = {"geometry": f"{hq}/{hkv}", "q_dtype": Q_DTYPE_SHORT[q], "arch": arch,
-                                           "ctas_per_sm": cfg.ctas_per_sm}
-                    try:
-                        entry = c.lookup(compiler.cache_key(cfg))
-                        row["ready"] = entry is not None
-                        row["path"] = str(entry.path) if entry else None
-                    except Exception as e:
-                        row["ready"], row["error"] = False, f"{type(e).__name__}: {e}"
-                    rows.append(row)
+                for kv in KV_DTYPES:
+                    base = SparseDecodeConfig(hq, hkv, q_dtype=q, kv_dtype=kv, arch=arch)
+                    for cfg in compiler.plannable_configs(base):
+                        row: dict[str, Any] = {"geometry": f"{hq}/{hkv}", "q_dtype": Q_DTYPE_SHORT[q],
+                                               "kv_dtype": KV_DTYPE_SHORT[kv], "arch": arch,
+                                               "ctas_per_sm": cfg.ctas_per_sm}
+                        try:
+                            entry = c.lookup(compiler.cache_key(cfg))
+                            row["ready"] = entry is not None
+                            row["path"] = str(entry.path) if entry else None
+                        except Exception as e:
+                            row["ready"], row["error"] = False, f"{type(e).__name__}: {e}"
+                        rows.append(row)
     return rows
 
 
@@ -228,7 +223,8 @@ def render(r: dict[str, Any]) -> str:
         add(f"  {gpu['message']}")
     else:
         for d in gpu["devices"]:
-            add(f"  [{d['index']}] {d['name']}  compute capability {d['capability']}  arch {d['arch']}")
+            add(f"  [{d['index']}] {d['name']}  compute capability {d['capability']}  arch {d['arch']}"
+                + (f"  NOT SUPPORTED: {d['arch_problem']}" if d.get("arch_problem") else ""))
     drv = r["driver"]
     add(f"  driver: {_err(drv) or drv.get('version') or drv.get('message')}"
         + (f" (from {drv['source']})" if isinstance(drv, dict) and drv.get("source") else ""))
@@ -277,7 +273,8 @@ def render(r: dict[str, Any]) -> str:
     else:
         for row in p:
             state = "ready" if row["ready"] else ("error: " + row["error"] if "error" in row else "missing")
-            add(f"  {row['geometry']:<5} {row['q_dtype']:<4} {row['arch']:<8} {row['ctas_per_sm']}/SM {state}")
+            add(f"  {row['geometry']:<5} q {row['q_dtype']:<4} kv {row['kv_dtype']:<5} {row['arch']:<8} "
+                f"{row['ctas_per_sm']}/SM {state}")
         missing = sum(not row["ready"] for row in p)
         add(f"  {len(p) - missing}/{len(p)} ready" + ("; warm the rest with: msa-jit warmup --preset minimax-m3 --arch "
                                                        + ",".join(r["target_arches"]) if missing else ""))

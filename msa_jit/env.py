@@ -20,6 +20,7 @@ import math
 import os
 import re
 from pathlib import Path
+from typing import Iterable
 
 __all__ = [
     "CACHE_DIR",
@@ -49,6 +50,8 @@ __all__ = [
     "vllm_sm100",
     "parse_arch",
     "parse_size",
+    "PARSERS",
+    "problems",
     "describe",
 ]
 
@@ -87,8 +90,8 @@ VARIABLES: dict[str, str] = {
         "'inf' waits forever, 0 does not wait."
     ),
     ARCH: (
-        "Target GPU arch override (e.g. sm_100a, sm_90a; '100a' and '10.0a' are accepted). "
-        "Default: detect from the current device."
+        "Target GPU arch override: sm_90a or sm_100a (the arches msa-jit builds for; '100a' and "
+        "'10.0a' spell sm_100a too). Default: detect from the current device."
     ),
     ENABLE_SM100_UMMA: "Bool, default 0. Enable the SM100 UMMA (tcgen05) kernel path.",
     LOG_LEVEL: "Logging level of the msa_jit loggers: debug/info/warning/error/critical or an int. Default warning.",
@@ -206,29 +209,40 @@ _ARCH_SM_RE = re.compile(r"^(?:sm_?)?(\d{2,3})([af]?)$", re.IGNORECASE)
 _ARCH_CC_RE = re.compile(r"^(\d{1,2})\.(\d)([af]?)$", re.IGNORECASE)
 
 
-def parse_arch(text: str) -> str | None:
-    """'sm_100a', 'sm100a', '100a', '10.0a' -> 'sm_100a'; None when it is not an arch spelling."""
+def parse_arch(text: str) -> str:
+    """'sm_100a', 'sm100a', '100a', '10.0a' -> 'sm_100a': the one arch syntax (MSA_JIT_ARCH, --arch).
+
+    ValueError (without a variable name: callers add theirs) when the text is not an arch
+    spelling, or names an arch msa-jit does not build for (`geometry.arch_problem`: the list
+    is `geometry.DEFAULT_ARCHES`, and what a target without the "a" is).
+    """
+    from .geometry import DEFAULT_ARCHES, arch_problem  # geometry imports nothing of msa_jit
+
     v = text.strip()
     m = _ARCH_SM_RE.match(v)
     if m is not None:
-        return f"sm_{int(m.group(1))}{m.group(2).lower()}"
-    m = _ARCH_CC_RE.match(v)
-    if m is not None:
-        return f"sm_{int(m.group(1))}{m.group(2)}{m.group(3).lower()}"
-    return None
+        arch = f"sm_{int(m.group(1))}{m.group(2).lower()}"
+    elif (m := _ARCH_CC_RE.match(v)) is not None:
+        arch = f"sm_{int(m.group(1))}{m.group(2)}{m.group(3).lower()}"
+    else:
+        raise ValueError(f"{text!r} is not a GPU arch (expected one of {', '.join(DEFAULT_ARCHES)}; "
+                         "sm100a, 100a and 10.0a spell sm_100a too)")
+    reason = arch_problem(arch)
+    if reason:
+        raise ValueError(reason)
+    return arch
 
 
 def target_arch() -> str | None:
-    """``MSA_JIT_ARCH`` normalized to ``sm_<NN>[a|f]`` (e.g. ``sm_100a``), or None when unset."""
+    """``MSA_JIT_ARCH`` normalized (e.g. ``sm_100a``), or None when unset; ValueError naming the
+    variable for a value that is no arch or an arch msa-jit does not build for."""
     value = _raw(ARCH)
     if value is None:
         return None
-    arch = parse_arch(value)
-    if arch is None:
-        raise ValueError(
-            f"{ARCH}={value!r} is not a GPU arch (expected e.g. sm_100a, sm_90a, 100a or 10.0a)"
-        )
-    return arch
+    try:
+        return parse_arch(value)
+    except ValueError as e:
+        raise ValueError(f"{ARCH}={value!r}: {e}") from None
 
 
 def dsl_version_override() -> str | None:
@@ -286,6 +300,26 @@ def log_level() -> int:
     if level < 0:
         raise ValueError(f"{LOG_LEVEL}={value!r} must be a non-negative int")
     return level
+
+
+# variable -> the function of this module that parses it (doctor shows its value or its error)
+PARSERS: dict[str, str] = {
+    CACHE_DIR: "cache_dir", NO_COMPILE: "no_compile", CACHE_MAX_BYTES: "cache_max_bytes",
+    LOCK_TIMEOUT: "lock_timeout_s", ARCH: "target_arch", ENABLE_SM100_UMMA: "enable_sm100_umma",
+    LOG_LEVEL: "log_level", DSL_VERSION: "dsl_version_override", DSL_RUNTIME: "dsl_runtime",
+    VLLM_PLUGIN: "vllm_plugin_enabled", VLLM_SM100: "vllm_sm100",
+}
+
+
+def problems(names: Iterable[str] | None = None) -> list[str]:
+    """The error message of every variable (of `names`, default all) whose value does not parse."""
+    out = []
+    for name in VARIABLES if names is None else names:
+        try:
+            globals()[PARSERS[name]]()
+        except ValueError as e:
+            out.append(str(e))
+    return out
 
 
 def describe() -> list[tuple[str, str | None, str]]:

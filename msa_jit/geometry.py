@@ -28,17 +28,20 @@ MAX_QLEN = 32
 Q_DTYPES = ("bfloat16", "float8_e4m3fn")
 KV_DTYPES = ("float8_e4m3fn", "nvfp4")  # SparseDecodeConfig.kv_dtype: the cache format
 OUT_DTYPES = ("bfloat16",)
-# short names of the query dtypes (CLI flags, tables)
+# short names of the query dtypes and of the KV cache formats (CLI flags, tables, JSON "q" / "kv")
 Q_DTYPE_SHORT = {"bfloat16": "bf16", "float8_e4m3fn": "fp8"}
+KV_DTYPE_SHORT = {"float8_e4m3fn": "fp8", "nvfp4": "nvfp4"}
 DEFAULT_ARCH = "sm_90a"
-# what a warmup builds for when neither MSA_JIT_ARCH nor a local GPU says (H100/H200, B200/B300)
+# The arches this package builds for (the only ones check_config / supports / MSA_JIT_ARCH /
+# --arch accept), and what a warmup builds when neither MSA_JIT_ARCH nor a local GPU says
+# (H100/H200, B200). The "a" is the arch-specific feature set the kernels need.
 DEFAULT_ARCHES = ("sm_90a", "sm_100a")
 # (Hq, Hkv) of every MiniMax-M3 attention layout: the warmup preset, the selftest and bench grids
 MINIMAX_M3_GEOMETRIES = ((64, 4), (32, 2), (16, 1), (8, 1))
 # CTAs per SM a kernel can be built for: 2 (the default) or 3 (for grids of one wave at 3 per SM;
 # the planner picks, see planner.choose_ctas_per_sm)
 CTAS_PER_SM = (2, 3)
-_ARCH_RE = re.compile(r"sm_\d+a?")
+_ARCH_RE = re.compile(r"sm_(\d+)([af]?)")
 
 
 # ----------------------------------------------------------------------------- dtypes
@@ -79,6 +82,30 @@ def device_arch(device: Any) -> str:
 
     major, minor = torch.cuda.get_device_capability(torch.device(device))
     return f"sm_{major}{minor}{'a' if major >= 9 else ''}"
+
+
+def arch_problem(arch: Any) -> str | None:
+    """None when msa-jit builds for `arch` (one of DEFAULT_ARCHES), else why not, listing them.
+
+    `arch` is the canonical spelling ("sm_90a"). A target without the "a" of a supported GPU
+    ("sm_90", "sm_100f") is refused with what it is: the baseline (or family) target, code
+    without the arch-specific feature set that also runs on later GPUs. msa-jit builds, keys
+    and tests the "a" targets only (the sm_100a tcgen05 kernel needs them); a GPU of compute
+    capability 9.0 runs sm_90a code.
+    """
+    supported = ", ".join(DEFAULT_ARCHES)
+    m = _ARCH_RE.fullmatch(arch) if isinstance(arch, str) else None
+    if m is None:
+        return f"arch must be one of {supported}, got {arch!r}"
+    if arch in DEFAULT_ARCHES:
+        return None
+    number, suffix = m.groups()
+    if f"sm_{number}a" in DEFAULT_ARCHES:
+        what = "family" if suffix == "f" else "baseline"
+        return (f"arch {arch!r} is the {what} target of compute capability {number[:-1]}.{number[-1]}, "
+                "without the arch-specific ('a') feature set; msa-jit builds for the arch-specific "
+                f"targets only ({supported}): use sm_{number}a")
+    return f"arch {arch!r} is not one msa-jit builds for: it builds for {supported}"
 
 
 # ----------------------------------------------------------------------------- config
@@ -200,8 +227,9 @@ def check_config(cfg: SparseDecodeConfig) -> str | None:
         reasons.append(f"out_dtype must be {OUT_DTYPES[0]!r}, got {cfg.out_dtype!r}")
     if not _is_int(cfg.ctas_per_sm) or cfg.ctas_per_sm not in CTAS_PER_SM:
         reasons.append(f"ctas_per_sm must be one of {CTAS_PER_SM}, got {cfg.ctas_per_sm!r}")
-    if not isinstance(cfg.arch, str) or not _ARCH_RE.fullmatch(cfg.arch):
-        reasons.append(f"arch must look like 'sm_90a' / 'sm_100a', got {cfg.arch!r}")
+    arch_reason = arch_problem(cfg.arch)
+    if arch_reason:
+        reasons.append(arch_reason)
     return "; ".join(reasons) if reasons else None
 
 
@@ -245,8 +273,8 @@ def supports(
     )]
     if qname not in Q_DTYPES:
         problems.append(f"q_dtype must be one of {Q_DTYPES}, got {qname!r}")
-    if arch is not None and (not isinstance(arch, str) or not _ARCH_RE.fullmatch(arch)):
-        problems.append(f"arch must look like 'sm_90a' / 'sm_100a', got {arch!r}")
+    if arch is not None and arch_problem(arch):
+        problems.append(arch_problem(arch))
     if batch is not None and (not _is_int(batch) or batch < 1):
         problems.append(f"batch must be an int >= 1, got {batch!r}")
     if decode_query_len is not None and (not _is_int(decode_query_len)

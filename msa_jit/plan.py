@@ -67,6 +67,16 @@ class SparseDecodePlan:
         self.group_size = self.num_q_heads // self.num_kv_heads
         self.is_cuda = self.device.type == "cuda"
 
+    def __repr__(self) -> str:
+        """The step shape and the workspace's sizes, never tensor contents (`print(plan)`)."""
+        work = sum(t.numel() * t.element_size() for t in (self.kv_lens, self.qo_offset, self.partial_o,
+                                                          self.partial_lse, self.lse_scratch, self.unit_scale))
+        built = ", ".join(f"{dtype_name(q)}/{kv}" for q, kv in self.kernels) or "none"
+        return (f"SparseDecodePlan(batch={self.batch}, qlen={self.qlen}, heads={self.num_q_heads}/{self.num_kv_heads}, "
+                f"page_size={self.page_size}, topk_blocks={self.topk_blocks}, num_splits={self.num_splits}, "
+                f"ctas_per_sm={self.ctas_per_sm}, arch={self.arch}, device={self.device}, "
+                f"workspace={work} bytes, kernels: {built})")
+
     @property
     def key(self) -> PlanKey:
         """The planner cache key of this plan."""

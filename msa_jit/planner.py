@@ -4,17 +4,19 @@ A plan is built once per key (batch, qlen, block_table.stride(0), Hq, Hkv, page_
 topk_blocks, device); a later `prepare` with the same key returns the same plan object
 whose tensors keep their addresses (CUDA-graph replay), after refreshing `kv_lens` and
 `qo_offset` in place from the device `seq_lens` with one Triton launch (no host sync, no
-allocation). `seq_lens_cpu` is read only when a plan is first built (sanity checks).
+allocation). `seq_lens_cpu`, when given, is checked on every call (a scan of the CPU copy:
+0 <= length <= the block table's capacity).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import threading
 
 import torch
 
-from .geometry import CTAS_PER_SM, HEAD_DIM, device_arch
+from .geometry import CTAS_PER_SM, HEAD_DIM, arch_problem, device_arch
 from .plan import PlanKey, SparseDecodePlan
 from .validation import validate_prepare, validate_prepare_tensors, validate_seq_lens_cpu
 
@@ -87,6 +89,41 @@ def _device_num_sms(device: torch.device) -> int:
     return DEFAULT_NUM_SMS
 
 
+def workspace_bytes(num_tokens: int, num_q_heads: int, num_kv_heads: int, num_splits: int) -> int:
+    """Bytes a plan allocates for T = num_tokens (kv_lens, qo_offset, partial_o, partial_lse,
+    lse_scratch, unit_scale: the shapes of SparseDecodePlan's fields)."""
+    g = num_q_heads // num_kv_heads
+    rows = num_tokens * num_kv_heads * num_splits
+    return 4 * (2 * num_tokens + rows * g * HEAD_DIM + rows * g + num_tokens * num_q_heads + 1)
+
+
+def _memory_bytes(device: torch.device) -> int | None:
+    """Total memory of `device` (a CUDA GPU's, or the host's RAM for CPU plans); None if unknown."""
+    try:
+        if device.type == "cuda":
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            return int(torch.cuda.get_device_properties(index).total_memory)
+        if device.type == "cpu":
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError, RuntimeError):
+        pass
+    return None
+
+
+def check_workspace(num_tokens: int, num_q_heads: int, num_kv_heads: int, num_splits: int,
+                    device: torch.device) -> None:
+    """ValueError naming batch*qlen and the bytes when a plan's workspace exceeds the device's memory
+    (checked before anything is allocated: the allocator's own error names neither)."""
+    need = workspace_bytes(num_tokens, num_q_heads, num_kv_heads, num_splits)
+    have = _memory_bytes(device)
+    if have is not None and need > have:
+        raise ValueError(
+            f"seq_lens: batch*qlen = {num_tokens} tokens need a plan workspace of {need} bytes "
+            f"({need / 2**30:.1f} GiB: partial_o [T*Hkv*num_splits, G, {HEAD_DIM}] fp32 and the rest), "
+            f"more than {device}'s {have} bytes; split the batch"
+        )
+
+
 class SparseDecodePlanner:
     """Cache of SparseDecodePlan per key; `prepare` is called once per decode step.
 
@@ -100,6 +137,8 @@ class SparseDecodePlanner:
                  ctas_per_sm: int | None = None) -> None:
         if ctas_per_sm is not None and ctas_per_sm not in CTAS_PER_SM:
             raise ValueError(f"ctas_per_sm must be None or one of {CTAS_PER_SM}, got {ctas_per_sm!r}")
+        if arch is not None and arch_problem(arch):
+            raise ValueError(f"arch: {arch_problem(arch)}")
         self.plans: dict[PlanKey, SparseDecodePlan] = {}
         self.num_sms = num_sms
         self.arch = arch
@@ -121,8 +160,9 @@ class SparseDecodePlanner:
         """Plan of one decode step (cached per key) with kv_lens / qo_offset refreshed in place.
 
         block_table: [B, max_blocks] int32 (stride(1) == 1); seq_lens: [B] int32 contiguous on the
-        same device (counts the qlen new tokens); seq_lens_cpu: optional CPU copy, read only
-        when the plan is first built; decode_query_len: qlen in 1..32.
+        same device (counts the qlen new tokens); seq_lens_cpu: optional CPU copy of seq_lens,
+        its values checked on every call (0 <= length <= max_blocks * page_size; the device
+        copy never is: that would sync); decode_query_len: qlen in 1..32.
         """
         key: PlanKey | None = None
         plan = None
@@ -147,29 +187,29 @@ class SparseDecodePlanner:
                     and (seq_lens_cpu is None or ((cpu_dtype is _I32 or cpu_dtype is torch.int64)
                                                   and seq_lens_cpu.is_cpu and seq_lens_cpu.shape == sl_shape))):
                 validate_prepare_tensors(block_table, seq_lens, seq_lens_cpu)
+            if seq_lens_cpu is not None:
+                validate_seq_lens_cpu(seq_lens_cpu, block_table, page_size)
         else:
             validate_prepare(
                 block_table, seq_lens, seq_lens_cpu, decode_query_len,
                 num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                 page_size=page_size, topk_blocks=topk_blocks,
             )
+            if seq_lens_cpu is not None:
+                validate_seq_lens_cpu(seq_lens_cpu, block_table, page_size)
             if key is None:
                 key = _plan_key(block_table, seq_lens, decode_query_len, num_q_heads, num_kv_heads,
                                 page_size, topk_blocks)
-            plan = self._get_or_build(key, block_table, seq_lens, seq_lens_cpu)
+            plan = self._get_or_build(key, block_table, seq_lens)
         plan.block_table = block_table
         plan.seq_lens = seq_lens
         plan.refresh(seq_lens)
         return plan
 
-    def _get_or_build(self, key: PlanKey, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                      seq_lens_cpu: torch.Tensor | None) -> SparseDecodePlan:
+    def _get_or_build(self, key: PlanKey, block_table: torch.Tensor, seq_lens: torch.Tensor) -> SparseDecodePlan:
         with self._lock:
             plan = self.plans.get(key)
             if plan is None:
-                if seq_lens_cpu is not None:
-                    page_size = key[5]
-                    validate_seq_lens_cpu(seq_lens_cpu, block_table, page_size)
                 with torch.no_grad():
                     plan = self._build(key, block_table, seq_lens)
                 self.plans[key] = plan
@@ -191,7 +231,22 @@ class SparseDecodePlanner:
             nvfp4_ctas_per_sm = choose_ctas_per_sm(T * hkv * splits, num_sms, supported, "nvfp4")
         elif ctas_per_sm not in supported:
             raise ValueError(f"ctas_per_sm={ctas_per_sm}: the kernel for {arch} is built for {supported} only")
+        check_workspace(T, hq, hkv, splits, device)
         f32 = dict(dtype=torch.float32, device=device)
+        try:
+            tensors = dict(
+                kv_lens=torch.zeros(T, dtype=torch.int32, device=device),
+                qo_offset=torch.zeros(T, dtype=torch.int32, device=device),
+                partial_o=torch.empty(T * hkv * splits, G, HEAD_DIM, **f32),
+                partial_lse=torch.empty(T * hkv * splits, G, **f32),
+                lse_scratch=torch.empty(T, hq, **f32),
+                unit_scale=torch.ones(1, **f32),
+            )
+        except RuntimeError as e:  # torch.OutOfMemoryError, the CPU allocator's error
+            raise ValueError(
+                f"seq_lens: batch*qlen = {T} tokens: the plan workspace of "
+                f"{workspace_bytes(T, hq, hkv, splits)} bytes could not be allocated on {device} ({e})"
+            ) from e
         plan = SparseDecodePlan(
             num_q_heads=hq,
             num_kv_heads=hkv,
@@ -203,17 +258,12 @@ class SparseDecodePlanner:
             block_table_stride=stride,
             device=device,
             num_splits=splits,
-            kv_lens=torch.zeros(T, dtype=torch.int32, device=device),
-            qo_offset=torch.zeros(T, dtype=torch.int32, device=device),
-            partial_o=torch.empty(T * hkv * splits, G, HEAD_DIM, **f32),
-            partial_lse=torch.empty(T * hkv * splits, G, **f32),
-            lse_scratch=torch.empty(T, hq, **f32),
-            unit_scale=torch.ones(1, **f32),
             block_table=block_table,
             seq_lens=seq_lens,
             arch=arch,
             ctas_per_sm=ctas_per_sm,
             nvfp4_ctas_per_sm=nvfp4_ctas_per_sm,
+            **tensors,
         )
         from .prologue import bind_refresh  # imports triton: only once a plan is built
 

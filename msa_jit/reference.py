@@ -117,7 +117,7 @@ def sparse_decode_reference(
             f"query {tuple(query.shape)}, kv_cache {tuple(kv_cache.shape)}, topk {tuple(topk.shape)}"
         )
     if block_table.dim() != 2 or block_table.shape[0] != B:
-        raise ValueError(f"sparse_decode_reference: block_table {tuple(block_table.shape)} for batch {B}")
+        raise ValueError(f"block_table: expected [batch={B}, max_blocks], got shape {list(block_table.shape)}")
     G = Hq // Hkv
 
     if kv_cache.dtype not in (_FP8, torch.uint8) + _FLOAT_KV:
@@ -153,8 +153,8 @@ def sparse_decode_reference(
             pages = bt[r, used]
             if bool(((pages < 0) | (pages >= P)).any()):
                 raise ValueError(
-                    f"sparse_decode_reference: block_table[{r}] maps blocks {used.tolist()} to "
-                    f"pages {pages.tolist()}, outside [0, {P})"
+                    f"block_table: row {r} maps the selected blocks {used.tolist()} to pages "
+                    f"{pages.tolist()}, outside the kv_cache's [0, {P})"
                 )
             kk, vv = keys_values(kv_cache, pages, h, D, k_scale, v_scale)  # [nu*page, D] each
             key_pos = (used[:, None] * page + offsets).reshape(-1)       # [nu*page]

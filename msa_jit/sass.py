@@ -1,9 +1,9 @@
 """Read what the compiler made, without a GPU: cubins inside an artifact, registers, SASS.
 
 An exported artifact (.so) embeds the kernel's cubin(s) as ELF images (EM_CUDA). From
-each we read the per-kernel register count (high byte of the .text section's sh_info),
-the static shared memory, and, through `nvdisasm` (the nvidia-cuda-nvdisasm wheel or a
-CUDA toolkit), the SASS, so tests can assert the instructions we meant are there and
+each we read the per-kernel register count (EIATTR_REGCOUNT of .nv.info), the static shared
+memory, and, through `nvdisasm` (the nvidia-cuda-nvdisasm wheel, a CUDA toolkit, or the copy
+Triton's wheel ships), the SASS, so tests can assert the instructions we meant are there and
 that nothing spills to local memory.
 """
 
@@ -112,8 +112,13 @@ def kernel_resources(cubin: bytes) -> list[KernelResources]:
     ]
 
 
+NVDISASM_HINT = "pip install nvidia-cuda-nvdisasm (or set CUDA_HOME to a CUDA toolkit)"
+
+
 def find_nvdisasm() -> str | None:
-    """nvdisasm from the nvidia-cuda-nvdisasm wheel, $CUDA_HOME, or PATH."""
+    """nvdisasm from the nvidia-cuda-nvdisasm wheel, $CUDA_HOME, PATH, else the one Triton's
+    wheel ships (triton/backends/nvidia/bin: a core dependency, so `msa-jit inspect` reads SASS
+    after the plain install too; it can be older than the wheel's, hence last)."""
     for entry in sys.path:
         for flavor in ("cu13", "cu12"):
             p = Path(entry or ".") / "nvidia" / flavor / "bin" / "nvdisasm"
@@ -122,13 +127,21 @@ def find_nvdisasm() -> str | None:
     for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
         if root and (Path(root) / "bin" / "nvdisasm").is_file():
             return str(Path(root) / "bin" / "nvdisasm")
-    return shutil.which("nvdisasm")
+    found = shutil.which("nvdisasm")
+    if found:
+        return found
+    for entry in sys.path:
+        p = Path(entry or ".") / "triton" / "backends" / "nvidia" / "bin" / "nvdisasm"
+        if p.is_file() and os.access(p, os.X_OK):
+            return str(p)
+    return None
 
 
 def disassemble(cubin: bytes) -> str:
+    """nvdisasm's SASS of one cubin; FileNotFoundError (saying how to get it) without nvdisasm."""
     tool = find_nvdisasm()
     if tool is None:
-        raise FileNotFoundError("nvdisasm not found: pip install nvidia-cuda-nvdisasm (or set CUDA_HOME)")
+        raise FileNotFoundError(f"nvdisasm not found: {NVDISASM_HINT}")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
@@ -155,24 +168,23 @@ def split_functions(sass: str) -> dict[str, str]:
     return {m.group(1): sass[m.end() : (marks[k + 1].start() if k + 1 < len(marks) else len(sass))] for k, m in enumerate(marks)}
 
 
-def summarize(path: str | os.PathLike) -> list[dict]:
-    """Per kernel in an artifact: registers, static smem, and the opcodes that matter to us."""
+def summarize(path: str | os.PathLike, with_sass: bool = True) -> list[dict]:
+    """Per kernel in an artifact: registers, static smem, and the opcodes that matter to us.
+
+    with_sass=False reads only the ELF (no nvdisasm): `local_ops`, `mma_ops` and
+    `bulk_copy_ops` are then None.
+    """
     rows = []
     for cubin in extract_cubins(path):
-        funcs = split_functions(disassemble(cubin))
+        funcs = split_functions(disassemble(cubin)) if with_sass else None
         for res in kernel_resources(cubin):
-            base = Counter()
-            for op, n in opcode_counts(funcs.get(res.name, "")).items():
-                base[op.split(".")[0]] += n
-            rows.append(
-                {
-                    "kernel": res.name,
-                    "sm": res.sm,
-                    "registers": res.registers,
-                    "static_smem": res.static_smem,
-                    "local_ops": base["LDL"] + base["STL"],
-                    "mma_ops": {k: v for k, v in base.items() if "MMA" in k},
-                    "bulk_copy_ops": base["UBLKCP"],
-                }
-            )
+            row = {"kernel": res.name, "sm": res.sm, "registers": res.registers, "static_smem": res.static_smem,
+                   "local_ops": None, "mma_ops": None, "bulk_copy_ops": None}
+            if funcs is not None:
+                base = Counter()
+                for op, n in opcode_counts(funcs.get(res.name, "")).items():
+                    base[op.split(".")[0]] += n
+                row.update(local_ops=base["LDL"] + base["STL"], mma_ops={k: v for k, v in base.items() if "MMA" in k},
+                           bulk_copy_ops=base["UBLKCP"])
+            rows.append(row)
     return rows

@@ -14,11 +14,11 @@ WarmupInterrupted (cache_dir_policy.md §11).
 from __future__ import annotations
 
 import ctypes
-import json
 import logging
 import multiprocessing
 import multiprocessing.connection as mp_connection
 import os
+import re
 import signal
 import sys
 import threading
@@ -32,16 +32,18 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 from . import cache, compiler, env
 from .cache.entry import tree_size
 from .geometry import (
-    DEFAULT_ARCHES, DEFAULT_PAGE_SIZE, DEFAULT_TOPK_BLOCKS, MINIMAX_M3_GEOMETRIES, Q_DTYPE_SHORT, Q_DTYPES,
-    SparseDecodeConfig, check_config,
+    DEFAULT_ARCHES, DEFAULT_PAGE_SIZE, DEFAULT_TOPK_BLOCKS, KV_DTYPE_SHORT, KV_DTYPES, MINIMAX_M3_GEOMETRIES,
+    Q_DTYPE_SHORT, Q_DTYPES, SparseDecodeConfig, check_config,
 )
 
 log = logging.getLogger("msa_jit")
 
-# preset name -> (heads as (Hq, Hkv), q dtypes)
-PRESETS: dict[str, tuple[tuple[tuple[int, int], ...], tuple[str, ...]]] = {
-    "minimax-m3": (MINIMAX_M3_GEOMETRIES, Q_DTYPES),
+# preset name -> (heads as (Hq, Hkv), q dtypes, KV cache formats)
+PRESETS: dict[str, tuple[tuple[tuple[int, int], ...], tuple[str, ...], tuple[str, ...]]] = {
+    "minimax-m3": (MINIMAX_M3_GEOMETRIES, Q_DTYPES, KV_DTYPES),
 }
+# the KV cache format of a warmup that names none (SparseDecodeConfig's default, fp8)
+DEFAULT_KV_DTYPES = ("float8_e4m3fn",)
 
 
 # ----------------------------------------------------------------------------- configs
@@ -70,25 +72,30 @@ def default_arches() -> list[str]:
 
 def warmup_configs(
     heads: Iterable[tuple[int, int]], q_dtypes: Iterable[str], arches: Iterable[str], *,
+    kv_dtypes: Iterable[str] = DEFAULT_KV_DTYPES,
     page_size: int = DEFAULT_PAGE_SIZE, topk_blocks: int = DEFAULT_TOPK_BLOCKS,
 ) -> list[SparseDecodeConfig]:
-    """Every config a warmup of these (Hq, Hkv) layouts x query dtypes x archs builds.
+    """Every config a warmup of these (Hq, Hkv) layouts x query dtypes x KV cache formats x archs builds.
 
-    Each geometry at every occupancy the planner may pick for its arch
+    Dtypes are SparseDecodeConfig names ("bfloat16", "float8_e4m3fn"; kv "float8_e4m3fn",
+    "nvfp4"). Each geometry at every occupancy the planner may pick for its arch
     (`compiler.plannable_configs`), without duplicates, in the given order. Raises ValueError
     on anything the kernel cannot serve (with check_config's reason).
     """
     out: list[SparseDecodeConfig] = []
-    q_dtypes, arches = list(q_dtypes), list(arches)
+    q_dtypes, kv_dtypes, arches = list(q_dtypes), list(kv_dtypes), list(arches)
     for hq, hkv in heads:
         for q in q_dtypes:
-            for arch in arches:
-                cfg = SparseDecodeConfig(hq, hkv, page_size=page_size, topk_blocks=topk_blocks, q_dtype=q, arch=arch)
-                reason = check_config(cfg)
-                if reason:
-                    raise ValueError(f"{hq}/{hkv} {Q_DTYPE_SHORT.get(q, q)} {arch}: {reason}")
-                # every occupancy the planner may pick for a step shape (compiler imports no DSL)
-                out.extend(c for c in compiler.plannable_configs(cfg) if c not in out)
+            for kv in kv_dtypes:
+                for arch in arches:
+                    cfg = SparseDecodeConfig(hq, hkv, page_size=page_size, topk_blocks=topk_blocks, q_dtype=q,
+                                             kv_dtype=kv, arch=arch)
+                    reason = check_config(cfg)
+                    if reason:
+                        raise ValueError(f"{hq}/{hkv} q {Q_DTYPE_SHORT.get(q, q)} kv {KV_DTYPE_SHORT.get(kv, kv)} "
+                                         f"{arch}: {reason}")
+                    # every occupancy the planner may pick for a step shape (compiler imports no DSL)
+                    out.extend(c for c in compiler.plannable_configs(cfg) if c not in out)
     return out
 
 
@@ -115,13 +122,26 @@ class WarmupRow:
 
     @property
     def q(self) -> str:
+        """Short name of the query dtype ("bf16", "fp8")."""
         return Q_DTYPE_SHORT.get(self.config.q_dtype, self.config.q_dtype)
+
+    @property
+    def kv(self) -> str:
+        """Short name of the KV cache format ("fp8", "nvfp4")."""
+        return KV_DTYPE_SHORT.get(self.config.kv_dtype, self.config.kv_dtype)
+
+    @property
+    def label(self) -> str:
+        """'8/1 q bf16 kv fp8 sm_90a 2/SM': the row in progress lines and failure messages."""
+        c = self.config
+        return f"{self.geometry} q {self.q} kv {self.kv} {c.arch} {c.ctas_per_sm}/SM"
 
     def to_json(self) -> dict[str, Any]:
         c = self.config
         return {
             "geometry": self.geometry, "num_q_heads": c.num_q_heads, "num_kv_heads": c.num_kv_heads,
-            "page_size": c.page_size, "topk_blocks": c.topk_blocks, "q_dtype": c.q_dtype, "arch": c.arch,
+            "page_size": c.page_size, "topk_blocks": c.topk_blocks, "q_dtype": c.q_dtype,
+            "kv_dtype": c.kv_dtype, "arch": c.arch,
             "ctas_per_sm": c.ctas_per_sm, "status": self.status, "seconds": round(self.seconds, 3), "artifact": self.artifact,
             "key": self.key, "error": self.error,
         }
@@ -228,7 +248,15 @@ def compile_one(cfg_dict: dict[str, Any], c: cache.ArtifactCache | None = None) 
                 "artifact": str(entry.artifact_path()), "key": entry.key, "error": None,
                 "extra": dict(entry.meta.get("extra") or {})}
     except Exception as e:  # report, keep the worker; SIGTERM's SystemExit ends it
-        return _failed(f"{type(e).__name__}: {e}", time.perf_counter() - t0)
+        return _failed(plain_text(f"{type(e).__name__}: {e}"), time.perf_counter() - t0)
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def plain_text(text: str) -> str:
+    """`text` without terminal escape sequences (the DSL colours its errors), for tables and files."""
+    return _ANSI.sub("", text)
 
 
 @contextmanager
@@ -396,11 +424,10 @@ def _progress(total: int, quiet: bool) -> tuple[Callable[[WarmupRow], None], Cal
         if quiet:
             return
         if bar is not None:
-            bar.set_postfix_str(f"{row.geometry} {row.q} {row.config.arch} {row.config.ctas_per_sm}/SM {row.status}")
+            bar.set_postfix_str(f"{row.label} {row.status}")
             bar.update(1)
         else:
-            print(f"[{done[0]}/{total}] {row.geometry} {row.q} {row.config.arch} {row.config.ctas_per_sm}/SM: {row.status} "
-                  f"({row.seconds:.1f}s)", file=sys.stderr, flush=True)
+            print(f"[{done[0]}/{total}] {row.label}: {row.status} ({row.seconds:.1f}s)", file=sys.stderr, flush=True)
 
     def close() -> None:
         if bar is not None:
@@ -518,7 +545,6 @@ def summary(rows: Sequence[WarmupRow]) -> dict[str, int]:
     return {s: sum(r.status == s for r in rows) for s in ("compiled", "cached", "failed")}
 
 
-def write_json(path: str | os.PathLike, rows: Sequence[WarmupRow], **extra: Any) -> None:
-    """Write {"rows": [...], "compiled", "cached", "failed", ...extra} to path."""
-    doc = {"rows": [r.to_json() for r in rows], **summary(rows), **extra}
-    Path(path).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+def json_document(rows: Sequence[WarmupRow], **extra: Any) -> dict[str, Any]:
+    """{"rows": [...], "compiled", "cached", "failed", ...extra}: what `msa-jit warmup --json` writes."""
+    return {"rows": [r.to_json() for r in rows], **summary(rows), **extra}

@@ -75,8 +75,9 @@ def _grid_result(marginal=None, floor=None, host=None, date="2026-12-04T00:00:00
 
 
 def _main(argv: list[str]) -> tuple[int, str]:
+    """rc and what `msa-jit` wrote to stdout and stderr together (errors go to stderr)."""
     out = io.StringIO()
-    with contextlib.redirect_stdout(out):
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
         rc = cli.main(argv)
     return rc, out.getvalue()
 

@@ -749,10 +749,11 @@ def test_env_lock_timeout(monkeypatch):
 
 def test_env_target_arch(monkeypatch):
     for v, want in {"sm_100a": "sm_100a", "SM_100A": "sm_100a", "sm100a": "sm_100a", "100a": "sm_100a",
-                    "10.0a": "sm_100a", "sm_90a": "sm_90a", "9.0": "sm_90", "sm_103f": "sm_103f"}.items():
+                    "10.0a": "sm_100a", "sm_90a": "sm_90a", "9.0a": "sm_90a"}.items():
         monkeypatch.setenv("MSA_JIT_ARCH", v)
         assert env.target_arch() == want, v
-    for v in ("hopper", "sm_", "sm_100x", "1"):
+    # spellings of arches msa-jit does not build for (geometry.DEFAULT_ARCHES) are refused too
+    for v in ("hopper", "sm_", "sm_100x", "1", "9.0", "sm_90", "sm_103f", "sm_80"):
         monkeypatch.setenv("MSA_JIT_ARCH", v)
         with pytest.raises(ValueError, match="MSA_JIT_ARCH"):
             env.target_arch()

@@ -67,22 +67,26 @@ def copy_of(warm: dict, tmp_path: Path) -> Path:
 def test_warmup_compiles_and_reports(warm):
     assert warm["rc"] == 0, warm["out"] + warm["err"]
     lines = warm["out"].splitlines()
-    assert lines[0].split() == ["geometry", "q", "dtype", "arch", "CTAs/SM", "status", "seconds", "artifact"]
+    assert lines[0].split() == ["geometry", "q", "kv", "arch", "CTAs/SM", "status", "seconds", "key"]
+    doc = warm["json"]
     # one geometry: a build for each occupancy the planner may pick (2 and 3 CTAs per SM)
-    for line, n in zip(lines[2:4], (2, 3)):
+    for line, n, r in zip(lines[2:4], (2, 3), doc["rows"]):
         row = line.split()
-        assert row[:5] == ["8/1", "bf16", "sm_90a", str(n), "compiled"] and Path(row[6]).is_file()
+        assert row[:6] == ["8/1", "bf16", "fp8", "sm_90a", str(n), "compiled"] and row[7] == r["key"][:12]
+    # the artifacts' root once, not a full path per row (the table fits a terminal)
+    assert lines[4] == f"artifacts in {warm['root']} (`msa-jit cache list` shows every entry)"
+    assert max(len(line) for line in lines if str(warm["root"]) not in line) <= 80, warm["out"]
     assert lines[-1] == "2 compiled, 0 cached, 0 failed"
     for n in (2, 3):  # not a TTY: one line per item
-        assert f"8/1 bf16 sm_90a {n}/SM: compiled" in warm["err"]
+        assert f"8/1 q bf16 kv fp8 sm_90a {n}/SM: compiled" in warm["err"]
     assert "[2/2]" in warm["err"]
-    doc = warm["json"]
     assert doc["compiled"] == 2 and doc["cached"] == 0 and doc["failed"] == 0
     assert len({r["key"] for r in doc["rows"]}) == 2
     for r, n in zip(doc["rows"], (2, 3)):
-        assert (r["num_q_heads"], r["num_kv_heads"], r["q_dtype"], r["arch"], r["ctas_per_sm"], r["status"]) == (
-            8, 1, "bfloat16", "sm_90a", n, "compiled")
+        assert (r["num_q_heads"], r["num_kv_heads"], r["q_dtype"], r["kv_dtype"], r["arch"], r["ctas_per_sm"],
+                r["status"]) == (8, 1, "bfloat16", "float8_e4m3fn", "sm_90a", n, "compiled")
         assert r["artifact"].startswith(str(warm["root"])) and r["seconds"] > 0 and len(r["key"]) == 64
+        assert Path(r["artifact"]).is_file()
 
 
 @pytest.mark.slow
@@ -95,7 +99,7 @@ def test_warmup_again_is_cached_and_quiet(warm, tmp_path):
 
 
 def ns(**kw) -> argparse.Namespace:
-    base = dict(preset=None, heads=None, q_dtype=None, arch=None, page_size=128, topk_blocks=16)
+    base = dict(preset=None, heads=None, q_dtype=None, kv_dtype=None, arch=None, page_size=128, topk_blocks=16)
     base.update(kw)
     return argparse.Namespace(**base)
 
@@ -114,10 +118,17 @@ def test_geometry_flags(monkeypatch):
     assert len(cfgs) == 16 and all(c.topk_blocks == 8 for c in cfgs)
     assert {c.ctas_per_sm for c in cfgs} == {2, 3}
     assert SparseDecodeConfig(16, 1, topk_blocks=8, q_dtype="float8_e4m3fn", arch="sm_100a", ctas_per_sm=3) in cfgs
-    # --preset minimax-m3: 4 head layouts x bf16,fp8 x archs; explicit flags replace the preset's
-    assert len(common.configs_from_args(ns(preset="minimax-m3", arch=["sm_100a"]))) == 16
+    assert {c.kv_dtype for c in cfgs} == {"float8_e4m3fn"}  # without --kv-dtype: fp8 only
+    # --preset minimax-m3: 4 head layouts x bf16,fp8 x kv fp8,nvfp4 x 2 occupancies per arch;
+    # --q-dtype / --kv-dtype narrow it
+    preset = common.configs_from_args(ns(preset="minimax-m3", arch=["sm_100a"]))
+    assert len(preset) == 32 and len(set(preset)) == 32
+    assert {(c.q_dtype, c.kv_dtype) for c in preset} == {(q, kv) for q in ("bfloat16", "float8_e4m3fn")
+                                                         for kv in ("float8_e4m3fn", "nvfp4")}
     only = common.configs_from_args(ns(preset="minimax-m3", arch=["sm_90a"], q_dtype=["fp8"]))
-    assert len(only) == 8 and {c.q_dtype for c in only} == {"float8_e4m3fn"}
+    assert len(only) == 16 and {c.q_dtype for c in only} == {"float8_e4m3fn"}
+    fp4 = common.configs_from_args(ns(preset="minimax-m3", arch=["sm_90a"], kv_dtype=["nvfp4"], q_dtype=["bf16"]))
+    assert len(fp4) == 8 and {(c.q_dtype, c.kv_dtype) for c in fp4} == {("bfloat16", "nvfp4")}
     with pytest.raises(ValueError, match="--heads"):
         common.configs_from_args(ns())
     with pytest.raises(ValueError, match="multiple"):
@@ -155,7 +166,8 @@ def test_failed_rows_exit_1(monkeypatch, tmp_path):
     monkeypatch.setattr(warmup, "run_warmup", fake_run)
     js = tmp_path / "f.json"
     rc, out, _ = run_main(["warmup", *WARM_ARGS, "--json", str(js)])
-    assert rc == 1 and "0 compiled, 0 cached, 1 failed" in out and "FAILED 8/1 bf16 sm_90a 2/SM: ArtifactMissingError" in out
+    assert rc == 1 and "0 compiled, 0 cached, 1 failed" in out
+    assert "FAILED 8/1 q bf16 kv fp8 sm_90a 2/SM: ArtifactMissingError" in out
     assert json.loads(js.read_text())["rows"][0]["error"].startswith("ArtifactMissingError")
 
 
@@ -197,9 +209,10 @@ def test_cache_list_and_info(warm, tmp_path):
     root = copy_of(warm, tmp_path)
     rc, out, _ = run_main(["cache", "list", "--cache-dir", str(root)])
     keys = {r["key"]: r["ctas_per_sm"] for r in warm["json"]["rows"]}  # one geometry, 2 occupancies
-    assert rc == 0 and out.splitlines()[0].split()[:6] == ["key", "geometry", "arch", "q", "dtype", "CTAs/SM"]
-    rows = sorted(line.split()[:6] for line in out.splitlines()[2:4])
-    assert rows == sorted([k[:12], "8/1", "sm_90a", "bf16", str(n), compiler_dsl_version()] for k, n in keys.items())
+    assert rc == 0 and out.splitlines()[0].split()[:7] == ["key", "geometry", "arch", "q", "kv", "CTAs/SM", "dsl"]
+    rows = sorted(line.split()[:7] for line in out.splitlines()[2:4])
+    assert rows == sorted([k[:12], "8/1", "sm_90a", "bf16", "fp8", str(n), compiler_dsl_version()]
+                          for k, n in keys.items())
     assert "2 entries in" in out
     rc, out, _ = run_main(["cache", "list", "--json", "--cache-dir", str(root)])
     entries = json.loads(out)
@@ -270,8 +283,9 @@ def test_doctor_without_gpu(warm, monkeypatch):
         assert name in out
     assert "MSA_JIT_LOCK_TIMEOUT='soon'  INVALID" in out
     assert "cute-dsl" in out and "libcute_dsl_runtime.so: /" in out and "DSL compiler (cutlass): importable" in out
-    assert "8/1   bf16 sm_90a   2/SM ready" in out and "8/1   bf16 sm_90a   3/SM ready" in out
-    assert "2/16 ready" in out and "sm_100a" not in out.split("readiness")[1].split("Kernel")[0]
+    assert "8/1   q bf16 kv fp8   sm_90a   2/SM ready" in out and "8/1   q bf16 kv fp8   sm_90a   3/SM ready" in out
+    assert "8/1   q bf16 kv nvfp4 sm_90a   2/SM missing" in out  # the preset has both KV formats
+    assert "2/32 ready" in out and "sm_100a" not in out.split("readiness")[1].split("Kernel")[0]
     rc, out, _ = run_main(["doctor", "--json", "--cache-dir", str(warm["root"])])
     rep = json.loads(out)
     assert rc == 0 and rep["gpu"]["available"] is False and rep["target_arches"] == ["sm_90a"]
@@ -313,7 +327,7 @@ def test_inspect_one_geometry(warm, tmp_path, monkeypatch):
     js = tmp_path / "inspect.json"
     rc, out, _ = run_main(["inspect", *WARM_ARGS, "--cache-dir", str(warm["root"]), "--json", str(js), "-q"])
     assert rc == 0, out
-    assert out.splitlines()[0].split() == ["geometry", "q", "arch", "CTAs/SM", "kernel", "sm", "regs", "smem",
+    assert out.splitlines()[0].split() == ["geometry", "q", "kv", "arch", "CTAs/SM", "kernel", "sm", "regs", "smem",
                                            "LDL/STL", "MMA"]
     assert "HMMA:" in out and "0 with local-memory ops beyond the accepted" in out
     kernels = json.loads(js.read_text())["kernels"]
@@ -328,6 +342,81 @@ def test_inspect_one_geometry(warm, tmp_path, monkeypatch):
     from msa_jit import sass
 
     spilled = [dict(k, local_ops=7) for k in kernels]
-    monkeypatch.setattr(sass, "summarize", lambda path: spilled)
+    monkeypatch.setattr(sass, "summarize", lambda path, with_sass=True: spilled)
     rc, out, _ = run_main(["inspect", *WARM_ARGS, "--cache-dir", str(warm["root"]), "-q"])
-    assert rc == 1 and "SPILL 8/1 bf16 sm_90a 2/SM" in out and "SPILL 8/1 bf16 sm_90a 3/SM" in out
+    assert rc == 1 and "SPILL 8/1 q bf16 kv fp8 sm_90a 2/SM" in out and "SPILL 8/1 q bf16 kv fp8 sm_90a 3/SM" in out
+    spill_lines = [line for line in out.splitlines() if line.startswith("SPILL")]
+    assert all(len(line) < 100 and ": 7 LDL/STL" in line and "kernel_cutlass" not in line for line in spill_lines)
+    assert any("sparse_decode_mma: 7 LDL/STL" in line for line in spill_lines), spill_lines
+
+
+@pytest.mark.slow
+def test_inspect_smem_is_what_the_launch_uses(warm, tmp_path):
+    """#21 item 11: "smem" was the static shared memory only (1024 B for every kernel); the decode
+    kernel runs on its dynamic Storage struct: >= 2 KV stages of a 128-token page (2 x 32 KiB),
+    within the SM's 228 KiB at its occupancy."""
+    js = tmp_path / "inspect.json"
+    rc, out, _ = run_main(["inspect", *WARM_ARGS, "--cache-dir", str(warm["root"]), "--json", str(js), "-q"])
+    assert rc == 0, out
+    kernels = json.loads(js.read_text())["kernels"]
+    decode = [k for k in kernels if "split_merge" not in k["kernel"]]
+    merge = [k for k in kernels if "split_merge" in k["kernel"]]
+    assert len(decode) == 2 and merge
+    for k in decode:
+        assert k["smem"] == k["dynamic_smem"] + k["static_smem"]
+        assert 2 * 128 * 256 <= k["smem"] and k["smem"] * k["ctas_per_sm"] <= 228 * 1024, k
+    assert {k["ctas_per_sm"]: k["smem"] for k in decode}[2] > {k["ctas_per_sm"]: k["smem"] for k in decode}[3]
+    assert all(k["dynamic_smem"] == 0 and k["smem"] == k["static_smem"] for k in merge)
+    for k in decode:  # the table shows the same number
+        assert any(line.split()[8] == str(k["smem"]) for line in out.splitlines()[2:] if f" {k['ctas_per_sm']}  " in line)
+
+
+@pytest.mark.slow
+def test_inspect_without_nvdisasm_shows_resources(warm, monkeypatch):
+    """#21 item 11: without nvdisasm (the main-job install had none) every row was an ERROR; now
+    registers and shared memory are shown, and one line says what is missing."""
+    from msa_jit import sass
+
+    monkeypatch.setattr(sass, "find_nvdisasm", lambda: None)
+    rc, out, _ = run_main(["inspect", *WARM_ARGS, "--cache-dir", str(warm["root"]), "-q"])
+    assert rc == 0, out
+    assert "ERROR" not in out and "nvdisasm was not found: pip install nvidia-cuda-nvdisasm" in out
+    rows = [line.split() for line in out.splitlines()[2:] if line.startswith("8/1")]
+    assert len(rows) >= 2 and all(int(r[7]) > 0 and int(r[8]) >= 1024 and r[9] == "n/a" for r in rows), out
+    assert "(not checked)" in out
+
+
+def test_nvdisasm_of_the_core_install(monkeypatch, tmp_path):
+    """Triton (a core dependency) ships nvdisasm: found when neither the wheel nor a toolkit is there."""
+    from msa_jit import sass
+
+    tool = tmp_path / "site" / "triton" / "backends" / "nvidia" / "bin" / "nvdisasm"
+    tool.parent.mkdir(parents=True)
+    tool.write_text("#!/bin/sh\n")
+    tool.chmod(0o755)
+    monkeypatch.setattr(sys, "path", [str(tmp_path / "site")])
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    for v in ("CUDA_HOME", "CUDA_PATH"):
+        monkeypatch.delenv(v, raising=False)
+    if Path("/usr/local/cuda/bin/nvdisasm").is_file():
+        pytest.skip("this host has a CUDA toolkit's nvdisasm, found before Triton's")
+    assert sass.find_nvdisasm() == str(tool)
+
+
+@pytest.mark.slow
+def test_warmup_nvfp4_compiles(tmp_path):
+    """#18: `msa-jit warmup --heads 64/4 --q-dtype bf16 --kv-dtype nvfp4 --arch sm_90a` builds the
+    NVFP4 kernel (both occupancies); the cache lists it as kv nvfp4."""
+    root, js = tmp_path / "cache", tmp_path / "w.json"
+    rc, out, err = run_main(["warmup", "--heads", "64/4", "--q-dtype", "bf16", "--kv-dtype", "nvfp4", "--arch", "sm_90a",
+                             "--cache-dir", str(root), "--json", str(js)])
+    assert rc == 0, out + err
+    doc = json.loads(js.read_text())
+    assert [(r["kv_dtype"], r["ctas_per_sm"], r["status"]) for r in doc["rows"]] == [
+        ("nvfp4", 2, "compiled"), ("nvfp4", 3, "compiled")]
+    assert [line.split()[:6] for line in out.splitlines()[2:4]] == [
+        ["64/4", "bf16", "nvfp4", "sm_90a", str(n), "compiled"] for n in (2, 3)]
+    rc, out, _ = run_main(["cache", "list", "--cache-dir", str(root)])
+    assert rc == 0 and sorted(line.split()[4] for line in out.splitlines()[2:4]) == ["nvfp4", "nvfp4"]
+    assert {e["kv_dtype"] for e in json.loads(run_main(["cache", "list", "--json", "--cache-dir", str(root)])[1])} == {
+        "nvfp4"}

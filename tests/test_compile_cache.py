@@ -229,7 +229,7 @@ def test_no_compile_empty_cache_names_warmup_command(tmp_path, monkeypatch):
         compiler.ensure_compiled(cfg)
     msg = str(ei.value)
     hint = compiler.warmup_command(cfg)
-    assert hint in msg and "msa-jit warmup --heads 32/2 --q-dtype fp8 --arch sm_100a" in msg
+    assert hint in msg and "msa-jit warmup --heads 32/2 --q-dtype fp8 --kv-dtype fp8 --arch sm_100a" in msg
     assert cache.stats()["builds"] == 0
     # the printed command is a valid `msa-jit warmup` line naming exactly this geometry
     from msa_jit.cli import build_parser
@@ -237,3 +237,16 @@ def test_no_compile_empty_cache_names_warmup_command(tmp_path, monkeypatch):
 
     args = build_parser().parse_args(shlex.split(hint.splitlines()[0])[1:])
     assert cfg in configs_from_args(args)  # with the geometry's other occupancy (warmup builds both)
+
+
+def test_accepted_local_ops_most_specific_key_wins():
+    """compiler.accepted_local_ops: (arch, ctas, q dtype) before (arch, ctas) before ctas."""
+    from msa_jit import compiler
+
+    def cfg(arch, ctas, q):
+        return SparseDecodeConfig(16, 1, arch=arch, ctas_per_sm=ctas, q_dtype=q)
+
+    assert compiler.accepted_local_ops(cfg("sm_90a", 2, "bfloat16")) == 0
+    assert compiler.accepted_local_ops(cfg("sm_90a", 3, "bfloat16")) == 6
+    assert compiler.accepted_local_ops(cfg("sm_90a", 3, "float8_e4m3fn")) == 15
+    assert compiler.accepted_local_ops(cfg("sm_100a", 3, "float8_e4m3fn")) == 12

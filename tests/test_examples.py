@@ -95,6 +95,20 @@ def test_quickstart_runs_on_cpu():
     assert "REFERENCE backend" in proc.stdout and "-> OK" in proc.stdout, proc.stdout
 
 
+@pytest.mark.slow
+def test_quickstart_takes_iters_on_cpu():
+    """#21 item 13: --iters was ignored without a GPU (always 3 timed steps)."""
+    proc = subprocess.run(
+        [sys.executable, str(QUICKSTART), "--batch", "2", "--qlen", "1", "--max-ctx", "512", "--iters", "1"],
+        capture_output=True, text=True, timeout=180, env=_env(cpu=True), cwd=str(EXAMPLES.parent),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "median of 1)" in proc.stdout, proc.stdout
+    bad = subprocess.run([sys.executable, str(QUICKSTART), "--iters", "0"], capture_output=True, text=True,
+                         timeout=180, env=_env(cpu=True), cwd=str(EXAMPLES.parent))
+    assert bad.returncode == 2 and "--iters must be >= 1" in bad.stderr
+
+
 # ----------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.slow

@@ -20,8 +20,7 @@ import torch
 from helpers import FP8, make_case
 from hypothesis import given
 from hypothesis import strategies as st
-from test_validation import (B, HKV, HQ, K, OP_MUTATIONS, PAGE, QLEN, SETTINGS, T, TENSOR_FIELDS,
-                             _same_bits, _snapshot)
+from test_validation import (B, HKV, HQ, K, OP_MUTATIONS, PAGE, QLEN, SETTINGS, T, _same_bits, _snapshot)
 
 from msa_jit import SparseDecodePlanner, op, sparse_decode
 from msa_jit.compiler import convention

@@ -1,4 +1,4 @@
-"""Every MiniMax-M3 geometry x query dtype x occupancy compiles for sm_100a here (no GPU), without spills.
+"""Every MiniMax-M3 geometry x query dtype x KV format x occupancy compiles for sm_100a here (no GPU), without spills.
 
 The portable kernel compiled for sm_100a is the Blackwell default until an SM100-specific
 kernel has run on hardware, so CI proves it builds for every geometry that engine serves.
@@ -27,8 +27,8 @@ def test_every_minimax_geometry_compiles_for_sm100a(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(out.read_text())["kernels"]
     main = [r for r in rows if "merge" not in r["kernel"]]
-    builds = {(r["geometry"], r["q_dtype"], r["ctas_per_sm"]) for r in main}
-    assert len(builds) == 16, builds  # 64/4, 32/2, 16/1, 8/1 x bf16, fp8 x 2 and 3 CTAs per SM
+    builds = {(r["geometry"], r["q_dtype"], r["kv_dtype"], r["ctas_per_sm"]) for r in main}
+    assert len(builds) == 32, builds  # 64/4, 32/2, 16/1, 8/1 x q bf16, fp8 x kv fp8, nvfp4 x 2 and 3 CTAs per SM
     for r in rows:  # no local memory beyond the 3-per-SM build's accepted row sum
         assert r["sm"] == 100 and r["local_ops"] <= r["accepted_local_ops"], r
         assert r["accepted_local_ops"] == (12 if r["ctas_per_sm"] == 3 else 0), r  # compiler.KERNEL_REGISTRY

@@ -519,3 +519,113 @@ def test_one_set_of_parameter_names():
     args = build_parser().parse_args(["warmup", "--heads", "8/1", "--topk-blocks", "8", "--page-size", "64"])
     assert (args.topk_blocks, args.page_size) == (8, 64)
     assert build_parser().parse_args(["bench", "--decode-query-lens", "1,2"]).decode_query_lens == "1,2"
+
+
+# ----------------------------------------------------------------------------- issue #21 item 9: arches
+@pytest.mark.parametrize("arch, says", [("sm_80", "not one msa-jit builds for"), ("sm_120a", "not one msa-jit"),
+                                        ("sm_90", "baseline target"), ("sm_100f", "family target")])
+def test_unsupported_arches_are_refused_with_the_list(arch, says, monkeypatch):
+    """check_config, supports(arch=), env.parse_arch / MSA_JIT_ARCH and the planner refuse every arch
+    but geometry.DEFAULT_ARCHES (the arches msa-jit builds for), listing them."""
+    from msa_jit import env
+    from msa_jit.geometry import DEFAULT_ARCHES
+
+    listed = ", ".join(DEFAULT_ARCHES)
+    reason = check_config(SparseDecodeConfig(64, 4, arch=arch))
+    assert reason and says in reason and listed in reason
+    r = supports(num_q_heads=64, num_kv_heads=4, page_size=128, topk_blocks=16, arch=arch)
+    assert not r and says in r.reason and listed in r.reason
+    with pytest.raises(ValueError, match=says):
+        env.parse_arch(arch)
+    monkeypatch.setenv("MSA_JIT_ARCH", arch)
+    with pytest.raises(ValueError, match="MSA_JIT_ARCH"):
+        env.target_arch()
+    with pytest.raises(ValueError, match="^arch: .*" + says):
+        SparseDecodePlanner(arch=arch)
+    for ok in DEFAULT_ARCHES:
+        assert check_config(SparseDecodeConfig(64, 4, arch=ok)) is None and env.parse_arch(ok) == ok
+        assert supports(num_q_heads=64, num_kv_heads=4, page_size=128, topk_blocks=16, arch=ok)
+
+
+# ----------------------------------------------------------------------------- issue #21 item 14
+def test_prepare_refuses_meta_tensors():
+    a = _prepare_base()
+    a.update(block_table=a["block_table"].to("meta"), seq_lens=a["seq_lens"].to("meta"))
+    planner = SparseDecodePlanner()
+    with pytest.raises(ValueError, match="^seq_lens: expected a tensor on a CPU or CUDA device.*meta"):
+        _call_prepare(planner, a)
+    assert not planner.plans
+
+
+def test_out_of_range_page_names_block_table():
+    c, plan = base()
+    bt = c.block_table.clone()
+    bt[0, 0] = c.kv_cache.shape[0] + 5  # block 0 is selected by every token of request 0 (its current block)
+    planner = SparseDecodePlanner()
+    p = planner.prepare(bt, c.seq_lens, c.seq_lens_cpu, QLEN, num_q_heads=HQ, num_kv_heads=HKV, page_size=PAGE,
+                        topk_blocks=K)
+    out = c.new_out()
+    before = out.clone()
+    with pytest.raises(ValueError, match=r"^block_table: row 0 maps"):
+        sparse_decode(c.query, c.kv_cache, c.topk, out, p, backend="reference", **c.scales())
+    assert torch.equal(out.view(torch.int16), before.view(torch.int16))
+
+
+@pytest.mark.parametrize("batch", [2, 40])  # the list scan and the aminmax scan
+def test_cached_plan_still_checks_seq_lens_cpu(batch):
+    """A negative or over-capacity seq_lens_cpu raised on the first call and passed on the second."""
+    c = make_case(batch, 1, HQ, HKV, q_dtype=torch.bfloat16, seed=1, device="cpu", page_size=PAGE, topk_blocks=K)
+    planner = SparseDecodePlanner()
+    plan = planner.prepare(*c.prepare_args(), **c.prepare_kwargs())
+    cap = c.block_table.shape[1] * PAGE
+    for bad, says in (([-3] + [5] * (batch - 1), "seq_lens_cpu: expected lengths >= 0"),
+                      ([5] * (batch - 1) + [cap + 1], "block_table: .* cannot hold")):
+        slc = torch.tensor(bad, dtype=torch.int32)
+        for fresh in (SparseDecodePlanner(), planner):  # first build and the cached step alike
+            with pytest.raises(ValueError, match=says):
+                fresh.prepare(c.block_table, c.seq_lens, slc, 1, **c.prepare_kwargs())
+    assert planner.prepare(*c.prepare_args(), **c.prepare_kwargs()) is plan
+    edge = torch.tensor([0] * (batch - 1) + [cap], dtype=torch.int64)  # both bounds are allowed
+    assert planner.prepare(c.block_table, c.seq_lens, edge, 1, **c.prepare_kwargs()) is plan
+
+
+def test_huge_batch_is_a_value_error_with_the_bytes():
+    """The plan's workspace is computed before anything is allocated: a batch whose workspace
+    exceeds the device's memory is a ValueError naming batch*qlen and the bytes."""
+    from msa_jit.planner import workspace_bytes
+
+    batch, qlen = 1 << 20, 32  # T = 2**25 tokens; 64/4 needs ~1 TiB of partial_o
+    seq_lens = torch.full((batch,), 64, dtype=torch.int32)
+    block_table = torch.zeros(batch, 1, dtype=torch.int32)
+    need = workspace_bytes(batch * qlen, 64, 4, 1)
+    assert need > 1 << 40
+    with pytest.raises(ValueError, match=rf"^seq_lens: batch\*qlen = {batch * qlen} tokens need .* {need} bytes"):
+        SparseDecodePlanner().prepare(block_table, seq_lens, None, qlen, num_q_heads=64, num_kv_heads=4,
+                                      page_size=128, topk_blocks=16)
+
+
+def test_workspace_bytes_is_what_a_plan_allocates():
+    from msa_jit.planner import workspace_bytes
+
+    c, plan = base()
+    tensors = (plan.kv_lens, plan.qo_offset, plan.partial_o, plan.partial_lse, plan.lse_scratch, plan.unit_scale)
+    assert workspace_bytes(T, HQ, HKV, plan.num_splits) == sum(t.numel() * t.element_size() for t in tensors)
+
+
+def test_failed_allocation_is_a_value_error(monkeypatch):
+    """An allocation that fails below the memory check (another tenant holds the GPU) says the same."""
+    from msa_jit import planner as planner_mod
+
+    monkeypatch.setattr(planner_mod, "_memory_bytes", lambda device: None)
+    real_empty = torch.empty
+
+    def failing_empty(*shape, **kw):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+
+    monkeypatch.setattr(torch, "empty", failing_empty)
+    a = _prepare_base()
+    try:
+        with pytest.raises(ValueError, match=r"^seq_lens: batch\*qlen = 4 tokens: .* could not be allocated"):
+            _call_prepare(SparseDecodePlanner(), a)
+    finally:
+        monkeypatch.setattr(torch, "empty", real_empty)

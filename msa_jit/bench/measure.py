@@ -374,7 +374,6 @@ def main(out_dir: str, baseline: str | None = "auto", **kw) -> dict[str, Any]:
     from .targets import check_targets, format_targets
 
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     if baseline == "auto":
         baseline = latest_result(out)
     elif baseline in (None, "none"):
@@ -390,6 +389,7 @@ def main(out_dir: str, baseline: str | None = "auto", **kw) -> dict[str, Any]:
     result["targets"] = check_targets(result, base)
     print(format_targets(result["targets"]))
     stamp = result["environment"]["date"][:16].replace(":", "")
+    out.mkdir(parents=True, exist_ok=True)  # only now: a run that fails leaves no empty folder
     (out / f"bench-{stamp}.json").write_text(json.dumps(result, indent=1))
     try:
         plot(result, out / f"bench-{stamp}.png")

@@ -1,6 +1,7 @@
 """`msa-jit bench`: the performance grid on a GPU (`msa_jit.bench`), or a result file's table / targets.
 
-Writes bench-<date>.json/.png into --out, compares with the newest previous result (exit 1 on
+Writes bench-<date>.json/.png into --out (created once the grid has run), compares with the
+newest previous result (exit 2 without a CUDA GPU or for a bad flag, nothing written; exit 1 on
 a point or per-layer row more than 5% slower, a row that failed, or a run stopped by SIGTERM:
 the rows done are written) and prints the targets of
 #18 / #19. `--table RESULT_JSON` prints the README's tables of a result file, `--summary
@@ -11,16 +12,37 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from pathlib import Path
 
 from .. import bench
-from ..geometry import KV_DTYPES, Q_DTYPES
+from ..geometry import KV_DTYPES
+from .common import positive_int, q_dtype_arg
 
 HELP = "benchmark grid on this GPU: JSON + PNG (needs CUDA)"
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x)
+def _ints(flag: str, text: str, allow_empty: bool = False) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v or not allow_empty)
+    except ValueError:
+        raise ValueError(f"{flag} {text!r}: expected comma-separated ints") from None
+    if any(v < 1 for v in values):
+        raise ValueError(f"{flag} {text!r}: expected ints >= 1")
+    return values
+
+
+def out_dir_problem(out: Path) -> str | None:
+    """Why --out could not be written once the grid has run (None when it can): checked first."""
+    if out.exists() and not out.is_dir():
+        return f"{out} is not a directory"
+    existing = out
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not a writable directory"
+    return None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,14 +57,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"--quick: {','.join(map(str, bench.QUICK_QLENS))})")
     p.add_argument("--kv-dtypes", default=",".join(bench.GRID_KV_DTYPES),
                    help=f"cache formats to time, of {','.join(KV_DTYPES)}")
-    p.add_argument("--q-dtype", default="bfloat16", choices=list(Q_DTYPES))
+    p.add_argument("--q-dtype", default="bfloat16", type=q_dtype_arg, help="bf16 or fp8 (as warmup's --q-dtype)")
     p.add_argument("--quick", action="store_true",
                    help="about half the rows: qlen 1 and 4 only, one speculative-decode point (64/4 B=64 qlen 4)")
     p.add_argument("--floor-batches", default=",".join(map(str, bench.FLOOR_BATCHES)),
                    help="batches whose rows get the floor probe ('' for none)")
     p.add_argument("--no-shared", action="store_true", help="skip the speculative-decode (shared-block) rows")
-    p.add_argument("--layers", type=int, default=bench.NUM_LAYERS, help="layers per graph of the per-layer figure")
-    p.add_argument("--iters", type=int, default=50, help="timed graph replays per figure")
+    p.add_argument("--layers", type=positive_int, default=bench.NUM_LAYERS,
+                   help="layers per graph of the per-layer figure")
+    p.add_argument("--iters", type=positive_int, default=50, help="timed graph replays per figure")
     p.add_argument("--in-graph", action="store_true", help="also time each one-layer step inside one larger graph")
     p.add_argument("--no-host", action="store_true", help="skip the host-side (CPU) figures")
     p.add_argument("--baseline", default="auto",
@@ -67,24 +90,50 @@ def _summary_baseline(args: argparse.Namespace, result: dict) -> dict | None:
 
 def run(args: argparse.Namespace) -> int:
     """Handler of `msa-jit bench`."""
-    if args.table:  # no GPU: print the README table of a result file
-        print(bench.readme_table(json.loads(Path(args.table).read_text())))
+    for flag, path in (("--table", args.table), ("--summary", args.summary)):
+        if not path:
+            continue
+        try:  # no GPU: the README tables or the targets of a result file
+            result = json.loads(Path(path).read_text(encoding="utf-8"))
+            if flag == "--table":
+                print(bench.readme_table(result))
+            else:
+                print(bench.format_targets(bench.check_targets(result, _summary_baseline(args, result))))
+        except OSError as e:
+            print(f"msa-jit bench: {flag} {path}: cannot read it ({e.strerror or e})", file=sys.stderr)
+            return 2
+        except ValueError as e:
+            print(f"msa-jit bench: {flag} {path}: not JSON ({e})", file=sys.stderr)
+            return 2
+        except (KeyError, TypeError) as e:
+            print(f"msa-jit bench: {flag} {path}: not a bench result (missing {e})", file=sys.stderr)
+            return 2
         return 0
-    if args.summary:  # no GPU: the targets of a result file
-        result = json.loads(Path(args.summary).read_text())
-        print(bench.format_targets(bench.check_targets(result, _summary_baseline(args, result))))
-        return 0
-    geos, kvs = tuple(args.geometries.split(",")), tuple(args.kv_dtypes.split(","))
-    bad = [g for g in geos if g not in bench.GEOMETRIES] + [k for k in kvs if k not in KV_DTYPES]
-    if bad:
-        print(f"msa-jit bench: unknown {', '.join(map(repr, bad))}; geometries are {', '.join(bench.GEOMETRIES)}, "
-              f"cache formats {', '.join(KV_DTYPES)}")
+    try:
+        geos, kvs = tuple(args.geometries.split(",")), tuple(args.kv_dtypes.split(","))
+        bad = [g for g in geos if g not in bench.GEOMETRIES] + [k for k in kvs if k not in KV_DTYPES]
+        if bad:
+            raise ValueError(f"unknown {', '.join(map(repr, bad))}; geometries are {', '.join(bench.GEOMETRIES)}, "
+                             f"cache formats {', '.join(KV_DTYPES)}")
+        batches = _ints("--batches", args.batches)
+        floor_batches = _ints("--floor-batches", args.floor_batches, allow_empty=True)
+        qlens = (_ints("--decode-query-lens", args.decode_query_lens) if args.decode_query_lens
+                 else bench.QUICK_QLENS if args.quick else bench.GRID_QLENS)
+        problem = out_dir_problem(Path(args.out).absolute())
+        if problem:
+            raise ValueError(f"--out {args.out}: {problem}")
+    except ValueError as e:
+        print(f"msa-jit bench: {e}", file=sys.stderr)
         return 2
-    qlens = (_ints(args.decode_query_lens) if args.decode_query_lens
-             else bench.QUICK_QLENS if args.quick else bench.GRID_QLENS)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("msa-jit bench needs a CUDA GPU (torch.cuda.is_available() is False); nothing was written. "
+              "`msa-jit bench --table RESULT_JSON` prints a result's table without one", file=sys.stderr)
+        return 2
     shared = () if args.no_shared else bench.QUICK_SHARED_POINTS if args.quick else bench.SHARED_POINTS
-    result = bench.main(args.out, geometries=geos, batches=_ints(args.batches), qlens=qlens, kv_dtypes=kvs,
-                        q_dtype=args.q_dtype, shared_points=shared, floor_batches=_ints(args.floor_batches),
+    result = bench.main(args.out, geometries=geos, batches=batches, qlens=qlens, kv_dtypes=kvs,
+                        q_dtype=args.q_dtype, shared_points=shared, floor_batches=floor_batches,
                         iters=args.iters, num_layers=args.layers, in_graph=args.in_graph, host=not args.no_host,
                         baseline=args.baseline)
     return 1 if result.get("regressions") or result.get("errors") or result.get("incomplete") else 0

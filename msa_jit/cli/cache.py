@@ -4,32 +4,33 @@
 configured root is unusable and the cache fell back to another one (which may hold other
 configurations' kernels: clear that one by naming it with --cache-dir). None of them creates
 a cache: a root without one reads as empty, and a --cache-dir that does not exist is exit 2.
+`list` / `info` take `--json [FILE]` (stdout without FILE), like every command.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Any
 
 from .. import cache, env
-from ..geometry import Q_DTYPE_SHORT
-from .common import format_table, human_size, parse_size, when
+from ..geometry import KV_DTYPE_SHORT, Q_DTYPE_SHORT
+from .common import add_json_argument, check_output_path, emit_json, format_table, human_size, open_cache, \
+    parse_size, when
 
 HELP = "list / inspect / verify / prune / clear the artifact cache"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The five subcommands, each with --cache-dir."""
-    sub = p.add_subparsers(dest="cache_command", required=True)
+    sub = p.add_subparsers(dest="cache_command", metavar="ACTION")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--cache-dir", help="cache root (default: MSA_JIT_CACHE_DIR / XDG / ~/.cache/msa-jit)")
     cl = sub.add_parser("list", parents=[common], help="one row per entry")
-    cl.add_argument("--json", action="store_true")
+    add_json_argument(cl, "the entries")
     ci = sub.add_parser("info", parents=[common], help="root, fallback, size, cap")
-    ci.add_argument("--json", action="store_true")
+    add_json_argument(ci, "the cache's state")
     cv = sub.add_parser("verify", parents=[common], help="hash-check every entry (exit 1 if any is bad)")
     cv.add_argument("--remove", action="store_true", help="delete bad entries")
     cp = sub.add_parser("prune", parents=[common], help="drop garbage, then LRU entries down to a size")
@@ -53,6 +54,8 @@ def entry_row(entry: cache.CacheEntry) -> dict[str, Any]:
     return {
         "key": entry.key, "geometry": geometry, "arch": cfg.get("arch", "?"), "ctas_per_sm": cfg.get("ctas_per_sm", "?"),
         "q_dtype": Q_DTYPE_SHORT.get(cfg.get("q_dtype"), cfg.get("q_dtype", "?")),
+        # an entry written before kv_dtype joined the config is an fp8 one
+        "kv_dtype": KV_DTYPE_SHORT.get(cfg.get("kv_dtype", "float8_e4m3fn"), cfg.get("kv_dtype", "?")),
         "dsl_version": fp.get("cutlass_dsl", "?"), "kernel_family": fp.get("kernel_family", "?"),
         "size": entry.size_bytes, "created": meta.get("created"), "last_used": last_used,
         "readonly": entry.readonly, "path": str(entry.path),
@@ -62,20 +65,25 @@ def entry_row(entry: cache.CacheEntry) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     """Handler of `msa-jit cache ...`."""
     action = args.cache_command
+    problem = check_output_path(getattr(args, "json", None))
+    if problem:
+        print(f"msa-jit cache {action}: --json {args.json}: {problem}", file=sys.stderr)
+        return 2
     if args.cache_dir and not os.path.lexists(os.path.expanduser(args.cache_dir)):
         print(f"msa-jit cache {action}: --cache-dir {args.cache_dir} does not exist", file=sys.stderr)
         return 2
-    c = cache.open_cache(args.cache_dir, create=False)
+    c = open_cache(args.cache_dir, f"cache {action}", create=False)
     where = f"{c.root}" + ("" if c.exists else " (no cache there yet)")
     if action == "list":
         rows = [entry_row(e) for e in c.entries()]
         if args.json:
-            print(json.dumps(rows, indent=1))
+            emit_json(args.json, rows)
             return 0
         print(format_table(
-            ["key", "geometry", "arch", "q dtype", "CTAs/SM", "dsl", "size", "created", "last used"],
-            [[r["key"][:12] + (" (ro)" if r["readonly"] else ""), r["geometry"], r["arch"], r["q_dtype"], r["ctas_per_sm"],
-              r["dsl_version"], human_size(r["size"]), when(r["created"]), when(r["last_used"])] for r in rows],
+            ["key", "geometry", "arch", "q", "kv", "CTAs/SM", "dsl", "size", "created", "last used"],
+            [[r["key"][:12] + (" (ro)" if r["readonly"] else ""), r["geometry"], r["arch"], r["q_dtype"], r["kv_dtype"],
+              r["ctas_per_sm"], r["dsl_version"], human_size(r["size"]), when(r["created"]), when(r["last_used"])]
+             for r in rows],
         ))
         print(f"{len(rows)} entries in {where}")
         return 0
@@ -87,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
             "size_bytes": c.size_bytes(), "cap_bytes": env.cache_max_bytes(),
         }
         if args.json:
-            print(json.dumps(info, indent=1))
+            emit_json(args.json, info)
             return 0
         print(f"root:           {where}{' (temporary, deleted at exit)' if c.ephemeral else ''}")
         print(f"fallback:       {info['fallback_reason'] or 'none (the configured root is used)'}")

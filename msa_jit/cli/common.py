@@ -1,35 +1,50 @@
-"""What several `msa-jit` commands share: sizes, times, tables, and the geometry flags.
+"""What several `msa-jit` commands share: sizes, times, tables, output files, and the geometry flags.
 
-The geometry flags (`--preset`, `--heads`, `--q-dtype`, `--arch`, `--page-size`, `--topk-blocks`)
-are parsed here for `warmup` and `inspect`; the configs they name come from
-`msa_jit.warmup.warmup_configs`.
+The geometry flags (`--preset`, `--heads`, `--q-dtype`, `--kv-dtype`, `--arch`, `--page-size`,
+`--topk-blocks`) are parsed here for `warmup` and `inspect`; the configs they name come from
+`msa_jit.warmup.warmup_configs`. `--json [FILE]` means the same in every command: FILE, or
+stdout when FILE is `-` or left out.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import re
 import signal
 import sys
+import tempfile
 import threading
 import time
+import warnings
+from pathlib import Path
 from typing import Any, Sequence
 
-from .. import env, warmup
-from ..geometry import DEFAULT_PAGE_SIZE, DEFAULT_TOPK_BLOCKS, Q_DTYPE_SHORT, Q_DTYPES, SparseDecodeConfig
+from .. import cache, env, warmup
+from ..geometry import (
+    DEFAULT_PAGE_SIZE, DEFAULT_TOPK_BLOCKS, KV_DTYPE_SHORT, Q_DTYPE_SHORT, Q_DTYPES, SparseDecodeConfig,
+)
 
 __all__ = [
+    "KV_DTYPE_ALIASES",
     "Q_DTYPE_ALIASES",
     "add_geometry_arguments",
+    "add_json_argument",
+    "check_output_path",
     "configs_from_args",
-    "warm_geometry_flags",
+    "emit_json",
     "format_table",
     "human_size",
     "interrupted",
     "normalize_arch",
+    "open_cache",
     "parse_heads",
+    "parse_kv_dtype",
     "parse_q_dtype",
     "parse_size",
+    "positive_int",
+    "warm_geometry_flags",
     "when",
 ]
 
@@ -37,6 +52,8 @@ Q_DTYPE_ALIASES = {
     "bf16": "bfloat16", "bfloat16": "bfloat16",
     "fp8": "float8_e4m3fn", "e4m3": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "float8_e4m3fn": "float8_e4m3fn",
 }
+# --kv-dtype: geometry.KV_DTYPE_SHORT's short names ("fp8", "nvfp4") and the config's own names
+KV_DTYPE_ALIASES = {**{short: full for full, short in KV_DTYPE_SHORT.items()}, **{full: full for full in KV_DTYPE_SHORT}}
 _HEADS_RE = re.compile(r"^\s*(\d+)\s*/\s*(\d+)\s*$")
 
 
@@ -73,6 +90,69 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------- output
+def positive_int(text: str) -> int:
+    """argparse type of counts like --jobs: an int >= 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {n}")
+    return n
+
+
+def add_json_argument(p: argparse.ArgumentParser, what: str) -> None:
+    """`--json [FILE]`: `what` as JSON into FILE, or onto stdout (FILE `-` or left out)."""
+    p.add_argument("--json", nargs="?", const="-", metavar="FILE",
+                   help=f"write {what} as JSON to FILE (checked before any work), or to stdout with no FILE or "
+                        "'-' (the table then goes to stderr)")
+
+
+def check_output_path(path: str | None) -> str | None:
+    """Why `path` cannot be written (None when it can, or is '-' / None): checked before the work."""
+    if path is None or path == "-":
+        return None
+    p = Path(path)
+    if p.is_dir():
+        return f"{path} is a directory"
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        return f"{parent} is not a directory"
+    if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        return f"{path} is not writable"
+    return None
+
+
+def emit_json(path: str | None, doc: Any) -> None:
+    """`doc` as indented JSON to stdout (path '-') or into the file (written aside, then renamed)."""
+    text = json.dumps(doc, indent=1, default=str) + "\n"
+    if path == "-":
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent if str(target.parent) else ".")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def open_cache(cache_dir: str | None, command: str, *, create: bool = True) -> cache.ArtifactCache:
+    """`cache.open_cache(cache_dir, create=)`, with a fallback said on stderr in one line (`msa-jit
+    <command>: ...`), not only as a CacheFallbackWarning, which PYTHONWARNINGS=ignore hides."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", cache.CacheFallbackWarning)
+        c = cache.open_cache(cache_dir, create=create)
+    if c.fallback_reason:  # the message starts with "msa-jit cache:"
+        print(c.fallback_reason, file=sys.stderr)
+    return c
+
+
 # ----------------------------------------------------------------------------- geometry flags
 def _split(values: Sequence[str] | None) -> list[str]:
     """Flatten repeated and comma-separated flag values, dropping blanks."""
@@ -91,55 +171,85 @@ def parse_heads(text: str) -> tuple[int, int]:
 
 
 def parse_q_dtype(text: str) -> str:
-    """'bf16' / 'fp8' (or the full dtype names) -> canonical dtype name."""
+    """'bf16' / 'fp8' (or the full dtype names) -> the config's name (`warmup` and `bench` alike)."""
     try:
         return Q_DTYPE_ALIASES[text.strip().lower()]
     except KeyError:
         raise ValueError(f"--q-dtype {text!r}: expected bf16 or fp8") from None
 
 
+def parse_kv_dtype(text: str) -> str:
+    """'fp8' / 'nvfp4' (KV cache formats, or SparseDecodeConfig.kv_dtype's names) -> the config's name."""
+    try:
+        return KV_DTYPE_ALIASES[text.strip().lower()]
+    except KeyError:
+        raise ValueError(f"--kv-dtype {text!r}: expected {' or '.join(KV_DTYPE_SHORT.values())}") from None
+
+
+def q_dtype_arg(text: str) -> str:
+    """`parse_q_dtype` as an argparse type (one value, e.g. bench's --q-dtype)."""
+    try:
+        return parse_q_dtype(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def normalize_arch(text: str) -> str:
-    """'sm_100a', 'sm100a', '100a', '10.0a' -> 'sm_100a' (same spellings as MSA_JIT_ARCH)."""
-    arch = env.parse_arch(text)
-    if arch is None:
-        raise ValueError(f"--arch {text!r}: expected e.g. sm_90a or sm_100a")
-    return arch
+    """'sm_100a', 'sm100a', '100a', '10.0a' -> 'sm_100a' (MSA_JIT_ARCH's spellings); ValueError
+    naming --arch for anything else, an arch msa-jit does not build for included."""
+    try:
+        return env.parse_arch(text)
+    except ValueError as e:
+        raise ValueError(f"--arch {text!r}: {e}") from None
 
 
-def configs_from_args(args: argparse.Namespace) -> list[SparseDecodeConfig]:
-    """The geometries named by --preset / --heads / --q-dtype / --arch / --page-size / --topk-blocks.
+def configs_from_args(args: argparse.Namespace, default_preset: str | None = None) -> list[SparseDecodeConfig]:
+    """The geometries named by --preset / --heads / --q-dtype / --kv-dtype / --arch / --page-size /
+    --topk-blocks (with neither --preset nor --heads: `default_preset`, if given).
 
-    Explicit --heads / --q-dtype replace the preset's. Raises ValueError on anything the
-    kernel cannot serve (with check_config's reason).
+    --preset and --heads exclude each other; --q-dtype / --kv-dtype narrow a preset's dtypes.
+    Without a preset the query dtypes default to both, the KV format to fp8. Raises ValueError
+    on anything the kernel cannot serve (with check_config's reason).
     """
     heads: list[tuple[int, int]] = []
-    dtypes: list[str] = []
-    if getattr(args, "preset", None):
-        heads, dtypes = (list(x) for x in warmup.PRESETS[args.preset])
+    q_dtypes: list[str] = list(Q_DTYPES)
+    kv_dtypes: list[str] = list(warmup.DEFAULT_KV_DTYPES)
+    preset = getattr(args, "preset", None)
+    if preset and _split(args.heads):
+        raise ValueError(f"--preset {preset} and --heads name the head layouts both: give one "
+                         "(--q-dtype / --kv-dtype / --arch narrow a preset)")
+    preset = preset or (None if _split(args.heads) else default_preset)
+    if preset:
+        heads, q_dtypes, kv_dtypes = (list(x) for x in warmup.PRESETS[preset])
     if _split(args.heads):
         heads = [parse_heads(h) for h in _split(args.heads)]
     if _split(args.q_dtype):
-        dtypes = [parse_q_dtype(q) for q in _split(args.q_dtype)]
+        q_dtypes = [parse_q_dtype(q) for q in _split(args.q_dtype)]
+    if _split(getattr(args, "kv_dtype", None)):
+        kv_dtypes = [parse_kv_dtype(k) for k in _split(args.kv_dtype)]
     if not heads:
         raise ValueError("no geometry: give --heads Hq/Hkv (repeatable) or --preset " + "|".join(warmup.PRESETS))
-    if not dtypes:
-        dtypes = list(Q_DTYPES)
     arches = [normalize_arch(a) for a in _split(args.arch)] or warmup.default_arches()
-    return warmup.warmup_configs(heads, dtypes, arches, page_size=args.page_size, topk_blocks=args.topk_blocks)
+    return warmup.warmup_configs(heads, q_dtypes, arches, kv_dtypes=kv_dtypes, page_size=args.page_size,
+                                 topk_blocks=args.topk_blocks)
 
 
 def warm_geometry_flags(args: argparse.Namespace, command: str,
-                        allow_ephemeral: bool = False) -> list[warmup.WarmupRow] | None:
+                        allow_ephemeral: bool = False, default_preset: str | None = None
+                        ) -> list[warmup.WarmupRow] | None:
     """`warmup.run_warmup` of the configs the geometry flags name (one row per config); None,
     after printing `msa-jit <command>: <why>` to stderr, when the flags name nothing it can build.
     run_warmup's CacheDirError and WarmupInterrupted propagate (see `interrupted`)."""
     try:
-        configs = configs_from_args(args)
+        configs = configs_from_args(args, default_preset)
     except ValueError as e:
         print(f"msa-jit {command}: {e}", file=sys.stderr)
         return None
-    return warmup.run_warmup(configs, jobs=args.jobs, cache_dir=args.cache_dir, quiet=args.quiet,
-                             allow_ephemeral=allow_ephemeral)
+    open_cache(args.cache_dir, command)  # says a fallback on stderr once, before the work
+    with warnings.catch_warnings():  # ... so the library's own opening of it need not warn again
+        warnings.simplefilter("ignore", cache.CacheFallbackWarning)
+        return warmup.run_warmup(configs, jobs=args.jobs, cache_dir=args.cache_dir, quiet=args.quiet,
+                                 allow_ephemeral=allow_ephemeral)
 
 
 def interrupted(command: str, e: warmup.WarmupInterrupted) -> int:
@@ -153,18 +263,29 @@ def interrupted(command: str, e: warmup.WarmupInterrupted) -> int:
     return 130
 
 
-def add_geometry_arguments(p: argparse.ArgumentParser) -> None:
+def add_geometry_arguments(p: argparse.ArgumentParser, default_preset: str | None = None) -> None:
     """Geometry-selection flags shared by `warmup` and `inspect`."""
-    presets = "; ".join(f"{name}: {' '.join(f'{hq}/{hkv}' for hq, hkv in heads)} x {','.join(Q_DTYPE_SHORT.get(d, d) for d in dtypes)}"
-                        for name, (heads, dtypes) in sorted(warmup.PRESETS.items()))
-    p.add_argument("--preset", choices=sorted(warmup.PRESETS), help=f"named set of geometries ({presets})")
+    def short(names, table):
+        return ",".join(table.get(d, d) for d in names)
+
+    presets = "; ".join(f"{name}: {' '.join(f'{hq}/{hkv}' for hq, hkv in heads)} x q {short(qs, Q_DTYPE_SHORT)} "
+                        f"x kv {short(kvs, KV_DTYPE_SHORT)}"
+                        for name, (heads, qs, kvs) in sorted(warmup.PRESETS.items()))
+    default = f" (default without --heads: {default_preset})" if default_preset else ""
+    p.add_argument("--preset", choices=sorted(warmup.PRESETS),
+                   help=f"named set of geometries ({presets}){default}; not with --heads, "
+                        "--q-dtype / --kv-dtype / --arch narrow it")
     p.add_argument("--heads", action="append", metavar="HQ/HKV", help="query/KV heads, repeatable or comma-separated (e.g. 64/4)")
-    p.add_argument("--q-dtype", action="append", metavar="DTYPES", help="bf16,fp8 (default: both)")
+    p.add_argument("--q-dtype", action="append", metavar="DTYPES", help="query dtypes: bf16,fp8 (default: both)")
+    p.add_argument("--kv-dtype", action="append", metavar="FORMATS",
+                   help="KV cache formats: fp8,nvfp4 (default: fp8; a preset: both)")
     p.add_argument("--arch", action="append", metavar="ARCHES",
-                   help="sm_90a,sm_100a (default: $MSA_JIT_ARCH, else this GPU's arch, else both)")
+                   help="sm_90a,sm_100a, the arches msa-jit builds for (the arch-specific 'a' targets; "
+                        "sm_90 / sm_100 are refused); default: $MSA_JIT_ARCH, else this GPU's arch, else both")
     p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE, help=f"KV page size (default {DEFAULT_PAGE_SIZE})")
     p.add_argument("--topk-blocks", type=int, default=DEFAULT_TOPK_BLOCKS,
                    help=f"top-k blocks per token (default {DEFAULT_TOPK_BLOCKS})")
     p.add_argument("--cache-dir", help="cache root for this run (sets MSA_JIT_CACHE_DIR for the workers)")
-    p.add_argument("--jobs", "-j", type=int, default=None, help="parallel compile processes (default min(4, CPUs))")
+    p.add_argument("--jobs", "-j", type=positive_int, default=None,
+                   help="parallel compile processes, >= 1 (default min(4, CPUs))")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress output")

@@ -13,15 +13,27 @@ import time
 HELP = "hardware check of this GPU: correctness on the full grid, then bench"
 
 
+def _arch(text: str) -> str:
+    from .. import env
+
+    try:
+        return env.parse_arch(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """--arch, --quick, --no-bench, --out, --iters."""
-    p.add_argument("--arch", default=None, help="expected arch of this GPU (e.g. sm_100a); refuse if it differs")
+    p.add_argument("--arch", default=None, type=_arch,
+                   help="expected arch of this GPU (sm_90a or sm_100a); refuse if it differs")
     p.add_argument("--quick", action="store_true", help="a subset of the grid (qlen 1/4, batch 1/16)")
     p.add_argument("--no-bench", action="store_true", help="stop after the correctness grid")
     from ..bench import RESULTS_DIR
 
     p.add_argument("--out", default=RESULTS_DIR, help="folder for the bench JSON/PNG")
-    p.add_argument("--iters", type=int, default=50)
+    from .common import positive_int
+
+    p.add_argument("--iters", type=positive_int, default=50)
 
 
 def run(args: argparse.Namespace) -> int:

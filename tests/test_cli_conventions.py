@@ -1,0 +1,352 @@
+"""The `msa-jit` command's conventions and messages (issue #21 items 9, 10, 12, 13; #18's flags).
+
+No kernel is compiled here: where a warm-up would run, `warmup.run_warmup` is replaced by a
+stand-in that records its configs (named `fake_run`), or the command must stop before it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import os
+import shlex
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+
+from msa_jit import cache, cli, compiler, env, warmup
+from msa_jit.cli import common
+from msa_jit.geometry import SparseDecodeConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _isolated(isolated_env):
+    logger = logging.getLogger("msa_jit")  # main() configures it: restore it for other tests
+    level, handlers = logger.level, list(logger.handlers)
+    yield
+    logger.setLevel(level)
+    logger.handlers[:] = handlers
+
+
+def run_main(argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = cli.main(argv)
+        except SystemExit as e:  # argparse
+            rc = e.code
+    return rc, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture
+def fake_run(monkeypatch):
+    """Stand-in for warmup.run_warmup: records the configs, returns them all 'cached'."""
+    calls: list[list[SparseDecodeConfig]] = []
+
+    def run(configs, **kw):
+        calls.append(list(configs))
+        return [warmup.WarmupRow(c, status="cached", key="ab" * 32) for c in configs]
+
+    monkeypatch.setattr(warmup, "run_warmup", run)
+    return calls
+
+
+def _subprocess_env(**extra: str) -> dict[str, str]:
+    e = {k: v for k, v in os.environ.items() if not k.startswith("MSA_JIT_")}
+    e["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    e.update(extra)
+    return e
+
+
+# ----------------------------------------------------------------------------- item 13: conventions
+def test_version_and_bare_commands_print_help():
+    from msa_jit import __version__
+
+    rc, out, _ = run_main(["--version"])
+    assert rc == 0 and out.strip() == f"msa-jit {__version__}"
+    rc, out, err = run_main([])
+    assert rc == 2 and "usage: msa-jit" in out and "warmup" in out and "selftest" in out and "error" not in err
+    rc, out, err = run_main(["cache"])
+    assert rc == 2 and "usage: msa-jit cache" in out and "verify" in out and "error" not in err
+
+
+@pytest.mark.parametrize("jobs", ["0", "-1", "two"])
+def test_jobs_must_be_positive(jobs, fake_run):
+    rc, _, err = run_main(["warmup", "--heads", "8/1", "--arch", "sm_90a", "--jobs", jobs])
+    assert rc == 2 and "--jobs" in err and not fake_run
+
+
+def test_preset_and_heads_exclude_each_other(fake_run):
+    rc, out, err = run_main(["warmup", "--preset", "minimax-m3", "--heads", "8/1", "--arch", "sm_90a"])
+    assert rc == 2 and "--preset minimax-m3 and --heads" in err and not fake_run and out == ""
+
+
+def test_bench_q_dtype_takes_warmups_names():
+    parser = cli.build_parser()
+    for name, want in (("bf16", "bfloat16"), ("fp8", "float8_e4m3fn"), ("bfloat16", "bfloat16")):
+        assert parser.parse_args(["bench", "--q-dtype", name]).q_dtype == want
+        assert common.parse_q_dtype(name) == want
+    rc, _, err = run_main(["bench", "--q-dtype", "fp16"])
+    assert rc == 2 and "--q-dtype 'fp16'" in err
+
+
+def test_json_means_the_same_everywhere(fake_run, tmp_path, monkeypatch):
+    """`--json` alone and `--json -` write stdout (no file named '-'); `--json FILE` a file; in
+    warmup / inspect / doctor / cache list / cache info alike."""
+    monkeypatch.chdir(tmp_path)
+    root = str(tmp_path / "c")
+    for flag in (["--json"], ["--json", "-"]):
+        rc, out, err = run_main(["warmup", "--heads", "8/1", "--q-dtype", "bf16", "--arch", "sm_90a",
+                                 "--cache-dir", root, "-q", *flag])
+        doc = json.loads(out)  # stdout is the JSON only, the table went to stderr
+        assert rc == 0 and doc["cached"] == 2 and "8/1" in err
+        for sub in (["cache", "list"], ["cache", "info"], ["doctor"]):
+            rc, out, _ = run_main([*sub, "--cache-dir", root, *flag])
+            assert rc == 0 and json.loads(out) is not None, sub
+    assert not (tmp_path / "-").exists()
+    for sub in (["warmup", "--heads", "8/1", "--arch", "sm_90a", "-q"], ["cache", "list"], ["cache", "info"],
+                ["doctor"]):
+        target = tmp_path / f"{'-'.join(sub[:2])}.json"
+        rc, out, _ = run_main([*sub, "--cache-dir", root, "--json", str(target)])
+        assert rc == 0 and json.loads(target.read_text()) is not None, sub
+        assert not list(tmp_path.glob(f".{target.name}.*")), "the temporary file is left"
+
+
+def test_plan_prints_short():
+    import torch
+
+    import msa_jit
+    from msa_jit.testing import make_case
+
+    c = make_case(4, 2, 64, 4, q_dtype=torch.bfloat16, seed=0)
+    plan = msa_jit.SparseDecodePlanner(arch="sm_90a").prepare(*c.prepare_args(), **c.prepare_kwargs())
+    text = repr(plan)
+    assert len(text) < 400 and "tensor(" not in text and str(plan) == text
+    for part in ("batch=4", "qlen=2", "heads=64/4", "page_size=128", "topk_blocks=16", "ctas_per_sm=", "arch=sm_90a",
+                 "workspace="):
+        assert part in text, text
+
+
+@pytest.mark.slow
+def test_custom_op_exists_after_import_msa_jit():
+    code = "import torch, msa_jit; print(hasattr(torch.ops.msa_jit, 'sparse_decode'))"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_subprocess_env(), timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "True", p.stderr
+
+
+# ----------------------------------------------------------------------------- item 9: arches
+@pytest.mark.parametrize("arch, says", [
+    ("sm_80", "not one msa-jit builds for"), ("sm_120a", "not one msa-jit builds for"),
+    ("sm_90", "baseline target"), ("9.0", "baseline target"), ("sm_100", "baseline target"),
+    ("sm_100f", "family target"), ("hopper", "not a GPU arch"),
+])
+def test_unsupported_arch_is_refused_up_front(arch, says, fake_run):
+    rc, out, err = run_main(["warmup", "--heads", "8/1", "--arch", arch])
+    assert rc == 2 and not fake_run and out == ""
+    assert says in err and "sm_90a, sm_100a" in err and "\x1b[" not in err and "CUTE_DSL_ARCH" not in err, err
+    if says != "not one msa-jit builds for" and arch != "hopper":
+        assert "use sm_" in err and "arch-specific" in err
+
+
+def test_unsupported_msa_jit_arch_is_refused(fake_run, monkeypatch):
+    monkeypatch.setenv("MSA_JIT_ARCH", "sm_80")
+    rc, _, err = run_main(["warmup", "--heads", "8/1"])
+    assert rc == 2 and not fake_run and "MSA_JIT_ARCH='sm_80'" in err and "sm_90a, sm_100a" in err
+
+
+def test_a_worker_error_has_no_colour_codes():
+    assert warmup.plain_text("\x1b[91m^^^\x1b[0m \x1b[92msuggestion:\x1b[0m x") == "^^^ suggestion: x"
+
+
+# ----------------------------------------------------------------------------- item 10: messages
+def test_bench_without_a_gpu(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this host has a GPU")
+    out_dir = tmp_path / "results"
+    rc, out, err = run_main(["bench", "--out", str(out_dir)])
+    assert rc == 2 and "needs a CUDA GPU" in err and "Traceback" not in err and out == ""
+    assert not out_dir.exists()
+
+
+def test_bench_bad_flags_and_out(tmp_path):
+    (tmp_path / "file").write_text("x")
+    for argv, says in ((["--out", str(tmp_path / "file")], "is not a directory"),
+                       (["--geometries", "64/3"], "unknown '64/3'"),
+                       (["--batches", "1,x"], "--batches"), (["--iters", "0"], "--iters")):
+        rc, _, err = run_main(["bench", *argv])
+        assert rc == 2 and says in err, (argv, err)
+
+
+def test_bench_table_of_a_bad_file(tmp_path):
+    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "other.json").write_text('{"points": [{"geometry": "64/4"}]}')
+    for path, says in ((tmp_path / "missing.json", "cannot read it"), (tmp_path / "bad.json", "not JSON"),
+                       (tmp_path / "other.json", "not a bench result")):
+        rc, out, err = run_main(["bench", "--table", str(path)])
+        assert rc == 2 and says in err and str(path) in err and out == "", err
+    from msa_jit import bench
+
+    good = ROOT / "bench/results/bench-2026-12-03T1342.json"
+    rc, out, _ = run_main(["bench", "--table", str(good)])
+    assert rc == 0 and out.strip() == bench.readme_table(json.loads(good.read_text()))
+
+
+@pytest.mark.parametrize("command", ["warmup", "inspect"])
+def test_json_path_is_checked_before_the_work(command, fake_run, tmp_path):
+    (tmp_path / "ro").mkdir()
+    (tmp_path / "ro").chmod(0o500)
+    try:
+        for bad, says in ((tmp_path / "nodir" / "x.json", "is not a directory"), (tmp_path, "is a directory"),
+                          (tmp_path / "ro" / "x.json", "not writable")):
+            if says == "not writable" and os.access(tmp_path / "ro", os.W_OK):
+                continue  # root ignores the mode bits
+            rc, _, err = run_main([command, "--heads", "8/1", "--arch", "sm_90a", "--json", str(bad)])
+            assert rc == 2 and says in err and f"--json {bad}" in err, err
+        assert not fake_run, "the warm-up ran before the --json path was checked"
+    finally:
+        (tmp_path / "ro").chmod(0o700)
+
+
+@pytest.mark.parametrize("argv", [["cache", "info"], ["cache", "list"], ["warmup", "--heads", "8/1", "--arch", "sm_90a"]])
+def test_garbage_cache_cap_is_refused(argv, fake_run, monkeypatch, tmp_path):
+    monkeypatch.setenv("MSA_JIT_CACHE_MAX_BYTES", "garbage")
+    rc, out, err = run_main([*argv, "--cache-dir", str(tmp_path / "c")])
+    assert rc == 2 and "MSA_JIT_CACHE_MAX_BYTES='garbage' is not a size" in err and "Traceback" not in err
+    assert not fake_run and out == ""
+    rc, out, _ = run_main(["doctor", "--cache-dir", str(tmp_path / "c")])  # doctor shows it instead
+    assert rc == 0 and "MSA_JIT_CACHE_MAX_BYTES='garbage'  INVALID" in out
+
+
+def test_cache_errors_are_one_line(monkeypatch, tmp_path):
+    def boom(self, *a, **k):
+        raise PermissionError(13, "Permission denied", str(tmp_path / "entry"))
+
+    monkeypatch.setattr(cache.ArtifactCache, "entries", boom)
+    (tmp_path / "c").mkdir()  # a --cache-dir that does not exist is refused before entries() runs
+    rc, out, err = run_main(["cache", "list", "--cache-dir", str(tmp_path / "c")])
+    assert rc == 2 and err.strip().splitlines() == [
+        f"msa-jit cache list: PermissionError: [Errno 13] Permission denied: '{tmp_path / 'entry'}'"]
+
+
+def test_inspect_shows_a_failed_builds_first_line(monkeypatch, tmp_path):
+    error = "DSLUserCodeError: \nerror[PHASE]: Cannot use a Runtime value\n   --> kernels/x.py:560:14"
+
+    def run(configs, **kw):
+        return [warmup.WarmupRow(c, status="failed", error=error) for c in configs]
+
+    monkeypatch.setattr(warmup, "run_warmup", run)
+    js = tmp_path / "i.json"
+    rc, out, _ = run_main(["inspect", "--heads", "8/1", "--q-dtype", "bf16", "--arch", "sm_90a", "--json", str(js)])
+    assert rc == 1 and "ERROR" in out and "DSLUserCodeError: ..." in out and "PHASE" not in out
+    assert max(len(line) for line in out.splitlines()) < 120
+    assert [k["error"] for k in json.loads(js.read_text())["kernels"]] == [error, error]
+
+
+# ----------------------------------------------------------------------------- item 12: output
+def test_cache_fallback_is_said_without_python_warnings(fake_run, monkeypatch, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    # `cache` refuses a --cache-dir that does not exist, so its fallback comes from the env root
+    monkeypatch.setenv("MSA_JIT_CACHE_DIR", str(blocker / "cache"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # what PYTHONWARNINGS=ignore does
+        for argv in (["cache", "info"], ["warmup", "--heads", "8/1", "--arch", "sm_90a", "-q", "--cache-dir",
+                                          str(blocker / "cache")]):
+            rc, out, err = run_main(argv)
+            assert rc == 0, err
+            lines = [line for line in err.splitlines() if "using" in line and "instead" in line]
+            assert len(lines) == 1 and str(blocker) in lines[0], err
+
+
+def test_compile_log_names_the_cache_entry(monkeypatch, tmp_path, caplog):
+    """The INFO line of a build names the published entry, not the temporary build dir."""
+    def fake_build(config, out_dir):  # stand-in for the DSL compile
+        (Path(out_dir) / "sparse_decode.so").write_bytes(b"\x7fELF stand-in")
+        return {"artifacts": ["sparse_decode.so"], "extra": {"kernel_family": "portable", "total_s": 1.25}}
+
+    monkeypatch.setattr(compiler, "compile_sparse_decode", fake_build)
+    c = cache.ArtifactCache(tmp_path / "c")
+    with caplog.at_level(logging.INFO, logger="msa_jit"):
+        entry, built = compiler.ensure_compiled(SparseDecodeConfig(8, 1, arch="sm_90a"), c)
+    assert built
+    lines = [r.getMessage() for r in caplog.records if "compiled" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].endswith(str(entry.path)) and "in 1.25s" in lines[0], lines
+    assert "build-" not in lines[0] and "/tmp/" not in lines[0].replace(str(tmp_path), "")
+
+
+NO_NUMPY = textwrap.dedent("""
+    # stand-in for a Python without numpy (the main-job install): `import numpy` fails
+    import sys
+
+    class _NoNumpy:
+        def find_spec(self, name, path=None, target=None):
+            if name == "numpy" or name.startswith("numpy."):
+                raise ModuleNotFoundError("No module named 'numpy'", name=name)
+            return None
+
+    sys.meta_path.insert(0, _NoNumpy())
+""")
+
+
+@pytest.mark.slow
+def test_no_numpy_warning_without_numpy(tmp_path):
+    """torch warns "Failed to initialize NumPy" when imported without numpy: the command (and its
+    spawned workers, which import msa_jit first too) must not print it."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(NO_NUMPY)
+    e = _subprocess_env(MSA_JIT_CACHE_DIR=str(tmp_path / "c"), MSA_JIT_NO_COMPILE="1")
+    e["PYTHONPATH"] = os.pathsep.join((str(site), e["PYTHONPATH"]))
+    probe = subprocess.run([sys.executable, "-c", "import torch"], capture_output=True, text=True, env=e, timeout=120)
+    assert "Failed to initialize NumPy" in probe.stderr, "the stand-in does not reproduce torch's warning"
+    # a warm-up whose two workers start (and fail: no-compile mode, empty cache)
+    p = subprocess.run([sys.executable, "-m", "msa_jit", "warmup", "--heads", "8/1", "--q-dtype", "bf16", "--arch",
+                        "sm_90a", "--jobs", "2"], capture_output=True, text=True, env=e, timeout=300)
+    assert p.returncode == 1 and "ArtifactMissingError" in p.stdout, p.stdout + p.stderr
+    assert "NumPy" not in p.stderr, p.stderr
+
+
+# ----------------------------------------------------------------------------- #18: --kv-dtype
+def test_kv_dtype_flag(fake_run):
+    rc, out, _ = run_main(["warmup", "--heads", "64/4", "--q-dtype", "bf16", "--kv-dtype", "fp8,nvfp4",
+                           "--arch", "sm_90a", "-q"])
+    assert rc == 0 and len(fake_run[0]) == 4
+    assert [(c.kv_dtype, c.ctas_per_sm) for c in fake_run[0]] == [
+        ("float8_e4m3fn", 2), ("float8_e4m3fn", 3), ("nvfp4", 2), ("nvfp4", 3)]
+    assert [line.split()[2] for line in out.splitlines()[2:6]] == ["fp8", "fp8", "nvfp4", "nvfp4"]
+    rc, _, err = run_main(["warmup", "--heads", "64/4", "--kv-dtype", "int4", "--arch", "sm_90a"])
+    assert rc == 2 and "--kv-dtype 'int4'" in err and "fp8 or nvfp4" in err
+    rc, _, _ = run_main(["warmup", "--preset", "minimax-m3", "--arch", "sm_90a,sm_100a", "-q"])
+    assert rc == 0 and len(fake_run[-1]) == 64  # 4 geometries x 2 q x 2 kv x 2 occupancies x 2 arches
+
+
+@pytest.mark.parametrize("kv", ["float8_e4m3fn", "nvfp4"])
+def test_warmup_command_builds_exactly_its_config(kv, fake_run):
+    """The hint of ArtifactMissingError, run as written, builds the missing config (--kv-dtype included)."""
+    cfg = SparseDecodeConfig(32, 2, page_size=64, topk_blocks=8, q_dtype="float8_e4m3fn", kv_dtype=kv, arch="sm_100a",
+                             ctas_per_sm=3)
+    cmd = compiler.warmup_command(cfg).splitlines()[0]
+    assert "--kv-dtype " + ("fp8" if kv == "float8_e4m3fn" else "nvfp4") in cmd
+    argv = shlex.split(cmd)
+    assert argv[:2] == ["msa-jit", "warmup"]
+    rc, _, err = run_main([*argv[1:], "-q"])
+    assert rc == 0, err
+    assert cfg in fake_run[0] and {c.kv_dtype for c in fake_run[0]} == {kv}
+
+
+def test_env_problems_lists_each_bad_variable(monkeypatch):
+    assert env.problems() == []
+    monkeypatch.setenv("MSA_JIT_NO_COMPILE", "perhaps")
+    monkeypatch.setenv("MSA_JIT_ARCH", "sm_90")
+    found = env.problems()
+    assert len(found) == 2 and found[0].startswith("MSA_JIT_NO_COMPILE=") and found[1].startswith("MSA_JIT_ARCH=")
