@@ -7,20 +7,38 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _cells(section: str) -> list[tuple[str, str, int, int, float, int]]:
+    """(geometry, kv_dtype, qlen, batch, µs, % of copy) of each cell of a `geometry | KV cache |
+    qlen | B=1 ... B=256` table in `section`."""
+    kv_names = {"fp8": "float8_e4m3fn", "nvfp4": "nvfp4"}
+    out = []
+    for geo, kv, qlen, cells in re.findall(r"^\| (\d+/\d+) \| (fp8|nvfp4) \| (\d+) \| (\d.+) \|$", section, re.M):
+        for batch, cell in zip((1, 4, 16, 64, 256), cells.split(" | ")):
+            us, pct = re.match(r"([\d.]+) µs \((\d+)%", cell).groups()
+            out.append((geo, kv_names[kv], int(qlen), batch, float(us), int(pct)))
+    return out
+
+
 def test_readme_table_matches_the_committed_bench_result():
+    """Every cell of the README's per-layer and per-step tables is the committed result's time
+    and % of copy (per layer: the marginal figure; per step: the standalone graph)."""
     readme = (ROOT / "README.md").read_text()
     m = re.search(r"Raw data:\s*`(bench/results/[^`]+\.json)`", readme)
     assert m, "README must name the result file its table comes from"
     result = json.loads((ROOT / m.group(1)).read_text())
-    points = {(p["geometry"], p["qlen"], p["batch"]): p for p in result["points"] if not p["shared_blocks"]}
-    rows = re.findall(r"^\| (\d+/\d+) \| (\d+) \| (.+) \|$", readme, re.M)
-    assert rows, "no performance rows found in the README"
-    for geo, qlen, cells in rows:
-        for batch, cell in zip((1, 4, 16, 64, 256), cells.split(" | ")):
-            us, pct = re.match(r"([\d.]+) µs \((\d+)%\)", cell).groups()
-            p = points[(geo, int(qlen), batch)]
-            assert abs(float(us) - p["us"]) < 0.06, (geo, qlen, batch, us, p["us"])
-            assert abs(int(pct) - p["pct_of_copy"]) <= 0.5 + 1e-9, (geo, qlen, batch, pct, p["pct_of_copy"])
+    per_layer_text = readme[readme.index("\nPer layer ("):readme.index("\nSpeculative decode (")]
+    per_step_text = readme[readme.index("\nPer step ("):]
+    per_step_text = per_step_text[:per_step_text.index("\n\n", per_step_text.index("|---"))]
+    for text, rows, us_key, pct_key in (
+            (per_layer_text, result["per_layer"], "marginal_us", "marginal_pct_of_copy"),
+            (per_step_text, result["points"], "us", "pct_of_copy")):
+        by_point = {(p["geometry"], p["kv_dtype"], p["qlen"], p["batch"]): p for p in rows if not p["shared_blocks"]}
+        cells = _cells(text)
+        assert len(cells) >= 30, "no performance rows found in the README"
+        for geo, kv, qlen, batch, us, pct in cells:
+            p = by_point[(geo, kv, qlen, batch)]
+            assert abs(us - p[us_key]) < 0.06, (geo, kv, qlen, batch, us, p[us_key])
+            assert abs(pct - p[pct_key]) <= 0.5 + 1e-9, (geo, kv, qlen, batch, pct, p[pct_key])
 
 
 def test_readme_table_is_the_generated_one():
