@@ -38,9 +38,13 @@ def _isolated(isolated_env):
 
 
 def run_main(argv: list[str]) -> tuple[int, str, str]:
+    """`msa-jit argv` in this process -> (exit code, stdout, stderr); argparse's exit is a code too."""
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = cli.main(argv)
+        try:
+            rc = cli.main(argv)
+        except SystemExit as e:
+            rc = e.code
     return rc, out.getvalue(), err.getvalue()
 
 

@@ -6,8 +6,6 @@ stand-in that records its configs (named `fake_run`), or the command must stop b
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import logging
 import os
@@ -27,23 +25,8 @@ from msa_jit.geometry import SparseDecodeConfig
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def _isolated(isolated_env):
-    logger = logging.getLogger("msa_jit")  # main() configures it: restore it for other tests
-    level, handlers = logger.level, list(logger.handlers)
-    yield
-    logger.setLevel(level)
-    logger.handlers[:] = handlers
-
-
-def run_main(argv: list[str]) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            rc = cli.main(argv)
-        except SystemExit as e:  # argparse
-            rc = e.code
-    return rc, out.getvalue(), err.getvalue()
+# the msa_jit logger restored after each test (autouse, imported) and the in-process `msa-jit`
+from test_cli import _isolated, run_main  # noqa: E402,F401
 
 
 @pytest.fixture
