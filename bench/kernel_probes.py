@@ -17,6 +17,12 @@ Options (besides the shipped kernel's):
   v_loads="v4"      V read with 16-byte shared loads (4-way bank conflicts; "rotated" since T1425)
   prefetch_bt=True  L2 prefetch of the request's block-table row before the topk-dependent lookup
                     (measured slower, variants-2026-12-02T1617.json)
+  release="lanes"   every consumer lane arrives on a stage's `empty` barrier (count 32 x warps)
+                    instead of lane 0 after `sync_warp`: racecheck then reports no hazard
+                    (bench/results/race-ab-2026-12-04.log; the shipped kernel: one per refill)
+                    at a cost of 15 more spill instructions in the 3-CTA fp8-query build. Also
+                    tried there: the shipped way plus `fence.proxy.async.shared::cta` by every
+                    lane (still the same hazards: no proxy fence is missing)
 Retired without a probe here (their commits keep them): the fp8 bit trick (`convert="bittrick"`,
 before 6b956f7's parent), one 2-byte store per output element (`out_stores="scalar"`, 0b2e8da).
 
@@ -38,6 +44,7 @@ from msa_jit.kernels.sparse_decode_mma import ROW_BYTES, SparseDecodeMmaKernel  
 
 TRACE_WORDS = 8
 PROBES = ("full", "no_math", "no_copy", "trace")
+RELEASES = ("warp", "lanes")
 
 
 @dsl_user_op
@@ -62,9 +69,10 @@ class ProbeMmaKernel(SparseDecodeMmaKernel):
     """The shipped portable kernel plus one probe or retired option (see the module docstring)."""
 
     def __init__(self, *, probe: str = "full", pdl: bool = True, v_loads: str = "rotated",
-                 prefetch_bt: bool = False, **options):
+                 prefetch_bt: bool = False, release: str = "warp", **options):
         super().__init__(**options)
-        for name, value, allowed in (("probe", probe, PROBES), ("v_loads", v_loads, ("rotated", "v4"))):
+        for name, value, allowed in (("probe", probe, PROBES), ("v_loads", v_loads, ("rotated", "v4")),
+                                     ("release", release, RELEASES)):
             if value not in allowed:
                 raise ValueError(f"{name} {value!r} not in {allowed}")
         self.probe = probe
@@ -72,6 +80,9 @@ class ProbeMmaKernel(SparseDecodeMmaKernel):
         self.pdl = bool(pdl)
         self.v_rotated = v_loads == "rotated"
         self.prefetch_bt = bool(prefetch_bt)
+        self.release = release
+        if release == "lanes":
+            self.empty_arrivals = self.consumer_threads
 
     # ---- no_copy: complete each stage without copying
     @cute.jit
@@ -93,6 +104,14 @@ class ProbeMmaKernel(SparseDecodeMmaKernel):
         else:
             SparseDecodeMmaKernel.consume_block(self, qa, q_lane, acc, row_max, row_sum, stage, empty_bar, blk,
                                                 kv_len, scale, key_base, g, c, lane)
+
+    # ---- release="lanes"
+    @cute.jit
+    def release_stage(self, empty_bar, lane):
+        if cutlass.const_expr(self.release == "lanes"):
+            cute.arch.mbarrier_arrive(empty_bar)
+        else:
+            SparseDecodeMmaKernel.release_stage(self, empty_bar, lane)
 
     # ---- v_loads="v4"
     @cute.jit
@@ -133,7 +152,7 @@ class ProbeMmaKernel(SparseDecodeMmaKernel):
             if lane == 0:
                 for s in cutlass.range_constexpr(self.stages):
                     cute.arch.mbarrier_init(full_ptr + s, 1)
-                    cute.arch.mbarrier_init(empty_ptr + s, self.warps)
+                    cute.arch.mbarrier_init(empty_ptr + s, self.empty_arrivals)
         if cutlass.const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()
             if cutlass.const_expr(self.ctas_per_sm < 3):

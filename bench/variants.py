@@ -58,10 +58,15 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # since T1342 the same options as the planner's 3-per-SM build (occupancy_options(3), #29)
     "c3_lean": {"q_frags": "smem", "smem_reads": "staged", "ctas_per_sm": 3, "stages": 2, "softmax": "lean"},
     "lean": {"softmax": "lean"},
+    # the racecheck finding of session 8: every lane arrives on a stage's `empty` barrier
+    # (kernel_probes.py `release`; T1459: racecheck quiet, the 3-CTA fp8-query build spills more)
+    "rel_lanes": {"release": "lanes"},
+    "c3_rel_lanes": {"q_frags": "smem", "smem_reads": "staged", "ctas_per_sm": 3, "stages": 2, "softmax": "lean",
+                     "release": "lanes"},
 }
 PLAN_OPTIONS = ("prologue_trigger", "num_splits", "prologue")
 # options only bench/kernel_probes.py's ProbeMmaKernel has (the shipped kernel has none of them)
-PROBE_OPTIONS = {"probe", "pdl", "v_loads", "prefetch_bt"}
+PROBE_OPTIONS = {"probe", "pdl", "v_loads", "prefetch_bt", "release"}
 GEOMETRIES = [(64, 4, "bfloat16"), (8, 1, "bfloat16"), (16, 1, "bfloat16"), (64, 4, "float8_e4m3fn")]
 BF16, FP8 = "bfloat16", "float8_e4m3fn"
 # (geometry, batch, qlen, shared_blocks, query dtype)
@@ -277,12 +282,13 @@ def _host_parts(fn, iters: int = 3000) -> dict[str, float]:
 
     from msa_jit import sparse_decode
     from msa_jit.bench import per_call_us
+    from msa_jit.compiler import convention
     from msa_jit.prologue import refresh_plan_tensors
     from msa_jit.validation import validate_prepare, validate_sparse_decode
 
     step, planner, args, kw, plan = _batch1_step(fn)
     q, kv, tk, out = step["query"], step["kv_cache"], step["topk"], step["out"]
-    kv8 = kv.view(torch.uint8)
+    call_args = convention().call_arguments(plan, q, kv, tk, out, None, None, None, 0.1, 1.0)
     pieces = {
         "prepare": lambda: planner.prepare(*args, **kw),
         "validate_prepare": lambda: validate_prepare(*args, **kw),
@@ -290,8 +296,8 @@ def _host_parts(fn, iters: int = 3000) -> dict[str, float]:
         "bound_refresh_launch": lambda: plan.refresh(step["seq_lens"]),
         "sparse_decode": lambda: sparse_decode(q, kv, tk, out, plan, sm_scale=0.088),
         "validate_sparse_decode": lambda: validate_sparse_decode(q, kv, tk, out, plan, None, "auto"),
-        "tvm_ffi_call": lambda: fn(q, kv8, tk, plan.block_table, plan.kv_lens, out, plan.lse_scratch,
-                                   plan.partial_o, plan.partial_lse, 1, plan.num_splits, 0.1, 1.0),
+        # the exported function alone, on the convention's arguments (kernels/convention.py)
+        "tvm_ffi_call": lambda: fn(*call_args),
         "empty_torch_op": lambda: out.data_ptr(),
     }
     res = {name: round(per_call_us(f, iters, warmup=100), 2) for name, f in pieces.items()}

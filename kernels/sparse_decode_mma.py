@@ -114,6 +114,8 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
         self.keys_per_warp = page_size // consumer_warps  # in 16-key sub-tiles
         self.consumer_threads = 32 * self.warps
         self.threads = self.consumer_threads + 32
+        # arrivals that complete a stage's `empty` barrier: one per consumer warp (release_stage)
+        self.empty_arrivals = self.warps
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype {kv_dtype!r} not in {KV_DTYPES}")
         # NVFP4: one stage is the K slot and the V slot of a (page, KV head), adjacent in the cache
@@ -213,7 +215,7 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
             if lane == 0:
                 for s in cutlass.range_constexpr(self.stages):
                     cute.arch.mbarrier_init(full_ptr + s, 1)
-                    cute.arch.mbarrier_init(empty_ptr + s, self.warps)
+                    cute.arch.mbarrier_init(empty_ptr + s, self.empty_arrivals)
         # every write of the previous kernel (the prologue's kv_lens, or a caller's q / topk)
         # is visible after this; nothing above reads global memory
         cute.arch.griddepcontrol_wait()
@@ -458,7 +460,16 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
 
     @cute.jit
     def release_stage(self, empty_bar, lane):
-        """This warp is done reading the stage: one arrival on its `empty` barrier."""
+        """This warp is done reading the stage: one arrival on its `empty` barrier.
+
+        `sync_warp` orders every lane's reads before lane 0's arrival (PTX memory model), so the
+        producer's next bulk copy into the stage comes after them. compute-sanitizer's racecheck
+        does not see that warp barrier and reports each refill as a race; with every lane
+        arriving it reports none (bench/results/race-ab-2026-12-04.log), but that costs the
+        3-CTA fp8-query build 15 more spill instructions (20 LDL/STL instead of 5; 1.8-3.2%
+        slower at its two timed points, variants-2026-12-04T1459.json), so it stays a bench
+        probe (bench/kernel_probes.py, release="lanes").
+        """
         cute.arch.sync_warp()
         if lane == 0:
             cute.arch.mbarrier_arrive(empty_bar)

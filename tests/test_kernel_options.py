@@ -51,7 +51,8 @@ def test_bad_options_are_rejected(bad, match):
         _kernel_class()(num_q_heads=64, num_kv_heads=4, **bad)
 
 
-@pytest.mark.parametrize("bad, match", [({"probe": "no_store"}, "probe"), ({"v_loads": "v2"}, "v_loads")])
+@pytest.mark.parametrize("bad, match", [({"probe": "no_store"}, "probe"), ({"v_loads": "v2"}, "v_loads"),
+                                        ({"release": "fence"}, "release")])
 def test_bad_probe_options_are_rejected(bad, match):
     with pytest.raises(ValueError, match=match):
         _probe_class()(num_q_heads=64, num_kv_heads=4, **bad)
@@ -77,7 +78,7 @@ def _main_kernel(tmp_path, options, hq=64, hkv=4, q_dtype="bfloat16", ctas_per_s
     or retired option build bench/kernel_probes.py's subclass."""
     cfg = SparseDecodeConfig(num_q_heads=hq, num_kv_heads=hkv, q_dtype=q_dtype, arch=arch, ctas_per_sm=ctas_per_sm)
     tmp_path.mkdir(parents=True, exist_ok=True)
-    probe_keys = {"probe", "pdl", "prefetch_bt", "v_loads"}
+    probe_keys = {"probe", "pdl", "prefetch_bt", "v_loads", "release"}
     cls = _probe_class() if options and set(options) & probe_keys else None
     compile_sparse_decode(cfg, tmp_path, kernel_options=options, kernel_class=cls)
     (cubin,) = sass.extract_cubins(tmp_path / "sparse_decode.so")
@@ -158,3 +159,16 @@ def test_probe_subclass_without_probes_is_the_shipped_kernel(tmp_path, ctas_per_
         return re.sub(r"kernel_cutlass_\w+", "K", text + merge)
 
     assert body({"probe": "full"}) == body({})
+
+
+def test_release_lanes_probe_has_every_lane_arrive(tmp_path):
+    # the racecheck A/B (bench/results/race-ab-2026-12-04.log): in the probe every consumer lane
+    # arrives on a stage's `empty` barrier, in the shipped kernel one lane per warp
+    from msa_jit.kernels.sparse_decode_mma import SparseDecodeMmaKernel
+
+    shipped = SparseDecodeMmaKernel(num_q_heads=64, num_kv_heads=4)
+    lanes = _probe_class()(num_q_heads=64, num_kv_heads=4, release="lanes")
+    assert (shipped.empty_arrivals, lanes.empty_arrivals) == (shipped.warps, lanes.consumer_threads)
+    _, text, _ = _main_kernel(tmp_path / "lanes", {"release": "lanes"})
+    _, base, _ = _main_kernel(tmp_path / "warp", {})
+    assert sass.opcode_counts(text) != sass.opcode_counts(base)
