@@ -34,6 +34,11 @@ VARIANTS = {  # name -> (kv dtype, kernel options)
     "f_c2": ("float8_e4m3fn", {}),
     "f_c2_sc2": ("float8_e4m3fn", {"s_chains": 2}),
     "f_c3": ("float8_e4m3fn", dict(C3, stages=2)),  # the fp8 3-CTA build
+    # no producer warp (lane 0 of consumer warp 0 issues each copy): its registers go to fatter or
+    # more CTAs; 2026-12-04
+    "n_c3s3_lane": ("nvfp4", dict(C3, stages=3, producer="lane")),
+    "n_c3_fat_lane": ("nvfp4", dict(ctas_per_sm=3, stages=3, producer="lane")),
+    "n_c4s2_lane": ("nvfp4", dict(C3, ctas_per_sm=4, stages=2, producer="lane")),
 }
 GEOMS = [(64, 4), (8, 1)]
 POINTS = [("64/4", 256, 1), ("64/4", 64, 1), ("8/1", 256, 1), ("64/4", 16, 1), ("64/4", 1, 1), ("64/4", 64, 4)]
@@ -70,6 +75,33 @@ def random_nvfp4_like(kv):
     return c.view(pages, 2 * hkv, page, 72)
 
 
+def check(fn, hq: int, hkv: int, kv: str) -> tuple[float, list[str]]:
+    """(worst rel L2, problems) of one loaded variant against the float64 reference: a few small
+    contract-valid cases of its cache format (one split and split-KV, padded rows, qlen > 1),
+    each launched 3 times on one plan with fresh, poisoned outputs."""
+    import torch
+
+    from msa_jit import SparseDecodePlanner, sparse_decode
+    from msa_jit.testing import compare_with_reference, make_case
+
+    worst, problems = 0.0, []
+    for batch, qlen, num_sms, padded in ((1, 1, None, False), (3, 4, None, True), (16, 1, 1, False),
+                                         (5, 2, 100000, True), (8, 4, 1, True)):
+        case = make_case(batch, qlen, hq, hkv, q_dtype=torch.bfloat16, seed=hq + 7 * batch + qlen, device="cuda",
+                         padded=padded, kv_dtype="nvfp4" if kv == "nvfp4" else "fp8")
+        plan = SparseDecodePlanner(num_sms=num_sms).prepare(*case.prepare_args(), **case.prepare_kwargs())
+        plan.kernels[(torch.bfloat16, kv)] = fn
+        for _ in range(3):
+            out, lse = case.new_out(), case.new_lse()
+            sparse_decode(case.query, case.kv_cache, case.topk, out, plan, lse=lse, backend="kernel",
+                          **case.scales(scale_tensors=kv == "nvfp4"))
+            torch.cuda.synchronize()
+            err, bad = compare_with_reference(case, out, lse)
+            worst = max(worst, err)
+            problems += [f"B={batch} qlen={qlen} splits={plan.num_splits}: {p}" for p in bad]
+    return worst, problems
+
+
 def run(a: argparse.Namespace) -> int:
     import torch
 
@@ -78,6 +110,14 @@ def run(a: argparse.Namespace) -> int:
 
     names = a.variants or list(VARIANTS)
     fns = {(n, g): loader.load_artifact(_so(Path(a.dir), n, *g))[0] for n in names for g in GEOMS}
+    checks = {}
+    for (n, g), fn in list(fns.items()):  # a variant that computes something else is not timed
+        worst, problems = check(fn, *g, VARIANTS[n][0])
+        checks[f"{n} {g[0]}/{g[1]}"] = {"worst_rel_l2": worst, "problems": problems}
+        print(f"check {n} {g[0]}/{g[1]}: worst rel L2 {worst:.2e} {'FAIL ' + '; '.join(problems) if problems else 'ok'}",
+              flush=True)
+        if problems:
+            names = [m for m in names if m != n]
     bw = copy_bandwidth()
     rows = []
     layers = 4
@@ -122,7 +162,7 @@ def run(a: argparse.Namespace) -> int:
         torch.cuda.empty_cache()
     out = {"environment": environment(), "copy_tbps": round(bw / 1e12, 3),
            "date": time.strftime("%Y-%m-%dT%H%M", time.gmtime()), "command": " ".join(sys.argv),
-           "variants": {n: VARIANTS[n] for n in names}, "rows": rows}
+           "variants": {n: VARIANTS[n] for n in names}, "checks": checks, "rows": rows}
     path = Path(a.out) / f"kv-format-ab-{out['date']}.json"
     path.write_text(json.dumps(out, indent=1))
     print("wrote", path)
