@@ -12,7 +12,8 @@ building a quantized 300 MB cache would cost more than the whole run. Percent of
 counted on each format's bytes (32 KiB / 18 KiB per (page, KV head) block).
 
 VARIANTS lists what was measured (bench/results/kv-format-ab-*.json); `s_chains` existed only in
-commit 753f3e2 (measured 1-3% slower, dropped): check that commit out to rebuild those two.
+commit 753f3e2 (measured 1-3% slower, dropped) and `producer` only in d3185b1 (slower, T1511):
+check that commit out to rebuild those variants.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ VARIANTS = {  # name -> (kv dtype, kernel options)
     "f_c2": ("float8_e4m3fn", {}),
     "f_c2_sc2": ("float8_e4m3fn", {"s_chains": 2}),
     "f_c3": ("float8_e4m3fn", dict(C3, stages=2)),  # the fp8 3-CTA build
-    # no producer warp (lane 0 of consumer warp 0 issues each copy): its registers go to fatter or
-    # more CTAs; 2026-12-04
+    # no producer warp (lane 0 of consumer warp 0 issues each copy), its registers for fatter or more
+    # CTAs: kernel option producer="lane", only in commit d3185b1 (all slower, T1511)
     "n_c3s3_lane": ("nvfp4", dict(C3, stages=3, producer="lane")),
     "n_c3_fat_lane": ("nvfp4", dict(ctas_per_sm=3, stages=3, producer="lane")),
     "n_c4s2_lane": ("nvfp4", dict(C3, ctas_per_sm=4, stages=2, producer="lane")),

@@ -53,28 +53,21 @@ def split_range(n_valid, num_splits, split):
 @cute.jit
 def stream_pages(mKV, sPages, h, first, n_iter, buf_addr, full_ptr, empty_ptr,
                  stages: cutlass.Constexpr, stage_bytes: cutlass.Constexpr, num_kv_heads: cutlass.Constexpr):
-    """Producer (one thread): bulk-copy each selected (page, KV head) chunk into the stage ring."""
-    for i in range(n_iter):
-        copy_page(mKV, sPages, h, first, i, buf_addr, full_ptr, empty_ptr, stages, stage_bytes, num_kv_heads)
+    """Producer (one thread): bulk-copy each selected (page, KV head) chunk into the stage ring.
 
-
-@cute.jit
-def copy_page(mKV, sPages, h, first, i, buf_addr, full_ptr, empty_ptr,
-              stages: cutlass.Constexpr, stage_bytes: cutlass.Constexpr, num_kv_heads: cutlass.Constexpr):
-    """One thread: slot first + i's (page, KV head) chunk into stage s = i % stages.
-
-    The stage is reused once its `empty` barrier completed the previous phase; `full[s]`
-    completes when the copy's bytes have landed.
+    Stage s = i % stages is reused once its `empty` barrier completed the previous phase;
+    `full[s]` completes when the copy's bytes have landed.
     """
     kv_base = mKV.iterator.toint()
-    s = i % stages
-    phase = (i // stages) & 1
-    cute.arch.mbarrier_wait(empty_ptr + s, phase ^ 1)
-    cute.arch.mbarrier_arrive_and_expect_tx(full_ptr + s, stage_bytes)
-    chunk = Int64(sPages[first + i]) * num_kv_heads + Int64(h)
-    ptx.bulk_copy_g2s(
-        buf_addr + s * stage_bytes,
-        kv_base + chunk * stage_bytes,
-        stage_bytes,
-        ptx.smem_addr(full_ptr + s),
-    )
+    for i in range(n_iter):
+        s = i % stages
+        phase = (i // stages) & 1
+        cute.arch.mbarrier_wait(empty_ptr + s, phase ^ 1)
+        cute.arch.mbarrier_arrive_and_expect_tx(full_ptr + s, stage_bytes)
+        chunk = Int64(sPages[first + i]) * num_kv_heads + Int64(h)
+        ptx.bulk_copy_g2s(
+            buf_addr + s * stage_bytes,
+            kv_base + chunk * stage_bytes,
+            stage_bytes,
+            ptx.smem_addr(full_ptr + s),
+        )

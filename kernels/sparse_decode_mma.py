@@ -102,7 +102,6 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
         softmax: str = "plain",
         smem_reads: str = "block",
         ctas_per_sm: int = 2,
-        producer: str = "warp",
     ):
         super().__init__(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, page_size=page_size,
                          topk=topk, q_dtype=q_dtype, kv_dtype=kv_dtype)
@@ -114,12 +113,7 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
         self.warps = consumer_warps
         self.keys_per_warp = page_size // consumer_warps  # in 16-key sub-tiles
         self.consumer_threads = 32 * self.warps
-        if producer not in ("warp", "lane"):
-            raise ValueError(f"producer {producer!r} not in ('warp', 'lane')")
-        # "warp": a producer warp streams the chunks; "lane": lane 0 of consumer warp 0 issues each
-        # copy between its blocks (no producer warp: its registers go to more or fatter CTAs)
-        self.producer_warp = producer == "warp"
-        self.threads = self.consumer_threads + (32 if self.producer_warp else 0)
+        self.threads = self.consumer_threads + 32
         # arrivals that complete a stage's `empty` barrier: one per consumer warp (release_stage)
         self.empty_arrivals = self.warps
         if kv_dtype not in KV_DTYPES:
@@ -133,7 +127,7 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
         self.out_elems = 16 * HEAD_DIM // self.consumer_threads
         for name, value, allowed in (
             ("q_frags", q_frags, ("regs", "smem")), ("softmax", softmax, ("plain", "lean")),
-            ("smem_reads", smem_reads, ("block", "staged")), ("ctas_per_sm", ctas_per_sm, (1, 2, 3, 4)),
+            ("smem_reads", smem_reads, ("block", "staged")), ("ctas_per_sm", ctas_per_sm, (1, 2, 3)),
         ):
             if value not in allowed:
                 raise ValueError(f"{name} {value!r} not in {allowed}")
@@ -249,8 +243,7 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
             if lane == 0:
                 sNvalid[0] = cute.arch.popc(ballot)
         if cutlass.const_expr(self.q_smem):
-            # the producer warp (else consumer warp 1) is idle until the slots are compacted
-            if warp == (self.warps if self.producer_warp else 1):
+            if warp == self.warps:  # the producer warp is idle until the slots are compacted
                 self.stage_q(mQ, q_addr, t, h, lane, qk_scale_log2)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
@@ -265,7 +258,7 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
         else:
             # ---- 2b. consumer warps
             self.consume(
-                mQ, mKV, mOut, mLse, mPO, mPL, sPages, sBlocks, sML, buf_addr, q_addr, full_ptr, empty_ptr,
+                mQ, mOut, mLse, mPO, mPL, sBlocks, sML, buf_addr, q_addr, full_ptr, empty_ptr,
                 t, h, split, warp, lane, kv_len, first, n_iter, num_splits, qk_scale_log2, v_scale,
             )
 
@@ -277,12 +270,6 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
         )
 
     @cute.jit
-    def issue_copy(self, mKV, sPages, h, first, j, buf_addr, full_ptr, empty_ptr):
-        """producer="lane": slot first + j's chunk into stage j % stages (one thread)."""
-        common.copy_page(mKV, sPages, h, first, j, buf_addr, full_ptr, empty_ptr, self.stages, self.stage_bytes,
-                         self.hkv)
-
-    @cute.jit
     def stage_q(self, mQ, q_addr, t, h, lane, qk_scale_log2):
         """Q A-fragments -> shared memory, [k-step][lane][4 words]: conflict-free 16-byte reads."""
         qa = cute.make_rmem_tensor(32, Int32)
@@ -292,7 +279,7 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
 
     @cute.jit
     def consume(
-        self, mQ, mKV, mOut, mLse, mPO, mPL, sPages, sBlocks, sML, buf_addr, q_addr, full_ptr, empty_ptr,
+        self, mQ, mOut, mLse, mPO, mPL, sBlocks, sML, buf_addr, q_addr, full_ptr, empty_ptr,
         t, h, split, warp, lane, kv_len, first, n_iter, num_splits, qk_scale_log2, v_scale,
     ):
         g = lane // 4
@@ -312,21 +299,9 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
             row_sum[r] = Float32(0.0)
 
         scale = Float32(1.0) if self.scale_in_q else qk_scale_log2
-        if cutlass.const_expr(not self.producer_warp):
-            if warp == 0:  # the first stages' copies, before any block is consumed
-                if lane == 0:
-                    for j in range(cutlass.min(n_iter, self.stages)):
-                        self.issue_copy(mKV, sPages, h, first, j, buf_addr, full_ptr, empty_ptr)
         for i in range(n_iter):
             s = i % self.stages
             phase = (i // self.stages) & 1
-            if cutlass.const_expr(not self.producer_warp):
-                # refill the stage block i - 1 used (once every warp released it) with block i + stages - 1
-                if warp == 0:
-                    if lane == 0:
-                        if i >= 1 and i + self.stages - 1 < n_iter:
-                            self.issue_copy(mKV, sPages, h, first, i + self.stages - 1, buf_addr, full_ptr,
-                                            empty_ptr)
             cute.arch.mbarrier_wait(full_ptr + s, phase)
             stage = buf_addr + s * self.stage_bytes
             blk = sBlocks[first + i]
