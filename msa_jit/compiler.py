@@ -32,25 +32,39 @@ log = logging.getLogger("msa_jit")
 
 
 def kernels_package():
-    """The `msa_jit.kernels` package: the wheel's, or kernels/ of a source checkout on PYTHONPATH."""
+    """The `msa_jit.kernels` package: kernels/ beside this msa_jit when it runs from a source
+    checkout, else the installed one (the wheel's msa_jit/kernels/).
+
+    A checkout's own kernels/ wins over what `import msa_jit.kernels` would find: with an
+    editable install of another checkout (a git worktree, a CI copy), setuptools' finder maps
+    msa_jit.kernels to that checkout's kernels/, and this checkout's msa_jit would then build,
+    hash and test another checkout's kernel sources. Every import of msa_jit.kernels goes
+    through here first (compiler, bench/kernel_probes.py, the tests)."""
     import importlib.util
     import sys
 
-    try:
-        import msa_jit.kernels as pkg
+    pkg = sys.modules.get("msa_jit.kernels")
+    if pkg is not None:
+        return pkg
+    here = Path(__file__).resolve().parent
+    src = here.parent / "kernels"
+    checkout = (not (here / "kernels").exists() and (src / "__init__.py").is_file()
+                and (src / "convention.py").is_file())  # not some other top-level "kernels" package
+    if not checkout:
+        try:
+            import msa_jit.kernels as pkg
 
-        return pkg
-    except ImportError:
-        src = Path(__file__).resolve().parent.parent / "kernels"
-        if not (src / "__init__.py").is_file():
+            return pkg
+        except ImportError:
             raise ImportError("msa_jit.kernels is not importable: reinstall msa-jit") from None
-        spec = importlib.util.spec_from_file_location(
-            "msa_jit.kernels", src / "__init__.py", submodule_search_locations=[str(src)]
-        )
-        pkg = importlib.util.module_from_spec(spec)
-        sys.modules["msa_jit.kernels"] = pkg
-        spec.loader.exec_module(pkg)
-        return pkg
+    spec = importlib.util.spec_from_file_location(
+        "msa_jit.kernels", src / "__init__.py", submodule_search_locations=[str(src)]
+    )
+    pkg = importlib.util.module_from_spec(spec)
+    sys.modules["msa_jit.kernels"] = pkg
+    spec.loader.exec_module(pkg)
+    setattr(sys.modules[__package__], "kernels", pkg)
+    return pkg
 
 
 def kernels_dir() -> Path:
