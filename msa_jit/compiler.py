@@ -3,7 +3,8 @@
 `compile_sparse_decode(config, out_dir)` traces the CuTe DSL kernel against the fake
 arguments of its calling convention (kernels/convention.py: symbolic T / pages / batch, so
 they stay out of the key), for the arch named in the config (no GPU needed), exports it
-through TVM-FFI and links a shared object, with the options the convention names.
+through TVM-FFI and links a shared object, with the options the convention names; those
+steps and the config -> constructor mapping are kernels/build.py's, inside the hashed sources.
 `get_sparse_decode_kernel(config)` resolves it through the disk cache and loads it with the
 runtime only. The cache key is the config plus `fingerprint(config)`: a hash of every kernel
 source (the convention included), the kernel family, and the DSL and tvm-ffi versions.
@@ -15,8 +16,6 @@ import importlib.metadata as md
 import logging
 import os
 import shutil
-import subprocess
-import time
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
@@ -32,25 +31,39 @@ log = logging.getLogger("msa_jit")
 
 
 def kernels_package():
-    """The `msa_jit.kernels` package: the wheel's, or kernels/ of a source checkout on PYTHONPATH."""
+    """The `msa_jit.kernels` package: kernels/ beside this msa_jit when it runs from a source
+    checkout, else the installed one (the wheel's msa_jit/kernels/).
+
+    A checkout's own kernels/ wins over what `import msa_jit.kernels` would find: with an
+    editable install of another checkout (a git worktree, a CI copy), setuptools' finder maps
+    msa_jit.kernels to that checkout's kernels/, and this checkout's msa_jit would then build,
+    hash and test another checkout's kernel sources. Every import of msa_jit.kernels goes
+    through here first (compiler, bench/kernel_probes.py, the tests)."""
     import importlib.util
     import sys
 
-    try:
-        import msa_jit.kernels as pkg
+    pkg = sys.modules.get("msa_jit.kernels")
+    if pkg is not None:
+        return pkg
+    here = Path(__file__).resolve().parent
+    src = here.parent / "kernels"
+    checkout = (not (here / "kernels").exists() and (src / "__init__.py").is_file()
+                and (src / "convention.py").is_file())  # not some other top-level "kernels" package
+    if not checkout:
+        try:
+            import msa_jit.kernels as pkg
 
-        return pkg
-    except ImportError:
-        src = Path(__file__).resolve().parent.parent / "kernels"
-        if not (src / "__init__.py").is_file():
+            return pkg
+        except ImportError:
             raise ImportError("msa_jit.kernels is not importable: reinstall msa-jit") from None
-        spec = importlib.util.spec_from_file_location(
-            "msa_jit.kernels", src / "__init__.py", submodule_search_locations=[str(src)]
-        )
-        pkg = importlib.util.module_from_spec(spec)
-        sys.modules["msa_jit.kernels"] = pkg
-        spec.loader.exec_module(pkg)
-        return pkg
+    spec = importlib.util.spec_from_file_location(
+        "msa_jit.kernels", src / "__init__.py", submodule_search_locations=[str(src)]
+    )
+    pkg = importlib.util.module_from_spec(spec)
+    sys.modules["msa_jit.kernels"] = pkg
+    spec.loader.exec_module(pkg)
+    setattr(sys.modules[__package__], "kernels", pkg)
+    return pkg
 
 
 def kernels_dir() -> Path:
@@ -201,6 +214,14 @@ def convention():
     return importlib.import_module("msa_jit.kernels.convention")
 
 
+def _build_module():
+    """kernels/build.py: the hashed steps that turn a config into an artifact."""
+    import importlib
+
+    kernels_package()
+    return importlib.import_module("msa_jit.kernels.build")
+
+
 def fake_arguments(config: SparseDecodeConfig) -> list[Any]:
     """Fake tensors and scalars of the calling convention (kernels/convention.py)."""
     return convention().fake_arguments(config)
@@ -218,9 +239,11 @@ def compile_sparse_decode(config: SparseDecodeConfig, out_dir: str | os.PathLike
                           kernel_class: type | None = None) -> dict[str, Any]:
     """Compile + export + link one geometry into out_dir/sparse_decode.so. Needs the DSL, not a GPU.
 
-    kernel_options / kernel_class: extra constructor arguments of the kernel class, or another
-    class (a bench-side probe subclass, bench/kernel_probes.py), for experiments
-    (bench/variants.py); the cache never passes either, so cached artifacts are the shipped kernels.
+    The steps themselves are kernels/build.py's (hashed: editing them changes every key); this
+    picks the class and the host's linker. kernel_options / kernel_class: extra constructor
+    arguments of the kernel class, or another class (a bench-side probe subclass,
+    bench/kernel_probes.py), for experiments (bench/variants.py); the cache never passes
+    either, so cached artifacts are the shipped kernels.
     """
     from .geometry import check_config
 
@@ -228,51 +251,28 @@ def compile_sparse_decode(config: SparseDecodeConfig, out_dir: str | os.PathLike
     if reason:
         raise ValueError(f"cannot compile {config}: {reason}")
     os.environ.setdefault("CUTE_DSL_DISABLE_FILE_CACHING", "1")  # see _kernel_class
-    import cutlass.cute as cute
-
-    out_dir = Path(out_dir)
     family = kernel_family(config)
     kernel = make_kernel(config, kernel_options, kernel_class)
-    conv = convention()
-    t0 = time.perf_counter()
-    compiled = cute.compile(kernel, *conv.fake_arguments(config),
-                            options=f"{conv.COMPILE_OPTIONS} --gpu-arch {config.arch}")
-    t_compile = time.perf_counter() - t0
-    obj = out_dir / f"{conv.EXPORT_NAME}.o"
-    compiled.export_to_c(str(obj), function_name=conv.EXPORT_NAME)
-    libs = cute.runtime.find_runtime_libraries(enable_tvm_ffi=True)
-    so = out_dir / conv.ARTIFACT_NAME
-    proc = subprocess.run([_linker(), *conv.LINK_FLAGS, "-o", str(so), str(obj), *libs], capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"linking {so.name} failed:\n{proc.stderr}")
-    obj.unlink()
-    seconds = time.perf_counter() - t0
+    seconds = _build_module().build(kernel, config, out_dir, _linker())
     # the caller publishes out_dir (a temporary build dir) into the cache: ensure_compiled logs the path
     return {
-        "artifacts": [conv.ARTIFACT_NAME],
-        "extra": {"kernel_family": family, "compile_s": round(t_compile, 3), "total_s": round(seconds, 3)},
+        "artifacts": [convention().ARTIFACT_NAME],
+        "extra": {"kernel_family": family, "compile_s": round(seconds["compile_s"], 3),
+                  "total_s": round(seconds["total_s"], 3)},
     }
 
 
 def make_kernel(config: SparseDecodeConfig, kernel_options: dict[str, Any] | None = None,
                 kernel_class: type | None = None) -> Any:
     """The kernel object `compile_sparse_decode` traces for `config` (imports the DSL): the
-    registered class of its family with the constructor options of its occupancy."""
+    registered class of its family (or `kernel_class`) built by kernels/build.py's make_kernel."""
     family = kernel_family(config)
     occupancies = KERNEL_REGISTRY[family].occupancies
     if config.ctas_per_sm not in occupancies:
         raise ValueError(f"cannot compile {config}: the {family} kernel has no build for "
                          f"{config.ctas_per_sm} CTAs per SM (it has {sorted(occupancies)})")
     cls = kernel_class or _kernel_class(family)
-    return cls(
-        num_q_heads=config.num_q_heads,
-        num_kv_heads=config.num_kv_heads,
-        page_size=config.page_size,
-        topk=config.topk_blocks,
-        q_dtype=config.q_dtype,
-        kv_dtype=config.kv_dtype,
-        **{**cls.occupancy_options(config.ctas_per_sm, config.q_dtype, config.kv_dtype), **(kernel_options or {})},
-    )
+    return _build_module().make_kernel(cls, config, kernel_options)
 
 
 def dynamic_smem_bytes(config: SparseDecodeConfig) -> int:

@@ -21,7 +21,7 @@ import pytest
 
 from msa_jit import cache, cli, env, warmup
 from msa_jit.cli import common
-from msa_jit.geometry import SparseDecodeConfig
+from msa_jit.geometry import DEFAULT_ARCHES, SparseDecodeConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 WARM_ARGS = ["--heads", "8/1", "--q-dtype", "bf16", "--arch", "sm_90a"]
@@ -141,8 +141,8 @@ def test_geometry_flags(monkeypatch):
 
 def test_default_arch(monkeypatch):
     monkeypatch.setattr(warmup, "local_gpu_arch", lambda: None)
-    assert warmup.default_arches() == ["sm_90a", "sm_100a"]
-    assert {c.arch for c in common.configs_from_args(ns(heads=["8/1"], q_dtype=["bf16"]))} == {"sm_90a", "sm_100a"}
+    assert warmup.default_arches() == list(DEFAULT_ARCHES)
+    assert {c.arch for c in common.configs_from_args(ns(heads=["8/1"], q_dtype=["bf16"]))} == set(DEFAULT_ARCHES)
     monkeypatch.setattr(warmup, "local_gpu_arch", lambda: "sm_100a")
     assert warmup.default_arches() == ["sm_100a"]
     monkeypatch.setenv("MSA_JIT_ARCH", "9.0a")

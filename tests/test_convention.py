@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from msa_jit.geometry import SparseDecodeConfig
 from msa_jit.validation import kernel_call_ok, validate_kernel_layout, validate_sparse_decode
 
 conv = compiler.convention()
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_every_kernel_takes_the_convention_in_order():
@@ -105,19 +107,24 @@ def test_validation_rejects_what_the_convention_does_not_allow(name):
             validate_kernel_layout(t["query"], t["kv_cache"], t["out"], t["lse"])
 
 
-@pytest.mark.parametrize("edit", [
-    ('LINK_FLAGS = ("-shared",)', 'LINK_FLAGS = ("-shared", "-Wl,--as-needed")'),
-    ('COMPILE_OPTIONS = "--enable-tvm-ffi"', 'COMPILE_OPTIONS = "--enable-tvm-ffi --opt-level 2"'),
-    ('Argument("out", "tensor", "bfloat16", ("T", "Hq", "D"), "compact", 16)',
-     'Argument("out", "tensor", "bfloat16", ("T", "Hq", "D"), "compact", 8)'),
-    ("cute.sym_int32(divisibility=16)", "cute.sym_int32(divisibility=8)"),
-    ('EXPORT_NAME = "sparse_decode"', 'EXPORT_NAME = "sparse_decode_v2"'),
+@pytest.mark.parametrize("file,edit", [
+    ("convention.py", ('LINK_FLAGS = ("-shared",)', 'LINK_FLAGS = ("-shared", "-Wl,--as-needed")')),
+    ("convention.py", ('COMPILE_OPTIONS = "--enable-tvm-ffi"', 'COMPILE_OPTIONS = "--enable-tvm-ffi --opt-level 2"')),
+    ("convention.py", ('Argument("out", "tensor", "bfloat16", ("T", "Hq", "D"), "compact", 16)',
+                       'Argument("out", "tensor", "bfloat16", ("T", "Hq", "D"), "compact", 8)')),
+    ("convention.py", ("cute.sym_int32(divisibility=16)", "cute.sym_int32(divisibility=8)")),
+    ("convention.py", ('EXPORT_NAME = "sparse_decode"', 'EXPORT_NAME = "sparse_decode_v2"')),
+    # the link step itself, the export and the config -> constructor mapping (kernels/build.py)
+    ("build.py", ('[linker, *convention.LINK_FLAGS, "-o", str(so), str(obj), *libs]',
+                  '[linker, *convention.LINK_FLAGS, "-o", str(so), str(obj), *libs, "-lm"]')),
+    ("build.py", ("find_runtime_libraries(enable_tvm_ffi=True)", "find_runtime_libraries(enable_tvm_ffi=False)")),
+    ("build.py", ("topk=config.topk_blocks,", "topk=2 * config.topk_blocks,")),
 ])
-def test_editing_the_convention_changes_every_cache_key(tmp_path, monkeypatch, edit):
+def test_editing_the_convention_changes_every_cache_key(tmp_path, monkeypatch, file, edit):
     src = compiler.kernels_dir()
     copy = tmp_path / "kernels"
     shutil.copytree(src, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    path = copy / "convention.py"
+    path = copy / file
     text = path.read_text()
     assert text.count(edit[0]) == 1, edit[0]
     cfg = SparseDecodeConfig(num_q_heads=8, num_kv_heads=1)
@@ -130,6 +137,34 @@ def test_editing_the_convention_changes_every_cache_key(tmp_path, monkeypatch, e
         assert compiler.cache_key(cfg) != before
     finally:
         compiler._sources_hash.cache_clear()
+
+
+# what shapes an artifact's bytes: tracing, export, the link step, the constructor options
+ARTIFACT_SHAPING = ("cute.compile(", "export_to_c(", "find_runtime_libraries(", "LINK_FLAGS",
+                    "COMPILE_OPTIONS", "occupancy_options(", "topk=config.topk_blocks")
+
+
+def test_what_shapes_an_artifact_is_in_the_hashed_sources():
+    """The compile / export / link steps and the config -> constructor mapping are written only in
+    the kernels package (hashed, kernel_sources), never in msa_jit/ (not hashed): an edit there
+    would change the artifact and keep its key."""
+    hashed = {p.resolve() for p in compiler.kernel_sources()}
+    assert {"convention.py", "build.py"} <= {p.name for p in hashed}
+    outside = []
+    for f in sorted((ROOT / "msa_jit").rglob("*.py")):
+        code = "\n".join(line.split("#")[0] for line in f.read_text().splitlines())  # comments may name them
+        outside += [f"{f.relative_to(ROOT)}: {s}" for s in ARTIFACT_SHAPING if s in code]
+    assert not outside, outside
+
+
+def test_the_checkout_builds_and_hashes_its_own_kernels():
+    """Run from a source checkout, msa_jit.kernels is that checkout's kernels/, even when an
+    editable install of another checkout (a worktree, a CI copy) maps the name elsewhere."""
+    import msa_jit.kernels.base as base
+
+    assert compiler.kernels_dir().resolve() == (ROOT / "kernels").resolve()
+    assert Path(base.__file__).resolve().parent == (ROOT / "kernels").resolve()
+    assert {p.resolve() for p in compiler.kernel_sources()} == {p.resolve() for p in (ROOT / "kernels").glob("*.py")}
 
 
 def test_scale_tensors_follow_the_description():

@@ -11,10 +11,9 @@ from pathlib import Path
 import pytest
 
 from msa_jit import compiler, sass
-from msa_jit.geometry import SparseDecodeConfig
+from msa_jit.geometry import DEFAULT_ARCHES, MINIMAX_M3_GEOMETRIES, SparseDecodeConfig
 
 pytestmark = pytest.mark.slow
-GEOMETRIES = [(64, 4), (32, 2), (16, 1), (8, 1)]
 
 
 def _ops(text: str) -> collections.Counter:
@@ -24,10 +23,10 @@ def _ops(text: str) -> collections.Counter:
     return base
 
 
-@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("arch", DEFAULT_ARCHES)
 def test_every_geometry_compiles_with_nvfp4(arch):
     seen = set()
-    for (hq, hkv) in GEOMETRIES:
+    for (hq, hkv) in MINIMAX_M3_GEOMETRIES:
         for q_dtype in ("bfloat16", "float8_e4m3fn"):
             base = SparseDecodeConfig(num_q_heads=hq, num_kv_heads=hkv, q_dtype=q_dtype, kv_dtype="nvfp4", arch=arch)
             for cfg in compiler.plannable_configs(base):

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 from .. import cache, env, warmup
 from ..geometry import (
-    DEFAULT_PAGE_SIZE, DEFAULT_TOPK_BLOCKS, KV_DTYPE_SHORT, Q_DTYPE_SHORT, Q_DTYPES, SparseDecodeConfig,
+    DEFAULT_ARCHES, DEFAULT_PAGE_SIZE, DEFAULT_TOPK_BLOCKS, KV_DTYPE_SHORT, Q_DTYPE_SHORT, Q_DTYPES, SparseDecodeConfig,
 )
 
 __all__ = [
@@ -280,8 +280,8 @@ def add_geometry_arguments(p: argparse.ArgumentParser, default_preset: str | Non
     p.add_argument("--kv-dtype", action="append", metavar="FORMATS",
                    help="KV cache formats: fp8,nvfp4 (default: fp8; a preset: both)")
     p.add_argument("--arch", action="append", metavar="ARCHES",
-                   help="sm_90a,sm_100a, the arches msa-jit builds for (the arch-specific 'a' targets; "
-                        "sm_90 / sm_100 are refused); default: $MSA_JIT_ARCH, else this GPU's arch, else both")
+                   help=f"{','.join(DEFAULT_ARCHES)}, the arches msa-jit builds for (the arch-specific 'a' targets; "
+                        "sm_90 / sm_100 are refused); default: $MSA_JIT_ARCH, else this GPU's arch, else all of them")
     p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE, help=f"KV page size (default {DEFAULT_PAGE_SIZE})")
     p.add_argument("--topk-blocks", type=int, default=DEFAULT_TOPK_BLOCKS,
                    help=f"top-k blocks per token (default {DEFAULT_TOPK_BLOCKS})")
