@@ -49,7 +49,10 @@ class Argument:
     source: str = "call"
 
 
-# dtype "q": bfloat16, or uint8 holding e4m3 for an fp8 query (SparseDecodeConfig.q_dtype).
+# dtype "q": bfloat16 or float8_e4m3fn (SparseDecodeConfig.q_dtype); "kv": float8_e4m3fn for the
+# fp8 cache, uint8 for NVFP4 (SparseDecodeConfig.kv_dtype). torch's fp8 tensors go in as they are
+# (a `.view(torch.uint8)` per call cost 0.7-1.0 us each, docs/performance.md #40); the kernels
+# address both through raw pointers, so only the exported function's dtype check depends on it.
 # kv_cache: fp8 [P, Hkv, page, 256] (K bytes [0,128), V bytes [128,256) of a token row), or
 # NVFP4 [P, 2*Hkv, page, 72] (slot 2h = K of head h, 2h+1 its V; each slot page*64 bytes of
 # e2m1 codes then page*8 e4m3 block scales): "slots" and "row" resolve per kv_dtype.
@@ -58,7 +61,7 @@ class Argument:
 # qk_scale_log2 / v_scale; the plan's unit_scale (1.0) when the caller gives python floats.
 ARGUMENTS: tuple[Argument, ...] = (
     Argument("query", "tensor", "q", ("T", "Hq", "D"), "query", 16),
-    Argument("kv_cache", "tensor", "uint8", ("P", "slots", "page", "row"), "compact", 16),
+    Argument("kv_cache", "tensor", "kv", ("P", "slots", "page", "row"), "compact", 16),
     Argument("topk", "tensor", "int32", ("T", "Hkv", "K"), "last_contiguous"),
     Argument("block_table", "tensor", "int32", ("B", "max_blocks"), "last_contiguous", source="plan"),
     Argument("kv_lens", "tensor", "int32", ("T",), source="plan"),
@@ -86,16 +89,18 @@ def call_arguments(plan: Any, query: Any, kv_cache: Any, topk: Any, out: Any, ls
                    v_scale: float) -> tuple[Any, ...]:
     """The exported function's arguments, in `ARGUMENTS` order, for one op call.
 
-    An fp8 query and an fp8 cache travel as their uint8 storage; `lse` None means the plan's
-    scratch, a scale tensor None the plan's unit_scale. The caller (msa_jit.op) has validated
-    every tensor against the plan.
+    An fp8 cache held as uint8 storage (the fp8 layout: rows of 2 * head_dim bytes) travels as
+    its float8_e4m3fn view, an NVFP4 cache as it is; `lse` None means the plan's scratch, a scale
+    tensor None the plan's unit_scale. The caller (msa_jit.op) has validated every tensor
+    against the plan.
     """
     import torch
 
     kv_lens, lse_scratch, partial_o, partial_lse, unit_scale = plan.kernel_tensors()
+    fp8_storage = kv_cache.dtype == torch.uint8 and kv_cache.shape[-1] == 2 * query.shape[-1]
     return (
-        query.view(torch.uint8) if query.dtype == torch.float8_e4m3fn else query,
-        kv_cache if kv_cache.dtype == torch.uint8 else kv_cache.view(torch.uint8),
+        query,
+        kv_cache.view(torch.float8_e4m3fn) if fp8_storage else kv_cache,
         topk,
         plan.block_table,
         kv_lens,
@@ -137,8 +142,9 @@ def fake_arguments(config: Any) -> list[Any]:
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
     dtypes = {
-        "q": cutlass.Uint8 if config.q_dtype == "float8_e4m3fn" else cutlass.BFloat16,
-        "uint8": cutlass.Uint8, "int32": Int32, "float32": Float32, "bfloat16": cutlass.BFloat16,
+        "q": cutlass.Float8E4M3FN if config.q_dtype == "float8_e4m3fn" else cutlass.BFloat16,
+        "kv": cutlass.Uint8 if config.kv_dtype == "nvfp4" else cutlass.Float8E4M3FN,
+        "int32": Int32, "float32": Float32, "bfloat16": cutlass.BFloat16,
     }
     scalars = {"int32": Int32(1), "float32": Float32(1.0)}
     dims = symbolic_dims(config)

@@ -55,7 +55,13 @@ def test_op_passes_the_arguments_in_convention_order():
     got = dict(zip(conv.ARGUMENT_NAMES, args))
     assert len(args) == len(conv.ARGUMENTS)
     assert got["query"] is c.query and got["topk"] is c.topk and got["out"] is out and got["lse"] is lse
-    assert got["kv_cache"].dtype == torch.uint8 and got["kv_cache"].data_ptr() == c.kv_cache.data_ptr()
+    # torch's fp8 tensors go in as they are; an fp8 cache held as uint8 storage as its fp8 view
+    assert c.kv_cache.dtype == torch.float8_e4m3fn and got["kv_cache"] is c.kv_cache
+    stored = conv.call_arguments(plan, c.query, c.kv_cache.view(torch.uint8), c.topk, out, lse, ks, None, 0.5, 2.0)
+    kv_arg = dict(zip(conv.ARGUMENT_NAMES, stored))["kv_cache"]
+    assert kv_arg.dtype == torch.float8_e4m3fn and kv_arg.data_ptr() == c.kv_cache.data_ptr()
+    q8 = c.query.to(torch.float8_e4m3fn)
+    assert conv.call_arguments(plan, q8, c.kv_cache, c.topk, out, lse, ks, None, 0.5, 2.0)[0] is q8
     assert got["block_table"] is plan.block_table
     # a scale tensor given goes in; one not given is the plan's unit scale
     assert got["k_scale_tensor"] is ks and got["v_scale_tensor"] is plan.kernel_tensors()[4]
