@@ -40,9 +40,29 @@ VARIANTS = {  # name -> (kv dtype, kernel options)
     "n_c3s3_lane": ("nvfp4", dict(C3, stages=3, producer="lane")),
     "n_c3_fat_lane": ("nvfp4", dict(ctas_per_sm=3, stages=3, producer="lane")),
     "n_c4s2_lane": ("nvfp4", dict(C3, ctas_per_sm=4, stages=2, producer="lane")),
+    # the split merge with / without an early launch_dependents (none until 2026-12-04; T1519 ran
+    # f_c2 / f_c3 / n_c3s3 with it, *_nomt without; since, the 2-CTA build's merge triggers)
+    "f_c2_nomt": ("float8_e4m3fn", {"merge_trigger": False}),
+    "f_c3_nomt": ("float8_e4m3fn", dict(C3, stages=2, merge_trigger=False)),
+    "n_c3s3_nomt": ("nvfp4", dict(C3, stages=3, merge_trigger=False)),
+    "f_c3_mt": ("float8_e4m3fn", dict(C3, stages=2, merge_trigger=True)),
+    "n_c3s3_mt": ("nvfp4", dict(C3, stages=3, merge_trigger=True)),
 }
 GEOMS = [(64, 4), (8, 1)]
-POINTS = [("64/4", 256, 1), ("64/4", 64, 1), ("8/1", 256, 1), ("64/4", 16, 1), ("64/4", 1, 1), ("64/4", 64, 4)]
+POINTS = [("64/4", 256, 1), ("64/4", 64, 1), ("8/1", 256, 1), ("64/4", 16, 1), ("64/4", 1, 1), ("64/4", 64, 4),
+          ("64/4", 4, 1), ("8/1", 1, 1), ("8/1", 16, 1)]
+
+
+def _kernel_class(options: dict):
+    """The shipped kernel, or the bench's probe subclass when an option needs it (kernel_probes.py)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from variants import PROBE_OPTIONS
+
+    if not set(options) & PROBE_OPTIONS:
+        return None
+    from kernel_probes import ProbeMmaKernel
+
+    return ProbeMmaKernel
 
 
 def _so(root: Path, name: str, hq: int, hkv: int) -> Path:
@@ -60,7 +80,7 @@ def build(a: argparse.Namespace) -> int:
             so = _so(Path(a.dir), name, hq, hkv)
             so.parent.mkdir(parents=True, exist_ok=True)
             cfg = SparseDecodeConfig(num_q_heads=hq, num_kv_heads=hkv, kv_dtype=kv, arch=a.arch)
-            compile_sparse_decode(cfg, so.parent, kernel_options=opt)
+            compile_sparse_decode(cfg, so.parent, kernel_options=opt, kernel_class=_kernel_class(opt))
             r = [x for x in sass.summarize(so) if "merge" not in x["kernel"].lower()][0]
             print(f"{name} {hq}/{hkv}: {r['registers']} registers, {r['local_ops']} local ops", flush=True)
     return 0

@@ -24,6 +24,8 @@ class SparseDecodeKernelBase:
     # programmatic dependent launch: may the kernels of this launch be scheduled before the
     # previous kernel in the stream has finished (each waits before its first global access)?
     pdl = False
+    # with pdl: does the split merge let the next kernel be scheduled once its own wait returned?
+    merge_trigger = True
 
     @staticmethod
     def occupancy_options(ctas_per_sm: int, q_dtype: str, kv_dtype: str = "float8_e4m3fn") -> dict:
@@ -85,7 +87,7 @@ class SparseDecodeKernelBase:
         )
         if num_splits > 1:
             SplitMergeKernel(num_kv_heads=self.hkv, group_size=self.group, max_splits=self.topk,
-                             pdl=self.pdl).launch(out, lse, partial_o, partial_lse, num_splits, num_tokens, stream)
+                             pdl=self.pdl, trigger=self.merge_trigger).launch(out, lse, partial_o, partial_lse, num_splits, num_tokens, stream)
 
     def storage_type(self):
         """The shared-memory struct of the decode kernel (a cute.struct class)."""

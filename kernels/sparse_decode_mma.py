@@ -151,6 +151,11 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
         # softmax (fewer live registers, the stage is released after the last V read)
         self.staged = smem_reads == "staged"
         self.ctas_per_sm = ctas_per_sm
+        # the split merge lets the next layer's decode kernel be scheduled early only in the 2-CTA
+        # build (kv-format-ab-2026-12-04T1519.json, per layer: batch 1 -0.4..-0.6 us); at 3 per SM
+        # its CTAs then took the slots unevenly (64/4 B=16 +1.4..+1.7 us), as the decode kernel's
+        # own early trigger did (#29)
+        self.merge_trigger = ctas_per_sm < 3
 
     # ------------------------------------------------------------------ host side
     def storage_type(self):

@@ -109,6 +109,11 @@ def test_pdl_by_default_waits_before_reading(tmp_path):
     # the mbarrier inits (no global memory) run before the wait, while the prologue may still run
     assert text.index("SYNCS.EXCH.64") < text.index("ACQBULK")
     assert "PREEXIT" in text  # launch_dependents: the merge may be scheduled early
+    # the 2-CTA build's merge lets the next kernel (the next layer's decode) be scheduled once its
+    # own wait returned; the 3-CTA build's does not (kv-format-ab-2026-12-04T1519.json)
+    assert "PREEXIT" in merge and merge.index("ACQBULK") < merge.index("PREEXIT")
+    _, _, merge3 = _main_kernel(tmp_path / "c3", None, ctas_per_sm=3)
+    assert "ACQBULK" in merge3 and "PREEXIT" not in merge3
     _, text, merge = _main_kernel(tmp_path / "plain", {"pdl": False})
     assert "ACQBULK" not in text and "ACQBULK" not in merge
 
