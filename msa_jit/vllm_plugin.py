@@ -5,7 +5,8 @@ Entry point `msa_jit = "msa_jit.vllm_plugin:register"` in the group `vllm.genera
 before it builds a model. `register()` is cheap, idempotent, never raises, and logs one line
 (logger `vllm.plugins.msa_jit`, so vLLM's own log shows it) saying what it did or why not.
 
-What it patches (vLLM 0.33.0 only), module globals, before any model is built:
+What it patches (vLLM 0.33.0 only, local build labels such as `0.33.0+cu126` included), module
+globals, before any model is built:
 
 1. `vllm.models.minimax_m3.nvidia.sparse_attention_msa`: the eight names it imported from
    `msa_cutlass_sparse_decode` are rebound to `msa_jit.engine`'s (same signatures), so the
@@ -216,6 +217,13 @@ def _capability() -> tuple[int, int] | None:
     return None if cap is None else (int(cap.major), int(cap.minor))
 
 
+def _release(version: object) -> str | None:
+    """`version` without its local label: vLLM's CUDA-variant wheels are `0.33.0+cu126` etc.,
+    the same source as `0.33.0`. Pre-releases and dev builds (`0.33.0rc1`, `0.33.1.dev3+g...`)
+    keep what tells them apart, so they stay unknown."""
+    return version.split("+", 1)[0] if isinstance(version, str) else None
+
+
 def _apply() -> str:
     if not env.vllm_plugin_enabled():
         return f"{_PREFIX} off ({env.VLLM_PLUGIN}=0); nothing patched"
@@ -224,7 +232,7 @@ def _apply() -> str:
     except ImportError:
         return f"{_PREFIX} vLLM is not installed; nothing patched"
     version = getattr(vllm, "__version__", None)
-    if version not in KNOWN_VLLM_VERSIONS:
+    if _release(version) not in KNOWN_VLLM_VERSIONS:
         return (f"{_PREFIX} vLLM {version} is not a version this plugin knows "
                 f"({', '.join(KNOWN_VLLM_VERSIONS)}); nothing patched")
     cap = _capability()

@@ -139,6 +139,21 @@ def test_unknown_vllm_version(monkeypatch, caplog):
 
 
 @needs_engine
+@pytest.mark.parametrize("version,known", [("0.33.0+cu126", True), ("0.33.0+cu129.abc", True),
+                                           ("0.33.0rc1", False), ("0.33.1.dev3+g1234abc", False),
+                                           ("0.33", False), (None, False)])
+def test_a_local_build_label_is_the_same_release(monkeypatch, caplog, version, known):
+    """vLLM's CUDA-variant wheels carry a local label (`0.33.0+cu126`): the same 0.33.0 source.
+    Pre-releases, dev builds and other releases are not 0.33.0."""
+    ns = vs.install(monkeypatch, capability=(9, 0), version=version)
+    line = _register(caplog)
+    if known:
+        assert "through msa-jit" in line and not _untouched(ns)
+    else:
+        assert f"vLLM {version} is not a version this plugin knows (0.33.0)" in line and _untouched(ns)
+
+
+@needs_engine
 @pytest.mark.parametrize("value,expect", [("0", "off (MSA_JIT_VLLM_PLUGIN=0)"),
                                           ("perhaps", "not applied (ValueError: MSA_JIT_VLLM_PLUGIN=")])
 def test_env_var_turns_it_off(monkeypatch, caplog, value, expect):
