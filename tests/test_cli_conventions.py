@@ -200,6 +200,51 @@ def test_json_path_is_checked_before_the_work(command, fake_run, tmp_path):
         (tmp_path / "ro").chmod(0o700)
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux /proc")
+@pytest.mark.parametrize("command", ["warmup", "inspect"])
+def test_json_path_that_cannot_be_created_is_checked_before_the_work(command, fake_run):
+    """A directory that passes the permission bits (root passes them all) but where no file can
+    be created (/proc; a read-only or full filesystem alike) is found before the warm-up, not
+    after it: the check creates (and removes) a file there."""
+    rc, _, err = run_main([command, "--heads", "8/1", "--arch", "sm_90a", "--json", "/proc/x.json"])
+    assert rc == 2 and "--json /proc/x.json" in err and "cannot create a file in /proc" in err, err
+    assert not fake_run, "the warm-up ran before the --json path was checked"
+
+
+def test_json_into_a_special_file_or_a_symlink_writes_through(fake_run, tmp_path):
+    """`--json /dev/stdout` (a FIFO, /dev/null) is written into, never replaced by a regular file
+    (the atomic rename, run as root, replaced /dev/full with one); a symlink keeps pointing
+    where it did and its target gets the JSON. A FIFO stands for the device files here."""
+    import stat
+    import threading
+
+    args = ["warmup", "--heads", "8/1", "--q-dtype", "bf16", "--arch", "sm_90a", "-q",
+            "--cache-dir", str(tmp_path / "c")]
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    got: list[str] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text()), daemon=True)
+    reader.start()
+    try:
+        rc, _, err = run_main([*args, "--json", str(fifo)])
+    finally:
+        if reader.is_alive():  # the command did not open the FIFO: unblock the reader
+            with open(fifo, "w"):
+                pass
+        reader.join(10)
+    assert rc == 0, err
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode), "the FIFO was replaced by a regular file"
+    assert json.loads(got[0])["cached"] == 2
+    real = tmp_path / "real.json"
+    real.write_text("old")
+    link = tmp_path / "link.json"
+    link.symlink_to(real)
+    rc, _, err = run_main([*args, "--json", str(link)])
+    assert rc == 0 and link.is_symlink() and os.readlink(link) == str(real), err
+    assert json.loads(real.read_text())["cached"] == 2
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary file left
+
+
 @pytest.mark.parametrize("argv", [["cache", "info"], ["cache", "list"], ["warmup", "--heads", "8/1", "--arch", "sm_90a"]])
 def test_garbage_cache_cap_is_refused(argv, fake_run, monkeypatch, tmp_path):
     monkeypatch.setenv("MSA_JIT_CACHE_MAX_BYTES", "garbage")
