@@ -280,6 +280,24 @@ def test_inspect_shows_a_failed_builds_first_line(monkeypatch, tmp_path):
     assert [k["error"] for k in json.loads(js.read_text())["kernels"]] == [error, error]
 
 
+# ----------------------------------------------------------------------------- item 11: inspect
+def test_readme_inspect_line_inspects_the_preset(monkeypatch):
+    """`msa-jit inspect --arch sm_100a`, as the README writes it, failed with "no geometry":
+    without --heads it inspects the minimax-m3 preset (32 builds per arch)."""
+    seen: list[list[SparseDecodeConfig]] = []
+
+    def run(configs, **kw):
+        seen.append(list(configs))
+        return [warmup.WarmupRow(c, status="failed", error="stand-in: nothing built") for c in configs]
+
+    monkeypatch.setattr(warmup, "run_warmup", run)
+    rc, out, err = run_main(["inspect", "--arch", "sm_100a", "-q"])
+    assert "no geometry" not in err and seen, err
+    assert len(seen[0]) == 32 and {c.arch for c in seen[0]} == {"sm_100a"}
+    assert {(c.num_q_heads, c.num_kv_heads) for c in seen[0]} == {(64, 4), (32, 2), (16, 1), (8, 1)}
+    assert rc == 1 and "stand-in: nothing built" in out  # the stand-in's failed rows, shown
+
+
 # ----------------------------------------------------------------------------- item 12: output
 def test_cache_fallback_is_said_without_python_warnings(fake_run, monkeypatch, tmp_path):
     blocker = tmp_path / "a-file"
