@@ -161,6 +161,17 @@ def test_bench_without_a_gpu(tmp_path):
     assert not out_dir.exists()
 
 
+def test_selftest_without_a_gpu():
+    """Like bench: the refusal is an error message on stderr (it went to stdout), exit 2."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this host has a GPU")
+    for argv in (["selftest"], ["selftest", "--quick"]):
+        rc, out, err = run_main(argv)
+        assert rc == 2 and "needs a CUDA GPU" in err and out == "" and "Traceback" not in err, (out, err)
+
+
 def test_bench_bad_flags_and_out(tmp_path):
     (tmp_path / "file").write_text("x")
     for argv, says in ((["--out", str(tmp_path / "file")], "is not a directory"),
