@@ -111,6 +111,9 @@ class WarmupRow:
     key: str | None = None
     error: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # the parent's lookup found (and removed) a corrupt entry of this key: the worker's
+    # ArtifactMissingError (MSA_JIT_NO_COMPILE=1) must name it, not read like a plain miss
+    corrupt: tuple[str, ...] = ()
 
     @property
     def geometry(self) -> str:
@@ -193,7 +196,8 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
 
 def _worker_main(conn: Any, root: str, readonly_roots: tuple[str, ...], protect: tuple[str, ...]) -> None:
     """A compile worker: open exactly the parent's cache root, then build each config the
-    parent sends (a dict; None: exit), answering with `compile_one`'s result."""
+    parent sends (a job: {"config": dict, "corrupt": [...]}; None: exit), answering with
+    `compile_one`'s result."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
@@ -224,7 +228,8 @@ def _serve(conn: Any, root: str, readonly_roots: tuple[str, ...], protect: tuple
             return  # the parent is gone
         if job is None:
             return
-        res = compile_one(job, c) if c is not None else _failed(problem, 0.0)
+        res = (compile_one(job["config"], c, corrupt=job.get("corrupt", ())) if c is not None
+               else _failed(problem, 0.0))
         try:
             conn.send(res)
         except OSError:
@@ -235,9 +240,12 @@ def _failed(error: str | None, seconds: float) -> dict[str, Any]:
     return {"status": "failed", "seconds": seconds, "artifact": None, "key": None, "error": error, "extra": {}}
 
 
-def compile_one(cfg_dict: dict[str, Any], c: cache.ArtifactCache | None = None) -> dict[str, Any]:
+def compile_one(cfg_dict: dict[str, Any], c: cache.ArtifactCache | None = None,
+                corrupt: Sequence[str] = ()) -> dict[str, Any]:
     """Worker: ensure_compiled(cfg) in cache `c` (default: the default cache) ->
-    {status, seconds, artifact, key, error, extra}; an error is reported, not raised."""
+    {status, seconds, artifact, key, error, extra}; an error is reported, not raised.
+    `corrupt`: what the parent's lookup found corrupt for this key (and removed), named in an
+    ArtifactMissingError that would otherwise read like a plain miss."""
     t0 = time.perf_counter()
     try:
         from . import compiler
@@ -247,6 +255,10 @@ def compile_one(cfg_dict: dict[str, Any], c: cache.ArtifactCache | None = None) 
         return {"status": "compiled" if built else "cached", "seconds": time.perf_counter() - t0,
                 "artifact": str(entry.artifact_path()), "key": entry.key, "error": None,
                 "extra": dict(entry.meta.get("extra") or {})}
+    except cache.ArtifactMissingError as e:
+        if corrupt and not e.corrupt:
+            e = cache.ArtifactMissingError(e.describe, e.key, e.roots, e.warmup_hint, corrupt=corrupt)
+        return _failed(plain_text(f"{type(e).__name__}: {e}"), time.perf_counter() - t0)
     except Exception as e:  # report, keep the worker; SIGTERM's SystemExit ends it
         return _failed(plain_text(f"{type(e).__name__}: {e}"), time.perf_counter() - t0)
 
@@ -304,7 +316,7 @@ class _Pool:
     def give(self, w: _Worker, row: WarmupRow) -> None:
         w.row = row
         try:
-            w.conn.send(row.config.to_dict())
+            w.conn.send({"config": row.config.to_dict(), "corrupt": list(row.corrupt)})
         except OSError:
             pass  # the worker died: `wait` sees its sentinel and fails this row
 
@@ -396,7 +408,9 @@ def _keys_and_cached(rows: list[WarmupRow], c: cache.ArtifactCache) -> list[str]
         try:
             row.key = compiler.cache_key(row.config)
             keys.append(row.key)
-            entry = c.lookup(row.key)
+            found: list[str] = []
+            entry = c.lookup(row.key, corrupt=found)
+            row.corrupt = tuple(found)
         except Exception as e:
             log.debug("msa-jit warmup: lookup of %s failed: %s", row.geometry, e)
             continue

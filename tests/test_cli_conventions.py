@@ -161,6 +161,17 @@ def test_bench_without_a_gpu(tmp_path):
     assert not out_dir.exists()
 
 
+def test_selftest_without_a_gpu():
+    """Like bench: the refusal is an error message on stderr (it went to stdout), exit 2."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this host has a GPU")
+    for argv in (["selftest"], ["selftest", "--quick"]):
+        rc, out, err = run_main(argv)
+        assert rc == 2 and "needs a CUDA GPU" in err and out == "" and "Traceback" not in err, (out, err)
+
+
 def test_bench_bad_flags_and_out(tmp_path):
     (tmp_path / "file").write_text("x")
     for argv, says in ((["--out", str(tmp_path / "file")], "is not a directory"),
@@ -200,6 +211,51 @@ def test_json_path_is_checked_before_the_work(command, fake_run, tmp_path):
         (tmp_path / "ro").chmod(0o700)
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux /proc")
+@pytest.mark.parametrize("command", ["warmup", "inspect"])
+def test_json_path_that_cannot_be_created_is_checked_before_the_work(command, fake_run):
+    """A directory that passes the permission bits (root passes them all) but where no file can
+    be created (/proc; a read-only or full filesystem alike) is found before the warm-up, not
+    after it: the check creates (and removes) a file there."""
+    rc, _, err = run_main([command, "--heads", "8/1", "--arch", "sm_90a", "--json", "/proc/x.json"])
+    assert rc == 2 and "--json /proc/x.json" in err and "cannot create a file in /proc" in err, err
+    assert not fake_run, "the warm-up ran before the --json path was checked"
+
+
+def test_json_into_a_special_file_or_a_symlink_writes_through(fake_run, tmp_path):
+    """`--json /dev/stdout` (a FIFO, /dev/null) is written into, never replaced by a regular file
+    (the atomic rename, run as root, replaced /dev/full with one); a symlink keeps pointing
+    where it did and its target gets the JSON. A FIFO stands for the device files here."""
+    import stat
+    import threading
+
+    args = ["warmup", "--heads", "8/1", "--q-dtype", "bf16", "--arch", "sm_90a", "-q",
+            "--cache-dir", str(tmp_path / "c")]
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    got: list[str] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text()), daemon=True)
+    reader.start()
+    try:
+        rc, _, err = run_main([*args, "--json", str(fifo)])
+    finally:
+        if reader.is_alive():  # the command did not open the FIFO: unblock the reader
+            with open(fifo, "w"):
+                pass
+        reader.join(10)
+    assert rc == 0, err
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode), "the FIFO was replaced by a regular file"
+    assert json.loads(got[0])["cached"] == 2
+    real = tmp_path / "real.json"
+    real.write_text("old")
+    link = tmp_path / "link.json"
+    link.symlink_to(real)
+    rc, _, err = run_main([*args, "--json", str(link)])
+    assert rc == 0 and link.is_symlink() and os.readlink(link) == str(real), err
+    assert json.loads(real.read_text())["cached"] == 2
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary file left
+
+
 @pytest.mark.parametrize("argv", [["cache", "info"], ["cache", "list"], ["warmup", "--heads", "8/1", "--arch", "sm_90a"]])
 def test_garbage_cache_cap_is_refused(argv, fake_run, monkeypatch, tmp_path):
     monkeypatch.setenv("MSA_JIT_CACHE_MAX_BYTES", "garbage")
@@ -233,6 +289,26 @@ def test_inspect_shows_a_failed_builds_first_line(monkeypatch, tmp_path):
     assert rc == 1 and "ERROR" in out and "DSLUserCodeError: ..." in out and "PHASE" not in out
     assert max(len(line) for line in out.splitlines()) < 120
     assert [k["error"] for k in json.loads(js.read_text())["kernels"]] == [error, error]
+
+
+# ----------------------------------------------------------------------------- item 11: inspect
+def test_readme_inspect_line_inspects_the_preset(monkeypatch):
+    """`msa-jit inspect --arch sm_100a`, as the README writes it, failed with "no geometry":
+    without --heads it inspects the minimax-m3 preset (32 builds per arch)."""
+    seen: list[list[SparseDecodeConfig]] = []
+
+    def run(configs, **kw):
+        seen.append(list(configs))
+        return [warmup.WarmupRow(c, status="failed", error="stand-in: nothing built") for c in configs]
+
+    monkeypatch.setattr(warmup, "run_warmup", run)
+    rc, out, err = run_main(["inspect", "--arch", "sm_100a", "-q"])
+    assert "no geometry" not in err and seen, err
+    assert len(seen[0]) == 32 and {c.arch for c in seen[0]} == {"sm_100a"}
+    from msa_jit.geometry import MINIMAX_M3_GEOMETRIES
+
+    assert {(c.num_q_heads, c.num_kv_heads) for c in seen[0]} == set(MINIMAX_M3_GEOMETRIES)
+    assert rc == 1 and "stand-in: nothing built" in out  # the stand-in's failed rows, shown
 
 
 # ----------------------------------------------------------------------------- item 12: output

@@ -165,6 +165,28 @@ def test_a_dying_worker_fails_only_its_build(tmp_path):
     assert "0 compiled" not in p.stdout and "3 compiled, 0 cached, 1 failed" in p.stdout
 
 
+# ----------------------------------------------------------------------------- item 6: no-compile
+def test_no_compile_warmup_names_the_corrupt_entry(tmp_path):
+    """MSA_JIT_NO_COMPILE=1: the parent's lookup finds the corrupt entry (and removes it); the
+    failed row's ArtifactMissingError must still say so, not read like a plain miss."""
+    root = tmp_path / "cache"
+    args = ["warmup", "--heads", "8/1", "--q-dtype", "bf16", "--arch", "sm_90a", "--cache-dir", str(root)]
+    env = driver_env(tmp_path)
+    assert run_driver(args, env).returncode == 0
+    entries = {e.meta["config"]["ctas_per_sm"]: e for e in ArtifactCache(root).entries()}
+    data = bytearray(entries[2].artifact_path().read_bytes())
+    data[7] ^= 0xFF
+    entries[2].artifact_path().write_bytes(bytes(data))
+    p = run_driver([*args, "--json", str(tmp_path / "w.json")], dict(env, MSA_JIT_NO_COMPILE="1"))
+    assert p.returncode == 1, p.stdout + p.stderr
+    rows = {r["ctas_per_sm"]: r for r in json.loads((tmp_path / "w.json").read_text())["rows"]}
+    assert rows[3]["status"] == "cached" and rows[2]["status"] == "failed"
+    err = rows[2]["error"]
+    assert err.startswith("ArtifactMissingError") and "corrupt" in err and "sha256" in err, err
+    assert str(entries[2].path) in err and "removed" in err, err
+    assert "so that it is rebuilt" not in p.stderr and "not rebuilt on this host" in p.stderr
+
+
 # ----------------------------------------------------------------------------- item 2: the cap
 def test_auto_prune_never_undoes_the_warmup(tmp_path):
     env = driver_env(tmp_path, MSA_JIT_CACHE_MAX_BYTES="5000", FAKE_SIZE="4096")  # below one entry + meta

@@ -254,15 +254,17 @@ class ArtifactCache:
             else:
                 log.debug("msa-jit cache: %s is being rebuilt by another process; left alone", d)
 
-    def lookup(self, key: str, verify: bool = True) -> CacheEntry | None:
+    def lookup(self, key: str, verify: bool = True, *, corrupt: list[str] | None = None) -> CacheEntry | None:
         """The complete, intact entry of ``key``, or None (lock-free).
 
         ``verify=True`` checks the artifacts' sha256 once per process per entry
         (sizes are always checked). A corrupt entry is logged, removed, and
-        reported as a miss so that the caller rebuilds it.
+        reported as a miss so that the caller rebuilds it; ``corrupt``, if given,
+        gets one ``"<entry dir> (<why>; <what was done>)"`` per corrupt entry found
+        (what ``ArtifactMissingError.corrupt`` holds).
         """
         check_key(key)
-        entry = self._lookup(key, verify, locked=False)
+        entry = self._lookup(key, verify, locked=False, corrupt=corrupt)
         self._count("hits" if entry is not None else "misses")
         return entry
 

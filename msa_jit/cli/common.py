@@ -13,6 +13,7 @@ import json
 import os
 import re
 import signal
+import stat
 import sys
 import tempfile
 import threading
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .. import cache, env, warmup
+from ..cache.errors import describe_oserror
 from ..geometry import (
     DEFAULT_ARCHES, DEFAULT_PAGE_SIZE, DEFAULT_TOPK_BLOCKS, KV_DTYPE_SHORT, Q_DTYPE_SHORT, Q_DTYPES, SparseDecodeConfig,
 )
@@ -109,29 +111,61 @@ def add_json_argument(p: argparse.ArgumentParser, what: str) -> None:
                         "'-' (the table then goes to stderr)")
 
 
+def _special(p: Path) -> bool:
+    """Whether `p` (followed through symlinks) exists and is no regular file or directory: a
+    device (/dev/null, /dev/stdout's tty or pipe), a FIFO, a socket. Written into, never replaced."""
+    try:
+        st = p.stat()
+    except OSError:
+        return False
+    return not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode))
+
+
+def _json_target(path: str) -> Path:
+    """Where `emit_json` writes `path`: a symlink's final target (the link itself stays)."""
+    return Path(os.path.realpath(path)) if os.path.islink(path) else Path(path)
+
+
 def check_output_path(path: str | None) -> str | None:
-    """Why `path` cannot be written (None when it can, or is '-' / None): checked before the work."""
+    """Why `path` cannot be written (None when it can, or is '-' / None): checked before the work.
+
+    A file is really created (and removed) beside the target, as `emit_json` will do: permission
+    bits do not stop root, and a read-only, full or pseudo filesystem (/proc) only says no then."""
     if path is None or path == "-":
         return None
     p = Path(path)
     if p.is_dir():
         return f"{path} is a directory"
-    parent = p.parent if str(p.parent) else Path(".")
+    if _special(p):
+        return None if os.access(p, os.W_OK) else f"{path} is not writable"
+    target = _json_target(path)
+    parent = target.parent if str(target.parent) else Path(".")
     if not parent.is_dir():
         return f"{parent} is not a directory"
-    if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+    if not os.access(parent, os.W_OK | os.X_OK) or (target.exists() and not os.access(target, os.W_OK)):
         return f"{path} is not writable"
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{target.name}.", dir=parent)
+    except OSError as e:
+        return f"cannot create a file in {parent} ({describe_oserror(e)})"
+    os.close(fd)
+    os.unlink(probe)
     return None
 
 
 def emit_json(path: str | None, doc: Any) -> None:
-    """`doc` as indented JSON to stdout (path '-') or into the file (written aside, then renamed)."""
+    """`doc` as indented JSON to stdout (path '-') or into the file: written aside, then renamed
+    onto it (onto a symlink's target); a device or FIFO (`--json /dev/stdout`) is written into."""
     text = json.dumps(doc, indent=1, default=str) + "\n"
     if path == "-":
         sys.stdout.write(text)
         sys.stdout.flush()
         return
-    target = Path(path)
+    if _special(Path(path)):
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+        return
+    target = _json_target(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent if str(target.parent) else ".")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:

@@ -8,6 +8,7 @@ Exit 0 only if every case passes; 2 without a GPU or on an --arch that is not th
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 HELP = "hardware check of this GPU: correctness on the full grid, then bench"
@@ -45,12 +46,12 @@ def run(args: argparse.Namespace) -> int:
     from ..geometry import SparseDecodeConfig, device_arch
 
     if not torch.cuda.is_available():
-        print("msa-jit selftest needs a CUDA GPU (torch.cuda.is_available() is False)")
+        print("msa-jit selftest needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
         return 2
     arch = device_arch(0)
     if args.arch and args.arch != arch:
         print(f"--arch {args.arch} given, but this GPU is {arch} ({torch.cuda.get_device_name()}): "
-              "the selftest checks the GPU it runs on")
+              "the selftest checks the GPU it runs on", file=sys.stderr)
         return 2
     family = kernel_family(SparseDecodeConfig(num_q_heads=64, num_kv_heads=4, arch=arch))
     print(f"selftest on {torch.cuda.get_device_name()} ({arch}), kernel family: {family}")
