@@ -47,6 +47,10 @@ VARIANTS = {  # name -> (kv dtype, kernel options)
     "n_c3s3_nomt": ("nvfp4", dict(C3, stages=3, merge_trigger=False)),
     "f_c3_mt": ("float8_e4m3fn", dict(C3, stages=2, merge_trigger=True)),
     "n_c3s3_mt": ("nvfp4", dict(C3, stages=3, merge_trigger=True)),
+    # the kernels of an older checkout, built there (`old_*`: before af5a8b2's convention, so the
+    # fp8 query and cache reach them as uint8 views), to tell a code change from the machine
+    "old_f_c2": ("float8_e4m3fn", {}),
+    "old_n_c3s3": ("nvfp4", dict(C3, stages=3)),
 }
 GEOMS = [(64, 4), (8, 1)]
 POINTS = [("64/4", 256, 1), ("64/4", 64, 1), ("8/1", 256, 1), ("64/4", 16, 1), ("64/4", 1, 1), ("64/4", 64, 4),
@@ -63,6 +67,18 @@ def _kernel_class(options: dict):
     from kernel_probes import ProbeMmaKernel
 
     return ProbeMmaKernel
+
+
+def _uint8_convention(fn):
+    """An artifact of the calling convention before af5a8b2: fp8 query and cache as uint8."""
+    import torch
+
+    def call(query, kv_cache, *rest):
+        fp8 = torch.float8_e4m3fn
+        return fn(query.view(torch.uint8) if query.dtype == fp8 else query,
+                  kv_cache.view(torch.uint8) if kv_cache.dtype == fp8 else kv_cache, *rest)
+
+    return call
 
 
 def _so(root: Path, name: str, hq: int, hkv: int) -> Path:
@@ -131,6 +147,9 @@ def run(a: argparse.Namespace) -> int:
 
     names = a.variants or list(VARIANTS)
     fns = {(n, g): loader.load_artifact(_so(Path(a.dir), n, *g))[0] for n in names for g in GEOMS}
+    for key, fn in fns.items():
+        if key[0].startswith("old_"):
+            fns[key] = _uint8_convention(fn)
     checks = {}
     for (n, g), fn in list(fns.items()):  # a variant that computes something else is not timed
         worst, problems = check(fn, *g, VARIANTS[n][0])
@@ -142,7 +161,8 @@ def run(a: argparse.Namespace) -> int:
     bw = copy_bandwidth()
     rows = []
     layers = 4
-    for geo, batch, qlen in POINTS:
+    points = [(p.split(":")[0], int(p.split(":")[1]), int(p.split(":")[2])) for p in a.points] if a.points else POINTS
+    for geo, batch, qlen in points:
         hq, hkv = GEOMETRIES[geo]
         steps = [make_step(hq, hkv, batch, qlen, "bfloat16", seed=i) for i in range(layers)]
         for s in steps:
@@ -198,6 +218,7 @@ def main() -> int:
     r = sub.add_parser("run")
     r.add_argument("--out", default=".")
     r.add_argument("--rounds", type=int, default=3)
+    r.add_argument("--points", nargs="+", help="GEOMETRY:BATCH:QLEN (default: POINTS)")
     for p in (b, r):
         p.add_argument("--dir", default=".kv-variants")
         p.add_argument("--variants", nargs="+", choices=sorted(VARIANTS))
