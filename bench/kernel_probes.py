@@ -17,9 +17,9 @@ Options (besides the shipped kernel's):
   v_loads="v4"      V read with 16-byte shared loads (4-way bank conflicts; "rotated" since T1425)
   prefetch_bt=True  L2 prefetch of the request's block-table row before the topk-dependent lookup
                     (measured slower, variants-2026-12-02T1617.json)
-  merge_trigger=    when the split merge lets the next kernel be scheduled: "early" (True) after its
-                    wait, "end" after its stores, "none" (False) when its grid ended (every build
-                    until 2026-12-04; since, the 2-CTA build's is early, kv-format-ab-2026-12-04T1519)
+  merge_trigger=T/F the split merge with / without its griddepcontrol.launch_dependents (none until
+                    2026-12-04: the next layer's decode kernel was scheduled only when the merge
+                    ended; since, the 2-CTA build's merge triggers, kv-format-ab-2026-12-04T1519)
   release="lanes"   every consumer lane arrives on a stage's `empty` barrier (count 32 x warps)
                     instead of lane 0 after `sync_warp`: racecheck then reports no hazard
                     (bench/results/race-ab-2026-12-04.log; the shipped kernel: one per refill)
@@ -72,7 +72,7 @@ class ProbeMmaKernel(SparseDecodeMmaKernel):
     """The shipped portable kernel plus one probe or retired option (see the module docstring)."""
 
     def __init__(self, *, probe: str = "full", pdl: bool = True, v_loads: str = "rotated",
-                 prefetch_bt: bool = False, release: str = "warp", merge_trigger: bool | str | None = None,
+                 prefetch_bt: bool = False, release: str = "warp", merge_trigger: bool | None = None,
                  **options):
         super().__init__(**options)
         for name, value, allowed in (("probe", probe, PROBES), ("v_loads", v_loads, ("rotated", "v4")),
@@ -85,8 +85,8 @@ class ProbeMmaKernel(SparseDecodeMmaKernel):
         self.v_rotated = v_loads == "rotated"
         self.prefetch_bt = bool(prefetch_bt)
         self.release = release
-        if merge_trigger is not None:  # True / False: "early" / "none" (the T1519 variants)
-            self.merge_trigger = {True: "early", False: "none"}.get(merge_trigger, merge_trigger)
+        if merge_trigger is not None:
+            self.merge_trigger = bool(merge_trigger)
         if release == "lanes":
             self.empty_arrivals = self.consumer_threads
 

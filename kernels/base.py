@@ -24,8 +24,8 @@ class SparseDecodeKernelBase:
     # programmatic dependent launch: may the kernels of this launch be scheduled before the
     # previous kernel in the stream has finished (each waits before its first global access)?
     pdl = False
-    # with pdl: when the split merge lets the next kernel be scheduled (SplitMergeKernel.TRIGGERS)
-    merge_trigger = "early"
+    # with pdl: does the split merge let the next kernel be scheduled once its own wait returned?
+    merge_trigger = True
 
     @staticmethod
     def occupancy_options(ctas_per_sm: int, q_dtype: str, kv_dtype: str = "float8_e4m3fn") -> dict:

@@ -155,7 +155,7 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
         # build (kv-format-ab-2026-12-04T1519.json, per layer: batch 1 -0.4..-0.6 us); at 3 per SM
         # its CTAs then took the slots unevenly (64/4 B=16 +1.4..+1.7 us), as the decode kernel's
         # own early trigger did (#29)
-        self.merge_trigger = "early" if ctas_per_sm < 3 else "none"
+        self.merge_trigger = ctas_per_sm < 3
 
     # ------------------------------------------------------------------ host side
     def storage_type(self):

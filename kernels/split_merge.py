@@ -23,19 +23,13 @@ class SplitMergeKernel:
     """Static config in __init__, the launch in `launch` (called while the decode kernel's
     `__call__` is traced, so both kernels are one exported function), device code in kernel()."""
 
-    TRIGGERS = ("none", "early", "end")
-
-    def __init__(self, *, num_kv_heads: int, group_size: int, max_splits: int, pdl: bool, trigger: str = "early"):
+    def __init__(self, *, num_kv_heads: int, group_size: int, max_splits: int, pdl: bool, trigger: bool = True):
         self.hkv = num_kv_heads
         self.group = group_size
         # the split loop is unrolled to max_splits (= topk: a split holds at least one slot)
         self.max_splits = max_splits
         self.pdl = pdl
-        if trigger not in self.TRIGGERS:
-            raise ValueError(f"trigger {trigger!r} not in {self.TRIGGERS}")
-        # when the next kernel may be scheduled (griddepcontrol.launch_dependents): "early", once this
-        # CTA's wait returned; "end", after its stores; "none", when the grid has ended
-        self.trigger = trigger if pdl else "none"
+        self.trigger = pdl and trigger
 
     def launch(self, mOut: cute.Tensor, mLse: cute.Tensor, mPO: cute.Tensor, mPL: cute.Tensor,
                num_splits: Int32, num_tokens: Int32, stream) -> None:
@@ -55,7 +49,7 @@ class SplitMergeKernel:
         t, h, row = cute.arch.block_idx()
         if cutlass.const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()  # every split's partial is written
-        if cutlass.const_expr(self.trigger == "early"):
+        if cutlass.const_expr(self.trigger):
             # the next kernel (the next layer's decode) may be scheduled now: it waits for this
             # grid before its first global access, and the decode grid is done, so its CTAs only
             # take slots this small grid leaves free while their launch latency overlaps the merge
@@ -86,5 +80,3 @@ class SplitMergeKernel:
         mOut[t, h * self.group + row, d] = out.to(cutlass.BFloat16)
         if d == 0:
             mLse[t, h * self.group + row] = lse_nat
-        if cutlass.const_expr(self.trigger == "end"):
-            cute.arch.griddepcontrol_launch_dependents()
