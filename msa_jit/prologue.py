@@ -37,6 +37,8 @@ __all__ = [
 ]
 
 BLOCK_ROWS = 128
+# CUDA graphs of a plan's bound launch, one per seq_lens address (an engine refreshes one buffer)
+MAX_REFRESH_GRAPHS = 4
 
 
 @triton.jit
@@ -117,7 +119,7 @@ def refresh_plan_tensors_auto(
 
 def bind_refresh(
     seq_lens: torch.Tensor, kv_lens: torch.Tensor, qo_offset: torch.Tensor, qlen: int,
-    launch_dependents: bool = True,
+    launch_dependents: bool = True, graphs: bool = True,
 ) -> Callable[[torch.Tensor], None]:
     """`refresh(seq_lens)` for one plan's kv_lens / qo_offset, with the launch bound once.
 
@@ -128,6 +130,8 @@ def bind_refresh(
     (outside graph capture) and dropped for the plain launch if it differs or fails; a seq_lens
     whose 16-byte alignment differs from the one the kernel was specialized for also takes the
     plain launch.
+    graphs: outside a caller's CUDA-graph capture, replay the bound launch from a CUDA graph
+    captured once per seq_lens address (`replay_from_graphs`): 3-5 us of CPU instead of 10-13.
     launch_dependents: the PDL trigger (see the module docstring); False only for A/B runs.
     """
     num_rows = kv_lens.numel()
@@ -169,4 +173,55 @@ def bind_refresh(
         plain(seq_lens)
         return plain
     bound.compiled = compiled  # its .asm["ptx"] shows the trigger (tests)
-    return bound
+    return replay_from_graphs(bound, aligned) if graphs else bound
+
+
+def replay_from_graphs(bound: Callable[[torch.Tensor], None], aligned: bool) -> Callable[[torch.Tensor], None]:
+    """`bound(seq_lens)` replayed from a CUDA graph captured on the first call per seq_lens address.
+
+    On the GPU host a `CUDAGraph.replay` of the one-kernel graph costs 3-5 us of CPU against
+    10-13 us for Triton's launcher (bench/results/host-ab-2026-12-04T1537.json, `prologue_graph`
+    against `prologue_ints`); the decode kernel that follows then cannot overlap its launch with
+    the prologue (PDL works between kernels, not after a graph: ~0.5 us of GPU per step, not per
+    layer). The launch itself runs instead (and is captured into the caller's graph) while the
+    current stream is capturing, for a seq_lens of the other 16-byte alignment (whose plain launch
+    might compile), off the current device, past MAX_REFRESH_GRAPHS addresses, or once a capture
+    failed. A capture never compiles: the kernel was launched when the plan was bound.
+    """
+    replays: dict[int, Callable[[], None]] = {}
+    state = {"failed": False}
+
+    def capture(s: torch.Tensor, ptr: int) -> Callable[[], None] | None:
+        if state["failed"] or len(replays) >= MAX_REFRESH_GRAPHS or (ptr % 16 == 0) != aligned:
+            return None
+        # capture_begin / capture_end on a side stream: unlike torch.cuda.graph() no device sync,
+        # gc.collect() or empty_cache() in the middle of an engine's step
+        graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        try:
+            with torch.cuda.stream(side):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    bound(s)
+                finally:
+                    graph.capture_end()
+        except Exception:  # noqa: BLE001 - e.g. another thread capturing: launch directly from now on
+            state["failed"] = True
+            return None
+        replays[ptr] = graph.replay
+        return graph.replay
+
+    def graphed(s: torch.Tensor) -> None:
+        if torch.cuda.is_current_stream_capturing() or s.device.index != torch.cuda.current_device():
+            bound(s)
+            return
+        ptr = s.data_ptr()
+        replay = replays.get(ptr) or capture(s, ptr)
+        if replay is None:
+            bound(s)
+        else:
+            replay()
+
+    graphed.compiled = bound.compiled
+    graphed.bound = bound
+    graphed.replays = replays  # tests: which addresses have a graph
+    return graphed

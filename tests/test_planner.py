@@ -66,8 +66,8 @@ def test_prepare_runs_the_triton_prologue(monkeypatch):
         monkeypatch.setattr(prologue, "refresh_plan_tensors_torch", boom)
     c = _case(batch=5, qlen=3, seed=4)
     p = SparseDecodePlanner().prepare(*c.prepare_args(), **c.prepare_kwargs())
-    if DEV == "cuda":
-        assert p.refresh.__name__ == "bound"
+    if DEV == "cuda":  # the bound launch, replayed from a CUDA graph outside a caller's capture
+        assert p.refresh.__name__ == "graphed" and p.refresh.bound.__name__ == "bound"
     exp_kv, exp_qo = _expected(c.seq_lens_cpu.tolist(), c.qlen)
     assert p.kv_lens.cpu().tolist() == exp_kv and p.qo_offset.cpu().tolist() == exp_qo
 
@@ -450,3 +450,62 @@ def test_nvfp4_three_cta_build_keeps_three_stages():
     assert SparseDecodeMmaKernel.occupancy_options(3, "bfloat16", "nvfp4")["stages"] == 3
     assert SparseDecodeMmaKernel.occupancy_options(3, "bfloat16")["stages"] == 2
     assert SparseDecodeMmaKernel.occupancy_options(2, "bfloat16", "nvfp4") == {}
+
+
+@pytest.mark.gpu
+def test_refresh_replays_one_graph_per_seq_lens_address():
+    """Eager prepare replays the prologue from a CUDA graph captured once per seq_lens address
+    (the live values are read at every replay); another address gets its own graph, one of the
+    other 16-byte alignment none (its plain launch might compile), and at most
+    MAX_REFRESH_GRAPHS addresses are captured."""
+    from msa_jit.prologue import MAX_REFRESH_GRAPHS
+
+    c = _case(batch=5, qlen=3, seed=7)
+    planner = SparseDecodePlanner()
+    args, kw = c.prepare_args(), c.prepare_kwargs()
+    p = planner.prepare(*args, **kw)
+    seq = c.seq_lens
+    assert list(p.refresh.replays) == [seq.data_ptr()]
+    for delta in (0, -2, 5):
+        seq.add_(delta)
+        p.kv_lens.fill_(-9)
+        assert planner.prepare(args[0], seq, None, *args[3:], **kw) is p
+        exp_kv, exp_qo = _expected(seq.cpu().tolist(), c.qlen)
+        assert p.kv_lens.cpu().tolist() == exp_kv and p.qo_offset.cpu().tolist() == exp_qo
+    assert len(p.refresh.replays) == 1
+    buf = torch.zeros(64, dtype=torch.int32, device="cuda")
+    others = [buf[16 * i:16 * i + seq.numel()] for i in range(4)] + [buf[1:1 + seq.numel()]]
+    for other in others:
+        other.copy_(seq - 1)
+        p.kv_lens.fill_(-9)
+        planner.prepare(args[0], other, None, *args[3:], **kw)
+        exp_kv, exp_qo = _expected(other.cpu().tolist(), c.qlen)
+        assert p.kv_lens.cpu().tolist() == exp_kv and p.qo_offset.cpu().tolist() == exp_qo
+    assert others[-1].data_ptr() not in p.refresh.replays  # misaligned: plain launch
+    assert len(p.refresh.replays) == MAX_REFRESH_GRAPHS
+
+
+@pytest.mark.gpu
+def test_refresh_inside_a_capture_launches_the_kernel():
+    """prepare inside the caller's CUDA-graph capture records the prologue kernel itself (no
+    graph of ours), so the caller's replays follow seq_lens."""
+    c = _case(batch=4, qlen=2, seed=8)
+    planner = SparseDecodePlanner()
+    args, kw = c.prepare_args(), c.prepare_kwargs()
+    p = planner.prepare(*args, **kw)
+    seq = c.seq_lens.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side):
+        with torch.cuda.graph(g, stream=side):
+            planner.prepare(args[0], seq, None, *args[3:], **kw)
+    torch.cuda.current_stream().wait_stream(side)
+    assert seq.data_ptr() not in p.refresh.replays
+    for delta in (3, -1):
+        seq.add_(delta)
+        p.kv_lens.fill_(-9)
+        g.replay()
+        torch.cuda.synchronize()
+        exp_kv, exp_qo = _expected(seq.cpu().tolist(), c.qlen)
+        assert p.kv_lens.cpu().tolist() == exp_kv and p.qo_offset.cpu().tolist() == exp_qo
