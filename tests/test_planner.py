@@ -83,8 +83,9 @@ def test_bound_refresh_takes_the_direct_launch_and_stays_correct():
     seq = torch.randint(0, 5000, (batch,), dtype=torch.int32, device="cuda")
     kv = torch.empty(batch * qlen, dtype=torch.int32, device="cuda")
     qo = torch.empty_like(kv)
-    refresh = prologue.bind_refresh(seq, kv, qo, qlen)
-    assert refresh.__name__ == "bound"
+    assert prologue.bind_refresh(seq, kv, qo, qlen, graphs=False).__name__ == "bound"
+    refresh = prologue.bind_refresh(seq, kv, qo, qlen)  # that launch, replayed from a CUDA graph
+    assert refresh.__name__ == "graphed" and refresh.bound.__name__ == "bound"
     for _ in range(3):
         seq.random_(0, 5000)
         refresh(seq)
