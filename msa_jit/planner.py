@@ -4,7 +4,8 @@ A plan is built once per key (batch, qlen, block_table.stride(0), Hq, Hkv, page_
 topk_blocks, device); a later `prepare` with the same key returns the same plan object
 whose tensors keep their addresses (CUDA-graph replay), after refreshing `kv_lens` and
 `qo_offset` in place from the device `seq_lens` with one Triton launch (no host sync, no
-allocation). `seq_lens_cpu`, when given, is checked on every call (a scan of the CPU copy:
+allocation; eagerly it is replayed from a CUDA graph captured once per seq_lens address,
+`prologue.replay_from_graphs`, inside a caller's capture launched as is). `seq_lens_cpu`, when given, is checked on every call (a scan of the CPU copy:
 0 <= length <= the block table's capacity).
 """
 
