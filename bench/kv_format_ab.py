@@ -61,18 +61,6 @@ POINTS = [("64/4", 256, 1), ("64/4", 64, 1), ("8/1", 256, 1), ("64/4", 16, 1), (
           ("64/4", 4, 1), ("8/1", 1, 1), ("8/1", 16, 1)]
 
 
-def _kernel_class(options: dict):
-    """The shipped kernel, or the bench's probe subclass when an option needs it (kernel_probes.py)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from variants import PROBE_OPTIONS
-
-    if not set(options) & PROBE_OPTIONS:
-        return None
-    from kernel_probes import ProbeMmaKernel
-
-    return ProbeMmaKernel
-
-
 def _uint8_convention(fn):
     """An artifact of the calling convention before af5a8b2: fp8 query and cache as uint8."""
     import torch
@@ -100,7 +88,7 @@ def build(a: argparse.Namespace) -> int:
             so = _so(Path(a.dir), name, hq, hkv)
             so.parent.mkdir(parents=True, exist_ok=True)
             cfg = SparseDecodeConfig(num_q_heads=hq, num_kv_heads=hkv, kv_dtype=kv, arch=a.arch)
-            compile_sparse_decode(cfg, so.parent, kernel_options=opt, kernel_class=_kernel_class(opt))
+            compile_sparse_decode(cfg, so.parent, kernel_options=opt, kernel_class=_variants()._kernel_class(opt))
             r = [x for x in sass.summarize(so) if "merge" not in x["kernel"].lower()][0]
             print(f"{name} {hq}/{hkv}: {r['registers']} registers, {r['local_ops']} local ops", flush=True)
     return 0
@@ -117,30 +105,20 @@ def random_nvfp4_like(kv):
 
 
 def check(fn, hq: int, hkv: int, kv: str) -> tuple[float, list[str]]:
-    """(worst rel L2, problems) of one loaded variant against the float64 reference: a few small
-    contract-valid cases of its cache format (one split and split-KV, padded rows, qlen > 1),
-    each launched 3 times on one plan with fresh, poisoned outputs."""
-    import torch
+    """(worst rel L2, problems) of one loaded variant against the float64 reference: the small
+    cases of bench/variants.py's check (one split and split-KV, padded rows, qlen > 1, each
+    launched 3 times on one plan with fresh, poisoned outputs) in its cache format."""
+    rows = _variants()._check(fn, hq, hkv, "bfloat16", kv)
+    problems = [f"B={r['batch']} qlen={r['qlen']} splits={r['num_splits']}: {p}" for r in rows for p in r["problems"]]
+    return max(r["rel_l2"] for r in rows), problems
 
-    from msa_jit import SparseDecodePlanner, sparse_decode
-    from msa_jit.testing import compare_with_reference, make_case
 
-    worst, problems = 0.0, []
-    for batch, qlen, num_sms, padded in ((1, 1, None, False), (3, 4, None, True), (16, 1, 1, False),
-                                         (5, 2, 100000, True), (8, 4, 1, True)):
-        case = make_case(batch, qlen, hq, hkv, q_dtype=torch.bfloat16, seed=hq + 7 * batch + qlen, device="cuda",
-                         padded=padded, kv_dtype="nvfp4" if kv == "nvfp4" else "fp8")
-        plan = SparseDecodePlanner(num_sms=num_sms).prepare(*case.prepare_args(), **case.prepare_kwargs())
-        plan.kernels[(torch.bfloat16, kv)] = fn
-        for _ in range(3):
-            out, lse = case.new_out(), case.new_lse()
-            sparse_decode(case.query, case.kv_cache, case.topk, out, plan, lse=lse, backend="kernel",
-                          **case.scales(scale_tensors=kv == "nvfp4"))
-            torch.cuda.synchronize()
-            err, bad = compare_with_reference(case, out, lse)
-            worst = max(worst, err)
-            problems += [f"B={batch} qlen={qlen} splits={plan.num_splits}: {p}" for p in bad]
-    return worst, problems
+def _variants():
+    """bench/variants.py (its probe options, kernel-class choice and reference check)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import variants
+
+    return variants
 
 
 def run(a: argparse.Namespace) -> int:

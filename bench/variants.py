@@ -125,8 +125,9 @@ def build(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check(fn, hq: int, hkv: int, qd: str) -> list[dict[str, Any]]:
-    """Reference comparison of one loaded variant on a few small cases (splits forced both ways)."""
+def _check(fn, hq: int, hkv: int, qd: str, kv_dtype: str = FP8) -> list[dict[str, Any]]:
+    """Reference comparison of one loaded variant on a few small cases (splits forced both ways)
+    of its cache format (fp8, or "nvfp4" with the global scales as device tensors)."""
     import torch
 
     from msa_jit import SparseDecodePlanner, sparse_decode
@@ -139,13 +140,15 @@ def _check(fn, hq: int, hkv: int, qd: str) -> list[dict[str, Any]]:
     for batch, qlen, num_sms, padded in ((1, 1, None, False), (3, 4, None, True), (16, 1, 1, False),
                                          (5, 2, 100000, True), (64, 1, 1, True), (8, 4, 1, True)):
         case = make_case(batch, qlen, hq, hkv, q_dtype=getattr(torch, qd), seed=hq * 1000 + batch * 10 + qlen,
-                         device="cuda", padded=padded, transposed_topk=batch % 2 == 1)
+                         device="cuda", padded=padded, transposed_topk=batch % 2 == 1,
+                         kv_dtype="nvfp4" if kv_dtype == "nvfp4" else "fp8")
         plan = SparseDecodePlanner(num_sms=num_sms).prepare(*case.prepare_args(), **case.prepare_kwargs())
-        plan.kernels[(case.query.dtype, "float8_e4m3fn")] = fn
+        plan.kernels[(case.query.dtype, kv_dtype)] = fn
         worst = (-1.0, [])
         for _ in range(3):
             out, lse = case.new_out(), case.new_lse()
-            sparse_decode(case.query, case.kv_cache, case.topk, out, plan, lse=lse, backend="kernel", **case.scales())
+            sparse_decode(case.query, case.kv_cache, case.topk, out, plan, lse=lse, backend="kernel",
+                          **case.scales(scale_tensors=kv_dtype == "nvfp4"))
             torch.cuda.synchronize()
             err, problems = compare_with_reference(case, out, lse)
             worst = max(worst, (err, problems), key=lambda x: (bool(x[1]), x[0]))
