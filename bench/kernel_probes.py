@@ -20,12 +20,13 @@ Options (besides the shipped kernel's):
   merge_trigger=T/F the split merge with / without its griddepcontrol.launch_dependents (none until
                     2026-12-04: the next layer's decode kernel was scheduled only when the merge
                     ended; since, the 2-CTA build's merge triggers, kv-format-ab-2026-12-04T1519)
-  release="lanes"   every consumer lane arrives on a stage's `empty` barrier (count 32 x warps)
-                    instead of lane 0 after `sync_warp`: racecheck then reports no hazard
-                    (bench/results/race-ab-2026-12-04.log; the shipped kernel: one per refill)
-                    at a cost of 15 more spill instructions in the 3-CTA fp8-query build. Also
-                    tried there: the shipped way plus `fence.proxy.async.shared::cta` by every
-                    lane (still the same hazards: no proxy fence is missing)
+  release="warp"    lane 0 arrives on a stage's `empty` barrier after `sync_warp` (the shipped way
+                    until session 10; every lane arrives since, "lanes"): racecheck reports every
+                    refill as a hazard (bench/results/race-ab-2026-12-04.log). Also tried there: the
+                    "warp" way plus `fence.proxy.async.shared::cta` by every lane (the same hazards:
+                    no proxy fence is missing)
+  release="bar"     lane 0 arrives after a named barrier of the warp's 32 threads (`bar.sync 2 + warp,
+                    32`): racecheck still reports the same hazards (race-2026-12-04-s10.log)
 Retired without a probe here (their commits keep them): the fp8 bit trick (`convert="bittrick"`,
 before 6b956f7's parent), one 2-byte store per output element (`out_stores="scalar"`, 0b2e8da).
 
@@ -47,7 +48,7 @@ from msa_jit.kernels.sparse_decode_mma import ROW_BYTES, SparseDecodeMmaKernel  
 
 TRACE_WORDS = 8
 PROBES = ("full", "no_math", "no_copy", "trace")
-RELEASES = ("warp", "lanes")
+RELEASES = ("lanes", "warp", "bar")
 
 
 @dsl_user_op
@@ -72,7 +73,7 @@ class ProbeMmaKernel(SparseDecodeMmaKernel):
     """The shipped portable kernel plus one probe or retired option (see the module docstring)."""
 
     def __init__(self, *, probe: str = "full", pdl: bool = True, v_loads: str = "rotated",
-                 prefetch_bt: bool = False, release: str = "warp", merge_trigger: bool | None = None,
+                 prefetch_bt: bool = False, release: str = "lanes", merge_trigger: bool | None = None,
                  **options):
         super().__init__(**options)
         for name, value, allowed in (("probe", probe, PROBES), ("v_loads", v_loads, ("rotated", "v4")),
@@ -87,8 +88,8 @@ class ProbeMmaKernel(SparseDecodeMmaKernel):
         self.release = release
         if merge_trigger is not None:
             self.merge_trigger = bool(merge_trigger)
-        if release == "lanes":
-            self.empty_arrivals = self.consumer_threads
+        if release != "lanes":  # one arrival per warp
+            self.empty_arrivals = self.warps
 
     # ---- no_copy: complete each stage without copying
     @cute.jit
@@ -111,11 +112,18 @@ class ProbeMmaKernel(SparseDecodeMmaKernel):
             SparseDecodeMmaKernel.consume_block(self, qa, q_lane, acc, row_max, row_sum, stage, empty_bar, blk,
                                                 kv_len, scale, key_base, g, c, lane)
 
-    # ---- release="lanes"
+    # ---- release="warp" / "bar"
     @cute.jit
     def release_stage(self, empty_bar, lane):
-        if cutlass.const_expr(self.release == "lanes"):
-            cute.arch.mbarrier_arrive(empty_bar)
+        if cutlass.const_expr(self.release == "warp"):
+            cute.arch.sync_warp()
+            if lane == 0:
+                cute.arch.mbarrier_arrive(empty_bar)
+        elif cutlass.const_expr(self.release == "bar"):
+            warp = cute.arch.make_warp_uniform(cute.arch.thread_idx()[0] // 32)
+            cute.arch.barrier(barrier_id=2 + warp, number_of_threads=32)  # 0: sync_threads, 1: the epilogue
+            if lane == 0:
+                cute.arch.mbarrier_arrive(empty_bar)
         else:
             SparseDecodeMmaKernel.release_stage(self, empty_bar, lane)
 

@@ -55,6 +55,14 @@ VARIANTS = {  # name -> (kv dtype, kernel options)
     # fp8 query and cache reach them as uint8 views), to tell a code change from the machine
     "old_f_c2": ("float8_e4m3fn", {}),
     "old_n_c3s3": ("nvfp4", dict(C3, stages=3)),
+    # the planner's builds of a checkout of f6bef28 (before session 10's named-barrier release and
+    # fp8 K reads per k-step pair), built there under the names f_c2 / f_c3 / n_c3s3 and copied here
+    "base_f_c2": ("float8_e4m3fn", {"checkout": "f6bef28"}),
+    "base_f_c3": ("float8_e4m3fn", dict(C3, stages=2, checkout="f6bef28")),
+    "base_n_c3s3": ("nvfp4", dict(C3, stages=3, checkout="f6bef28")),
+    # the release of a stage before session 10 (sync_warp, lane 0 arrives), same build otherwise
+    "f_c3_relwarp": ("float8_e4m3fn", dict(C3, stages=2, release="warp")),
+    "n_c3s3_relwarp": ("nvfp4", dict(C3, stages=3, release="warp")),
 }
 GEOMS = [(64, 4), (8, 1)]
 POINTS = [("64/4", 256, 1), ("64/4", 64, 1), ("8/1", 256, 1), ("64/4", 16, 1), ("64/4", 1, 1), ("64/4", 64, 4),
@@ -84,6 +92,9 @@ def build(a: argparse.Namespace) -> int:
 
     for name in a.variants or VARIANTS:
         kv, opt = VARIANTS[name]
+        if "checkout" in opt:  # built by that checkout's own kv_format_ab.py, copied here
+            print(f"{name}: build it in a checkout of {opt['checkout']} and copy it to {Path(a.dir) / name}")
+            continue
         for hq, hkv in GEOMS:
             so = _so(Path(a.dir), name, hq, hkv)
             so.parent.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """Run one variant artifact (bench/variants.py build) on the sanitizer's adversarial cases.
 
-    compute-sanitizer --tool racecheck python3 bench/race_variant.py .variants/rel_lanes/16x1-bfloat16/sparse_decode.so
+    compute-sanitizer --tool racecheck python3 bench/race_variant.py .variants/rel_warp/16x1-bfloat16/sparse_decode.so
 
 The cases of tests/gpu_memcheck.py (batch 3, qlen 4, padded rows, -1 / duplicate / out-of-range
 topk and block-table entries, both split paths), on the artifact's geometry (read from its

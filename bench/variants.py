@@ -58,13 +58,21 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # since T1342 the same options as the planner's 3-per-SM build (occupancy_options(3), #29)
     "c3_lean": {"q_frags": "smem", "smem_reads": "staged", "ctas_per_sm": 3, "stages": 2, "softmax": "lean"},
     "lean": {"softmax": "lean"},
-    # the racecheck finding of session 8: every lane arrives on a stage's `empty` barrier
-    # (kernel_probes.py `release`; T1459: racecheck quiet, the 3-CTA fp8-query build spills more)
-    "rel_lanes": {"release": "lanes"},
-    "c3_rel_lanes": {"q_frags": "smem", "smem_reads": "staged", "ctas_per_sm": 3, "stages": 2, "softmax": "lean",
-                     "release": "lanes"},
+    # the release of a stage before session 10 (sync_warp, then lane 0 arrives) and a named
+    # barrier of the warp in its place; every lane arrives since (kernel_probes.py `release`)
+    "rel_warp": {"release": "warp"},
+    "c3_rel_warp": {"q_frags": "smem", "smem_reads": "staged", "ctas_per_sm": 3, "stages": 2, "softmax": "lean",
+                    "release": "warp"},
+    "rel_bar": {"release": "bar"},
+    # the shipped builds of a checkout of f6bef28 (before session 10: sync_warp release, the 3-CTA
+    # build's fp8 K read per half of head_dim), built there and copied here under these names
+    "base": {"checkout": "f6bef28"},
+    "c3_base": {"q_frags": "smem", "smem_reads": "staged", "ctas_per_sm": 3, "stages": 2, "softmax": "lean",
+                "checkout": "f6bef28"},
 }
 PLAN_OPTIONS = ("prologue_trigger", "num_splits", "prologue")
+# "checkout": the variant's artifacts come from another commit's build (variants.py build there,
+# the folder copied here under the variant's name), to time old and new kernels in one process
 # options only bench/kernel_probes.py's ProbeMmaKernel has (the shipped kernel has none of them)
 PROBE_OPTIONS = {"probe", "pdl", "v_loads", "prefetch_bt", "release", "merge_trigger"}
 GEOMETRIES = [(64, 4, "bfloat16"), (8, 1, "bfloat16"), (16, 1, "bfloat16"), (64, 4, "float8_e4m3fn")]
@@ -79,7 +87,7 @@ POINTS = [("64/4", 256, 1, 0, BF16), ("64/4", 128, 1, 0, BF16), ("64/4", 64, 1, 
 
 
 def _kernel_options(name: str) -> dict[str, Any]:
-    return {k: v for k, v in VARIANTS[name].items() if k not in PLAN_OPTIONS}
+    return {k: v for k, v in VARIANTS[name].items() if k not in PLAN_OPTIONS and k != "checkout"}
 
 
 def _kernel_class(options: dict[str, Any]):
@@ -94,7 +102,8 @@ def _kernel_class(options: dict[str, Any]):
 
 def _artifact_variant(name: str) -> str:
     """The first variant with the same kernel options (whose artifacts `name` reuses)."""
-    return next(v for v in VARIANTS if _kernel_options(v) == _kernel_options(name))
+    key = (_kernel_options(name), VARIANTS[name].get("checkout"))
+    return next(v for v in VARIANTS if (_kernel_options(v), VARIANTS[v].get("checkout")) == key)
 
 
 def _is_probe(name: str) -> bool:
@@ -113,6 +122,10 @@ def build(args: argparse.Namespace) -> int:
     root = Path(args.dir)
     for name in args.variants or VARIANTS:
         if _artifact_variant(name) != name:
+            continue
+        if "checkout" in VARIANTS[name]:  # built by that checkout's own variants.py, copied here
+            print(f"{name}: build it in a checkout of {VARIANTS[name]['checkout']} and copy it to "
+                  f"{root / name}", flush=True)
             continue
         for hq, hkv, qd in GEOMETRIES:
             cfg = SparseDecodeConfig(num_q_heads=hq, num_kv_heads=hkv, q_dtype=qd, arch=args.arch)

@@ -114,8 +114,8 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
         self.keys_per_warp = page_size // consumer_warps  # in 16-key sub-tiles
         self.consumer_threads = 32 * self.warps
         self.threads = self.consumer_threads + 32
-        # arrivals that complete a stage's `empty` barrier: one per consumer warp (release_stage)
-        self.empty_arrivals = self.warps
+        # arrivals that complete a stage's `empty` barrier: every consumer thread (release_stage)
+        self.empty_arrivals = self.consumer_threads
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype {kv_dtype!r} not in {KV_DTYPES}")
         # NVFP4: one stage is the K slot and the V slot of a (page, KV head), adjacent in the cache
@@ -150,6 +150,11 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
         # early, more registers live); "staged": K per half of head_dim, V per sub-tile after the
         # softmax (fewer live registers, the stage is released after the last V read)
         self.staged = smem_reads == "staged"
+        # the staged build's fp8 K read per k-step pair (8 bytes) instead of per half of head_dim
+        # (16 bytes): 8 fewer live registers, which the fp8-query 3-CTA build needs at 128 (5 spill
+        # instructions before); the bf16-query build ran 0.3-2% slower with it (kv-format-ab /
+        # variants 2026-12-04T1645), so it keeps the 16-byte reads
+        self.k_pairs = self.staged and self.q_fp8 and not self.nvfp4
         self.ctas_per_sm = ctas_per_sm
         # the split merge lets the next layer's decode kernel be scheduled early only in the 2-CTA
         # build (kv-format-ab-2026-12-04T1519.json, per layer: batch 1 -0.4..-0.6 us); at 3 per SM
@@ -344,16 +349,18 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
         sv = cute.make_rmem_tensor(4 * nt_s, Float32)
         d = [[Float32(0.0)] * 4 for _ in range(nt_s)]
         for kh in cutlass.range_constexpr(2):
-            if cutlass.const_expr(self.staged):  # only this half's K words are live
+            kw_h = kw[kh] if cutlass.const_expr(not self.staged) else None
+            if cutlass.const_expr(self.staged and not self.k_pairs):  # only this half's K words are live
                 kw_h = [self.load_k(stage, k_keys[n], kh, c) for n in range(nt_s)]
-            else:
-                kw_h = kw[kh]
             for kp in cutlass.range_constexpr(2):  # k-steps 2kp, 2kp+1 of the half
                 if cutlass.const_expr(self.nvfp4):  # one e2m1 word (8 dims) holds both k-steps
                     bk = [self.nvfp4_k_frags(kw_h[n], kp) for n in range(nt_s)]
                 else:
-                    bk = [self.fp8x4_to_f16x2x2(kw_h[n][2 * kp]) + self.fp8x4_to_f16x2x2(kw_h[n][2 * kp + 1])
-                          for n in range(nt_s)]
+                    if cutlass.const_expr(self.k_pairs):  # only this pair's K words are live
+                        kq_w = [self.load_k_pair(stage, k_keys[n], kh, kp, c) for n in range(nt_s)]
+                    else:
+                        kq_w = [(kw_h[n][2 * kp], kw_h[n][2 * kp + 1]) for n in range(nt_s)]
+                    bk = [self.fp8x4_to_f16x2x2(kq_w[n][0]) + self.fp8x4_to_f16x2x2(kq_w[n][1]) for n in range(nt_s)]
                 for kq in cutlass.range_constexpr(2):
                     ks = 4 * kh + 2 * kp + kq
                     if cutlass.const_expr(self.q_smem):
@@ -418,6 +425,11 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
         return ptx.ld_shared_v4(stage + key * ROW_BYTES + 16 * c + 64 * kh)
 
     @cute.jit
+    def load_k_pair(self, stage, key, kh, kp, c):
+        """fp8 K words 2kp, 2kp+1 of load_k's 4 (head dims 64kh + 16c + 8kp .. + 8), one 8-byte load."""
+        return ptx.ld_shared_v2(stage + key * ROW_BYTES + 16 * c + 64 * kh + 8 * kp)
+
+    @cute.jit
     def nvfp4_k_frags(self, kraw, kp):
         """B fragments (b0, b1) of k-steps 2kp and 2kp+1 from code word kp of load_k's NVFP4 K.
 
@@ -465,19 +477,15 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
 
     @cute.jit
     def release_stage(self, empty_bar, lane):
-        """This warp is done reading the stage: one arrival on its `empty` barrier.
+        """This warp is done reading the stage: every lane arrives on its `empty` barrier.
 
-        `sync_warp` orders every lane's reads before lane 0's arrival (PTX memory model), so the
-        producer's next bulk copy into the stage comes after them. compute-sanitizer's racecheck
-        does not see that warp barrier and reports each refill as a race; with every lane
-        arriving it reports none (bench/results/race-ab-2026-12-04.log), but that costs the
-        3-CTA fp8-query build 15 more spill instructions (20 LDL/STL instead of 5; 1.8-3.2%
-        slower at its two timed points, variants-2026-12-04T1459.json), so it stays a bench
-        probe (bench/kernel_probes.py, release="lanes").
+        Each lane's own arrival orders its reads before the producer's next bulk copy into the
+        stage. One arrival by lane 0 after `sync_warp` (until session 10) is ordered as well by the
+        PTX model, but compute-sanitizer's racecheck sees neither that warp barrier nor a named
+        barrier of the warp in its place, and reported every refill as a race
+        (bench/results/race-ab-2026-12-04.log, race-2026-12-04-s10.log).
         """
-        cute.arch.sync_warp()
-        if lane == 0:
-            cute.arch.mbarrier_arrive(empty_bar)
+        cute.arch.mbarrier_arrive(empty_bar)
 
     @cute.jit
     def softmax_plain(self, sv, acc, row_max, row_sum, key0, kv_len, scale, nt_s: cutlass.Constexpr):

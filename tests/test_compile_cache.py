@@ -6,6 +6,7 @@ shared through one module-scoped warm cache that tests copy before touching it.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -247,6 +248,14 @@ def test_accepted_local_ops_most_specific_key_wins():
         return SparseDecodeConfig(16, 1, arch=arch, ctas_per_sm=ctas, q_dtype=q)
 
     assert compiler.accepted_local_ops(cfg("sm_90a", 2, "bfloat16")) == 0
-    assert compiler.accepted_local_ops(cfg("sm_90a", 3, "bfloat16")) == 6
-    assert compiler.accepted_local_ops(cfg("sm_90a", 3, "float8_e4m3fn")) == 15
-    assert compiler.accepted_local_ops(cfg("sm_100a", 3, "float8_e4m3fn")) == 12
+    assert compiler.accepted_local_ops(cfg("sm_90a", 3, "bfloat16")) == 0
+    assert compiler.accepted_local_ops(cfg("sm_90a", 3, "float8_e4m3fn")) == 0
+    assert compiler.accepted_local_ops(cfg("sm_100a", 3, "float8_e4m3fn")) == 6
+    assert compiler.accepted_local_ops(cfg("sm_100a", 2, "float8_e4m3fn")) == 0
+    with pytest.MonkeyPatch.context() as mp:  # the lookup order itself, on a table with every key kind
+        table = {3: 1, ("sm_90a", 3): 2, ("sm_90a", 3, "float8_e4m3fn"): 3}
+        mp.setitem(compiler.KERNEL_REGISTRY, "portable",
+                   dataclasses.replace(compiler.KERNEL_REGISTRY["portable"], accepted_local_ops=table))
+        assert [compiler.accepted_local_ops(cfg("sm_100a", 3, "bfloat16")),
+                compiler.accepted_local_ops(cfg("sm_90a", 3, "bfloat16")),
+                compiler.accepted_local_ops(cfg("sm_90a", 3, "float8_e4m3fn"))] == [1, 2, 3]

@@ -166,14 +166,15 @@ def test_probe_subclass_without_probes_is_the_shipped_kernel(tmp_path, ctas_per_
     assert body({"probe": "full"}) == body({})
 
 
-def test_release_lanes_probe_has_every_lane_arrive(tmp_path):
-    # the racecheck A/B (bench/results/race-ab-2026-12-04.log): in the probe every consumer lane
-    # arrives on a stage's `empty` barrier, in the shipped kernel one lane per warp
+def test_every_consumer_lane_releases_a_stage(tmp_path):
+    # racecheck sees a stage's refill ordered after a consumer lane's reads only when that lane
+    # arrives itself (bench/results/race-ab-2026-12-04.log, race-2026-12-04-s10.log): the shipped
+    # kernel counts every consumer thread, the probe of before session 10 one lane per warp
     from msa_jit.kernels.sparse_decode_mma import SparseDecodeMmaKernel
 
     shipped = SparseDecodeMmaKernel(num_q_heads=64, num_kv_heads=4)
-    lanes = _probe_class()(num_q_heads=64, num_kv_heads=4, release="lanes")
-    assert (shipped.empty_arrivals, lanes.empty_arrivals) == (shipped.warps, lanes.consumer_threads)
-    _, text, _ = _main_kernel(tmp_path / "lanes", {"release": "lanes"})
-    _, base, _ = _main_kernel(tmp_path / "warp", {})
+    warp = _probe_class()(num_q_heads=64, num_kv_heads=4, release="warp")
+    assert (shipped.empty_arrivals, warp.empty_arrivals) == (shipped.consumer_threads, warp.warps)
+    _, text, _ = _main_kernel(tmp_path / "warp", {"release": "warp"})
+    _, base, _ = _main_kernel(tmp_path / "lanes", {})
     assert sass.opcode_counts(text) != sass.opcode_counts(base)
