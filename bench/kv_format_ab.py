@@ -62,6 +62,8 @@ VARIANTS = {  # name -> (kv dtype, kernel options)
     "base_n_c3s3": ("nvfp4", dict(C3, stages=3, checkout="f6bef28")),
     # the release of a stage before session 10 (sync_warp, lane 0 arrives), same build otherwise
     "f_c3_relwarp": ("float8_e4m3fn", dict(C3, stages=2, release="warp")),
+    "n_c3s3_late": ("nvfp4", dict(C3, stages=3, late_release=True)),
+    "f_c3_late": ("float8_e4m3fn", dict(C3, stages=2, late_release=True)),
     "n_c3s3_relwarp": ("nvfp4", dict(C3, stages=3, release="warp")),
 }
 GEOMS = [(64, 4), (8, 1)]
