@@ -13,7 +13,7 @@ counted on each format's bytes (32 KiB / 18 KiB per (page, KV head) block).
 
 VARIANTS lists what was measured (bench/results/kv-format-ab-*.json); `s_chains` existed only in
 commit 753f3e2 (measured 1-3% slower, dropped) and `producer` only in d3185b1 (slower, T1511):
-check that commit out to rebuild those variants.
+check that commit out to rebuild those variants (and 6484cc9 for `late_release`).
 """
 
 from __future__ import annotations
@@ -62,6 +62,8 @@ VARIANTS = {  # name -> (kv dtype, kernel options)
     "base_n_c3s3": ("nvfp4", dict(C3, stages=3, checkout="f6bef28")),
     # the release of a stage before session 10 (sync_warp, lane 0 arrives), same build otherwise
     "f_c3_relwarp": ("float8_e4m3fn", dict(C3, stages=2, release="warp")),
+    # the staged build releasing a stage after its last MMA (kernel option late_release, only in
+    # commit 6484cc9; T1702: no gain)
     "n_c3s3_late": ("nvfp4", dict(C3, stages=3, late_release=True)),
     "f_c3_late": ("float8_e4m3fn", dict(C3, stages=2, late_release=True)),
     "n_c3s3_relwarp": ("nvfp4", dict(C3, stages=3, release="warp")),

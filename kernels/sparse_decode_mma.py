@@ -102,7 +102,6 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
         softmax: str = "plain",
         smem_reads: str = "block",
         ctas_per_sm: int = 2,
-        late_release: bool = False,
     ):
         super().__init__(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, page_size=page_size,
                          topk=topk, q_dtype=q_dtype, kv_dtype=kv_dtype)
@@ -156,7 +155,6 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
         # instructions before); the bf16-query build ran 0.3-2% slower with it (kv-format-ab /
         # variants 2026-12-04T1645), so it keeps the 16-byte reads
         self.k_pairs = self.staged and self.q_fp8 and not self.nvfp4
-        self.late_release = late_release  # A/B: the staged build releases a stage after its last MMA
         self.ctas_per_sm = ctas_per_sm
         # the split merge lets the next layer's decode kernel be scheduled early only in the 2-CTA
         # build (kv-format-ab-2026-12-04T1519.json, per layer: batch 1 -0.4..-0.6 us); at 3 per SM
@@ -390,7 +388,7 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
         for sub in cutlass.range_constexpr(nsub):
             if cutlass.const_expr(self.staged):  # V read just before it is used
                 vsub = self.load_v(stage, key_base, sub, g, c)
-                if sub == nsub - 1 and not self.late_release:
+                if sub == nsub - 1:
                     self.release_stage(empty_bar, lane)
             else:
                 vsub = vw[sub]
@@ -416,8 +414,6 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
                     )
                     for k in cutlass.range_constexpr(4):
                         acc[4 * nt + k] = dd[k]
-        if cutlass.const_expr(self.staged and self.late_release):
-            self.release_stage(empty_bar, lane)
 
     @cute.jit
     def load_k(self, stage, key, kh, c):
