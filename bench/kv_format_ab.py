@@ -60,8 +60,17 @@ VARIANTS = {  # name -> (kv dtype, kernel options)
     "base_f_c2": ("float8_e4m3fn", {"checkout": "f6bef28"}),
     "base_f_c3": ("float8_e4m3fn", dict(C3, stages=2, checkout="f6bef28")),
     "base_n_c3s3": ("nvfp4", dict(C3, stages=3, checkout="f6bef28")),
+    # the builds of d56929f (session 10's shipped kernels, before the FFMA softmax), copied here
+    "s10_f_c2": ("float8_e4m3fn", {"checkout": "d56929f"}),
+    "s10_f_c3": ("float8_e4m3fn", dict(C3, stages=2, checkout="d56929f")),
+    "s10_n_c2": ("nvfp4", {"checkout": "d56929f"}),
+    "s10_n_c3s3": ("nvfp4", dict(C3, stages=3, checkout="d56929f")),
     # the release of a stage before session 10 (sync_warp, lane 0 arrives), same build otherwise
     "f_c3_relwarp": ("float8_e4m3fn", dict(C3, stages=2, release="warp")),
+    # a batch-1 build: 1 CTA per SM, 8 consumer warps of 16 keys (half the math per warp on the
+    # one-block critical path of a split CTA)
+    "f_w8": ("float8_e4m3fn", {"consumer_warps": 8, "ctas_per_sm": 1}),
+    "n_w8": ("nvfp4", {"consumer_warps": 8, "ctas_per_sm": 1}),
     # the staged build releasing a stage after its last MMA (kernel option late_release, only in
     # commit 6484cc9; T1702: no gain)
     "n_c3s3_late": ("nvfp4", dict(C3, stages=3, late_release=True)),

@@ -322,6 +322,13 @@ def bulk_copy_g2s(dst_smem: Int32, src_gmem: Int64, nbytes: int, mbar_smem: Int3
 
 
 @dsl_user_op
+def ffma(a: Float32, b: Float32, c: Float32, *, loc=None, ip=None) -> Float32:
+    """a * b + c rounded once (fma.rn.f32)."""
+    return Float32(_asm(T.f32(), [_f32(a, loc, ip), _f32(b, loc, ip), _f32(c, loc, ip)],
+                        "fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f"))
+
+
+@dsl_user_op
 def ex2(x: Float32, *, loc=None, ip=None) -> Float32:
     """2**x with ex2.approx.ftz (ex2(-inf) == 0)."""
     return Float32(_asm(T.f32(), [_f32(x, loc, ip)], "ex2.approx.ftz.f32 $0, $1;", "=f,f"))

@@ -377,10 +377,7 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
         # n-tile n = 2*sub + j, column 2c+e holds key key_base + 16*sub + 4c + 2j + e.
         key0 = blk * self.page + key_base + 4 * c
         if cutlass.const_expr(self.lean):
-            if cutlass.const_expr(not self.scale_in_q):
-                for i in cutlass.range_constexpr(4 * nt_s):
-                    sv[i] = sv[i] * scale
-            self.softmax_lean(sv, acc, row_max, row_sum, key0, blk, kv_len, nt_s)
+            self.softmax_lean(sv, acc, row_max, row_sum, key0, blk, kv_len, scale, nt_s)
         else:
             self.softmax_plain(sv, acc, row_max, row_sum, key0, kv_len, scale, nt_s)
 
@@ -489,32 +486,38 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
 
     @cute.jit
     def softmax_plain(self, sv, acc, row_max, row_sum, key0, kv_len, scale, nt_s: cutlass.Constexpr):
-        """S -> P in place (scaled, masked against kv_len), O and l rescaled every block."""
+        """S -> P in place (masked against kv_len, scaled inside the exponent), O and l rescaled every block.
+
+        The row max is taken over the unscaled S (scale > 0: the same key wins) and scaled once;
+        each P is ex2(S * scale - m) by one FFMA (row_max is in scaled, log2 units).
+        """
         alpha = cute.make_rmem_tensor(2, Float32)
         for r in cutlass.range_constexpr(2):
-            mx = row_max[r]
+            mx = -Float32.inf
             for n in cutlass.range_constexpr(nt_s):
                 for e in cutlass.range_constexpr(2):
-                    x = sv[4 * n + 2 * r + e] * scale
+                    x = sv[4 * n + 2 * r + e]
                     if key0 + 16 * (n // 2) + 2 * (n % 2) + e >= kv_len:
                         x = -Float32.inf
                     sv[4 * n + 2 * r + e] = x
                     mx = cute.arch.fmax(mx, x)
             mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 1))
             mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 2))
+            mx = cute.arch.fmax(row_max[r], mx * scale)
             m_use = mx
             if mx == -Float32.inf:
                 m_use = Float32(0.0)
             alpha[r] = ptx.ex2(row_max[r] - m_use)
             row_max[r] = mx
-            row_sum[r] = row_sum[r] * alpha[r] + self.exp_rows(sv, r, m_use, nt_s)
+            row_sum[r] = row_sum[r] * alpha[r] + self.exp_rows(sv, r, m_use, scale, nt_s)
         for nt in cutlass.range_constexpr(16):
             for k in cutlass.range_constexpr(4):
                 acc[4 * nt + k] = acc[4 * nt + k] * alpha[k // 2]
 
     @cute.jit
-    def softmax_lean(self, sv, acc, row_max, row_sum, key0, blk, kv_len, nt_s: cutlass.Constexpr):
-        """S (already in log2 units: the scale is in Q) -> P in place, lazily rescaled.
+    def softmax_lean(self, sv, acc, row_max, row_sum, key0, blk, kv_len, scale, nt_s: cutlass.Constexpr):
+        """S -> P in place, lazily rescaled; S is in log2 units already when the scale is in Q
+        (bf16 query), else scaled inside the exponent as in softmax_plain.
 
         Only the block that crosses kv_len is masked (warp-uniform branch); O and l are
         rescaled, for the whole warp, only when some row max grew by more than LAZY_RESCALE.
@@ -534,6 +537,8 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
                     mx = cute.arch.fmax(mx, sv[4 * n + 2 * r + e])
             mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 1))
             mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 2))
+            if cutlass.const_expr(not self.scale_in_q):
+                mx = mx * scale
             mxs[r] = mx
             if mx > row_max[r] + LAZY_RESCALE:  # row_max = -inf: any finite mx
                 grow = Int32(1)
@@ -554,15 +559,19 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
             m_use = row_max[r]
             if m_use == -Float32.inf:  # every key so far masked: P = ex2(-inf) = 0
                 m_use = Float32(0.0)
-            row_sum[r] = row_sum[r] + self.exp_rows(sv, r, m_use, nt_s)
+            row_sum[r] = row_sum[r] + self.exp_rows(sv, r, m_use, scale, nt_s)
 
     @cute.jit
-    def exp_rows(self, sv, r, m_use, nt_s: cutlass.Constexpr):
-        """P = 2**(S - m_use) in place for row r of every S n-tile; returns this thread's sum."""
+    def exp_rows(self, sv, r, m_use, scale, nt_s: cutlass.Constexpr):
+        """P = 2**(S * scale - m_use) in place for row r of every S n-tile (one FFMA each; S alone
+        when the scale is in Q); returns this thread's sum."""
         psum = Float32(0.0)
         for n in cutlass.range_constexpr(nt_s):
             for e in cutlass.range_constexpr(2):
-                p = ptx.ex2(sv[4 * n + 2 * r + e] - m_use)
+                if cutlass.const_expr(self.lean and self.scale_in_q):
+                    p = ptx.ex2(sv[4 * n + 2 * r + e] - m_use)
+                else:
+                    p = ptx.ex2(ptx.ffma(sv[4 * n + 2 * r + e], scale, -m_use))
                 sv[4 * n + 2 * r + e] = p
                 psum = psum + p
         return psum
