@@ -142,9 +142,10 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
         # (then P <= 2**LAZY_RESCALE, exact in f16 / fp32: the result is unchanged)
         self.lean = softmax == "lean"
         # where the lean softmax takes qk_scale_log2: folded into bf16 Q fragments (free), but for
-        # an fp8 query, or an NVFP4 cache, multiplied into S in fp32: folding it into the f16
-        # fragments rounds S by 2**-11 relative, which put the LSE 2-3.4e-3 off the reference for
-        # an fp8 query (GPU tests T1334) and 2-7e-3 with NVFP4's larger S (tests 2026-12-03 s8)
+        # an fp8 query, or an NVFP4 cache, applied in fp32 inside the exponent (one FFMA per P):
+        # folding it into the f16 fragments rounds S by 2**-11 relative, which put the LSE
+        # 2-3.4e-3 off the reference for an fp8 query (GPU tests T1334) and 2-7e-3 with NVFP4's
+        # larger S (tests 2026-12-03 s8)
         self.scale_in_q = self.lean and not self.q_fp8 and not self.nvfp4
         # "block": all K and V words of a block are read before any math (the stage is released
         # early, more registers live); "staged": K per half of head_dim, V per sub-tile after the
