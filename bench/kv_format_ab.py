@@ -67,6 +67,7 @@ VARIANTS = {  # name -> (kv dtype, kernel options)
     "s10_n_c3s3": ("nvfp4", dict(C3, stages=3, checkout="d56929f")),
     # the release of a stage before session 10 (sync_warp, lane 0 arrives), same build otherwise
     "f_c3_relwarp": ("float8_e4m3fn", dict(C3, stages=2, release="warp")),
+    "n_c3s3_relwarp": ("nvfp4", dict(C3, stages=3, release="warp")),
     # a batch-1 build: 1 CTA per SM, 8 consumer warps of 16 keys (half the math per warp on the
     # one-block critical path of a split CTA)
     "f_w8": ("float8_e4m3fn", {"consumer_warps": 8, "ctas_per_sm": 1}),
@@ -75,7 +76,6 @@ VARIANTS = {  # name -> (kv dtype, kernel options)
     # commit 6484cc9; T1702: no gain)
     "n_c3s3_late": ("nvfp4", dict(C3, stages=3, late_release=True)),
     "f_c3_late": ("float8_e4m3fn", dict(C3, stages=2, late_release=True)),
-    "n_c3s3_relwarp": ("nvfp4", dict(C3, stages=3, release="warp")),
 }
 GEOMS = [(64, 4), (8, 1)]
 POINTS = [("64/4", 256, 1), ("64/4", 64, 1), ("8/1", 256, 1), ("64/4", 16, 1), ("64/4", 1, 1), ("64/4", 64, 4),

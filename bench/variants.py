@@ -64,14 +64,15 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "c3_rel_warp": {"q_frags": "smem", "smem_reads": "staged", "ctas_per_sm": 3, "stages": 2, "softmax": "lean",
                     "release": "warp"},
     "rel_bar": {"release": "bar"},
-    # the shipped builds of a checkout of f6bef28 (before session 10: sync_warp release, the 3-CTA
-    # build's fp8 K read per half of head_dim), built there and copied here under these names
-    "s10": {"checkout": "d56929f"},  # session 10's shipped kernels before the FFMA softmax
-    "c3_s10": {"q_frags": "smem", "smem_reads": "staged", "ctas_per_sm": 3, "stages": 2, "softmax": "lean",
-               "checkout": "d56929f"},
+    # the shipped builds of other commits, built there and copied here under these names: f6bef28
+    # (before session 10: sync_warp release, the 3-CTA build's fp8 K read per half of head_dim) and
+    # d56929f (session 10's release and K reads, before the FFMA softmax)
     "base": {"checkout": "f6bef28"},
     "c3_base": {"q_frags": "smem", "smem_reads": "staged", "ctas_per_sm": 3, "stages": 2, "softmax": "lean",
                 "checkout": "f6bef28"},
+    "s10": {"checkout": "d56929f"},
+    "c3_s10": {"q_frags": "smem", "smem_reads": "staged", "ctas_per_sm": 3, "stages": 2, "softmax": "lean",
+               "checkout": "d56929f"},
 }
 PLAN_OPTIONS = ("prologue_trigger", "num_splits", "prologue")
 # "checkout": the variant's artifacts come from another commit's build (variants.py build there,
