@@ -29,8 +29,8 @@ def test_every_minimax_geometry_compiles_for_sm100a(tmp_path):
     main = [r for r in rows if "merge" not in r["kernel"]]
     builds = {(r["geometry"], r["q_dtype"], r["kv_dtype"], r["ctas_per_sm"]) for r in main}
     assert len(builds) == 32, builds  # 64/4, 32/2, 16/1, 8/1 x q bf16, fp8 x kv fp8, nvfp4 x 2 and 3 CTAs per SM
-    for r in rows:  # no local memory beyond the 3-per-SM build's accepted row sum
+    for r in rows:  # no local memory beyond the 3-per-SM build's accepted loop-carried word
         assert r["sm"] == 100 and r["local_ops"] <= r["accepted_local_ops"], r
-        assert r["accepted_local_ops"] == (12 if r["ctas_per_sm"] == 3 else 0), r  # compiler.KERNEL_REGISTRY
+        assert r["accepted_local_ops"] == (6 if r["ctas_per_sm"] == 3 else 0), r  # compiler.KERNEL_REGISTRY
     for r in main:
         assert r["mma_ops"].get("HMMA", 0) > 0 and r["registers"] <= 255, r
