@@ -34,6 +34,11 @@ class SparseDecodeKernelBase:
             return {}
         raise ValueError(f"no build for {ctas_per_sm} CTAs per SM")
 
+    @staticmethod
+    def arch_options(arch: str, kv_dtype: str) -> dict:
+        """Constructor options of the build for a target arch ("sm_90a", "sm_100a", ...)."""
+        return {}
+
     def __init__(self, *, num_q_heads: int, num_kv_heads: int, page_size: int, topk: int, q_dtype: str,
                  kv_dtype: str = "float8_e4m3fn"):
         if num_q_heads % num_kv_heads:

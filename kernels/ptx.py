@@ -262,6 +262,45 @@ def e2m1x8_to_f16x2x4(w: Int32, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def e2m1x8_to_f16x2x4_cvt(w: Int32, *, loc=None, ip=None):
+    """The 8 e2m1 codes of w (code j in bits [4j, 4j+4)) -> 4 f16x2 holding the code values
+    exactly: (codes 0, 1), (2, 3), (4, 5), (6, 7), the lower code in the lower half.
+
+    SM100+ only: one `cvt.rn.f16x2.e2m1x2` per byte (its low nibble lands in the low half).
+    """
+    s = _asm(
+        llvm.StructType.get_literal([T.i32()] * 4),
+        [_i32(w, loc, ip)],
+        "{\n\t.reg .b8 b0, b1, b2, b3;\n\t"
+        "mov.b32 {b0, b1, b2, b3}, $4;\n\t"
+        "cvt.rn.f16x2.e2m1x2 $0, b0;\n\t"
+        "cvt.rn.f16x2.e2m1x2 $1, b1;\n\t"
+        "cvt.rn.f16x2.e2m1x2 $2, b2;\n\t"
+        "cvt.rn.f16x2.e2m1x2 $3, b3;\n\t}",
+        "=r,=r,=r,=r,r",
+    )
+    return _unpack(s, 4, T.i32(), Int32, loc, ip)
+
+
+@dsl_user_op
+def e2m1_nibble_pairs(a: Int32, b: Int32, *, loc=None, ip=None):
+    """Two words of 8 e2m1 codes each -> (even, odd): byte i of `even` holds code 2i of a (low
+    nibble) and of b (high nibble), byte i of `odd` codes 2i+1 of a and b, so that one
+    `cvt.rn.f16x2.e2m1x2` per byte gives the f16x2 (a's code, b's code) of one element."""
+    s = _asm(
+        llvm.StructType.get_literal([T.i32()] * 2),
+        [_i32(a, loc, ip), _i32(b, loc, ip)],
+        "{\n\t.reg .b32 t;\n\t"
+        "shl.b32 t, $3, 4;\n\t"
+        "lop3.b32 $0, $2, t, 0x0F0F0F0F, 0xE4;\n\t"  # (a & m) | (t & ~m)
+        "shr.u32 t, $2, 4;\n\t"
+        "lop3.b32 $1, t, $3, 0x0F0F0F0F, 0xE4;\n\t}",
+        "=r,=r,r,r",
+    )
+    return _unpack(s, 2, T.i32(), Int32, loc, ip)
+
+
+@dsl_user_op
 def f32x2_to_f16x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Int32:
     """Pack two fp32 into f16x2 (round to nearest); `lo` lands in the low half."""
     return Int32(

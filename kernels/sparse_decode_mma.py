@@ -87,6 +87,13 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
                     "stages": 3 if kv_dtype == "nvfp4" else 2}
         raise ValueError(f"no build for {ctas_per_sm} CTAs per SM")
 
+    @staticmethod
+    def arch_options(arch: str, kv_dtype: str) -> dict:
+        """SM100 and later convert e2m1 codes in hardware (`cvt.rn.f16x2.e2m1x2`); never run on
+        hardware here (no SM100 GPU), checked by its SASS (tests/test_nvfp4_compile.py)."""
+        number = int(arch.removeprefix("sm_").rstrip("af"))
+        return {"e2m1_cvt": True} if kv_dtype == "nvfp4" and number >= 100 else {}
+
     def __init__(
         self,
         *,
@@ -102,6 +109,7 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
         softmax: str = "plain",
         smem_reads: str = "block",
         ctas_per_sm: int = 2,
+        e2m1_cvt: bool = False,
     ):
         super().__init__(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, page_size=page_size,
                          topk=topk, q_dtype=q_dtype, kv_dtype=kv_dtype)
@@ -121,7 +129,15 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
         # NVFP4: one stage is the K slot and the V slot of a (page, KV head), adjacent in the cache
         self.nvfp4 = kv_dtype == "nvfp4"
         self.stage_bytes = page_size * (2 * NVFP4_ROW_BYTES if self.nvfp4 else ROW_BYTES)
-        self.kv_fold = NVFP4_FOLD if self.nvfp4 else 1.0
+        # NVFP4 codes -> f16 by the hardware's `cvt.rn.f16x2.e2m1x2` (SM100+, arch_options), exact
+        # values; else each code becomes an e4m3 byte first (ptx.e2m1x8_to_f16x2x4, value * 2**-6)
+        if e2m1_cvt and not self.nvfp4:
+            raise ValueError("e2m1_cvt needs kv_dtype='nvfp4'")
+        self.e2m1_cvt = bool(e2m1_cvt)
+        self.kv_fold = NVFP4_FOLD if self.nvfp4 and not self.e2m1_cvt else 1.0
+        # the NVFP4 bit trick pairs a word's codes (d, d+2), (d+1, d+3), and Q's A fragments
+        # pair their dims alike; fp8 K and the hardware e2m1 conversion pair (d, d+1), (d+2, d+3)
+        self.q_pairs_strided = self.nvfp4 and not self.e2m1_cvt
         self.buf_bytes = max(stages * self.stage_bytes, self.warps * RED_WARP)
         # elements of the 16 x 128 output tile each consumer thread finalizes (16-byte stores)
         self.out_elems = 16 * HEAD_DIM // self.consumer_threads
@@ -435,8 +451,10 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
         d = 8kp + 4kq: b0 = (d, d+2), b1 = (d+1, d+3) (load_q permutes Q alike). The block scale
         multiplies in f16, exactly.
         """
-        ev0, ev1, od0, od1 = ptx.e2m1x8_to_f16x2x4(kraw[kp])
         sc = kraw[2]
+        if cutlass.const_expr(self.e2m1_cvt):  # b0 = (d, d+1), b1 = (d+2, d+3), as for fp8 K
+            return [ptx.hmul2(h, sc) for h in ptx.e2m1x8_to_f16x2x4_cvt(kraw[kp])]
+        ev0, ev1, od0, od1 = ptx.e2m1x8_to_f16x2x4(kraw[kp])
         return [ptx.hmul2(ev0, sc), ptx.hmul2(od0, sc), ptx.hmul2(ev1, sc), ptx.hmul2(od1, sc)]
 
     @cute.jit
@@ -466,6 +484,16 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
         """
         rows, sc01, sc23 = vraw
         w = grp // 2
+        if cutlass.const_expr(self.e2m1_cvt):  # dims 4(grp % 2) + j of word w, in order
+            h = grp % 2
+            e01 = ptx.e2m1_nibble_pairs(rows[0][w], rows[1][w])  # (even dims, odd dims), bytes by dim // 2
+            e23 = ptx.e2m1_nibble_pairs(rows[2][w], rows[3][w])
+            p01 = ptx.e2m1x8_to_f16x2x4_cvt(e01[0]) + ptx.e2m1x8_to_f16x2x4_cvt(e01[1])
+            p23 = ptx.e2m1x8_to_f16x2x4_cvt(e23[0]) + ptx.e2m1x8_to_f16x2x4_cvt(e23[1])
+            # p[k]: dim 2k (k < 4) or 2(k - 4) + 1 of the word's 8
+            at = [2 * h, 4 + 2 * h, 2 * h + 1, 4 + 2 * h + 1]  # dims 4h, 4h + 1, 4h + 2, 4h + 3
+            return ([4 * grp + j for j in range(4)],
+                    [(ptx.hmul2(p01[at[j]], sc01), ptx.hmul2(p23[at[j]], sc23)) for j in range(4)])
         sel = 0x5140 if grp % 2 == 0 else 0x7362  # bytes 0,1 (dims 0..3) or 2,3 (dims 4..7) of word w
         e01 = ptx.e2m1x8_to_f16x2x4(ptx.prmt(rows[0][w], rows[1][w], sel))
         e23 = ptx.e2m1x8_to_f16x2x4(ptx.prmt(rows[2][w], rows[3][w], sel))
@@ -635,13 +663,13 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
             for ks in cutlass.range_constexpr(8):
                 half = ks // 4
                 sub = ks % 4
-                if cutlass.const_expr(self.q_fp8 and self.nvfp4):  # bytes (0, 2) and (1, 3), exact
+                if cutlass.const_expr(self.q_fp8 and self.q_pairs_strided):  # bytes (0, 2) and (1, 3), exact
                     w = words[8 * half + sub]
                     lo = ptx.e4m3_bytes_to_f16x2(w, w, 0x20)
                     hi = ptx.e4m3_bytes_to_f16x2(w, w, 0x31)
                 elif cutlass.const_expr(self.q_fp8):
                     lo, hi = self.fp8x4_to_f16x2x2(words[8 * half + sub])  # exact; S takes the scale
-                elif cutlass.const_expr(self.nvfp4):  # the low halves (d, d+2), the high halves (d+1, d+3)
+                elif cutlass.const_expr(self.q_pairs_strided):  # the low halves (d, d+2), the high halves (d+1, d+3)
                     w0 = words[8 * half + 2 * sub]
                     w1 = words[8 * half + 2 * sub + 1]
                     lo = ptx.bf16x2_to_f16x2(ptx.prmt(w0, w1, 0x5410), bf16_scale)

@@ -38,9 +38,13 @@ def test_every_geometry_compiles_with_nvfp4(arch):
                     main = "".join(v for k, v in funcs.items() if "merge" not in k.lower())
                     res = [r for r in sass.kernel_resources(cubin) if "merge" not in r.name.lower()]
                 ops = _ops(main)
-                # the e2m1 -> e4m3 -> f16 path: cvt (F2FP), the block scales in f16 (HMUL2), the MMAs,
-                # one 18 KiB bulk copy per block; local memory within what the occupancy accepts
+                # the codes -> f16 by cvt (F2FP), the block scales in f16 (HMUL2), the MMAs, one 18 KiB
+                # bulk copy per block; local memory within what the occupancy accepts
                 assert ops["HMMA"] == 64 and ops["HMUL2"] == 128 and ops["F2FP"] >= 128, (cfg, ops)
+                # sm_100a converts the e2m1 codes in hardware (K and V: 64 + 64 per warp and block,
+                # each V code pair converted once for its two n-tile groups); sm_90a goes through e4m3
+                e2m1 = sass.opcode_counts(main).get("F2FP.F16.E2M1.UNPACK_B", 0)
+                assert e2m1 == (128 if arch == "sm_100a" else 0), (cfg, e2m1)
                 assert ops["LDL"] + ops["STL"] <= compiler.accepted_local_ops(cfg), (cfg, ops)
                 assert res[0].registers <= (128 if cfg.ctas_per_sm == 3 else 255), (cfg, res)
                 assert res[0].sm == int(arch[3:-1])
@@ -88,3 +92,40 @@ def test_e2m1_to_e4m3_bytes_formula():
                 code = (w >> (4 * nib)) & 15
                 want = (-1.0 if code & 8 else 1.0) * e2m1[code & 7] * 2.0**-6
                 assert e4m3((word >> (8 * i)) & 0xFF) == want, (hex(w), nib)
+
+
+def test_hardware_e2m1_conversion_is_chosen_by_arch():
+    from msa_jit.kernels.sparse_decode_mma import NVFP4_FOLD, SparseDecodeMmaKernel as K
+
+    assert K.arch_options("sm_100a", "nvfp4") == {"e2m1_cvt": True}
+    assert K.arch_options("sm_90a", "nvfp4") == {} and K.arch_options("sm_100a", "float8_e4m3fn") == {}
+    for arch, fold, strided in (("sm_90a", NVFP4_FOLD, True), ("sm_100a", 1.0, False)):
+        k = compiler.make_kernel(SparseDecodeConfig(64, 4, kv_dtype="nvfp4", arch=arch))
+        # the bit trick leaves values * 2**-6 and pairs a word's codes (d, d+2); the cvt neither
+        assert (k.kv_fold, k.q_pairs_strided) == (fold, strided)
+    with pytest.raises(ValueError, match="e2m1_cvt"):
+        K(num_q_heads=64, num_kv_heads=4, e2m1_cvt=True)
+
+
+def test_e2m1_nibble_pairs_formula():
+    """kernels/ptx.py e2m1_nibble_pairs modelled bit for bit (shl / shr, lop3 0xE4 = (a & c) | (b & ~c)),
+    then `cvt.rn.f16x2.e2m1x2` per byte (low nibble -> low half): byte i of `even` pairs code 2i of
+    the two rows, of `odd` code 2i + 1; nvfp4_v_frags' picks at = [2h, 4 + 2h, 2h + 1, 5 + 2h] of
+    the 8 converted bytes (even's, then odd's) are the group's dims 4h .. 4h + 3 in order."""
+    import random
+
+    def lop3_e4(a, b, c):
+        return ((a & c) | (b & ~c)) & 0xFFFFFFFF
+
+    rng = random.Random(1)
+    words = [(rng.getrandbits(32), rng.getrandbits(32)) for _ in range(500)] + [(0x76543210, 0xFEDCBA98)]
+    for a, b in words:
+        even = lop3_e4(a, (b << 4) & 0xFFFFFFFF, 0x0F0F0F0F)
+        odd = lop3_e4(a >> 4, b, 0x0F0F0F0F)
+        converted = [((x >> (8 * i)) & 15, (x >> (8 * i + 4)) & 15) for x in (even, odd) for i in range(4)]
+        dims = [2 * i for i in range(4)] + [2 * i + 1 for i in range(4)]  # element of each converted byte
+        for k, (lo, hi) in enumerate(converted):
+            assert (lo, hi) == ((a >> (4 * dims[k])) & 15, (b >> (4 * dims[k])) & 15), (hex(a), hex(b), k)
+        for h in (0, 1):
+            at = [2 * h, 4 + 2 * h, 2 * h + 1, 5 + 2 * h]
+            assert [dims[i] for i in at] == [4 * h + j for j in range(4)]
