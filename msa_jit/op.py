@@ -70,10 +70,12 @@ def sparse_decode(
     out: [T, Hq, 128] bfloat16. lse: optional [T, Hq] float32 (natural log).
     plan: from `prepare(...)` for this step (its block_table / seq_lens are used).
     Scales are python floats > 0; k_scale / v_scale may also be one-element float32 tensors on
-    the plan's device (as vLLM passes NVFP4 global scales), read by the kernel on the device.
+    the plan's device (as vLLM passes NVFP4 global scales), read by the kernel on the device:
+    their value must be finite and > 0 as well, which only the reference backend checks (the
+    kernel would need a host sync to).
     backend: "kernel" (compiled CUDA kernel), "reference" (float64 reference, any device),
-    "auto" (kernel on CUDA, reference otherwise). Everything is validated before anything is
-    written; errors are ValueError / TypeError naming the argument.
+    "auto" (kernel on CUDA, reference otherwise). Everything else is validated before anything
+    is written; errors are ValueError / TypeError naming the argument.
     """
     if type(plan) is SparseDecodePlan and plan.is_cuda and (backend == "auto" or backend == "kernel"):
         try:
