@@ -90,7 +90,7 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
     @staticmethod
     def arch_options(arch: str, kv_dtype: str) -> dict:
         """SM100 and later convert e2m1 codes in hardware (`cvt.rn.f16x2.e2m1x2`); never run on
-        hardware here (no SM100 GPU), checked by its SASS (tests/test_nvfp4_compile.py)."""
+        hardware here (no SM100 GPU), checked by its SASS (tests/test_nvfp4_kernel_compile.py)."""
         number = int(arch.removeprefix("sm_").rstrip("af"))
         return {"e2m1_cvt": True} if kv_dtype == "nvfp4" and number >= 100 else {}
 
@@ -597,7 +597,7 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
         psum = Float32(0.0)
         for n in cutlass.range_constexpr(nt_s):
             for e in cutlass.range_constexpr(2):
-                if cutlass.const_expr(self.lean and self.scale_in_q):
+                if cutlass.const_expr(self.scale_in_q):  # lean, bf16 query: S is in log2 units
                     p = ptx.ex2(sv[4 * n + 2 * r + e] - m_use)
                 else:
                     p = ptx.ex2(ptx.ffma(sv[4 * n + 2 * r + e], scale, -m_use))
