@@ -72,6 +72,10 @@ VARIANTS = {  # name -> (kv dtype, kernel options)
     # one-block critical path of a split CTA)
     "f_w8": ("float8_e4m3fn", {"consumer_warps": 8, "ctas_per_sm": 1}),
     "n_w8": ("nvfp4", {"consumer_warps": 8, "ctas_per_sm": 1}),
+    # the speculative-decode union kernel (bench/union_kernel.py): a CTA per (request, KV head, 4
+    # tokens), each union block read once
+    "f_union": ("float8_e4m3fn", {"union": True}),
+    "n_union": ("nvfp4", {"union": True}),
     # the staged build releasing a stage after its last MMA (kernel option late_release, only in
     # commit 6484cc9; T1702: no gain)
     "n_c3s3_late": ("nvfp4", dict(C3, stages=3, late_release=True)),
@@ -167,10 +171,11 @@ def run(a: argparse.Namespace) -> int:
     bw = copy_bandwidth()
     rows = []
     layers = 4
-    points = [(p.split(":")[0], int(p.split(":")[1]), int(p.split(":")[2])) for p in a.points] if a.points else POINTS
-    for geo, batch, qlen in points:
+    points = [(f[0], *map(int, f[1:])) for f in (p.split(":") for p in a.points)] if a.points else POINTS
+    for geo, batch, qlen, *rest in points:
+        shared = rest[0] if rest else 0
         hq, hkv = GEOMETRIES[geo]
-        steps = [make_step(hq, hkv, batch, qlen, "bfloat16", seed=i) for i in range(layers)]
+        steps = [make_step(hq, hkv, batch, qlen, "bfloat16", seed=i, shared_blocks=shared) for i in range(layers)]
         for s in steps:
             s["kv_nvfp4"] = random_nvfp4_like(s["kv_cache"])
         bt, sl, slc = steps[0]["block_table"], steps[0]["seq_lens"], steps[0]["seq_lens_cpu"]
@@ -200,7 +205,8 @@ def run(a: argparse.Namespace) -> int:
             kv = VARIANTS[n][0]
             nbytes = steps[0]["kv_bytes"] // (128 * 256) * (128 * (144 if kv == "nvfp4" else 256))
             m = statistics.median(x[1] for x in res[n])
-            row = dict(variant=n, kv_dtype=kv, geometry=geo, batch=batch, qlen=qlen, num_splits=plan.num_splits,
+            row = dict(variant=n, kv_dtype=kv, geometry=geo, batch=batch, qlen=qlen, shared_blocks=shared,
+                       num_splits=plan.num_splits,
                        step_us=round(statistics.median(x[0] for x in res[n]), 2), marginal_us=round(m, 2),
                        marginal_pct_of_copy=round(100 * nbytes / (m * 1e-6) / bw, 1))
             rows.append(row)
@@ -224,7 +230,7 @@ def main() -> int:
     r = sub.add_parser("run")
     r.add_argument("--out", default=".")
     r.add_argument("--rounds", type=int, default=3)
-    r.add_argument("--points", nargs="+", help="GEOMETRY:BATCH:QLEN (default: POINTS)")
+    r.add_argument("--points", nargs="+", help="GEOMETRY:BATCH:QLEN[:SHARED_BLOCKS] (default: POINTS)")
     for p in (b, r):
         p.add_argument("--dir", default=".kv-variants")
         p.add_argument("--variants", nargs="+", choices=sorted(VARIANTS))

@@ -96,9 +96,13 @@ def _kernel_options(name: str) -> dict[str, Any]:
 
 def _kernel_class(options: dict[str, Any]):
     """The shipped kernel, or the bench's probe subclass when an option needs it (kernel_probes.py)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    if options.get("union"):
+        from union_kernel import UnionMmaKernel
+
+        return UnionMmaKernel
     if not set(options) & PROBE_OPTIONS:
         return None
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from kernel_probes import ProbeMmaKernel
 
     return ProbeMmaKernel

@@ -178,3 +178,21 @@ def test_every_consumer_lane_releases_a_stage(tmp_path):
     _, text, _ = _main_kernel(tmp_path / "warp", {"release": "warp"})
     _, base, _ = _main_kernel(tmp_path / "lanes", {})
     assert sass.opcode_counts(text) != sass.opcode_counts(base)
+
+
+@pytest.mark.parametrize("kv_dtype", ["float8_e4m3fn", "nvfp4"])
+def test_union_probe_compiles_one_launch_without_spills(tmp_path, kv_dtype):
+    # bench/union_kernel.py (the speculative-decode union of a token tile's blocks, timed in
+    # bench/results/kv-format-ab-2026-12-04T1811.json): one kernel, no split merge, no local memory
+    sys.path.insert(0, str(BENCH))
+    from union_kernel import UnionMmaKernel
+
+    cfg = SparseDecodeConfig(num_q_heads=64, num_kv_heads=4, kv_dtype=kv_dtype, arch="sm_90a")
+    compile_sparse_decode(cfg, tmp_path, kernel_options={"union": True}, kernel_class=UnionMmaKernel)
+    (cubin,) = sass.extract_cubins(tmp_path / "sparse_decode.so")
+    resources = sass.kernel_resources(cubin)
+    assert len(resources) == 1 and "merge" not in resources[0].name.lower()
+    text = sass.disassemble(cubin)
+    assert "LDL" not in text and "STL" not in text
+    with pytest.raises(ValueError, match="smem_reads"):
+        UnionMmaKernel(num_q_heads=64, num_kv_heads=4, smem_reads="staged")

@@ -1,0 +1,86 @@
+"""GPU check of the union probe (bench/union_kernel.py) against the float64 reference.
+
+    python3 bench/union_check.py --dir .kv-variants [--variants f_union n_union]
+
+Cases beyond bench/variants.py's: qlen 1..8 (tiles of 4 tokens, a partial last tile), tokens of
+a request sharing 12 of their slots with the request's first token, padded rows (kv_len 0),
+adversarial topk / block tables (duplicates included: the union serves a block once per token,
+the reference's set semantics), each launched 3 times on one plan with fresh, poisoned outputs,
+and the 3 outputs bitwise identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from msa_jit import SparseDecodePlanner, loader, sparse_decode  # noqa: E402
+from msa_jit.testing import compare_with_reference, make_case  # noqa: E402
+
+KV = {"f_union": "float8_e4m3fn", "n_union": "nvfp4"}
+# (batch, qlen, padded, adversarial, shared slots)
+CASES = [(3, 1, False, False, 0), (4, 2, True, False, 12), (5, 3, False, True, 0), (8, 4, True, False, 12),
+         (2, 8, False, False, 12), (6, 5, True, True, 8), (1, 4, False, False, 16), (16, 4, False, False, 0)]
+
+
+def share_slots(case, shared: int) -> None:
+    """Token j > 0 of each request takes token 0's first `shared` slots (valid for it: later
+    tokens see at least token 0's keys and slots)."""
+    if not shared:
+        return
+    tk = case.topk
+    for r in range(case.batch):
+        t0 = r * case.qlen
+        for j in range(1, case.qlen):
+            tk[t0 + j, :, :shared] = tk[t0, :, :shared]
+
+
+def check(fn, name: str, hq: int, hkv: int) -> list[str]:
+    kv = KV[name]
+    problems = []
+    for i, (batch, qlen, padded, adversarial, shared) in enumerate(CASES):
+        case = make_case(batch, qlen, hq, hkv, q_dtype=torch.bfloat16, seed=100 + i, device="cuda", padded=padded,
+                         adversarial=adversarial, transposed_topk=i % 2 == 1,
+                         kv_dtype="nvfp4" if kv == "nvfp4" else "fp8")
+        share_slots(case, shared)
+        plan = SparseDecodePlanner().prepare(*case.prepare_args(), **case.prepare_kwargs())
+        plan.kernels[(case.query.dtype, kv)] = fn
+        outs = []
+        worst = 0.0
+        for _ in range(3):
+            out, lse = case.new_out(), case.new_lse()
+            sparse_decode(case.query, case.kv_cache, case.topk, out, plan, lse=lse, backend="kernel",
+                          **case.scales(scale_tensors=kv == "nvfp4"))
+            torch.cuda.synchronize()
+            err, probs = compare_with_reference(case, out, lse)
+            worst = max(worst, err)
+            problems += [f"{name} {hq}/{hkv} B={batch} qlen={qlen} shared={shared} adv={adversarial}: {p}" for p in probs]
+            outs.append(out.view(torch.int16).clone())
+        if not all(torch.equal(outs[0], o) for o in outs[1:]):
+            problems.append(f"{name} {hq}/{hkv} B={batch} qlen={qlen}: outputs differ run to run")
+        print(f"{name} {hq}/{hkv} B={batch} qlen={qlen} shared={shared} padded={padded} adv={adversarial}: "
+              f"worst rel L2 {worst:.2e}", flush=True)
+    return problems
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", default=".kv-variants")
+    ap.add_argument("--variants", nargs="+", default=list(KV), choices=list(KV))
+    a = ap.parse_args()
+    problems = []
+    for name in a.variants:
+        for hq, hkv in ((64, 4), (8, 1)):
+            fn = loader.load_artifact(Path(a.dir) / name / f"{hq}x{hkv}" / "sparse_decode.so")[0]
+            problems += check(fn, name, hq, hkv)
+    print("\n".join(problems) if problems else "union check: all ok")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
