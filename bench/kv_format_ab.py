@@ -76,6 +76,12 @@ VARIANTS = {  # name -> (kv dtype, kernel options)
     # tokens), each union block read once
     "f_union": ("float8_e4m3fn", {"union": True}),
     "n_union": ("nvfp4", {"union": True}),
+    # the union kernel on warpgroup MMAs (bench/union_wgmma.py): the tile's 64 // G tokens x G heads
+    # on M = 64, each block converted once (bf16 query, fp8 cache)
+    "f_union_wg": ("float8_e4m3fn", {"union_wgmma": True, "warpgroups": 1}),
+    "f_union_wg2": ("float8_e4m3fn", {"union_wgmma": True, "warpgroups": 2}),
+    "f_union_wg2_noconv": ("float8_e4m3fn", {"union_wgmma": True, "warpgroups": 2, "convert": False}),  # wrong results
+    "f_union_wg2_s3": ("float8_e4m3fn", {"union_wgmma": True, "warpgroups": 2, "stages": 3}),
     # the staged build releasing a stage after its last MMA (kernel option late_release, only in
     # commit 6484cc9; T1702: no gain)
     "n_c3s3_late": ("nvfp4", dict(C3, stages=3, late_release=True)),
@@ -166,7 +172,7 @@ def run(a: argparse.Namespace) -> int:
         checks[f"{n} {g[0]}/{g[1]}"] = {"worst_rel_l2": worst, "problems": problems}
         print(f"check {n} {g[0]}/{g[1]}: worst rel L2 {worst:.2e} {'FAIL ' + '; '.join(problems) if problems else 'ok'}",
               flush=True)
-        if problems:
+        if problems and n not in (a.keep or []):
             names = [m for m in names if m != n]
     bw = copy_bandwidth()
     rows = []
@@ -230,6 +236,7 @@ def main() -> int:
     r = sub.add_parser("run")
     r.add_argument("--out", default=".")
     r.add_argument("--rounds", type=int, default=3)
+    r.add_argument("--keep", nargs="+", help="variants timed even when their check fails (timing probes)")
     r.add_argument("--points", nargs="+", help="GEOMETRY:BATCH:QLEN[:SHARED_BLOCKS] (default: POINTS)")
     for p in (b, r):
         p.add_argument("--dir", default=".kv-variants")

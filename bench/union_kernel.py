@@ -43,7 +43,8 @@ class UnionMmaKernel(SparseDecodeMmaKernel):
         self.slices = self.page // self.keys_per_warp  # a warp's whole block, keys_per_warp at a time
         # every consumer thread arrives once per slice (a warp that skips the block: all at once)
         self.empty_arrivals = self.consumer_threads * self.slices
-        self.union_max = self.warps * self.topk
+        self.tile_tokens = self.warps  # tokens per CTA: one per consumer warp
+        self.union_max = self.tile_tokens * self.topk
         self.buf_bytes = self.stages * self.stage_bytes  # no cross-warp reduction buffer
 
     def storage_type(self):
@@ -52,9 +53,9 @@ class UnionMmaKernel(SparseDecodeMmaKernel):
             buf: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.buf_bytes], 1024]
             full: cute.struct.Align[cute.struct.MemRange[Int64, self.stages], 8]
             empty: cute.struct.Align[cute.struct.MemRange[Int64, self.stages], 8]
-            tok_pages: cute.struct.MemRange[Int32, 32 * self.warps]
-            tok_blocks: cute.struct.MemRange[Int32, 32 * self.warps]
-            ballots: cute.struct.MemRange[Int32, self.warps]
+            tok_pages: cute.struct.MemRange[Int32, 32 * self.tile_tokens]
+            tok_blocks: cute.struct.MemRange[Int32, 32 * self.tile_tokens]
+            ballots: cute.struct.MemRange[Int32, self.tile_tokens]
             pages: cute.struct.MemRange[Int32, self.union_max]
             blocks: cute.struct.MemRange[Int32, self.union_max]
             masks: cute.struct.MemRange[Int32, self.union_max]
@@ -88,7 +89,7 @@ class UnionMmaKernel(SparseDecodeMmaKernel):
             query, kv_cache, topk, block_table, kv_lens, out, lse, partial_o, partial_lse, k_scale_tensor,
             v_scale_tensor, qlen, num_splits, qk_scale_log2, v_scale, self.storage_type(),
         ).launch(
-            grid=((num_tokens + qlen - 1) // qlen, self.hkv, (qlen + self.warps - 1) // self.warps),
+            grid=((num_tokens + qlen - 1) // qlen, self.hkv, (qlen + self.tile_tokens - 1) // self.tile_tokens),
             block=(self.threads, 1, 1),
             stream=stream,
             preferred_smem_carveout=100,
@@ -126,9 +127,9 @@ class UnionMmaKernel(SparseDecodeMmaKernel):
         buf_addr = ptx.smem_addr(storage.buf.data_ptr())
         full_ptr = storage.full.data_ptr()
         empty_ptr = storage.empty.data_ptr()
-        sTokPages = storage.tok_pages.get_tensor(cute.make_layout(32 * self.warps))
-        sTokBlocks = storage.tok_blocks.get_tensor(cute.make_layout(32 * self.warps))
-        sBallots = storage.ballots.get_tensor(cute.make_layout(self.warps))
+        sTokPages = storage.tok_pages.get_tensor(cute.make_layout(32 * self.tile_tokens))
+        sTokBlocks = storage.tok_blocks.get_tensor(cute.make_layout(32 * self.tile_tokens))
+        sBallots = storage.ballots.get_tensor(cute.make_layout(self.tile_tokens))
         sPages = storage.pages.get_tensor(cute.make_layout(self.union_max))
         sBlocks = storage.blocks.get_tensor(cute.make_layout(self.union_max))
         sMasks = storage.masks.get_tensor(cute.make_layout(self.union_max))
@@ -144,63 +145,14 @@ class UnionMmaKernel(SparseDecodeMmaKernel):
         v_scale = v_scale * mVScale[0] * self.kv_fold
 
         # token of consumer warp w: req * qlen + tile * warps + w, if the tile has it
-        n_tok = cutlass.min(Int32(self.warps), qlen - tile * self.warps)
-        t = req * qlen + tile * self.warps + warp
+        n_tok = cutlass.min(Int32(self.tile_tokens), qlen - tile * self.tile_tokens)
+        t = req * qlen + tile * self.tile_tokens + warp
         active = warp < n_tok
         kv_len = Int32(0)
         if active:
             kv_len = mKvLens[t]
-
-        # ---- 1. each token's valid slots (consumer warp w: token w's), -1 where none
-        if warp < self.warps:
-            sTokBlocks[warp * 32 + lane] = Int32(-1)
-            cute.arch.sync_warp()
-            if active:
-                tok_pages = cute.make_tensor(sTokPages.iterator + warp * 32, cute.make_layout(32))
-                tok_blocks = cute.make_tensor(sTokBlocks.iterator + warp * 32, cute.make_layout(32))
-                common.compact_valid_slots(mTopk, mBT, t, h, req, kv_len, mKV.shape[0], lane, tok_pages,
-                                           tok_blocks, self.topk, self.page)
-        cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
-        # ---- 2. the union: consumer warp w's lane l owns token w's slot l
-        my_blk = Int32(-1)
-        my_page = Int32(0)
-        my_mask = Int32(0)
-        unique = Int32(0)
-        if warp < self.warps:
-            if lane < self.topk:
-                my_blk = sTokBlocks[warp * 32 + lane]
-                my_page = sTokPages[warp * 32 + lane]
-            my_key = lane * self.warps + warp  # union order: slot rank, then token
-            dup = Int32(0)
-            for j in range(self.warps):
-                for k in cutlass.range_constexpr(self.topk):
-                    b = sTokBlocks[j * 32 + k]
-                    if b == my_blk:
-                        my_mask = my_mask | (Int32(1) << j)
-                        if k * self.warps + j < my_key:
-                            dup = Int32(1)
-            if my_blk >= 0:
-                if dup == 0:
-                    unique = Int32(1)
-            ballot = cute.arch.vote_ballot_sync(unique != 0)
-            if lane == 0:
-                sBallots[warp] = Int32(ballot)
-        cute.arch.sync_threads()
-        n_union = Int32(0)
-        for j in cutlass.range_constexpr(self.warps):
-            n_union = n_union + cute.arch.popc(sBallots[j])
-        if unique != 0:
-            rank = Int32(0)
-            for j in cutlass.range_constexpr(self.warps):
-                bj = sBallots[j]
-                rank = rank + cute.arch.popc(bj & cute.arch.lanemask_lt())
-                if j < warp:
-                    rank = rank + ((bj >> lane) & 1)
-            sPages[rank] = my_page
-            sBlocks[rank] = my_blk
-            sMasks[rank] = my_mask
-        cute.arch.sync_threads()
+        n_union = self.build_union(mTopk, mBT, mKvLens, mKV, sTokPages, sTokBlocks, sBallots, sPages, sBlocks,
+                                   sMasks, None, req, h, tile, qlen, n_tok, warp, lane)
 
         if warp == self.warps:
             # ---- 3a. producer: every union block once
@@ -211,6 +163,89 @@ class UnionMmaKernel(SparseDecodeMmaKernel):
             # ---- 3b. consumer warp: its token over the union blocks it selected
             self.consume_union(mQ, mOut, mLse, sBlocks, sMasks, buf_addr, full_ptr, empty_ptr,
                                t, h, warp, lane, kv_len, n_union, active, qk_scale_log2, v_scale)
+
+    @cute.jit
+    def build_union(self, mTopk, mBT, mKvLens, mKV, sTokPages, sTokBlocks, sBallots, sPages, sBlocks, sMasks,
+                    sKvLen, req, h, tile, qlen, n_tok, warp, lane):
+        """The tile's union of blocks -> sPages / sBlocks / sMasks[0, n): returns n (every thread).
+
+        Token j of the tile (j < tile_tokens) is compacted by consumer warp j % warps (its valid
+        slots, as the shipped kernel does, -1 past them); then lane l of that warp owns token j's
+        slot l: its block is a union entry unless an earlier (slot rank, token) holds the same
+        block, and its mask has bit j' for every token j' that selected it. sKvLen (optional)
+        gets each token's kv_len (0 past the tile).
+        """
+        TT = self.tile_tokens
+        per_warp = TT // self.warps
+        if warp < self.warps:
+            for k in cutlass.range_constexpr(per_warp):
+                j = warp + self.warps * k
+                sTokBlocks[j * 32 + lane] = Int32(-1)
+                cute.arch.sync_warp()
+                kv_len = Int32(0)
+                if j < n_tok:
+                    t = req * qlen + tile * TT + j
+                    kv_len = mKvLens[t]
+                    tok_pages = cute.make_tensor(sTokPages.iterator + j * 32, cute.make_layout(32))
+                    tok_blocks = cute.make_tensor(sTokBlocks.iterator + j * 32, cute.make_layout(32))
+                    common.compact_valid_slots(mTopk, mBT, t, h, req, kv_len, mKV.shape[0], lane, tok_pages,
+                                               tok_blocks, self.topk, self.page)
+                if cutlass.const_expr(sKvLen is not None):
+                    if lane == 0:
+                        sKvLen[j] = kv_len
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+        my_blk = cute.make_rmem_tensor(per_warp, Int32)
+        my_page = cute.make_rmem_tensor(per_warp, Int32)
+        my_mask = cute.make_rmem_tensor(per_warp, Int32)
+        unique = cute.make_rmem_tensor(per_warp, Int32)
+        for k in cutlass.range_constexpr(per_warp):
+            my_blk[k] = Int32(-1)
+            my_page[k] = Int32(0)
+            my_mask[k] = Int32(0)
+            unique[k] = Int32(0)
+        if warp < self.warps:
+            for k in cutlass.range_constexpr(per_warp):
+                j = warp + self.warps * k
+                if lane < self.topk:
+                    my_blk[k] = sTokBlocks[j * 32 + lane]
+                    my_page[k] = sTokPages[j * 32 + lane]
+                my_key = lane * TT + j  # union order: slot rank, then token
+                b_mine = my_blk[k]
+                mask = Int32(0)
+                dup = Int32(0)
+                for j2 in range(TT):
+                    for kk in cutlass.range_constexpr(self.topk):
+                        if sTokBlocks[j2 * 32 + kk] == b_mine:
+                            mask = mask | (Int32(1) << j2)
+                            if kk * TT + j2 < my_key:
+                                dup = Int32(1)
+                my_mask[k] = mask
+                if b_mine >= 0:
+                    if dup == 0:
+                        unique[k] = Int32(1)
+                ballot = cute.arch.vote_ballot_sync(unique[k] != 0)
+                if lane == 0:
+                    sBallots[j] = Int32(ballot)
+        cute.arch.sync_threads()
+        n_union = Int32(0)
+        for j in cutlass.range_constexpr(TT):
+            n_union = n_union + cute.arch.popc(sBallots[j])
+        if warp < self.warps:
+            for k in cutlass.range_constexpr(per_warp):
+                j = warp + self.warps * k
+                if unique[k] != 0:
+                    rank = Int32(0)
+                    for j2 in cutlass.range_constexpr(TT):
+                        bj = sBallots[j2]
+                        rank = rank + cute.arch.popc(bj & cute.arch.lanemask_lt())
+                        if j2 < j:
+                            rank = rank + ((bj >> lane) & 1)
+                    sPages[rank] = my_page[k]
+                    sBlocks[rank] = my_blk[k]
+                    sMasks[rank] = my_mask[k]
+        cute.arch.sync_threads()
+        return n_union
 
     @cute.jit
     def consume_union(self, mQ, mOut, mLse, sBlocks, sMasks, buf_addr, full_ptr, empty_ptr,
@@ -233,7 +268,7 @@ class UnionMmaKernel(SparseDecodeMmaKernel):
             s = i % self.stages
             phase = (i // self.stages) & 1
             cute.arch.mbarrier_wait(full_ptr + s, phase)
-            if (sMasks[i] >> warp) & 1 != 0:
+            if ((sMasks[i] >> warp) & 1) != 0:
                 stage = buf_addr + s * self.stage_bytes
                 blk = sBlocks[i]
                 for j in range(self.slices):  # each slice releases once (consume_block)

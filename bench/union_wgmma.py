@@ -1,0 +1,433 @@
+"""The union kernel on Hopper's warpgroup MMA (`wgmma`), as a bench probe (issue #19's speculative
+decode; the "convert each block once" step row 54 of docs/performance.md asks for).
+
+Same work split as bench/union_kernel.py (one CTA per (request, KV head, token tile), every union
+block streamed once, the tile's union built by `UnionMmaKernel.build_union`), but the tile's
+64 // G tokens x G query heads are the 64 rows of ONE warpgroup MMA, so each block is converted
+once for all of them:
+
+* Q of the tile (64 rows x 128 dims, bf16 -> f16 times the softmax scale in log2 units) is
+  written once to shared memory, 128B-swizzled, K-major (the A operand of S);
+* per block: the 128 consumer threads convert the stage's fp8 K to f16 into a swizzled K-major
+  tile (the B operand), S = Q K^T by 8 `wgmma.m64n128k16` (SS); the online softmax runs on the
+  accumulator rows (a row is (token, head): its token's kv_len mask, and -inf when its token did
+  not select the block); P goes to shared memory as f16 (K-major, the B operand of the next MMA);
+* O^T += V^T P^T by `wgmma.m64n64k16` with A = V^T from REGISTERS: thread (warp w, lane g*4+c)
+  holds M rows 16w+g, 16w+g+8 of both 64-row halves, mapped to head dims 4q..4q+3 (q = 8w+g), so
+  one 32-bit shared load per key gives all four; pairs of keys meet in an f16x2 by a byte permute
+  and one `cvt.rn.f16x2.e4m3x2` (as the shipped kernel converts V);
+* at the end each thread normalizes its O^T columns (rows of the tile) with the row sums that the
+  S layout's owners left in shared memory, and stores 4 dims (8 bytes) per row.
+
+bf16 query and fp8 cache only; one warpgroup, one CTA per SM (160 KiB of shared memory).
+"""
+
+# no `from __future__ import annotations`: the DSL reads evaluated annotations
+import os
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # the wgmma helpers check the arch while tracing
+
+import cutlass  # noqa: E402
+import cutlass.cute as cute  # noqa: E402
+import cutlass.utils.hopper_helpers as sm90  # noqa: E402
+from cutlass import Float32, Int32, Int64  # noqa: E402
+from cutlass.cute.nvgpu import warpgroup  # noqa: E402
+from cutlass.cutlass_dsl import T, dsl_user_op  # noqa: E402
+from cutlass.tensor_utils import LayoutEnum  # noqa: E402
+
+from union_kernel import UnionMmaKernel, ptx  # noqa: E402
+from msa_jit.kernels.sparse_decode_mma import HEAD_DIM, LN2  # noqa: E402
+
+ROWS = 64  # the warpgroup MMA's M: tile tokens x G
+BAR_WG = 1  # named barriers 1, 2: the 128 threads of consumer warpgroup 0, 1
+BAR_ALL = 3  # both consumer warpgroups
+
+
+@dsl_user_op
+def st_global_v2(addr: Int64, w0: Int32, w1: Int32, *, loc=None, ip=None) -> None:
+    ptx._asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), Int32(w0).ir_value(loc=loc, ip=ip),
+                    Int32(w1).ir_value(loc=loc, ip=ip)],
+             "st.global.v2.b32 [$0], {$1, $2};", "l,r,r", side_effects=True)
+
+
+@dsl_user_op
+def st_global_b32(addr: Int64, w: Int32, *, loc=None, ip=None) -> None:
+    ptx._asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), Int32(w).ir_value(loc=loc, ip=ip)],
+             "st.global.b32 [$0], $1;", "l,r", side_effects=True)
+
+
+@dsl_user_op
+def st_shared_f32(addr: Int32, v: Float32, *, loc=None, ip=None) -> None:
+    ptx._asm(None, [Int32(addr).ir_value(loc=loc, ip=ip), Float32(v).ir_value(loc=loc, ip=ip)],
+             "st.shared.f32 [$0], $1;", "r,f", side_effects=True)
+
+
+@dsl_user_op
+def ld_shared_f32(addr: Int32, *, loc=None, ip=None) -> Float32:
+    return Float32(ptx._asm(T.f32(), [Int32(addr).ir_value(loc=loc, ip=ip)], "ld.shared.f32 $0, [$1];", "=f,r",
+                            side_effects=True))
+
+
+@dsl_user_op
+def st_shared_b32(addr: Int32, w: Int32, *, loc=None, ip=None) -> None:
+    ptx._asm(None, [Int32(addr).ir_value(loc=loc, ip=ip), Int32(w).ir_value(loc=loc, ip=ip)],
+             "st.shared.b32 [$0], $1;", "r,r", side_effects=True)
+
+
+def _smem_layout(rows: int):
+    """The 128B-swizzled K-major f16 layout of a (rows, 128) tile (two 64-column halves)."""
+    atom = warpgroup.make_smem_layout_atom(sm90.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, cutlass.Float16, HEAD_DIM),
+                                           cutlass.Float16)
+    return cute.tile_to_shape(atom, (rows, HEAD_DIM), order=(0, 1))
+
+
+@cute.jit
+def swizzled(rows: cutlass.Constexpr, row, col):
+    """Byte offset of element (row, col) of a _smem_layout(rows) tile (col % 8 == 0 for 16-byte
+    chunks): linear 64 * row + col % 64 + rows * 64 * (col // 64) elements, then the 128B swizzle
+    on the byte address (bits 4-6 ^= bits 7-9; the tile is 1024-byte aligned)."""
+    b = (row * 64 + (col % 64) + (col // 64) * (rows * 64)) * 2
+    return b ^ ((b >> 3) & 0x70)
+
+
+class UnionWgmmaKernel(UnionMmaKernel):
+    """One CTA per (request, KV head, 64 // G tokens); S and O on warpgroup MMAs. `warpgroups`
+    consumer warpgroups take the union blocks in turn (block i: warpgroup i % warpgroups), each
+    with its own K / P tiles and (m, l, O) over its blocks, merged at the end."""
+
+    def __init__(self, *, union_wgmma: bool = True, stages: int | None = None, warpgroups: int = 2,
+                 convert: bool = True, **options):
+        options.pop("union", None)
+        # convert=False: a timing probe that leaves K / V in f16 unconverted (stale tiles: results wrong)
+        self.convert = convert
+        # shared memory: stages x 32 KiB of fp8 pages + Q (16 KiB) + f16 K and V per warpgroup (64 KiB)
+        super().__init__(stages=stages or (3 if warpgroups == 1 else 2), **options)
+        if self.q_fp8 or self.nvfp4:
+            raise ValueError("the wgmma union probe takes a bf16 query and an fp8 cache")
+        if ROWS % self.group or self.warps != 4 or warpgroups not in (1, 2):
+            raise ValueError(f"group size {self.group} must divide {ROWS}, with 4 warps per warpgroup, 1 or 2 of them")
+        self.wgs = warpgroups
+        self.tile_tokens = ROWS // self.group
+        self.union_max = self.tile_tokens * self.topk
+        self.empty_arrivals = self.consumer_threads  # the 128 threads of the warpgroup that owns the block
+        # no producer warp (ptxas allots registers per warpgroup: a 9th warp would cost a third of
+        # them): thread 0 of the warpgroup that read a stage refills it (issue_block)
+        self.threads = 128 * warpgroups
+        self.ctas_per_sm = 1
+
+    def storage_type(self):
+        @cute.struct
+        class Storage:
+            buf: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.stages * self.stage_bytes], 1024]
+            sq: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, ROWS * HEAD_DIM], 1024]
+            sk0: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, self.page * HEAD_DIM], 1024]
+            sv0: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, self.page * HEAD_DIM], 1024]
+            sk1: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, self.page * HEAD_DIM if self.wgs > 1 else 8], 1024]
+            sv1: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, self.page * HEAD_DIM if self.wgs > 1 else 8], 1024]
+            full: cute.struct.Align[cute.struct.MemRange[Int64, self.stages], 8]
+            empty: cute.struct.Align[cute.struct.MemRange[Int64, self.stages], 8]
+            tok_pages: cute.struct.MemRange[Int32, 32 * self.tile_tokens]
+            tok_blocks: cute.struct.MemRange[Int32, 32 * self.tile_tokens]
+            ballots: cute.struct.MemRange[Int32, self.tile_tokens]
+            pages: cute.struct.MemRange[Int32, self.union_max]
+            blocks: cute.struct.MemRange[Int32, self.union_max]
+            masks: cute.struct.MemRange[Int32, self.union_max]
+            kvlen: cute.struct.MemRange[Int32, self.tile_tokens]
+            rowm: cute.struct.MemRange[Float32, ROWS * self.wgs]
+            rowl: cute.struct.MemRange[Float32, ROWS * self.wgs]
+
+        return Storage
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mKV: cute.Tensor,
+        mTopk: cute.Tensor,
+        mBT: cute.Tensor,
+        mKvLens: cute.Tensor,
+        mOut: cute.Tensor,
+        mLse: cute.Tensor,
+        mPO: cute.Tensor,
+        mPL: cute.Tensor,
+        mKScale: cute.Tensor,
+        mVScale: cute.Tensor,
+        qlen: Int32,
+        num_splits: Int32,
+        qk_scale_log2: Float32,
+        v_scale: Float32,
+        Storage: cutlass.Constexpr,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        req, h, tile = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(tidx // 32)
+        lane = tidx % 32
+        TT = self.tile_tokens
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(Storage)
+        buf_addr = ptx.smem_addr(storage.buf.data_ptr())
+        full_ptr = storage.full.data_ptr()
+        empty_ptr = storage.empty.data_ptr()
+        sTokPages = storage.tok_pages.get_tensor(cute.make_layout(32 * TT))
+        sTokBlocks = storage.tok_blocks.get_tensor(cute.make_layout(32 * TT))
+        sBallots = storage.ballots.get_tensor(cute.make_layout(TT))
+        sPages = storage.pages.get_tensor(cute.make_layout(self.union_max))
+        sBlocks = storage.blocks.get_tensor(cute.make_layout(self.union_max))
+        sMasks = storage.masks.get_tensor(cute.make_layout(self.union_max))
+        sKvLen = storage.kvlen.get_tensor(cute.make_layout(TT))
+        if warp == 0:
+            if lane == 0:
+                for s in cutlass.range_constexpr(self.stages):
+                    cute.arch.mbarrier_init(full_ptr + s, 1)
+                    cute.arch.mbarrier_init(empty_ptr + s, self.empty_arrivals)
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
+        qk_scale_log2 = qk_scale_log2 * mKScale[0]
+        v_scale = v_scale * mVScale[0]
+        n_tok = cutlass.min(Int32(TT), qlen - tile * TT)
+        n_union = self.build_union(mTopk, mBT, mKvLens, mKV, sTokPages, sTokBlocks, sBallots, sPages, sBlocks,
+                                   sMasks, sKvLen, req, h, tile, qlen, n_tok, warp, lane)
+        if tidx == 0:  # the first stages' blocks; each later one by the reader of its stage
+            for j in range(cutlass.min(n_union, Int32(self.stages))):
+                self.issue_block(mKV, sPages, h, j, buf_addr, full_ptr)
+        if warp < 4:
+            self.consume_wgmma(mQ, mKV, mOut, mLse, storage, sPages, sBlocks, sMasks, sKvLen, buf_addr, full_ptr,
+                               empty_ptr, req, h, tile, qlen, n_tok, n_union, qk_scale_log2, v_scale, tidx, 0)
+        else:
+            if cutlass.const_expr(self.wgs > 1):
+                self.consume_wgmma(mQ, mKV, mOut, mLse, storage, sPages, sBlocks, sMasks, sKvLen, buf_addr, full_ptr,
+                                   empty_ptr, req, h, tile, qlen, n_tok, n_union, qk_scale_log2, v_scale, tidx - 128, 1)
+
+    @cute.jit
+    def issue_block(self, mKV, sPages, h, j, buf_addr, full_ptr):
+        """One thread: union block j's (page, KV head) chunk -> stage j % stages (bulk copy)."""
+        s = j % self.stages
+        cute.arch.mbarrier_arrive_and_expect_tx(full_ptr + s, self.stage_bytes)
+        chunk = Int64(sPages[j]) * self.hkv + Int64(h)
+        ptx.bulk_copy_g2s(buf_addr + s * self.stage_bytes, mKV.iterator.toint() + chunk * self.stage_bytes,
+                          self.stage_bytes, ptx.smem_addr(full_ptr + s))
+
+    @cute.jit
+    def consume_wgmma(self, mQ, mKV, mOut, mLse, storage, sPages, sBlocks, sMasks, sKvLen, buf_addr, full_ptr,
+                      empty_ptr, req, h, tile, qlen, n_tok, n_union, qk_scale_log2, v_scale, tidx,
+                      wg: cutlass.Constexpr):
+        """Warpgroup wg (thread tidx of its 128): union blocks wg, wg + wgs, ...; warpgroup 0 merges and stores."""
+        G = self.group
+        TT = self.tile_tokens
+        bar = BAR_WG + wg
+        nthr = self.consumer_threads
+        warp = cute.arch.make_warp_uniform(tidx // 32)
+        lane = tidx % 32
+        g = lane // 4
+        c = lane % 4
+        f16 = cutlass.Float16
+        sQ_layout = _smem_layout(ROWS)
+        sK_layout = _smem_layout(self.page)
+        sk_field = storage.sk0 if cutlass.const_expr(wg == 0) else storage.sk1
+        sv_field = storage.sv0 if cutlass.const_expr(wg == 0) else storage.sv1
+        sQ = storage.sq.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = sk_field.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = sv_field.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        # V as the B operand of O = P V: (N = head dims, K = keys), head dims contiguous (MN-major)
+        sVt = cute.composition(sV, cute.make_ordered_layout((HEAD_DIM, self.page), order=(1, 0)))
+        q_smem = ptx.smem_addr(storage.sq.data_ptr())
+        k_smem = ptx.smem_addr(sk_field.data_ptr())
+        v_smem = ptx.smem_addr(sv_field.data_ptr())
+        sRowM = storage.rowm.get_tensor(cute.make_layout(ROWS * self.wgs))
+        sRowL = storage.rowl.get_tensor(cute.make_layout(ROWS * self.wgs))
+
+        mma_s = sm90.make_trivial_tiled_mma(f16, f16, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
+                                            Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(ROWS, self.page))
+        mma_o = sm90.make_trivial_tiled_mma(f16, f16, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
+                                            Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(ROWS, HEAD_DIM),
+                                            a_source=warpgroup.OperandSource.RMEM)
+        thr_s = mma_s.get_slice(tidx)
+        thr_o = mma_o.get_slice(tidx)
+        tSrQ = thr_s.make_fragment_A(thr_s.partition_A(sQ))
+        tSrK = thr_s.make_fragment_B(thr_s.partition_B(sK))
+        tOrV = thr_o.make_fragment_B(thr_o.partition_B(sVt))
+        tOrP = thr_o.make_fragment_A(thr_o.partition_shape_A((ROWS, self.page)))
+        p_words = cute.make_tensor(cute.recast_ptr(tOrP.iterator, dtype=Int32), cute.make_layout(ROWS * self.page // 256))
+        # O, rows 16w + g + 8hh (as S), head dims 8j + 2c + e: acc_o[e + 2hh + 4j]
+        acc_o = cute.make_rmem_tensor(thr_o.partition_shape_C((ROWS, HEAD_DIM)), Float32)
+        for i in cutlass.range_constexpr(cute.size(acc_o)):
+            acc_o[i] = Float32(0.0)
+
+        if cutlass.const_expr(wg == 0):
+            # ---- Q of the tile -> sQ: thread tidx writes half (64 dims) of row tidx // 2
+            qrow = tidx // 2
+            qhalf = tidx % 2
+            qj = qrow // G
+            words = cute.make_rmem_tensor(32, Int32)
+            for k in cutlass.range_constexpr(32):
+                words[k] = Int32(0)
+            if qj < n_tok:
+                t = req * qlen + tile * TT + qj
+                src = mQ.iterator.toint() + (Int64(t) * Int64(mQ.stride[0])
+                                             + Int64((h * G + qrow % G) * HEAD_DIM + 64 * qhalf)) * 2
+                for p in cutlass.range_constexpr(8):
+                    wv = ptx.ld_global_nc_v4(src + 16 * p)
+                    for k in cutlass.range_constexpr(4):
+                        words[4 * p + k] = ptx.bf16x2_to_f16x2(wv[k], qk_scale_log2)
+            for p in cutlass.range_constexpr(8):
+                ptx.st_shared_v4(q_smem + swizzled(ROWS, qrow, 64 * qhalf + 8 * p),
+                                 words[4 * p], words[4 * p + 1], words[4 * p + 2], words[4 * p + 3])
+            cute.arch.fence_view_async_shared()
+        if cutlass.const_expr(self.wgs > 1):  # sQ is complete for both warpgroups
+            cute.arch.barrier(barrier_id=BAR_ALL, number_of_threads=nthr * self.wgs)
+
+        row_max = cute.make_rmem_tensor(2, Float32)
+        row_sum = cute.make_rmem_tensor(2, Float32)
+        for hh in cutlass.range_constexpr(2):
+            row_max[hh] = -Float32.inf
+            row_sum[hh] = Float32(0.0)
+        c8 = tidx % 8
+        for i in range(wg, n_union, self.wgs):
+            s = i % self.stages
+            cute.arch.mbarrier_wait(full_ptr + s, (i // self.stages) & 1)
+            stage = buf_addr + s * self.stage_bytes
+            blk = sBlocks[i]
+            mask = sMasks[i]
+            # every warp's MMAs of the previous block (readers of sK / sV) and sQ's stores are done
+            cute.arch.barrier(barrier_id=bar, number_of_threads=nthr)
+            # ---- K and V (fp8 rows of the stage) -> sK, sV (f16): thread = 16 dims of keys tidx // 8 + 16 r
+            for r in cutlass.range_constexpr(self.page // 16 if self.convert else 0):
+                key = tidx // 8 + 16 * r
+                for kv in cutlass.range_constexpr(2):
+                    w = ptx.ld_shared_v4(stage + key * 256 + HEAD_DIM * kv + 16 * c8)
+                    f = []
+                    for k in cutlass.range_constexpr(4):
+                        f.append(ptx.e4m3x2_to_f16x2(w[k], 0))
+                        f.append(ptx.e4m3x2_to_f16x2(w[k], 1))
+                    dst = (k_smem if kv == 0 else v_smem) + swizzled(self.page, key, 16 * c8)
+                    ptx.st_shared_v4(dst, f[0], f[1], f[2], f[3])
+                    ptx.st_shared_v4(dst ^ 16, f[4], f[5], f[6], f[7])  # the next 16-byte chunk
+            cute.arch.mbarrier_arrive(empty_ptr + s)  # the stage is read: thread 0 refills it
+            if tidx == 0:
+                if i + self.stages < n_union:
+                    cute.arch.mbarrier_wait(empty_ptr + s, (i // self.stages) & 1)
+                    self.issue_block(mKV, sPages, h, i + self.stages, buf_addr, full_ptr)
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=bar, number_of_threads=nthr)
+            # ---- S = Q K^T (rows: token j = row // G, head row % G; columns: the block's keys)
+            acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((ROWS, self.page)), Float32)
+            warpgroup.fence()
+            atom_s = cute.make_mma_atom(mma_s.op)
+            atom_s.set(warpgroup.Field.ACCUMULATE, False)
+            for k in cutlass.range_constexpr(cute.size(tSrQ.shape[2])):
+                cute.gemm(atom_s, acc_s, tSrQ[None, None, k], tSrK[None, None, k], acc_s)
+                atom_s.set(warpgroup.Field.ACCUMULATE, True)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            # ---- online softmax of rows 16w + g + 8hh (S is in log2 units: the scale is in Q);
+            # P -> the A fragments of O = P V (k-step ks: keys 16ks + 2c (+1), (+8, +9))
+            for hh in cutlass.range_constexpr(2):
+                m_row = 16 * warp + g + 8 * hh
+                j_row = m_row // G
+                lim = sKvLen[j_row] - blk * self.page  # visible keys of the block: col < lim
+                if ((mask >> j_row) & 1) == 0:
+                    lim = Int32(0)
+                if lim < self.page:
+                    for jj in cutlass.range_constexpr(self.page // 8):
+                        for e in cutlass.range_constexpr(2):
+                            if 8 * jj + 2 * c + e >= lim:
+                                acc_s[e + 2 * hh + 4 * jj] = -Float32.inf
+                mx = -Float32.inf
+                for jj in cutlass.range_constexpr(self.page // 8):
+                    for e in cutlass.range_constexpr(2):
+                        mx = cute.arch.fmax(mx, acc_s[e + 2 * hh + 4 * jj])
+                mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 1))
+                mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 2))
+                m_new = cute.arch.fmax(row_max[hh], mx)
+                m_use = m_new
+                if m_new == -Float32.inf:
+                    m_use = Float32(0.0)
+                alpha = ptx.ex2(row_max[hh] - m_use)
+                row_max[hh] = m_new
+                psum = Float32(0.0)
+                for jj in cutlass.range_constexpr(self.page // 8):
+                    for e in cutlass.range_constexpr(2):
+                        p = ptx.ex2(acc_s[e + 2 * hh + 4 * jj] - m_use)
+                        acc_s[e + 2 * hh + 4 * jj] = p
+                        psum = psum + p
+                row_sum[hh] = row_sum[hh] * alpha + psum
+                for j in cutlass.range_constexpr(HEAD_DIM // 8):
+                    for e in cutlass.range_constexpr(2):
+                        acc_o[e + 2 * hh + 4 * j] = acc_o[e + 2 * hh + 4 * j] * alpha
+                for jj in cutlass.range_constexpr(self.page // 8):  # jj = 2ks + kh
+                    p_words[hh + 2 * (jj % 2) + 4 * (jj // 2)] = ptx.f32x2_to_f16x2(acc_s[2 * hh + 4 * jj],
+                                                                                  acc_s[1 + 2 * hh + 4 * jj])
+            # ---- O += P V
+            warpgroup.fence()
+            atom_o = cute.make_mma_atom(mma_o.op)
+            atom_o.set(warpgroup.Field.ACCUMULATE, True)
+            for k in cutlass.range_constexpr(cute.size(tOrP.shape[2])):
+                cute.gemm(atom_o, acc_o, tOrP[None, None, k], tOrV[None, None, k], acc_o)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+
+        # ---- merge the warpgroups' (m, l, O) through shared memory; warpgroup 0 stores
+        for hh in cutlass.range_constexpr(2):
+            tot = row_sum[hh]
+            tot = tot + cute.arch.shuffle_sync_bfly(tot, 1)
+            tot = tot + cute.arch.shuffle_sync_bfly(tot, 2)
+            row_sum[hh] = tot
+            m_row = 16 * warp + g + 8 * hh
+            if c == 0:
+                sRowL[ROWS * wg + m_row] = tot
+                sRowM[ROWS * wg + m_row] = row_max[hh]
+        o_other = buf_addr  # warpgroup 1's O (every stage is read by now)
+        if cutlass.const_expr(self.wgs > 1):
+            cute.arch.barrier(barrier_id=BAR_ALL, number_of_threads=nthr * self.wgs)
+            if cutlass.const_expr(wg == 1):
+                for k in cutlass.range_constexpr(cute.size(acc_o)):
+                    st_shared_f32(o_other + (k * nthr + tidx) * 4, acc_o[k])
+            cute.arch.barrier(barrier_id=BAR_ALL, number_of_threads=nthr * self.wgs)
+        if cutlass.const_expr(wg == 0):
+            for hh in cutlass.range_constexpr(2):
+                m_row = 16 * warp + g + 8 * hh
+                j_row = m_row // G
+                if j_row < n_tok:
+                    m_all, l_all = self.merged_stats(sRowM, sRowL, m_row)
+                    m_use = m_all
+                    if m_all == -Float32.inf:
+                        m_use = Float32(0.0)
+                    inv = Float32(0.0)
+                    lse2 = -Float32.inf
+                    if l_all > Float32(0.0):
+                        inv = v_scale / l_all
+                        lse2 = m_all + ptx.lg2(l_all)
+                    w_self = inv * ptx.ex2(row_max[hh] - m_use)
+                    w_other = Float32(0.0)
+                    if cutlass.const_expr(self.wgs > 1):
+                        w_other = inv * ptx.ex2(sRowM[ROWS + m_row] - m_use)
+                    t = req * qlen + tile * TT + j_row
+                    hq = h * G + m_row % G
+                    if c == 0:
+                        mLse[t, hq] = lse2 * LN2
+                    row = mOut.iterator.toint() + (Int64(t) * Int64(mOut.stride[0]) + Int64(hq * HEAD_DIM + 2 * c)) * 2
+                    for j in cutlass.range_constexpr(HEAD_DIM // 8):
+                        v = []
+                        for e in cutlass.range_constexpr(2):
+                            idx = e + 2 * hh + 4 * j
+                            x = acc_o[idx] * w_self
+                            if cutlass.const_expr(self.wgs > 1):
+                                x = x + ld_shared_f32(o_other + (idx * nthr + tidx) * 4) * w_other
+                            v.append(x)
+                        st_global_b32(row + 16 * j, ptx.f32x2_to_bf16x2(v[0], v[1]))
+
+    @cute.jit
+    def merged_stats(self, sRowM, sRowL, n):
+        """(max, sum) of tile row n over the warpgroups (log2 units, sums rescaled to the max)."""
+        m_all = sRowM[n]
+        l_all = sRowL[n]
+        if cutlass.const_expr(self.wgs > 1):
+            m1 = sRowM[ROWS + n]
+            m_new = cute.arch.fmax(m_all, m1)
+            m_use = m_new
+            if m_new == -Float32.inf:
+                m_use = Float32(0.0)
+            l_all = l_all * ptx.ex2(m_all - m_use) + sRowL[ROWS + n] * ptx.ex2(m1 - m_use)
+            m_all = m_new
+        return m_all, l_all
