@@ -81,7 +81,10 @@ VARIANTS = {  # name -> (kv dtype, kernel options)
     "f_union_wg": ("float8_e4m3fn", {"union_wgmma": True, "warpgroups": 1}),
     "f_union_wg2": ("float8_e4m3fn", {"union_wgmma": True, "warpgroups": 2}),
     "f_union_wg2_noconv": ("float8_e4m3fn", {"union_wgmma": True, "warpgroups": 2, "convert": False}),  # wrong results
-    "f_union_wg2_s3": ("float8_e4m3fn", {"union_wgmma": True, "warpgroups": 2, "stages": 3}),
+    "f_union_cv": ("float8_e4m3fn", {"union_wgmma": True, "warpgroups": 2, "converter": 1}),
+    "f_union_cv_noconv": ("float8_e4m3fn", {"union_wgmma": True, "warpgroups": 2, "converter": 1,
+                                            "convert": False}),  # wrong results
+    "f_union_cv2": ("float8_e4m3fn", {"union_wgmma": True, "warpgroups": 2, "converter": 2}),
     # the staged build releasing a stage after its last MMA (kernel option late_release, only in
     # commit 6484cc9; T1702: no gain)
     "n_c3s3_late": ("nvfp4", dict(C3, stages=3, late_release=True)),

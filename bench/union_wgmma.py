@@ -4,22 +4,24 @@ decode; the "convert each block once" step row 54 of docs/performance.md asks fo
 Same work split as bench/union_kernel.py (one CTA per (request, KV head, token tile), every union
 block streamed once, the tile's union built by `UnionMmaKernel.build_union`), but the tile's
 64 // G tokens x G query heads are the 64 rows of ONE warpgroup MMA, so each block is converted
-once for all of them:
+once for all of them (FlashAttention-3's structure, written here for this layout):
 
 * Q of the tile (64 rows x 128 dims, bf16 -> f16 times the softmax scale in log2 units) is
   written once to shared memory, 128B-swizzled, K-major (the A operand of S);
-* per block: the 128 consumer threads convert the stage's fp8 K to f16 into a swizzled K-major
-  tile (the B operand), S = Q K^T by 8 `wgmma.m64n128k16` (SS); the online softmax runs on the
-  accumulator rows (a row is (token, head): its token's kv_len mask, and -inf when its token did
-  not select the block); P goes to shared memory as f16 (K-major, the B operand of the next MMA);
-* O^T += V^T P^T by `wgmma.m64n64k16` with A = V^T from REGISTERS: thread (warp w, lane g*4+c)
-  holds M rows 16w+g, 16w+g+8 of both 64-row halves, mapped to head dims 4q..4q+3 (q = 8w+g), so
-  one 32-bit shared load per key gives all four; pairs of keys meet in an f16x2 by a byte permute
-  and one `cvt.rn.f16x2.e4m3x2` (as the shipped kernel converts V);
-* at the end each thread normalizes its O^T columns (rows of the tile) with the row sums that the
-  S layout's owners left in shared memory, and stores 4 dims (8 bytes) per row.
+* a block's fp8 K and V become f16 tiles in shared memory (swizzled, key rows); S = Q K^T by 8
+  `wgmma.m64n128k16` (SS); the online softmax runs on the accumulator rows (a row is (token,
+  head): its token's kv_len mask, -inf when its token did not select the block); O += P V by 8
+  `wgmma.m64n128k16` with P from registers (the S accumulator layout is the A fragment layout)
+  and V as an MN-major B tile;
+* consumer ("MMA") warpgroups take the union blocks in turn and merge their (m, l, O) at the end.
 
-bf16 query and fp8 cache only; one warpgroup, one CTA per SM (160 KiB of shared memory).
+Roles: `converter=0`: each of `warpgroups` MMA warpgroups converts its own blocks (the stage
+refilled by its thread 0); `converter=1`: warpgroup 0 converts every block (a K and a V tile per
+MMA warpgroup, handed over by mbarriers) and refills the stages, the next 2 warpgroups only
+multiply (`setmaxnreg`: 88 registers for the converter, 208 for them); `converter=2`: warpgroup 0
+converts K, warpgroup 1 V (64 registers each, 192 for the 2 MMA warpgroups).
+
+bf16 query and fp8 cache only; one CTA per SM.
 """
 
 # no `from __future__ import annotations`: the DSL reads evaluated annotations
@@ -91,41 +93,48 @@ def swizzled(rows: cutlass.Constexpr, row, col):
 
 
 class UnionWgmmaKernel(UnionMmaKernel):
-    """One CTA per (request, KV head, 64 // G tokens); S and O on warpgroup MMAs. `warpgroups`
-    consumer warpgroups take the union blocks in turn (block i: warpgroup i % warpgroups), each
-    with its own K / P tiles and (m, l, O) over its blocks, merged at the end."""
+    """One CTA per (request, KV head, 64 // G tokens); S and O on warpgroup MMAs."""
 
     def __init__(self, *, union_wgmma: bool = True, stages: int | None = None, warpgroups: int = 2,
-                 convert: bool = True, **options):
+                 convert: bool = True, converter: int = 0, **options):
         options.pop("union", None)
-        # convert=False: a timing probe that leaves K / V in f16 unconverted (stale tiles: results wrong)
-        self.convert = convert
-        # shared memory: stages x 32 KiB of fp8 pages + Q (16 KiB) + f16 K and V per warpgroup (64 KiB)
-        super().__init__(stages=stages or (3 if warpgroups == 1 else 2), **options)
+        # shared memory: stages x 32 KiB of fp8 pages + Q (16 KiB) + f16 K and V per MMA warpgroup (64 KiB)
+        super().__init__(stages=stages or (3 if warpgroups == 1 and not converter else 2), **options)
         if self.q_fp8 or self.nvfp4:
             raise ValueError("the wgmma union probe takes a bf16 query and an fp8 cache")
-        if ROWS % self.group or self.warps != 4 or warpgroups not in (1, 2):
-            raise ValueError(f"group size {self.group} must divide {ROWS}, with 4 warps per warpgroup, 1 or 2 of them")
+        if ROWS % self.group or self.warps != 4 or warpgroups not in (1, 2) or converter not in (0, 1, 2) \
+                or (converter and warpgroups != 2):
+            raise ValueError(f"group size {self.group} must divide {ROWS}; 1 or 2 MMA warpgroups (2 with converters); "
+                             "0, 1 or 2 converter warpgroups")
+        # convert=False: a timing probe that leaves the K / V tiles unconverted (stale: results wrong)
+        self.convert = convert
+        self.converter = converter
         self.wgs = warpgroups
         self.tile_tokens = ROWS // self.group
         self.union_max = self.tile_tokens * self.topk
-        self.empty_arrivals = self.consumer_threads  # the 128 threads of the warpgroup that owns the block
-        # no producer warp (ptxas allots registers per warpgroup: a 9th warp would cost a third of
-        # them): thread 0 of the warpgroup that read a stage refills it (issue_block)
-        self.threads = 128 * warpgroups
+        self.converters = converter
+        self.empty_arrivals = self.consumer_threads * max(converter, 1)  # the threads that read a stage
+        # no producer warp (ptxas allots registers per warpgroup): the reader of a stage refills it
+        self.threads = 128 * (warpgroups + converter)
         self.ctas_per_sm = 1
+        # setmaxnreg: the converters give registers to the MMA warpgroups (the pool is 65536)
+        self.conv_regs, self.mma_regs = (88, 208) if converter == 1 else (64, 192)
 
     def storage_type(self):
+        kv_tile = self.page * HEAD_DIM
+
         @cute.struct
         class Storage:
             buf: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.stages * self.stage_bytes], 1024]
             sq: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, ROWS * HEAD_DIM], 1024]
-            sk0: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, self.page * HEAD_DIM], 1024]
-            sv0: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, self.page * HEAD_DIM], 1024]
-            sk1: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, self.page * HEAD_DIM if self.wgs > 1 else 8], 1024]
-            sv1: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, self.page * HEAD_DIM if self.wgs > 1 else 8], 1024]
+            sk0: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, kv_tile], 1024]
+            sv0: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, kv_tile], 1024]
+            sk1: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, kv_tile if self.wgs > 1 else 8], 1024]
+            sv1: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, kv_tile if self.wgs > 1 else 8], 1024]
             full: cute.struct.Align[cute.struct.MemRange[Int64, self.stages], 8]
             empty: cute.struct.Align[cute.struct.MemRange[Int64, self.stages], 8]
+            # converter -> MMA warpgroup b: K tile b full / empty, V tile b full / empty
+            tiles: cute.struct.Align[cute.struct.MemRange[Int64, 8], 8]
             tok_pages: cute.struct.MemRange[Int32, 32 * self.tile_tokens]
             tok_blocks: cute.struct.MemRange[Int32, 32 * self.tile_tokens]
             ballots: cute.struct.MemRange[Int32, self.tile_tokens]
@@ -169,6 +178,7 @@ class UnionWgmmaKernel(UnionMmaKernel):
         buf_addr = ptx.smem_addr(storage.buf.data_ptr())
         full_ptr = storage.full.data_ptr()
         empty_ptr = storage.empty.data_ptr()
+        tiles_ptr = storage.tiles.data_ptr()
         sTokPages = storage.tok_pages.get_tensor(cute.make_layout(32 * TT))
         sTokBlocks = storage.tok_blocks.get_tensor(cute.make_layout(32 * TT))
         sBallots = storage.ballots.get_tensor(cute.make_layout(TT))
@@ -181,6 +191,8 @@ class UnionWgmmaKernel(UnionMmaKernel):
                 for s in cutlass.range_constexpr(self.stages):
                     cute.arch.mbarrier_init(full_ptr + s, 1)
                     cute.arch.mbarrier_init(empty_ptr + s, self.empty_arrivals)
+                for k in cutlass.range_constexpr(8):
+                    cute.arch.mbarrier_init(tiles_ptr + k, self.consumer_threads)
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
         qk_scale_log2 = qk_scale_log2 * mKScale[0]
@@ -188,16 +200,43 @@ class UnionWgmmaKernel(UnionMmaKernel):
         n_tok = cutlass.min(Int32(TT), qlen - tile * TT)
         n_union = self.build_union(mTopk, mBT, mKvLens, mKV, sTokPages, sTokBlocks, sBallots, sPages, sBlocks,
                                    sMasks, sKvLen, req, h, tile, qlen, n_tok, warp, lane)
-        if tidx == 0:  # the first stages' blocks; each later one by the reader of its stage
-            for j in range(cutlass.min(n_union, Int32(self.stages))):
-                self.issue_block(mKV, sPages, h, j, buf_addr, full_ptr)
-        if warp < 4:
-            self.consume_wgmma(mQ, mKV, mOut, mLse, storage, sPages, sBlocks, sMasks, sKvLen, buf_addr, full_ptr,
-                               empty_ptr, req, h, tile, qlen, n_tok, n_union, qk_scale_log2, v_scale, tidx, 0)
+        if warp < 4:  # warpgroup 0: Q of the tile, and the first stages' blocks
+            self.stage_q(mQ, ptx.smem_addr(storage.sq.data_ptr()), req, h, tile, qlen, n_tok, qk_scale_log2, tidx)
+            if tidx == 0:
+                for j in range(cutlass.min(n_union, Int32(self.stages))):
+                    self.issue_block(mKV, sPages, h, j, buf_addr, full_ptr)
+        cute.arch.sync_threads()  # sQ (fenced) is complete
+        args = (mKV, mOut, mLse, storage, sPages, sBlocks, sMasks, sKvLen, buf_addr, full_ptr, empty_ptr, tiles_ptr,
+                req, h, tile, qlen, n_tok, n_union, v_scale)
+        if cutlass.const_expr(self.converters == 1):
+            if warp < 4:
+                cute.arch.setmaxregister_decrease(self.conv_regs)
+                self.convert_loop(*args, tidx, 0)
+            elif warp < 8:
+                cute.arch.setmaxregister_increase(self.mma_regs)
+                self.mma_loop(*args, tidx - 128, 0)
+            else:
+                cute.arch.setmaxregister_increase(self.mma_regs)
+                self.mma_loop(*args, tidx - 256, 1)
+        elif cutlass.const_expr(self.converters == 2):  # warpgroup 0 converts K, 1 converts V
+            if warp < 4:
+                cute.arch.setmaxregister_decrease(self.conv_regs)
+                self.convert_loop(*args, tidx, 0)
+            elif warp < 8:
+                cute.arch.setmaxregister_decrease(self.conv_regs)
+                self.convert_loop(*args, tidx - 128, 1)
+            elif warp < 12:
+                cute.arch.setmaxregister_increase(self.mma_regs)
+                self.mma_loop(*args, tidx - 256, 0)
+            else:
+                cute.arch.setmaxregister_increase(self.mma_regs)
+                self.mma_loop(*args, tidx - 384, 1)
         else:
-            if cutlass.const_expr(self.wgs > 1):
-                self.consume_wgmma(mQ, mKV, mOut, mLse, storage, sPages, sBlocks, sMasks, sKvLen, buf_addr, full_ptr,
-                                   empty_ptr, req, h, tile, qlen, n_tok, n_union, qk_scale_log2, v_scale, tidx - 128, 1)
+            if warp < 4:
+                self.mma_loop(*args, tidx, 0)
+            else:
+                if cutlass.const_expr(self.wgs > 1):
+                    self.mma_loop(*args, tidx - 128, 1)
 
     @cute.jit
     def issue_block(self, mKV, sPages, h, j, buf_addr, full_ptr):
@@ -209,34 +248,97 @@ class UnionWgmmaKernel(UnionMmaKernel):
                           self.stage_bytes, ptx.smem_addr(full_ptr + s))
 
     @cute.jit
-    def consume_wgmma(self, mQ, mKV, mOut, mLse, storage, sPages, sBlocks, sMasks, sKvLen, buf_addr, full_ptr,
-                      empty_ptr, req, h, tile, qlen, n_tok, n_union, qk_scale_log2, v_scale, tidx,
-                      wg: cutlass.Constexpr):
-        """Warpgroup wg (thread tidx of its 128): union blocks wg, wg + wgs, ...; warpgroup 0 merges and stores."""
+    def stage_q(self, mQ, q_smem, req, h, tile, qlen, n_tok, qk_scale_log2, tidx):
+        """Q of the tile -> sQ (f16, scaled): thread tidx (< 128) writes half (64 dims) of row tidx // 2."""
         G = self.group
-        TT = self.tile_tokens
-        bar = BAR_WG + wg
-        nthr = self.consumer_threads
-        warp = cute.arch.make_warp_uniform(tidx // 32)
-        lane = tidx % 32
-        g = lane // 4
-        c = lane % 4
+        qrow = tidx // 2
+        qhalf = tidx % 2
+        words = cute.make_rmem_tensor(32, Int32)
+        for k in cutlass.range_constexpr(32):
+            words[k] = Int32(0)
+        if qrow // G < n_tok:
+            t = req * qlen + tile * self.tile_tokens + qrow // G
+            src = mQ.iterator.toint() + (Int64(t) * Int64(mQ.stride[0])
+                                         + Int64((h * G + qrow % G) * HEAD_DIM + 64 * qhalf)) * 2
+            for p in cutlass.range_constexpr(8):
+                wv = ptx.ld_global_nc_v4(src + 16 * p)
+                for k in cutlass.range_constexpr(4):
+                    words[4 * p + k] = ptx.bf16x2_to_f16x2(wv[k], qk_scale_log2)
+        for p in cutlass.range_constexpr(8):
+            ptx.st_shared_v4(q_smem + swizzled(ROWS, qrow, 64 * qhalf + 8 * p),
+                             words[4 * p], words[4 * p + 1], words[4 * p + 2], words[4 * p + 3])
+        cute.arch.fence_view_async_shared()
+
+    @cute.jit
+    def convert_tile(self, stage, kv: cutlass.Constexpr, dst_smem, tidx):
+        """The stage's fp8 K (kv = 0) or V (kv = 1) -> an f16 tile (key rows, swizzled), by 128 threads:
+        thread = 16 dims of keys tidx // 8 + 16 r."""
+        c8 = tidx % 8
+        for r in cutlass.range_constexpr(self.page // 16 if self.convert else 0):
+            key = tidx // 8 + 16 * r
+            w = ptx.ld_shared_v4(stage + key * 256 + HEAD_DIM * kv + 16 * c8)
+            f = []
+            for k in cutlass.range_constexpr(4):
+                f.append(ptx.e4m3x2_to_f16x2(w[k], 0))
+                f.append(ptx.e4m3x2_to_f16x2(w[k], 1))
+            # this thread's two 16-byte chunks: dims 16c8 .. + 8 (an even chunk of half c8 // 4) and
+            # the odd one after it (byte offset ^ 16). The 8 threads of a key are one phase of a
+            # 16-byte store: lanes c8 < 4 store their even chunk first, the others their odd one, so
+            # the phase covers 8 different bank groups (even chunks of one half, odd of the other)
+            dst = dst_smem + swizzled(self.page, key, 16 * c8)
+            hi = c8 // 4
+            first = dst ^ (16 * hi)
+            ptx.st_shared_v4(first, cutlass.select_(hi == 0, f[0], f[4]), cutlass.select_(hi == 0, f[1], f[5]),
+                             cutlass.select_(hi == 0, f[2], f[6]), cutlass.select_(hi == 0, f[3], f[7]))
+            ptx.st_shared_v4(first ^ 16, cutlass.select_(hi == 0, f[4], f[0]), cutlass.select_(hi == 0, f[5], f[1]),
+                             cutlass.select_(hi == 0, f[6], f[2]), cutlass.select_(hi == 0, f[7], f[3]))
+        cute.arch.fence_view_async_shared()
+
+    @cute.jit
+    def convert_loop(self, mKV, mOut, mLse, storage, sPages, sBlocks, sMasks, sKvLen, buf_addr, full_ptr, empty_ptr,
+                     tiles_ptr, req, h, tile, qlen, n_tok, n_union, v_scale, tidx, cw: cutlass.Constexpr):
+        """Converter warpgroup cw: block i -> the K / V tiles (with 2 converters: cw 0 the K, cw 1 the V
+        tile) of MMA warpgroup i % 2; thread 0 of converter 0 refills the stage once it is read."""
+        k_tiles = (ptx.smem_addr(storage.sk0.data_ptr()), ptx.smem_addr(storage.sk1.data_ptr()))
+        v_tiles = (ptx.smem_addr(storage.sv0.data_ptr()), ptx.smem_addr(storage.sv1.data_ptr()))
+        for i in range(n_union):
+            s = i % self.stages
+            b = i % 2
+            use = (i // 2) & 1
+            cute.arch.mbarrier_wait(full_ptr + s, (i // self.stages) & 1)
+            stage = buf_addr + s * self.stage_bytes
+            k_dst = k_tiles[0]
+            v_dst = v_tiles[0]
+            if b == 1:
+                k_dst = k_tiles[1]
+                v_dst = v_tiles[1]
+            if cutlass.const_expr(cw == 0):
+                cute.arch.mbarrier_wait(tiles_ptr + 4 * b + 1, use ^ 1)  # K tile b is free
+                self.convert_tile(stage, 0, k_dst, tidx)
+                cute.arch.mbarrier_arrive(tiles_ptr + 4 * b)
+            if cutlass.const_expr(cw == 1 or self.converters == 1):
+                cute.arch.mbarrier_wait(tiles_ptr + 4 * b + 3, use ^ 1)  # V tile b is free
+                self.convert_tile(stage, 1, v_dst, tidx)
+                cute.arch.mbarrier_arrive(tiles_ptr + 4 * b + 2)
+            cute.arch.mbarrier_arrive(empty_ptr + s)
+            if cutlass.const_expr(cw == 0):
+                if tidx == 0:
+                    if i + self.stages < n_union:
+                        cute.arch.mbarrier_wait(empty_ptr + s, (i // self.stages) & 1)
+                        self.issue_block(mKV, sPages, h, i + self.stages, buf_addr, full_ptr)
+
+    def mma_setup(self, storage, wg: int, tidx):
+        """The MMAs, fragments and accumulators of MMA warpgroup wg (thread tidx of its 128)."""
         f16 = cutlass.Float16
         sQ_layout = _smem_layout(ROWS)
         sK_layout = _smem_layout(self.page)
-        sk_field = storage.sk0 if cutlass.const_expr(wg == 0) else storage.sk1
-        sv_field = storage.sv0 if cutlass.const_expr(wg == 0) else storage.sv1
+        sk_field = storage.sk0 if wg == 0 else storage.sk1
+        sv_field = storage.sv0 if wg == 0 else storage.sv1
         sQ = storage.sq.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = sk_field.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = sv_field.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         # V as the B operand of O = P V: (N = head dims, K = keys), head dims contiguous (MN-major)
         sVt = cute.composition(sV, cute.make_ordered_layout((HEAD_DIM, self.page), order=(1, 0)))
-        q_smem = ptx.smem_addr(storage.sq.data_ptr())
-        k_smem = ptx.smem_addr(sk_field.data_ptr())
-        v_smem = ptx.smem_addr(sv_field.data_ptr())
-        sRowM = storage.rowm.get_tensor(cute.make_layout(ROWS * self.wgs))
-        sRowL = storage.rowl.get_tensor(cute.make_layout(ROWS * self.wgs))
-
         mma_s = sm90.make_trivial_tiled_mma(f16, f16, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
                                             Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(ROWS, self.page))
         mma_o = sm90.make_trivial_tiled_mma(f16, f16, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
@@ -244,146 +346,151 @@ class UnionWgmmaKernel(UnionMmaKernel):
                                             a_source=warpgroup.OperandSource.RMEM)
         thr_s = mma_s.get_slice(tidx)
         thr_o = mma_o.get_slice(tidx)
-        tSrQ = thr_s.make_fragment_A(thr_s.partition_A(sQ))
-        tSrK = thr_s.make_fragment_B(thr_s.partition_B(sK))
-        tOrV = thr_o.make_fragment_B(thr_o.partition_B(sVt))
-        tOrP = thr_o.make_fragment_A(thr_o.partition_shape_A((ROWS, self.page)))
+        return dict(
+            mma_s=mma_s, mma_o=mma_o, thr_s=thr_s, k_smem=ptx.smem_addr(sk_field.data_ptr()),
+            v_smem=ptx.smem_addr(sv_field.data_ptr()),
+            tSrQ=thr_s.make_fragment_A(thr_s.partition_A(sQ)), tSrK=thr_s.make_fragment_B(thr_s.partition_B(sK)),
+            tOrV=thr_o.make_fragment_B(thr_o.partition_B(sVt)),
+            tOrP=thr_o.make_fragment_A(thr_o.partition_shape_A((ROWS, self.page))),
+            acc_o=cute.make_rmem_tensor(thr_o.partition_shape_C((ROWS, HEAD_DIM)), Float32),
+        )
+
+    @cute.jit
+    def mma_loop(self, mKV, mOut, mLse, storage, sPages, sBlocks, sMasks, sKvLen, buf_addr, full_ptr, empty_ptr,
+                 tiles_ptr, req, h, tile, qlen, n_tok, n_union, v_scale, tidx, wg: cutlass.Constexpr):
+        """MMA warpgroup wg (thread tidx of its 128): union blocks wg, wg + wgs, ...; warpgroup 0 merges and stores."""
+        G = self.group
+        bar = BAR_WG + wg
+        nthr = self.consumer_threads
+        warp = cute.arch.make_warp_uniform(tidx // 32)
+        lane = tidx % 32
+        g = lane // 4
+        c = lane % 4
+        m = self.mma_setup(storage, wg, tidx)
+        tSrQ, tSrK, tOrV, tOrP, acc_o = m["tSrQ"], m["tSrK"], m["tOrV"], m["tOrP"], m["acc_o"]
         p_words = cute.make_tensor(cute.recast_ptr(tOrP.iterator, dtype=Int32), cute.make_layout(ROWS * self.page // 256))
-        # O, rows 16w + g + 8hh (as S), head dims 8j + 2c + e: acc_o[e + 2hh + 4j]
-        acc_o = cute.make_rmem_tensor(thr_o.partition_shape_C((ROWS, HEAD_DIM)), Float32)
-        for i in cutlass.range_constexpr(cute.size(acc_o)):
+        for i in cutlass.range_constexpr(cute.size(acc_o)):  # O, rows 16w + g + 8hh, dims 8j + 2c + e: [e + 2hh + 4j]
             acc_o[i] = Float32(0.0)
-
-        if cutlass.const_expr(wg == 0):
-            # ---- Q of the tile -> sQ: thread tidx writes half (64 dims) of row tidx // 2
-            qrow = tidx // 2
-            qhalf = tidx % 2
-            qj = qrow // G
-            words = cute.make_rmem_tensor(32, Int32)
-            for k in cutlass.range_constexpr(32):
-                words[k] = Int32(0)
-            if qj < n_tok:
-                t = req * qlen + tile * TT + qj
-                src = mQ.iterator.toint() + (Int64(t) * Int64(mQ.stride[0])
-                                             + Int64((h * G + qrow % G) * HEAD_DIM + 64 * qhalf)) * 2
-                for p in cutlass.range_constexpr(8):
-                    wv = ptx.ld_global_nc_v4(src + 16 * p)
-                    for k in cutlass.range_constexpr(4):
-                        words[4 * p + k] = ptx.bf16x2_to_f16x2(wv[k], qk_scale_log2)
-            for p in cutlass.range_constexpr(8):
-                ptx.st_shared_v4(q_smem + swizzled(ROWS, qrow, 64 * qhalf + 8 * p),
-                                 words[4 * p], words[4 * p + 1], words[4 * p + 2], words[4 * p + 3])
-            cute.arch.fence_view_async_shared()
-        if cutlass.const_expr(self.wgs > 1):  # sQ is complete for both warpgroups
-            cute.arch.barrier(barrier_id=BAR_ALL, number_of_threads=nthr * self.wgs)
-
         row_max = cute.make_rmem_tensor(2, Float32)
         row_sum = cute.make_rmem_tensor(2, Float32)
         for hh in cutlass.range_constexpr(2):
             row_max[hh] = -Float32.inf
             row_sum[hh] = Float32(0.0)
-        c8 = tidx % 8
         for i in range(wg, n_union, self.wgs):
-            s = i % self.stages
-            cute.arch.mbarrier_wait(full_ptr + s, (i // self.stages) & 1)
-            stage = buf_addr + s * self.stage_bytes
+            use = (i // self.wgs) & 1
             blk = sBlocks[i]
             mask = sMasks[i]
-            # every warp's MMAs of the previous block (readers of sK / sV) and sQ's stores are done
-            cute.arch.barrier(barrier_id=bar, number_of_threads=nthr)
-            # ---- K and V (fp8 rows of the stage) -> sK, sV (f16): thread = 16 dims of keys tidx // 8 + 16 r
-            for r in cutlass.range_constexpr(self.page // 16 if self.convert else 0):
-                key = tidx // 8 + 16 * r
-                for kv in cutlass.range_constexpr(2):
-                    w = ptx.ld_shared_v4(stage + key * 256 + HEAD_DIM * kv + 16 * c8)
-                    f = []
-                    for k in cutlass.range_constexpr(4):
-                        f.append(ptx.e4m3x2_to_f16x2(w[k], 0))
-                        f.append(ptx.e4m3x2_to_f16x2(w[k], 1))
-                    dst = (k_smem if kv == 0 else v_smem) + swizzled(self.page, key, 16 * c8)
-                    ptx.st_shared_v4(dst, f[0], f[1], f[2], f[3])
-                    ptx.st_shared_v4(dst ^ 16, f[4], f[5], f[6], f[7])  # the next 16-byte chunk
-            cute.arch.mbarrier_arrive(empty_ptr + s)  # the stage is read: thread 0 refills it
-            if tidx == 0:
-                if i + self.stages < n_union:
-                    cute.arch.mbarrier_wait(empty_ptr + s, (i // self.stages) & 1)
-                    self.issue_block(mKV, sPages, h, i + self.stages, buf_addr, full_ptr)
-            cute.arch.fence_view_async_shared()
-            cute.arch.barrier(barrier_id=bar, number_of_threads=nthr)
+            if cutlass.const_expr(self.converters > 0):
+                cute.arch.mbarrier_wait(tiles_ptr + 4 * wg, use)  # K tile converted
+            else:
+                s = i % self.stages
+                cute.arch.mbarrier_wait(full_ptr + s, (i // self.stages) & 1)
+                stage = buf_addr + s * self.stage_bytes
+                # every warp's MMAs of the previous block (readers of the K / V tiles) are done
+                cute.arch.barrier(barrier_id=bar, number_of_threads=nthr)
+                self.convert_tile(stage, 0, m["k_smem"], tidx)
+                self.convert_tile(stage, 1, m["v_smem"], tidx)
+                cute.arch.mbarrier_arrive(empty_ptr + s)  # the stage is read: thread 0 refills it
+                if tidx == 0:
+                    if i + self.stages < n_union:
+                        cute.arch.mbarrier_wait(empty_ptr + s, (i // self.stages) & 1)
+                        self.issue_block(mKV, sPages, h, i + self.stages, buf_addr, full_ptr)
+                cute.arch.barrier(barrier_id=bar, number_of_threads=nthr)
             # ---- S = Q K^T (rows: token j = row // G, head row % G; columns: the block's keys)
-            acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((ROWS, self.page)), Float32)
+            acc_s = cute.make_rmem_tensor(m["thr_s"].partition_shape_C((ROWS, self.page)), Float32)
             warpgroup.fence()
-            atom_s = cute.make_mma_atom(mma_s.op)
+            atom_s = cute.make_mma_atom(m["mma_s"].op)
             atom_s.set(warpgroup.Field.ACCUMULATE, False)
             for k in cutlass.range_constexpr(cute.size(tSrQ.shape[2])):
                 cute.gemm(atom_s, acc_s, tSrQ[None, None, k], tSrK[None, None, k], acc_s)
                 atom_s.set(warpgroup.Field.ACCUMULATE, True)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
-            # ---- online softmax of rows 16w + g + 8hh (S is in log2 units: the scale is in Q);
-            # P -> the A fragments of O = P V (k-step ks: keys 16ks + 2c (+1), (+8, +9))
-            for hh in cutlass.range_constexpr(2):
-                m_row = 16 * warp + g + 8 * hh
-                j_row = m_row // G
-                lim = sKvLen[j_row] - blk * self.page  # visible keys of the block: col < lim
-                if ((mask >> j_row) & 1) == 0:
-                    lim = Int32(0)
-                if lim < self.page:
-                    for jj in cutlass.range_constexpr(self.page // 8):
-                        for e in cutlass.range_constexpr(2):
-                            if 8 * jj + 2 * c + e >= lim:
-                                acc_s[e + 2 * hh + 4 * jj] = -Float32.inf
-                mx = -Float32.inf
-                for jj in cutlass.range_constexpr(self.page // 8):
-                    for e in cutlass.range_constexpr(2):
-                        mx = cute.arch.fmax(mx, acc_s[e + 2 * hh + 4 * jj])
-                mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 1))
-                mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 2))
-                m_new = cute.arch.fmax(row_max[hh], mx)
-                m_use = m_new
-                if m_new == -Float32.inf:
-                    m_use = Float32(0.0)
-                alpha = ptx.ex2(row_max[hh] - m_use)
-                row_max[hh] = m_new
-                psum = Float32(0.0)
-                for jj in cutlass.range_constexpr(self.page // 8):
-                    for e in cutlass.range_constexpr(2):
-                        p = ptx.ex2(acc_s[e + 2 * hh + 4 * jj] - m_use)
-                        acc_s[e + 2 * hh + 4 * jj] = p
-                        psum = psum + p
-                row_sum[hh] = row_sum[hh] * alpha + psum
-                for j in cutlass.range_constexpr(HEAD_DIM // 8):
-                    for e in cutlass.range_constexpr(2):
-                        acc_o[e + 2 * hh + 4 * j] = acc_o[e + 2 * hh + 4 * j] * alpha
-                for jj in cutlass.range_constexpr(self.page // 8):  # jj = 2ks + kh
-                    p_words[hh + 2 * (jj % 2) + 4 * (jj // 2)] = ptx.f32x2_to_f16x2(acc_s[2 * hh + 4 * jj],
-                                                                                  acc_s[1 + 2 * hh + 4 * jj])
+            if cutlass.const_expr(self.converters > 0):
+                cute.arch.mbarrier_arrive(tiles_ptr + 4 * wg + 1)  # K tile read
+            self.softmax_rows(acc_s, acc_o, p_words, row_max, row_sum, blk, mask, sKvLen, warp, g, c)
             # ---- O += P V
+            if cutlass.const_expr(self.converters > 0):
+                cute.arch.mbarrier_wait(tiles_ptr + 4 * wg + 2, use)  # V tile converted
             warpgroup.fence()
-            atom_o = cute.make_mma_atom(mma_o.op)
+            atom_o = cute.make_mma_atom(m["mma_o"].op)
             atom_o.set(warpgroup.Field.ACCUMULATE, True)
             for k in cutlass.range_constexpr(cute.size(tOrP.shape[2])):
                 cute.gemm(atom_o, acc_o, tOrP[None, None, k], tOrV[None, None, k], acc_o)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
+            if cutlass.const_expr(self.converters > 0):
+                cute.arch.mbarrier_arrive(tiles_ptr + 4 * wg + 3)  # V tile read
+        self.finish(mOut, mLse, storage, acc_o, row_max, row_sum, buf_addr, req, h, tile, qlen, n_tok, v_scale,
+                    tidx, warp, g, c, wg)
 
-        # ---- merge the warpgroups' (m, l, O) through shared memory; warpgroup 0 stores
+    @cute.jit
+    def softmax_rows(self, acc_s, acc_o, p_words, row_max, row_sum, blk, mask, sKvLen, warp, g, c):
+        """Online softmax of rows 16w + g + 8hh of S (log2 units: the scale is in Q); O rescaled;
+        P -> the A fragments of O = P V (k-step ks: keys 16ks + 2c (+1), (+8, +9))."""
+        G = self.group
+        for hh in cutlass.range_constexpr(2):
+            m_row = 16 * warp + g + 8 * hh
+            j_row = m_row // G
+            lim = sKvLen[j_row] - blk * self.page  # visible keys of the block: col < lim
+            if ((mask >> j_row) & 1) == 0:
+                lim = Int32(0)
+            if lim < self.page:
+                for jj in cutlass.range_constexpr(self.page // 8):
+                    for e in cutlass.range_constexpr(2):
+                        if 8 * jj + 2 * c + e >= lim:
+                            acc_s[e + 2 * hh + 4 * jj] = -Float32.inf
+            mx = -Float32.inf
+            for jj in cutlass.range_constexpr(self.page // 8):
+                for e in cutlass.range_constexpr(2):
+                    mx = cute.arch.fmax(mx, acc_s[e + 2 * hh + 4 * jj])
+            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 1))
+            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 2))
+            m_new = cute.arch.fmax(row_max[hh], mx)
+            m_use = m_new
+            if m_new == -Float32.inf:
+                m_use = Float32(0.0)
+            alpha = ptx.ex2(row_max[hh] - m_use)
+            row_max[hh] = m_new
+            psum = Float32(0.0)
+            for jj in cutlass.range_constexpr(self.page // 8):
+                for e in cutlass.range_constexpr(2):
+                    p = ptx.ex2(acc_s[e + 2 * hh + 4 * jj] - m_use)
+                    acc_s[e + 2 * hh + 4 * jj] = p
+                    psum = psum + p
+            row_sum[hh] = row_sum[hh] * alpha + psum
+            for j in cutlass.range_constexpr(HEAD_DIM // 8):
+                for e in cutlass.range_constexpr(2):
+                    acc_o[e + 2 * hh + 4 * j] = acc_o[e + 2 * hh + 4 * j] * alpha
+            for jj in cutlass.range_constexpr(self.page // 8):  # jj = 2ks + kh
+                p_words[hh + 2 * (jj % 2) + 4 * (jj // 2)] = ptx.f32x2_to_f16x2(acc_s[2 * hh + 4 * jj],
+                                                                              acc_s[1 + 2 * hh + 4 * jj])
+
+    @cute.jit
+    def finish(self, mOut, mLse, storage, acc_o, row_max, row_sum, buf_addr, req, h, tile, qlen, n_tok, v_scale,
+               tidx, warp, g, c, wg: cutlass.Constexpr):
+        """Merge the MMA warpgroups' (m, l, O) through shared memory; warpgroup 0 writes out and lse."""
+        G = self.group
+        nthr = self.consumer_threads
+        sRowM = storage.rowm.get_tensor(cute.make_layout(ROWS * self.wgs))
+        sRowL = storage.rowl.get_tensor(cute.make_layout(ROWS * self.wgs))
         for hh in cutlass.range_constexpr(2):
             tot = row_sum[hh]
             tot = tot + cute.arch.shuffle_sync_bfly(tot, 1)
             tot = tot + cute.arch.shuffle_sync_bfly(tot, 2)
-            row_sum[hh] = tot
             m_row = 16 * warp + g + 8 * hh
             if c == 0:
                 sRowL[ROWS * wg + m_row] = tot
                 sRowM[ROWS * wg + m_row] = row_max[hh]
-        o_other = buf_addr  # warpgroup 1's O (every stage is read by now)
+        o_other = buf_addr  # MMA warpgroup 1's O (every stage is read by now)
         if cutlass.const_expr(self.wgs > 1):
             cute.arch.barrier(barrier_id=BAR_ALL, number_of_threads=nthr * self.wgs)
             if cutlass.const_expr(wg == 1):
                 for k in cutlass.range_constexpr(cute.size(acc_o)):
                     st_shared_f32(o_other + (k * nthr + tidx) * 4, acc_o[k])
             cute.arch.barrier(barrier_id=BAR_ALL, number_of_threads=nthr * self.wgs)
+        else:
+            cute.arch.barrier(barrier_id=BAR_WG, number_of_threads=nthr)
         if cutlass.const_expr(wg == 0):
             for hh in cutlass.range_constexpr(2):
                 m_row = 16 * warp + g + 8 * hh
@@ -402,7 +509,7 @@ class UnionWgmmaKernel(UnionMmaKernel):
                     w_other = Float32(0.0)
                     if cutlass.const_expr(self.wgs > 1):
                         w_other = inv * ptx.ex2(sRowM[ROWS + m_row] - m_use)
-                    t = req * qlen + tile * TT + j_row
+                    t = req * qlen + tile * self.tile_tokens + j_row
                     hq = h * G + m_row % G
                     if c == 0:
                         mLse[t, hq] = lse2 * LN2
@@ -419,7 +526,7 @@ class UnionWgmmaKernel(UnionMmaKernel):
 
     @cute.jit
     def merged_stats(self, sRowM, sRowL, n):
-        """(max, sum) of tile row n over the warpgroups (log2 units, sums rescaled to the max)."""
+        """(max, sum) of tile row n over the MMA warpgroups (log2 units, sums rescaled to the max)."""
         m_all = sRowM[n]
         l_all = sRowL[n]
         if cutlass.const_expr(self.wgs > 1):

@@ -196,3 +196,23 @@ def test_union_probe_compiles_one_launch_without_spills(tmp_path, kv_dtype):
     assert "LDL" not in text and "STL" not in text
     with pytest.raises(ValueError, match="smem_reads"):
         UnionMmaKernel(num_q_heads=64, num_kv_heads=4, smem_reads="staged")
+
+
+@pytest.mark.parametrize("options", [{"warpgroups": 2}, {"warpgroups": 2, "converter": 2}])
+def test_union_wgmma_probe_compiles_to_warpgroup_mmas(tmp_path, options):
+    # bench/union_wgmma.py (docs/performance.md row 55): S and O on HGMMA, one launch, no local
+    # memory; with converter warpgroups, setmaxnreg moves registers to the MMA warpgroups
+    sys.path.insert(0, str(BENCH))
+    from union_wgmma import UnionWgmmaKernel
+
+    cfg = SparseDecodeConfig(num_q_heads=64, num_kv_heads=4, arch="sm_90a")
+    compile_sparse_decode(cfg, tmp_path, kernel_options={"union_wgmma": True, **options},
+                          kernel_class=UnionWgmmaKernel)
+    (cubin,) = sass.extract_cubins(tmp_path / "sparse_decode.so")
+    text = sass.disassemble(cubin)
+    counts = sass.opcode_counts(text)
+    assert counts["HGMMA.64"] >= 16  # S and O of both MMA warpgroups (opcode_counts stops at the "x")
+    assert "LDL" not in text and "STL" not in text
+    assert ("USETMAXREG" in text) == bool(options.get("converter"))
+    with pytest.raises(ValueError, match="bf16 query"):
+        UnionWgmmaKernel(num_q_heads=64, num_kv_heads=4, kv_dtype="nvfp4")
