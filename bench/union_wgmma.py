@@ -46,13 +46,6 @@ BAR_ALL = 3  # both consumer warpgroups
 
 
 @dsl_user_op
-def st_global_v2(addr: Int64, w0: Int32, w1: Int32, *, loc=None, ip=None) -> None:
-    ptx._asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), Int32(w0).ir_value(loc=loc, ip=ip),
-                    Int32(w1).ir_value(loc=loc, ip=ip)],
-             "st.global.v2.b32 [$0], {$1, $2};", "l,r,r", side_effects=True)
-
-
-@dsl_user_op
 def st_global_b32(addr: Int64, w: Int32, *, loc=None, ip=None) -> None:
     ptx._asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), Int32(w).ir_value(loc=loc, ip=ip)],
              "st.global.b32 [$0], $1;", "l,r", side_effects=True)
