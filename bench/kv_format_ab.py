@@ -85,6 +85,12 @@ VARIANTS = {  # name -> (kv dtype, kernel options)
     "f_union_cv_noconv": ("float8_e4m3fn", {"union_wgmma": True, "warpgroups": 2, "converter": 1,
                                             "convert": False}),  # wrong results
     "f_union_cv2": ("float8_e4m3fn", {"union_wgmma": True, "warpgroups": 2, "converter": 2}),
+    # timing probes of f_union_cv2 (wrong results): the converters alone / the MMA side alone
+    "f_union_cv2_nomma": ("float8_e4m3fn", {"union_wgmma": True, "warpgroups": 2, "converter": 2, "mma": False}),
+    "f_union_cv2_noconv": ("float8_e4m3fn", {"union_wgmma": True, "warpgroups": 2, "converter": 2,
+                                             "convert": False}),
+    "f_union_cv2_none": ("float8_e4m3fn", {"union_wgmma": True, "warpgroups": 2, "converter": 2,
+                                           "convert": False, "mma": False}),
     # the staged build releasing a stage after its last MMA (kernel option late_release, only in
     # commit 6484cc9; T1702: no gain)
     "n_c3s3_late": ("nvfp4", dict(C3, stages=3, late_release=True)),

@@ -89,7 +89,7 @@ class UnionWgmmaKernel(UnionMmaKernel):
     """One CTA per (request, KV head, 64 // G tokens); S and O on warpgroup MMAs."""
 
     def __init__(self, *, union_wgmma: bool = True, stages: int | None = None, warpgroups: int = 2,
-                 convert: bool = True, converter: int = 0, **options):
+                 convert: bool = True, converter: int = 0, mma: bool = True, **options):
         options.pop("union", None)
         # shared memory: stages x 32 KiB of fp8 pages + Q (16 KiB) + f16 K and V per MMA warpgroup (64 KiB)
         super().__init__(stages=stages or (3 if warpgroups == 1 and not converter else 2), **options)
@@ -101,6 +101,8 @@ class UnionWgmmaKernel(UnionMmaKernel):
                              "0, 1 or 2 converter warpgroups")
         # convert=False: a timing probe that leaves the K / V tiles unconverted (stale: results wrong)
         self.convert = convert
+        # mma=False: a timing probe whose MMA warpgroups only hand the tiles back (results wrong)
+        self.mma = mma
         self.converter = converter
         self.wgs = warpgroups
         self.tile_tokens = ROWS // self.group
@@ -391,27 +393,30 @@ class UnionWgmmaKernel(UnionMmaKernel):
                 cute.arch.barrier(barrier_id=bar, number_of_threads=nthr)
             # ---- S = Q K^T (rows: token j = row // G, head row % G; columns: the block's keys)
             acc_s = cute.make_rmem_tensor(m["thr_s"].partition_shape_C((ROWS, self.page)), Float32)
-            warpgroup.fence()
-            atom_s = cute.make_mma_atom(m["mma_s"].op)
-            atom_s.set(warpgroup.Field.ACCUMULATE, False)
-            for k in cutlass.range_constexpr(cute.size(tSrQ.shape[2])):
-                cute.gemm(atom_s, acc_s, tSrQ[None, None, k], tSrK[None, None, k], acc_s)
-                atom_s.set(warpgroup.Field.ACCUMULATE, True)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
+            if cutlass.const_expr(self.mma):
+                warpgroup.fence()
+                atom_s = cute.make_mma_atom(m["mma_s"].op)
+                atom_s.set(warpgroup.Field.ACCUMULATE, False)
+                for k in cutlass.range_constexpr(cute.size(tSrQ.shape[2])):
+                    cute.gemm(atom_s, acc_s, tSrQ[None, None, k], tSrK[None, None, k], acc_s)
+                    atom_s.set(warpgroup.Field.ACCUMULATE, True)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
             if cutlass.const_expr(self.converters > 0):
                 cute.arch.mbarrier_arrive(tiles_ptr + 4 * wg + 1)  # K tile read
-            self.softmax_rows(acc_s, acc_o, p_words, row_max, row_sum, blk, mask, sKvLen, warp, g, c)
+            if cutlass.const_expr(self.mma):
+                self.softmax_rows(acc_s, acc_o, p_words, row_max, row_sum, blk, mask, sKvLen, warp, g, c)
             # ---- O += P V
             if cutlass.const_expr(self.converters > 0):
                 cute.arch.mbarrier_wait(tiles_ptr + 4 * wg + 2, use)  # V tile converted
-            warpgroup.fence()
-            atom_o = cute.make_mma_atom(m["mma_o"].op)
-            atom_o.set(warpgroup.Field.ACCUMULATE, True)
-            for k in cutlass.range_constexpr(cute.size(tOrP.shape[2])):
-                cute.gemm(atom_o, acc_o, tOrP[None, None, k], tOrV[None, None, k], acc_o)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
+            if cutlass.const_expr(self.mma):
+                warpgroup.fence()
+                atom_o = cute.make_mma_atom(m["mma_o"].op)
+                atom_o.set(warpgroup.Field.ACCUMULATE, True)
+                for k in cutlass.range_constexpr(cute.size(tOrP.shape[2])):
+                    cute.gemm(atom_o, acc_o, tOrP[None, None, k], tOrV[None, None, k], acc_o)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
             if cutlass.const_expr(self.converters > 0):
                 cute.arch.mbarrier_arrive(tiles_ptr + 4 * wg + 3)  # V tile read
         self.finish(mOut, mLse, storage, acc_o, row_max, row_sum, buf_addr, req, h, tile, qlen, n_tok, v_scale,
