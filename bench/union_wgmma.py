@@ -89,7 +89,8 @@ class UnionWgmmaKernel(UnionMmaKernel):
     """One CTA per (request, KV head, 64 // G tokens); S and O on warpgroup MMAs."""
 
     def __init__(self, *, union_wgmma: bool = True, stages: int | None = None, warpgroups: int = 2,
-                 convert: bool = True, converter: int = 0, mma: bool = True, ring: bool = False, **options):
+                 convert: bool = True, converter: int = 0, mma: bool = True, ring: bool = False,
+                 direct: bool = False, **options):
         options.pop("union", None)
         # shared memory: stages x 32 KiB of fp8 pages + Q (16 KiB) + f16 K and V per MMA warpgroup (64 KiB)
         super().__init__(stages=stages or (3 if warpgroups == 1 and not converter else 2), **options)
@@ -108,6 +109,11 @@ class UnionWgmmaKernel(UnionMmaKernel):
         if ring and converter != 2:
             raise ValueError("ring needs converter=2")
         self.ring = ring
+        # direct=True (ring): the converters load the fp8 bytes from global memory into registers (one
+        # block ahead) instead of a bulk copy into shared memory and a shared-memory read
+        if direct and not ring:
+            raise ValueError("direct needs ring=True")
+        self.direct = direct
         self.converter = converter
         self.wgs = warpgroups
         self.tile_tokens = ROWS // self.group
@@ -118,7 +124,7 @@ class UnionWgmmaKernel(UnionMmaKernel):
         self.threads = 128 * (warpgroups + converter)
         self.ctas_per_sm = 1
         # setmaxnreg: the converters give registers to the MMA warpgroups (the pool is 65536)
-        self.conv_regs, self.mma_regs = (88, 208) if converter == 1 else (64, 192)
+        self.conv_regs, self.mma_regs = (88, 208) if converter == 1 else ((96, 160) if direct else (64, 192))
 
     def storage_type(self):
         kv_tile = self.page * HEAD_DIM
@@ -203,8 +209,9 @@ class UnionWgmmaKernel(UnionMmaKernel):
         if warp < 4:  # warpgroup 0: Q of the tile, and the first stages' blocks
             self.stage_q(mQ, ptx.smem_addr(storage.sq.data_ptr()), req, h, tile, qlen, n_tok, qk_scale_log2, tidx)
             if tidx == 0:
-                for j in range(cutlass.min(n_union, Int32(self.stages))):
-                    self.issue_block(mKV, sPages, h, j, buf_addr, full_ptr)
+                if cutlass.const_expr(not self.direct):
+                    for j in range(cutlass.min(n_union, Int32(self.stages))):
+                        self.issue_block(mKV, sPages, h, j, buf_addr, full_ptr)
         cute.arch.sync_threads()  # sQ (fenced) is complete
         args = (mKV, mOut, mLse, storage, sPages, sBlocks, sMasks, sKvLen, buf_addr, full_ptr, empty_ptr, tiles_ptr,
                 req, h, tile, qlen, n_tok, n_union, v_scale)
@@ -221,10 +228,16 @@ class UnionWgmmaKernel(UnionMmaKernel):
         elif cutlass.const_expr(self.ring):  # half-block tiles: warpgroup 0 converts K, 1 converts V
             if warp < 4:
                 cute.arch.setmaxregister_decrease(self.conv_regs)
-                self.convert_loop_ring(*args, tidx, 0)
+                if cutlass.const_expr(self.direct):
+                    self.convert_loop_direct(*args, tidx, 0)
+                else:
+                    self.convert_loop_ring(*args, tidx, 0)
             elif warp < 8:
                 cute.arch.setmaxregister_decrease(self.conv_regs)
-                self.convert_loop_ring(*args, tidx - 128, 1)
+                if cutlass.const_expr(self.direct):
+                    self.convert_loop_direct(*args, tidx - 128, 1)
+                else:
+                    self.convert_loop_ring(*args, tidx - 128, 1)
             elif warp < 12:
                 cute.arch.setmaxregister_increase(self.mma_regs)
                 self.mma_loop_ring(*args, tidx - 256, 0)
@@ -392,6 +405,59 @@ class UnionWgmmaKernel(UnionMmaKernel):
                         self.issue_block(mKV, sPages, h, i + self.stages, buf_addr, full_ptr)
 
     @cute.jit
+    def prefetch_block(self, mKV, sPages, h, i, cw: cutlass.Constexpr, raw, tidx):
+        """Converter cw's 128 bytes of union block i (K or V of keys tidx // 8 + 16r + 64hf, 16 bytes
+        at dim 16 * (tidx % 8)) from global memory into raw[32]."""
+        chunk = Int64(sPages[i]) * self.hkv + Int64(h)
+        base = mKV.iterator.toint() + chunk * self.stage_bytes + HEAD_DIM * cw + 16 * (tidx % 8)
+        for hf in cutlass.range_constexpr(2):
+            for r in cutlass.range_constexpr(4):
+                key = 64 * hf + tidx // 8 + 16 * r
+                w = ptx.ld_global_nc_v4(base + Int64(key) * 256)
+                for k in cutlass.range_constexpr(4):
+                    raw[16 * hf + 4 * r + k] = w[k]
+
+    @cute.jit
+    def convert_loop_direct(self, mKV, mOut, mLse, storage, sPages, sBlocks, sMasks, sKvLen, buf_addr, full_ptr,
+                            empty_ptr, tiles_ptr, req, h, tile, qlen, n_tok, n_union, v_scale, tidx,
+                            cw: cutlass.Constexpr):
+        """Converter cw (0: K, 1: V), ring tiles, loading block i + 1 from global memory while it
+        converts block i (blocks in pairs so that the register buffers are static)."""
+        raws = [cute.make_rmem_tensor(32, Int32) for _ in range(2)]
+        if n_union > 0:
+            self.prefetch_block(mKV, sPages, h, 0, cw, raws[0], tidx)
+        c8 = tidx % 8
+        for i0 in range(0, n_union, 2):
+            for u in cutlass.range_constexpr(2):  # block i = i0 + u goes to MMA warpgroup u
+                i = i0 + u
+                if i < n_union:
+                    if i + 1 < n_union:
+                        self.prefetch_block(mKV, sPages, h, i + 1, cw, raws[1 - u], tidx)
+                    cur = raws[u]
+                    use = (i // 2) & 1
+                    field = (storage.sk0 if u == 0 else storage.sk1) if cw == 0 else (storage.sv0 if u == 0 else storage.sv1)
+                    base = ptx.smem_addr(field.data_ptr())
+                    for hf in cutlass.range_constexpr(2):
+                        cute.arch.mbarrier_wait(tiles_ptr + 4 * (2 * cw + 1) + 2 * u + hf, use ^ 1)  # tile free
+                        for r in cutlass.range_constexpr(4 if self.convert else 0):
+                            key = tidx // 8 + 16 * r
+                            f = []
+                            for k in cutlass.range_constexpr(4):
+                                f.append(ptx.e4m3x2_to_f16x2(cur[16 * hf + 4 * r + k], 0))
+                                f.append(ptx.e4m3x2_to_f16x2(cur[16 * hf + 4 * r + k], 1))
+                            dst = base + hf * self.HALF_TILE_BYTES + swizzled(ROWS, key, 16 * c8)
+                            hi = c8 // 4
+                            first = dst ^ (16 * hi)
+                            ptx.st_shared_v4(first, cutlass.select_(hi == 0, f[0], f[4]),
+                                             cutlass.select_(hi == 0, f[1], f[5]),
+                                             cutlass.select_(hi == 0, f[2], f[6]), cutlass.select_(hi == 0, f[3], f[7]))
+                            ptx.st_shared_v4(first ^ 16, cutlass.select_(hi == 0, f[4], f[0]),
+                                             cutlass.select_(hi == 0, f[5], f[1]),
+                                             cutlass.select_(hi == 0, f[6], f[2]), cutlass.select_(hi == 0, f[7], f[3]))
+                        cute.arch.fence_view_async_shared()
+                        cute.arch.mbarrier_arrive(tiles_ptr + 4 * (2 * cw) + 2 * u + hf)  # tile full
+
+    @cute.jit
     def mma_loop_ring(self, mKV, mOut, mLse, storage, sPages, sBlocks, sMasks, sKvLen, buf_addr, full_ptr, empty_ptr,
                       tiles_ptr, req, h, tile, qlen, n_tok, n_union, v_scale, tidx, wg: cutlass.Constexpr):
         """MMA warpgroup wg over half blocks: S of both halves issued together, the softmax of half 0
@@ -434,23 +500,19 @@ class UnionWgmmaKernel(UnionMmaKernel):
             use = (i // 2) & 1
             blk = sBlocks[i]
             mask = sMasks[i]
+            # direct: S of half 1 after the softmax of half 0 (its accumulators reuse half 0's
+            # registers: the converters need theirs for the loads in flight)
             acc_s = [cute.make_rmem_tensor(thr_s.partition_shape_C((ROWS, 64)), Float32) for _ in range(2)]
-            for hf in cutlass.range_constexpr(2):
-                cute.arch.mbarrier_wait(tiles_ptr + 2 * wg + hf, use)  # K half hf converted
-                if cutlass.const_expr(self.mma):
-                    warpgroup.fence()
-                    atom_s = cute.make_mma_atom(mma_s.op)
-                    atom_s.set(warpgroup.Field.ACCUMULATE, False)
-                    for k in cutlass.range_constexpr(cute.size(tSrQ.shape[2])):
-                        cute.gemm(atom_s, acc_s[hf], tSrQ[None, None, k], tSrK[hf][None, None, k], acc_s[hf])
-                        atom_s.set(warpgroup.Field.ACCUMULATE, True)
-                    warpgroup.commit_group()
+            for hf in cutlass.range_constexpr(1 if self.direct else 2):
+                self.issue_s_half(tiles_ptr, wg, hf, use, mma_s, acc_s[hf], tSrQ, tSrK[hf])
             if cutlass.const_expr(self.mma):
-                warpgroup.wait_group(1)
+                warpgroup.wait_group(0 if self.direct else 1)
             cute.arch.mbarrier_arrive(tiles_ptr + 4 + 2 * wg)  # K half 0 read
             if cutlass.const_expr(self.mma):
                 self.softmax_half(acc_s[0], acc_o, p_words[0], row_max, row_sum, alpha1, blk, mask, sKvLen, 0,
                                   warp, g, c, True)
+            if cutlass.const_expr(self.direct):
+                self.issue_s_half(tiles_ptr, wg, 1, use, mma_s, acc_s[1], tSrQ, tSrK[1])
             cute.arch.mbarrier_wait(tiles_ptr + 8 + 2 * wg, use)  # V half 0 converted
             if cutlass.const_expr(self.mma):
                 warpgroup.fence()
@@ -483,6 +545,19 @@ class UnionWgmmaKernel(UnionMmaKernel):
             cute.arch.mbarrier_arrive(tiles_ptr + 12 + 2 * wg + 1)  # V half 1 read
         self.finish(mOut, mLse, storage, acc_o, row_max, row_sum, buf_addr, req, h, tile, qlen, n_tok, v_scale,
                     tidx, warp, g, c, wg)
+
+    @cute.jit
+    def issue_s_half(self, tiles_ptr, wg, hf: cutlass.Constexpr, use, mma_s, acc, tSrQ, tSrK_hf):
+        """Wait for K half hf of this warpgroup's block, then issue S of that half (one commit group)."""
+        cute.arch.mbarrier_wait(tiles_ptr + 2 * wg + hf, use)  # K half hf converted
+        if cutlass.const_expr(self.mma):
+            warpgroup.fence()
+            atom_s = cute.make_mma_atom(mma_s.op)
+            atom_s.set(warpgroup.Field.ACCUMULATE, False)
+            for k in cutlass.range_constexpr(cute.size(tSrQ.shape[2])):
+                cute.gemm(atom_s, acc, tSrQ[None, None, k], tSrK_hf[None, None, k], acc)
+                atom_s.set(warpgroup.Field.ACCUMULATE, True)
+            warpgroup.commit_group()
 
     @cute.jit
     def softmax_half(self, acc_s, acc_o, p_words, row_max, row_sum, alpha, blk, mask, sKvLen, col0: cutlass.Constexpr,
