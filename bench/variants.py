@@ -97,6 +97,10 @@ def _kernel_options(name: str) -> dict[str, Any]:
 def _kernel_class(options: dict[str, Any]):
     """The shipped kernel, or the bench's probe subclass when an option needs it (kernel_probes.py)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+    if options.get("ring"):
+        from union_wgmma_ring import UnionWgmmaRingKernel
+
+        return UnionWgmmaRingKernel
     if options.get("union_wgmma"):
         from union_wgmma import UnionWgmmaKernel
 
