@@ -37,10 +37,13 @@ from cutlass.cute.nvgpu import warpgroup  # noqa: E402
 from cutlass.cutlass_dsl import T, dsl_user_op  # noqa: E402
 from cutlass.tensor_utils import LayoutEnum  # noqa: E402
 
+from kernel_probes import globaltimer_lo, smid  # noqa: E402
 from union_kernel import UnionMmaKernel, ptx  # noqa: E402
 from msa_jit.kernels.sparse_decode_mma import HEAD_DIM, LN2  # noqa: E402
 
 ROWS = 64  # the warpgroup MMA's M: tile tokens x G
+TRACE_BLOCKS = 64  # trace=True: 8 stamps for each of the first 64 union blocks, then n_union, smid, start
+TRACE_WORDS = TRACE_BLOCKS * 8 + 4
 BAR_WG = 1  # named barriers 1, 2: the 128 threads of consumer warpgroup 0, 1
 BAR_ALL = 3  # both consumer warpgroups
 
@@ -90,7 +93,7 @@ class UnionWgmmaKernel(UnionMmaKernel):
 
     def __init__(self, *, union_wgmma: bool = True, stages: int | None = None, warpgroups: int = 2,
                  convert: bool = True, converter: int = 0, mma: bool = True, ring: bool = False,
-                 direct: bool = False, **options):
+                 direct: bool = False, trace: bool = False, **options):
         options.pop("union", None)
         # shared memory: stages x 32 KiB of fp8 pages + Q (16 KiB) + f16 K and V per MMA warpgroup (64 KiB)
         super().__init__(stages=stages or (3 if warpgroups == 1 and not converter else 2), **options)
@@ -115,6 +118,9 @@ class UnionWgmmaKernel(UnionMmaKernel):
         if direct and not ring:
             raise ValueError("direct needs ring=True")
         self.direct = direct
+        # trace=True (converter=2): thread 0 of each role writes %globaltimer_lo per union block over
+        # the plan's partial_o (bench/union_trace.py reads it): TRACE_WORDS int32 per CTA
+        self.trace = trace
         self.converter = converter
         self.wgs = warpgroups
         self.tile_tokens = ROWS // self.group
@@ -207,6 +213,12 @@ class UnionWgmmaKernel(UnionMmaKernel):
         n_tok = cutlass.min(Int32(TT), qlen - tile * TT)
         n_union = self.build_union(mTopk, mBT, mKvLens, mKV, sTokPages, sTokBlocks, sBallots, sPages, sBlocks,
                                    sMasks, sKvLen, req, h, tile, qlen, n_tok, warp, lane)
+        self.trace_po = mPO
+        if cutlass.const_expr(self.trace):
+            if tidx == 0:
+                self.stamp(TRACE_BLOCKS * 8, Int32(n_union))
+                self.stamp(TRACE_BLOCKS * 8 + 1, smid())
+                self.stamp(TRACE_BLOCKS * 8 + 2, globaltimer_lo())
         if warp < 4:  # warpgroup 0: Q of the tile, and the first stages' blocks
             self.stage_q(mQ, ptx.smem_addr(storage.sq.data_ptr()), req, h, tile, qlen, n_tok, qk_scale_log2, tidx)
             if tidx == 0:
@@ -264,6 +276,22 @@ class UnionWgmmaKernel(UnionMmaKernel):
             else:
                 if cutlass.const_expr(self.wgs > 1):
                     self.mma_loop(*args, tidx - 128, 1)
+
+    @cute.jit
+    def stamp(self, slot, value):
+        """Trace word `slot` of this CTA := value (trace builds only)."""
+        req, h, tile = cute.arch.block_idx()
+        nreq, _, ntile = cute.arch.grid_dim()
+        cta = (h * nreq + req) * ntile + tile
+        st_global_b32(self.trace_po.iterator.toint() + (Int64(cta) * TRACE_WORDS + slot) * 4, value)
+
+    @cute.jit
+    def trace_block(self, i, slot: cutlass.Constexpr, tidx):
+        """Thread 0 of the caller's warpgroup stamps event `slot` (0..7) of union block i."""
+        if cutlass.const_expr(self.trace):
+            if tidx == 0:
+                if i < TRACE_BLOCKS:
+                    self.stamp(8 * i + slot, globaltimer_lo())
 
     @cute.jit
     def issue_block(self, mKV, sPages, h, j, buf_addr, full_ptr):
@@ -341,12 +369,16 @@ class UnionWgmmaKernel(UnionMmaKernel):
                 v_dst = v_tiles[1]
             if cutlass.const_expr(cw == 0):
                 cute.arch.mbarrier_wait(tiles_ptr + 4 * b + 1, use ^ 1)  # K tile b is free
+                self.trace_block(i, 0, tidx)
                 self.convert_tile(stage, 0, k_dst, tidx)
                 cute.arch.mbarrier_arrive(tiles_ptr + 4 * b)
+                self.trace_block(i, 1, tidx)
             if cutlass.const_expr(cw == 1 or self.converters == 1):
                 cute.arch.mbarrier_wait(tiles_ptr + 4 * b + 3, use ^ 1)  # V tile b is free
+                self.trace_block(i, 2, tidx)
                 self.convert_tile(stage, 1, v_dst, tidx)
                 cute.arch.mbarrier_arrive(tiles_ptr + 4 * b + 2)
+                self.trace_block(i, 3, tidx)
             cute.arch.mbarrier_arrive(empty_ptr + s)
             if cutlass.const_expr(cw == 0):
                 if tidx == 0:
@@ -409,6 +441,7 @@ class UnionWgmmaKernel(UnionMmaKernel):
             mask = sMasks[i]
             if cutlass.const_expr(self.converters > 0):
                 cute.arch.mbarrier_wait(tiles_ptr + 4 * wg, use)  # K tile converted
+                self.trace_block(i, 4, tidx)
             else:
                 s = i % self.stages
                 cute.arch.mbarrier_wait(full_ptr + s, (i // self.stages) & 1)
@@ -436,11 +469,13 @@ class UnionWgmmaKernel(UnionMmaKernel):
                 warpgroup.wait_group(0)
             if cutlass.const_expr(self.converters > 0):
                 cute.arch.mbarrier_arrive(tiles_ptr + 4 * wg + 1)  # K tile read
+                self.trace_block(i, 5, tidx)
             if cutlass.const_expr(self.mma):
                 self.softmax_rows(acc_s, acc_o, p_words, row_max, row_sum, blk, mask, sKvLen, warp, g, c)
             # ---- O += P V
             if cutlass.const_expr(self.converters > 0):
                 cute.arch.mbarrier_wait(tiles_ptr + 4 * wg + 2, use)  # V tile converted
+                self.trace_block(i, 6, tidx)
             if cutlass.const_expr(self.mma):
                 warpgroup.fence()
                 atom_o = cute.make_mma_atom(m["mma_o"].op)
@@ -451,6 +486,7 @@ class UnionWgmmaKernel(UnionMmaKernel):
                 warpgroup.wait_group(0)
             if cutlass.const_expr(self.converters > 0):
                 cute.arch.mbarrier_arrive(tiles_ptr + 4 * wg + 3)  # V tile read
+                self.trace_block(i, 7, tidx)
         self.finish(mOut, mLse, storage, acc_o, row_max, row_sum, buf_addr, req, h, tile, qlen, n_tok, v_scale,
                     tidx, warp, g, c, wg)
 
