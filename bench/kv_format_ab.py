@@ -95,6 +95,8 @@ VARIANTS = {  # name -> (kv dtype, kernel options)
     "f_union_direct": ("float8_e4m3fn", {"union_wgmma": True, "warpgroups": 2, "converter": 2, "ring": True,
                                          "direct": True, "stages": 1}),
     "f_union_cv2_trace": ("float8_e4m3fn", {"union_wgmma": True, "warpgroups": 2, "converter": 2, "trace": True}),
+    "f_union_ring1": ("float8_e4m3fn", {"union_wgmma": True, "warpgroups": 2, "converter": 2, "ring": True,
+                                        "slots": 1, "stages": 4}),
     "f_union_cv2_none": ("float8_e4m3fn", {"union_wgmma": True, "warpgroups": 2, "converter": 2,
                                            "convert": False, "mma": False}),
     # the staged build releasing a stage after its last MMA (kernel option late_release, only in

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from msa_jit import SparseDecodePlanner, loader, sparse_decode  # noqa: E402
 from msa_jit.testing import compare_with_reference, make_case  # noqa: E402
 
-KV = {"f_union": "float8_e4m3fn", "n_union": "nvfp4", "f_union_wg": "float8_e4m3fn", "f_union_wg2": "float8_e4m3fn", "f_union_cv": "float8_e4m3fn", "f_union_cv2": "float8_e4m3fn", "f_union_ring": "float8_e4m3fn", "f_union_direct": "float8_e4m3fn"}
+KV = {"f_union": "float8_e4m3fn", "n_union": "nvfp4", "f_union_wg": "float8_e4m3fn", "f_union_wg2": "float8_e4m3fn", "f_union_cv": "float8_e4m3fn", "f_union_cv2": "float8_e4m3fn", "f_union_ring": "float8_e4m3fn", "f_union_direct": "float8_e4m3fn", "f_union_ring1": "float8_e4m3fn"}
 # (batch, qlen, padded, adversarial, shared slots)
 CASES = [(3, 1, False, False, 0), (4, 2, True, False, 12), (5, 3, False, True, 0), (8, 4, True, False, 12),
          (2, 8, False, False, 12), (6, 5, True, True, 8), (1, 4, False, False, 16), (16, 4, False, False, 0)]

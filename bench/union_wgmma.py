@@ -134,7 +134,7 @@ class UnionWgmmaKernel(UnionMmaKernel):
         self.conv_regs, self.mma_regs = (88, 208) if converter == 1 else ((96, 160) if direct else (64, 192))
 
     def storage_type(self):
-        kv_tile = self.page * HEAD_DIM
+        kv_tile = getattr(self, "kv_tile_elems", self.page * HEAD_DIM)
 
         @cute.struct
         class Storage:

@@ -19,7 +19,32 @@ from union_wgmma import HEAD_DIM, ROWS, UnionWgmmaKernel, _smem_layout, ptx, swi
 
 
 class UnionWgmmaRingKernel(UnionWgmmaKernel):
-    """UnionWgmmaKernel with half-block K / V tiles (ring=True) and optionally direct converter loads."""
+    """UnionWgmmaKernel with half-block K / V tiles (ring=True) and optionally direct converter loads.
+
+    slots=2: two half tiles of K and of V per MMA warpgroup (128 KiB); slots=1: one of each (64 KiB),
+    used for both halves in turn, so that four fp8 stages fit (the trace of row 55: two stages hold
+    the stream back)."""
+
+    def __init__(self, *, slots: int = 2, **options):
+        super().__init__(**options)
+        if slots not in (1, 2):
+            raise ValueError("slots must be 1 or 2")
+        self.slots = slots
+        self.kv_tile_elems = 64 * HEAD_DIM * slots
+        # S of half 1 after the softmax of half 0 where its K tile is not there yet (one slot) or
+        # the registers are short (direct)
+        self.s_serial = self.direct or slots == 1
+
+    def slot_bar(self, kind: int, b, hf: int):
+        """Barrier offset of kind (0: K full, 1: K empty, 2: V full, 3: V empty) of tile (b, hf)."""
+        return 4 * kind + 2 * b + (hf if self.slots == 2 else 0)
+
+    def slot_parity(self, i, hf: int):
+        """Phase parity of tile (b, hf)'s full barrier for union block i of MMA warpgroup b."""
+        return (i // 2) & 1 if self.slots == 2 else hf
+
+    def slot_offset(self, hf: int) -> int:
+        return hf * self.HALF_TILE_BYTES if self.slots == 2 else 0
 
     # ------------------------------------------------------------------ ring=True: half-block tiles
     # Tile (b, hf) = half hf (keys 64hf ..) of MMA warpgroup b's block; its K tile is bytes
@@ -39,15 +64,14 @@ class UnionWgmmaRingKernel(UnionWgmmaKernel):
         for i in range(n_union):
             s = i % self.stages
             b = i % 2
-            use = (i // 2) & 1
             cute.arch.mbarrier_wait(full_ptr + s, (i // self.stages) & 1)
             stage = buf_addr + s * self.stage_bytes
             base = base0
             if b == 1:
                 base = base1
             for hf in cutlass.range_constexpr(2):
-                cute.arch.mbarrier_wait(tiles_ptr + 4 * (2 * cw + 1) + 2 * b + hf, use ^ 1)  # tile free
-                dst_tile = base + hf * self.HALF_TILE_BYTES
+                cute.arch.mbarrier_wait(tiles_ptr + self.slot_bar(2 * cw + 1, b, hf), self.slot_parity(i, hf) ^ 1)
+                dst_tile = base + self.slot_offset(hf)
                 for r in cutlass.range_constexpr(4 if self.convert else 0):
                     key = tidx // 8 + 16 * r
                     w = ptx.ld_shared_v4(stage + (64 * hf + key) * 256 + HEAD_DIM * cw + 16 * c8)
@@ -64,7 +88,7 @@ class UnionWgmmaRingKernel(UnionWgmmaKernel):
                                      cutlass.select_(hi == 0, f[5], f[1]), cutlass.select_(hi == 0, f[6], f[2]),
                                      cutlass.select_(hi == 0, f[7], f[3]))
                 cute.arch.fence_view_async_shared()
-                cute.arch.mbarrier_arrive(tiles_ptr + 4 * (2 * cw) + 2 * b + hf)  # tile full
+                cute.arch.mbarrier_arrive(tiles_ptr + self.slot_bar(2 * cw, b, hf))  # tile full
             cute.arch.mbarrier_arrive(empty_ptr + s)
             if cutlass.const_expr(cw == 0):
                 if tidx == 0:
@@ -102,18 +126,18 @@ class UnionWgmmaRingKernel(UnionWgmmaKernel):
                     if i + 1 < n_union:
                         self.prefetch_block(mKV, sPages, h, i + 1, cw, raws[1 - u], tidx)
                     cur = raws[u]
-                    use = (i // 2) & 1
                     field = (storage.sk0 if u == 0 else storage.sk1) if cw == 0 else (storage.sv0 if u == 0 else storage.sv1)
                     base = ptx.smem_addr(field.data_ptr())
                     for hf in cutlass.range_constexpr(2):
-                        cute.arch.mbarrier_wait(tiles_ptr + 4 * (2 * cw + 1) + 2 * u + hf, use ^ 1)  # tile free
+                        cute.arch.mbarrier_wait(tiles_ptr + self.slot_bar(2 * cw + 1, u, hf),
+                                                self.slot_parity(i, hf) ^ 1)  # tile free
                         for r in cutlass.range_constexpr(4 if self.convert else 0):
                             key = tidx // 8 + 16 * r
                             f = []
                             for k in cutlass.range_constexpr(4):
                                 f.append(ptx.e4m3x2_to_f16x2(cur[16 * hf + 4 * r + k], 0))
                                 f.append(ptx.e4m3x2_to_f16x2(cur[16 * hf + 4 * r + k], 1))
-                            dst = base + hf * self.HALF_TILE_BYTES + swizzled(ROWS, key, 16 * c8)
+                            dst = base + self.slot_offset(hf) + swizzled(ROWS, key, 16 * c8)
                             hi = c8 // 4
                             first = dst ^ (16 * hi)
                             ptx.st_shared_v4(first, cutlass.select_(hi == 0, f[0], f[4]),
@@ -123,7 +147,7 @@ class UnionWgmmaRingKernel(UnionWgmmaKernel):
                                              cutlass.select_(hi == 0, f[5], f[1]),
                                              cutlass.select_(hi == 0, f[6], f[2]), cutlass.select_(hi == 0, f[7], f[3]))
                         cute.arch.fence_view_async_shared()
-                        cute.arch.mbarrier_arrive(tiles_ptr + 4 * (2 * cw) + 2 * u + hf)  # tile full
+                        cute.arch.mbarrier_arrive(tiles_ptr + self.slot_bar(2 * cw, u, hf))  # tile full
 
     @cute.jit
     def mma_loop_ring(self, mKV, mOut, mLse, storage, sPages, sBlocks, sMasks, sKvLen, buf_addr, full_ptr, empty_ptr,
@@ -149,9 +173,10 @@ class UnionWgmmaRingKernel(UnionWgmmaKernel):
         thr_s = mma_s.get_slice(tidx)
         thr_o = mma_o.get_slice(tidx)
         tSrQ = thr_s.make_fragment_A(thr_s.partition_A(sQ))
-        tSrK = [thr_s.make_fragment_B(thr_s.partition_B(sK[None, None, hf])) for hf in range(2)]
-        sVt = [cute.composition(sV[None, None, hf], cute.make_ordered_layout((HEAD_DIM, 64), order=(1, 0)))
-               for hf in range(2)]
+        tSrK = [thr_s.make_fragment_B(thr_s.partition_B(sK[None, None, hf if self.slots == 2 else 0]))
+                for hf in range(2)]
+        sVt = [cute.composition(sV[None, None, hf if self.slots == 2 else 0],
+                                cute.make_ordered_layout((HEAD_DIM, 64), order=(1, 0))) for hf in range(2)]
         tOrV = [thr_o.make_fragment_B(thr_o.partition_B(v)) for v in sVt]
         tOrP = [thr_o.make_fragment_A(thr_o.partition_shape_A((ROWS, 64))) for _ in range(2)]
         p_words = [cute.make_tensor(cute.recast_ptr(p.iterator, dtype=Int32), cute.make_layout(16)) for p in tOrP]
@@ -165,23 +190,22 @@ class UnionWgmmaRingKernel(UnionWgmmaKernel):
             row_sum[hh] = Float32(0.0)
         alpha1 = cute.make_rmem_tensor(2, Float32)
         for i in range(wg, n_union, self.wgs):
-            use = (i // 2) & 1
             blk = sBlocks[i]
             mask = sMasks[i]
             # direct: S of half 1 after the softmax of half 0 (its accumulators reuse half 0's
             # registers: the converters need theirs for the loads in flight)
             acc_s = [cute.make_rmem_tensor(thr_s.partition_shape_C((ROWS, 64)), Float32) for _ in range(2)]
-            for hf in cutlass.range_constexpr(1 if self.direct else 2):
-                self.issue_s_half(tiles_ptr, wg, hf, use, mma_s, acc_s[hf], tSrQ, tSrK[hf])
+            for hf in cutlass.range_constexpr(1 if self.s_serial else 2):
+                self.issue_s_half(tiles_ptr, wg, hf, i, mma_s, acc_s[hf], tSrQ, tSrK[hf])
             if cutlass.const_expr(self.mma):
-                warpgroup.wait_group(0 if self.direct else 1)
-            cute.arch.mbarrier_arrive(tiles_ptr + 4 + 2 * wg)  # K half 0 read
+                warpgroup.wait_group(0 if self.s_serial else 1)
+            cute.arch.mbarrier_arrive(tiles_ptr + self.slot_bar(1, wg, 0))  # K half 0 read
             if cutlass.const_expr(self.mma):
                 self.softmax_half(acc_s[0], acc_o, p_words[0], row_max, row_sum, alpha1, blk, mask, sKvLen, 0,
                                   warp, g, c, True)
-            if cutlass.const_expr(self.direct):
-                self.issue_s_half(tiles_ptr, wg, 1, use, mma_s, acc_s[1], tSrQ, tSrK[1])
-            cute.arch.mbarrier_wait(tiles_ptr + 8 + 2 * wg, use)  # V half 0 converted
+            if cutlass.const_expr(self.s_serial):
+                self.issue_s_half(tiles_ptr, wg, 1, i, mma_s, acc_s[1], tSrQ, tSrK[1])
+            cute.arch.mbarrier_wait(tiles_ptr + self.slot_bar(2, wg, 0), self.slot_parity(i, 0))  # V half 0 converted
             if cutlass.const_expr(self.mma):
                 warpgroup.fence()
                 atom_o = cute.make_mma_atom(mma_o.op)
@@ -190,18 +214,18 @@ class UnionWgmmaRingKernel(UnionWgmmaKernel):
                     cute.gemm(atom_o, acc_o, tOrP[0][None, None, k], tOrV[0][None, None, k], acc_o)
                 warpgroup.commit_group()
                 warpgroup.wait_group(1)  # S of half 1 done (P V of half 0 may still run)
-            cute.arch.mbarrier_arrive(tiles_ptr + 4 + 2 * wg + 1)  # K half 1 read
+            cute.arch.mbarrier_arrive(tiles_ptr + self.slot_bar(1, wg, 1))  # K half 1 read
             if cutlass.const_expr(self.mma):
                 self.softmax_half(acc_s[1], acc_o, p_words[1], row_max, row_sum, alpha1, blk, mask, sKvLen, 64,
                                   warp, g, c, False)
                 warpgroup.wait_group(0)  # P V of half 0 done: O may be rescaled
-            cute.arch.mbarrier_arrive(tiles_ptr + 12 + 2 * wg)  # V half 0 read
+            cute.arch.mbarrier_arrive(tiles_ptr + self.slot_bar(3, wg, 0))  # V half 0 read
             if cutlass.const_expr(self.mma):
                 for hh in cutlass.range_constexpr(2):
                     for j in cutlass.range_constexpr(HEAD_DIM // 8):
                         for e in cutlass.range_constexpr(2):
                             acc_o[e + 2 * hh + 4 * j] = acc_o[e + 2 * hh + 4 * j] * alpha1[hh]
-            cute.arch.mbarrier_wait(tiles_ptr + 8 + 2 * wg + 1, use)  # V half 1 converted
+            cute.arch.mbarrier_wait(tiles_ptr + self.slot_bar(2, wg, 1), self.slot_parity(i, 1))  # V half 1 converted
             if cutlass.const_expr(self.mma):
                 warpgroup.fence()
                 atom_o1 = cute.make_mma_atom(mma_o.op)
@@ -210,14 +234,14 @@ class UnionWgmmaRingKernel(UnionWgmmaKernel):
                     cute.gemm(atom_o1, acc_o, tOrP[1][None, None, k], tOrV[1][None, None, k], acc_o)
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
-            cute.arch.mbarrier_arrive(tiles_ptr + 12 + 2 * wg + 1)  # V half 1 read
+            cute.arch.mbarrier_arrive(tiles_ptr + self.slot_bar(3, wg, 1))  # V half 1 read
         self.finish(mOut, mLse, storage, acc_o, row_max, row_sum, buf_addr, req, h, tile, qlen, n_tok, v_scale,
                     tidx, warp, g, c, wg)
 
     @cute.jit
-    def issue_s_half(self, tiles_ptr, wg, hf: cutlass.Constexpr, use, mma_s, acc, tSrQ, tSrK_hf):
-        """Wait for K half hf of this warpgroup's block, then issue S of that half (one commit group)."""
-        cute.arch.mbarrier_wait(tiles_ptr + 2 * wg + hf, use)  # K half hf converted
+    def issue_s_half(self, tiles_ptr, wg, hf: cutlass.Constexpr, i, mma_s, acc, tSrQ, tSrK_hf):
+        """Wait for K half hf of union block i (this warpgroup's), then issue S of that half (one commit group)."""
+        cute.arch.mbarrier_wait(tiles_ptr + self.slot_bar(0, wg, hf), self.slot_parity(i, hf))  # K half hf converted
         if cutlass.const_expr(self.mma):
             warpgroup.fence()
             atom_s = cute.make_mma_atom(mma_s.op)
