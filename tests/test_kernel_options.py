@@ -198,16 +198,18 @@ def test_union_probe_compiles_one_launch_without_spills(tmp_path, kv_dtype):
         UnionMmaKernel(num_q_heads=64, num_kv_heads=4, smem_reads="staged")
 
 
-@pytest.mark.parametrize("options", [{"warpgroups": 2}, {"warpgroups": 2, "converter": 2}])
+@pytest.mark.parametrize("options", [{"warpgroups": 2}, {"warpgroups": 2, "converter": 2},
+                                     {"warpgroups": 2, "converter": 2, "ring": True, "slots": 1, "stages": 4}])
 def test_union_wgmma_probe_compiles_to_warpgroup_mmas(tmp_path, options):
-    # bench/union_wgmma.py (docs/performance.md row 55): S and O on HGMMA, one launch, no local
-    # memory; with converter warpgroups, setmaxnreg moves registers to the MMA warpgroups
+    # bench/union_wgmma.py, union_wgmma_ring.py (docs/performance.md row 55): S and O on HGMMA, one
+    # launch, no local memory; with converter warpgroups, setmaxnreg moves registers to the MMA ones
     sys.path.insert(0, str(BENCH))
     from union_wgmma import UnionWgmmaKernel
+    from union_wgmma_ring import UnionWgmmaRingKernel
 
     cfg = SparseDecodeConfig(num_q_heads=64, num_kv_heads=4, arch="sm_90a")
     compile_sparse_decode(cfg, tmp_path, kernel_options={"union_wgmma": True, **options},
-                          kernel_class=UnionWgmmaKernel)
+                          kernel_class=UnionWgmmaRingKernel if options.get("ring") else UnionWgmmaKernel)
     (cubin,) = sass.extract_cubins(tmp_path / "sparse_decode.so")
     text = sass.disassemble(cubin)
     counts = sass.opcode_counts(text)
