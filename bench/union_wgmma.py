@@ -80,6 +80,24 @@ def _smem_layout(rows: int):
 
 
 @cute.jit
+def store_f16_chunks(dst, w, c8):
+    """The 16 e4m3 bytes of w (4 words) as 16 f16 at dst (the even 16-byte chunk of a swizzled tile
+    row, col 16c8) and the odd chunk after it (byte offset ^ 16). The 8 threads of a key row are one
+    phase of a 16-byte store: threads c8 < 4 store their even chunk first, the others their odd
+    one, so a phase covers 8 different bank groups (even chunks of one half, odd of the other)."""
+    f = []
+    for k in cutlass.range_constexpr(4):
+        f.append(ptx.e4m3x2_to_f16x2(w[k], 0))
+        f.append(ptx.e4m3x2_to_f16x2(w[k], 1))
+    hi = c8 // 4
+    first = dst ^ (16 * hi)
+    ptx.st_shared_v4(first, cutlass.select_(hi == 0, f[0], f[4]), cutlass.select_(hi == 0, f[1], f[5]),
+                     cutlass.select_(hi == 0, f[2], f[6]), cutlass.select_(hi == 0, f[3], f[7]))
+    ptx.st_shared_v4(first ^ 16, cutlass.select_(hi == 0, f[4], f[0]), cutlass.select_(hi == 0, f[5], f[1]),
+                     cutlass.select_(hi == 0, f[6], f[2]), cutlass.select_(hi == 0, f[7], f[3]))
+
+
+@cute.jit
 def swizzled(rows: cutlass.Constexpr, row, col):
     """Byte offset of element (row, col) of a _smem_layout(rows) tile (col % 8 == 0 for 16-byte
     chunks): linear 64 * row + col % 64 + rows * 64 * (col // 64) elements, then the 128B swizzle
@@ -332,21 +350,7 @@ class UnionWgmmaKernel(UnionMmaKernel):
         for r in cutlass.range_constexpr(self.page // 16 if self.convert else 0):
             key = tidx // 8 + 16 * r
             w = ptx.ld_shared_v4(stage + key * 256 + HEAD_DIM * kv + 16 * c8)
-            f = []
-            for k in cutlass.range_constexpr(4):
-                f.append(ptx.e4m3x2_to_f16x2(w[k], 0))
-                f.append(ptx.e4m3x2_to_f16x2(w[k], 1))
-            # this thread's two 16-byte chunks: dims 16c8 .. + 8 (an even chunk of half c8 // 4) and
-            # the odd one after it (byte offset ^ 16). The 8 threads of a key are one phase of a
-            # 16-byte store: lanes c8 < 4 store their even chunk first, the others their odd one, so
-            # the phase covers 8 different bank groups (even chunks of one half, odd of the other)
-            dst = dst_smem + swizzled(self.page, key, 16 * c8)
-            hi = c8 // 4
-            first = dst ^ (16 * hi)
-            ptx.st_shared_v4(first, cutlass.select_(hi == 0, f[0], f[4]), cutlass.select_(hi == 0, f[1], f[5]),
-                             cutlass.select_(hi == 0, f[2], f[6]), cutlass.select_(hi == 0, f[3], f[7]))
-            ptx.st_shared_v4(first ^ 16, cutlass.select_(hi == 0, f[4], f[0]), cutlass.select_(hi == 0, f[5], f[1]),
-                             cutlass.select_(hi == 0, f[6], f[2]), cutlass.select_(hi == 0, f[7], f[3]))
+            store_f16_chunks(dst_smem + swizzled(self.page, key, 16 * c8), w, c8)
         cute.arch.fence_view_async_shared()
 
     @cute.jit
@@ -432,6 +436,7 @@ class UnionWgmmaKernel(UnionMmaKernel):
             acc_o[i] = Float32(0.0)
         row_max = cute.make_rmem_tensor(2, Float32)
         row_sum = cute.make_rmem_tensor(2, Float32)
+        alpha = cute.make_rmem_tensor(2, Float32)
         for hh in cutlass.range_constexpr(2):
             row_max[hh] = -Float32.inf
             row_sum[hh] = Float32(0.0)
@@ -471,7 +476,8 @@ class UnionWgmmaKernel(UnionMmaKernel):
                 cute.arch.mbarrier_arrive(tiles_ptr + 4 * wg + 1)  # K tile read
                 self.trace_block(i, 5, tidx)
             if cutlass.const_expr(self.mma):
-                self.softmax_rows(acc_s, acc_o, p_words, row_max, row_sum, blk, mask, sKvLen, warp, g, c)
+                self.softmax_cols(acc_s, acc_o, p_words, row_max, row_sum, alpha, blk, mask, sKvLen, 0, self.page,
+                              warp, g, c, True)
             # ---- O += P V
             if cutlass.const_expr(self.converters > 0):
                 cute.arch.mbarrier_wait(tiles_ptr + 4 * wg + 2, use)  # V tile converted
@@ -491,23 +497,25 @@ class UnionWgmmaKernel(UnionMmaKernel):
                     tidx, warp, g, c, wg)
 
     @cute.jit
-    def softmax_rows(self, acc_s, acc_o, p_words, row_max, row_sum, blk, mask, sKvLen, warp, g, c):
-        """Online softmax of rows 16w + g + 8hh of S (log2 units: the scale is in Q); O rescaled;
-        P -> the A fragments of O = P V (k-step ks: keys 16ks + 2c (+1), (+8, +9))."""
+    def softmax_cols(self, acc_s, acc_o, p_words, row_max, row_sum, alpha, blk, mask, sKvLen, col0: cutlass.Constexpr,
+                     ncols: cutlass.Constexpr, warp, g, c, rescale: cutlass.Constexpr):
+        """Online softmax of rows 16w + g + 8hh of S over the block's keys col0 .. col0 + ncols (log2
+        units: the scale is in Q); O rescaled now (rescale) or the factors left in alpha; P -> the A
+        fragments of O = P V (k-step ks: keys 16ks + 2c (+1), (+8, +9))."""
         G = self.group
         for hh in cutlass.range_constexpr(2):
             m_row = 16 * warp + g + 8 * hh
             j_row = m_row // G
-            lim = sKvLen[j_row] - blk * self.page  # visible keys of the block: col < lim
+            lim = sKvLen[j_row] - blk * self.page - col0  # visible keys: col < lim
             if ((mask >> j_row) & 1) == 0:
                 lim = Int32(0)
-            if lim < self.page:
-                for jj in cutlass.range_constexpr(self.page // 8):
+            if lim < ncols:
+                for jj in cutlass.range_constexpr(ncols // 8):
                     for e in cutlass.range_constexpr(2):
                         if 8 * jj + 2 * c + e >= lim:
                             acc_s[e + 2 * hh + 4 * jj] = -Float32.inf
             mx = -Float32.inf
-            for jj in cutlass.range_constexpr(self.page // 8):
+            for jj in cutlass.range_constexpr(ncols // 8):
                 for e in cutlass.range_constexpr(2):
                     mx = cute.arch.fmax(mx, acc_s[e + 2 * hh + 4 * jj])
             mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 1))
@@ -516,19 +524,21 @@ class UnionWgmmaKernel(UnionMmaKernel):
             m_use = m_new
             if m_new == -Float32.inf:
                 m_use = Float32(0.0)
-            alpha = ptx.ex2(row_max[hh] - m_use)
+            a = ptx.ex2(row_max[hh] - m_use)
             row_max[hh] = m_new
             psum = Float32(0.0)
-            for jj in cutlass.range_constexpr(self.page // 8):
+            for jj in cutlass.range_constexpr(ncols // 8):
                 for e in cutlass.range_constexpr(2):
                     p = ptx.ex2(acc_s[e + 2 * hh + 4 * jj] - m_use)
                     acc_s[e + 2 * hh + 4 * jj] = p
                     psum = psum + p
-            row_sum[hh] = row_sum[hh] * alpha + psum
-            for j in cutlass.range_constexpr(HEAD_DIM // 8):
-                for e in cutlass.range_constexpr(2):
-                    acc_o[e + 2 * hh + 4 * j] = acc_o[e + 2 * hh + 4 * j] * alpha
-            for jj in cutlass.range_constexpr(self.page // 8):  # jj = 2ks + kh
+            row_sum[hh] = row_sum[hh] * a + psum
+            alpha[hh] = a
+            if cutlass.const_expr(rescale):
+                for j in cutlass.range_constexpr(HEAD_DIM // 8):
+                    for e in cutlass.range_constexpr(2):
+                        acc_o[e + 2 * hh + 4 * j] = acc_o[e + 2 * hh + 4 * j] * a
+            for jj in cutlass.range_constexpr(ncols // 8):  # jj = 2ks + kh
                 p_words[hh + 2 * (jj % 2) + 4 * (jj // 2)] = ptx.f32x2_to_f16x2(acc_s[2 * hh + 4 * jj],
                                                                               acc_s[1 + 2 * hh + 4 * jj])
 

@@ -15,7 +15,7 @@ import cutlass.utils.hopper_helpers as sm90
 from cutlass import Float32, Int32, Int64
 from cutlass.cute.nvgpu import warpgroup
 
-from union_wgmma import HEAD_DIM, ROWS, UnionWgmmaKernel, _smem_layout, ptx, swizzled
+from union_wgmma import HEAD_DIM, ROWS, UnionWgmmaKernel, _smem_layout, ptx, store_f16_chunks, swizzled
 
 
 class UnionWgmmaRingKernel(UnionWgmmaKernel):
@@ -75,18 +75,7 @@ class UnionWgmmaRingKernel(UnionWgmmaKernel):
                 for r in cutlass.range_constexpr(4 if self.convert else 0):
                     key = tidx // 8 + 16 * r
                     w = ptx.ld_shared_v4(stage + (64 * hf + key) * 256 + HEAD_DIM * cw + 16 * c8)
-                    f = []
-                    for k in cutlass.range_constexpr(4):
-                        f.append(ptx.e4m3x2_to_f16x2(w[k], 0))
-                        f.append(ptx.e4m3x2_to_f16x2(w[k], 1))
-                    dst = dst_tile + swizzled(ROWS, key, 16 * c8)
-                    hi = c8 // 4
-                    first = dst ^ (16 * hi)
-                    ptx.st_shared_v4(first, cutlass.select_(hi == 0, f[0], f[4]), cutlass.select_(hi == 0, f[1], f[5]),
-                                     cutlass.select_(hi == 0, f[2], f[6]), cutlass.select_(hi == 0, f[3], f[7]))
-                    ptx.st_shared_v4(first ^ 16, cutlass.select_(hi == 0, f[4], f[0]),
-                                     cutlass.select_(hi == 0, f[5], f[1]), cutlass.select_(hi == 0, f[6], f[2]),
-                                     cutlass.select_(hi == 0, f[7], f[3]))
+                    store_f16_chunks(dst_tile + swizzled(ROWS, key, 16 * c8), w, c8)
                 cute.arch.fence_view_async_shared()
                 cute.arch.mbarrier_arrive(tiles_ptr + self.slot_bar(2 * cw, b, hf))  # tile full
             cute.arch.mbarrier_arrive(empty_ptr + s)
@@ -133,19 +122,8 @@ class UnionWgmmaRingKernel(UnionWgmmaKernel):
                                                 self.slot_parity(i, hf) ^ 1)  # tile free
                         for r in cutlass.range_constexpr(4 if self.convert else 0):
                             key = tidx // 8 + 16 * r
-                            f = []
-                            for k in cutlass.range_constexpr(4):
-                                f.append(ptx.e4m3x2_to_f16x2(cur[16 * hf + 4 * r + k], 0))
-                                f.append(ptx.e4m3x2_to_f16x2(cur[16 * hf + 4 * r + k], 1))
-                            dst = base + self.slot_offset(hf) + swizzled(ROWS, key, 16 * c8)
-                            hi = c8 // 4
-                            first = dst ^ (16 * hi)
-                            ptx.st_shared_v4(first, cutlass.select_(hi == 0, f[0], f[4]),
-                                             cutlass.select_(hi == 0, f[1], f[5]),
-                                             cutlass.select_(hi == 0, f[2], f[6]), cutlass.select_(hi == 0, f[3], f[7]))
-                            ptx.st_shared_v4(first ^ 16, cutlass.select_(hi == 0, f[4], f[0]),
-                                             cutlass.select_(hi == 0, f[5], f[1]),
-                                             cutlass.select_(hi == 0, f[6], f[2]), cutlass.select_(hi == 0, f[7], f[3]))
+                            w = [cur[16 * hf + 4 * r + k] for k in range(4)]
+                            store_f16_chunks(base + self.slot_offset(hf) + swizzled(ROWS, key, 16 * c8), w, c8)
                         cute.arch.fence_view_async_shared()
                         cute.arch.mbarrier_arrive(tiles_ptr + self.slot_bar(2 * cw, u, hf))  # tile full
 
@@ -201,7 +179,7 @@ class UnionWgmmaRingKernel(UnionWgmmaKernel):
                 warpgroup.wait_group(0 if self.s_serial else 1)
             cute.arch.mbarrier_arrive(tiles_ptr + self.slot_bar(1, wg, 0))  # K half 0 read
             if cutlass.const_expr(self.mma):
-                self.softmax_half(acc_s[0], acc_o, p_words[0], row_max, row_sum, alpha1, blk, mask, sKvLen, 0,
+                self.softmax_cols(acc_s[0], acc_o, p_words[0], row_max, row_sum, alpha1, blk, mask, sKvLen, 0, 64,
                                   warp, g, c, True)
             if cutlass.const_expr(self.s_serial):
                 self.issue_s_half(tiles_ptr, wg, 1, i, mma_s, acc_s[1], tSrQ, tSrK[1])
@@ -216,7 +194,7 @@ class UnionWgmmaRingKernel(UnionWgmmaKernel):
                 warpgroup.wait_group(1)  # S of half 1 done (P V of half 0 may still run)
             cute.arch.mbarrier_arrive(tiles_ptr + self.slot_bar(1, wg, 1))  # K half 1 read
             if cutlass.const_expr(self.mma):
-                self.softmax_half(acc_s[1], acc_o, p_words[1], row_max, row_sum, alpha1, blk, mask, sKvLen, 64,
+                self.softmax_cols(acc_s[1], acc_o, p_words[1], row_max, row_sum, alpha1, blk, mask, sKvLen, 64, 64,
                                   warp, g, c, False)
                 warpgroup.wait_group(0)  # P V of half 0 done: O may be rescaled
             cute.arch.mbarrier_arrive(tiles_ptr + self.slot_bar(3, wg, 0))  # V half 0 read
@@ -250,48 +228,3 @@ class UnionWgmmaRingKernel(UnionWgmmaKernel):
                 cute.gemm(atom_s, acc, tSrQ[None, None, k], tSrK_hf[None, None, k], acc)
                 atom_s.set(warpgroup.Field.ACCUMULATE, True)
             warpgroup.commit_group()
-
-    @cute.jit
-    def softmax_half(self, acc_s, acc_o, p_words, row_max, row_sum, alpha, blk, mask, sKvLen, col0: cutlass.Constexpr,
-                     warp, g, c, rescale: cutlass.Constexpr):
-        """The online softmax over one half block (keys col0 .. col0 + 63) of rows 16w + g + 8hh; O
-        rescaled now (rescale) or the factors left in alpha; P -> p_words (k-step ks: keys 16ks + 2c..)."""
-        G = self.group
-        for hh in cutlass.range_constexpr(2):
-            m_row = 16 * warp + g + 8 * hh
-            j_row = m_row // G
-            lim = sKvLen[j_row] - blk * self.page - col0  # visible keys of the half: col < lim
-            if ((mask >> j_row) & 1) == 0:
-                lim = Int32(0)
-            if lim < 64:
-                for jj in cutlass.range_constexpr(8):
-                    for e in cutlass.range_constexpr(2):
-                        if 8 * jj + 2 * c + e >= lim:
-                            acc_s[e + 2 * hh + 4 * jj] = -Float32.inf
-            mx = -Float32.inf
-            for jj in cutlass.range_constexpr(8):
-                for e in cutlass.range_constexpr(2):
-                    mx = cute.arch.fmax(mx, acc_s[e + 2 * hh + 4 * jj])
-            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 1))
-            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 2))
-            m_new = cute.arch.fmax(row_max[hh], mx)
-            m_use = m_new
-            if m_new == -Float32.inf:
-                m_use = Float32(0.0)
-            a = ptx.ex2(row_max[hh] - m_use)
-            row_max[hh] = m_new
-            psum = Float32(0.0)
-            for jj in cutlass.range_constexpr(8):
-                for e in cutlass.range_constexpr(2):
-                    p = ptx.ex2(acc_s[e + 2 * hh + 4 * jj] - m_use)
-                    acc_s[e + 2 * hh + 4 * jj] = p
-                    psum = psum + p
-            row_sum[hh] = row_sum[hh] * a + psum
-            alpha[hh] = a
-            if cutlass.const_expr(rescale):
-                for j in cutlass.range_constexpr(HEAD_DIM // 8):
-                    for e in cutlass.range_constexpr(2):
-                        acc_o[e + 2 * hh + 4 * j] = acc_o[e + 2 * hh + 4 * j] * a
-            for jj in cutlass.range_constexpr(8):  # jj = 2ks + kh
-                p_words[hh + 2 * (jj % 2) + 4 * (jj // 2)] = ptx.f32x2_to_f16x2(acc_s[2 * hh + 4 * jj],
-                                                                              acc_s[1 + 2 * hh + 4 * jj])
