@@ -321,6 +321,19 @@ class UnionWgmmaKernel(UnionMmaKernel):
                           self.stage_bytes, ptx.smem_addr(full_ptr + s))
 
     @cute.jit
+    def release_stage_and_refill(self, mKV, sPages, h, i, n_union, buf_addr, full_ptr, empty_ptr, tidx,
+                                 refills: cutlass.Constexpr):
+        """This thread has read union block i's stage: arrive on its empty barrier; with `refills`,
+        thread 0 then waits for every reader and copies block i + stages into it."""
+        s = i % self.stages
+        cute.arch.mbarrier_arrive(empty_ptr + s)
+        if cutlass.const_expr(refills):
+            if tidx == 0:
+                if i + self.stages < n_union:
+                    cute.arch.mbarrier_wait(empty_ptr + s, (i // self.stages) & 1)
+                    self.issue_block(mKV, sPages, h, i + self.stages, buf_addr, full_ptr)
+
+    @cute.jit
     def stage_q(self, mQ, q_smem, req, h, tile, qlen, n_tok, qk_scale_log2, tidx):
         """Q of the tile -> sQ (f16, scaled): thread tidx (< 128) writes half (64 dims) of row tidx // 2."""
         G = self.group
@@ -383,12 +396,7 @@ class UnionWgmmaKernel(UnionMmaKernel):
                 self.convert_tile(stage, 1, v_dst, tidx)
                 cute.arch.mbarrier_arrive(tiles_ptr + 4 * b + 2)
                 self.trace_block(i, 3, tidx)
-            cute.arch.mbarrier_arrive(empty_ptr + s)
-            if cutlass.const_expr(cw == 0):
-                if tidx == 0:
-                    if i + self.stages < n_union:
-                        cute.arch.mbarrier_wait(empty_ptr + s, (i // self.stages) & 1)
-                        self.issue_block(mKV, sPages, h, i + self.stages, buf_addr, full_ptr)
+            self.release_stage_and_refill(mKV, sPages, h, i, n_union, buf_addr, full_ptr, empty_ptr, tidx, cw == 0)
 
     def mma_setup(self, storage, wg: int, tidx):
         """The MMAs, fragments and accumulators of MMA warpgroup wg (thread tidx of its 128)."""
@@ -455,11 +463,7 @@ class UnionWgmmaKernel(UnionMmaKernel):
                 cute.arch.barrier(barrier_id=bar, number_of_threads=nthr)
                 self.convert_tile(stage, 0, m["k_smem"], tidx)
                 self.convert_tile(stage, 1, m["v_smem"], tidx)
-                cute.arch.mbarrier_arrive(empty_ptr + s)  # the stage is read: thread 0 refills it
-                if tidx == 0:
-                    if i + self.stages < n_union:
-                        cute.arch.mbarrier_wait(empty_ptr + s, (i // self.stages) & 1)
-                        self.issue_block(mKV, sPages, h, i + self.stages, buf_addr, full_ptr)
+                self.release_stage_and_refill(mKV, sPages, h, i, n_union, buf_addr, full_ptr, empty_ptr, tidx, True)
                 cute.arch.barrier(barrier_id=bar, number_of_threads=nthr)
             # ---- S = Q K^T (rows: token j = row // G, head row % G; columns: the block's keys)
             acc_s = cute.make_rmem_tensor(m["thr_s"].partition_shape_C((ROWS, self.page)), Float32)

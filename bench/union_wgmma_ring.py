@@ -78,12 +78,7 @@ class UnionWgmmaRingKernel(UnionWgmmaKernel):
                     store_f16_chunks(dst_tile + swizzled(ROWS, key, 16 * c8), w, c8)
                 cute.arch.fence_view_async_shared()
                 cute.arch.mbarrier_arrive(tiles_ptr + self.slot_bar(2 * cw, b, hf))  # tile full
-            cute.arch.mbarrier_arrive(empty_ptr + s)
-            if cutlass.const_expr(cw == 0):
-                if tidx == 0:
-                    if i + self.stages < n_union:
-                        cute.arch.mbarrier_wait(empty_ptr + s, (i // self.stages) & 1)
-                        self.issue_block(mKV, sPages, h, i + self.stages, buf_addr, full_ptr)
+            self.release_stage_and_refill(mKV, sPages, h, i, n_union, buf_addr, full_ptr, empty_ptr, tidx, cw == 0)
 
     @cute.jit
     def prefetch_block(self, mKV, sPages, h, i, cw: cutlass.Constexpr, raw, tidx):
