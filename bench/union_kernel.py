@@ -59,7 +59,6 @@ class UnionMmaKernel(SparseDecodeMmaKernel):
             pages: cute.struct.MemRange[Int32, self.union_max]
             blocks: cute.struct.MemRange[Int32, self.union_max]
             masks: cute.struct.MemRange[Int32, self.union_max]
-            nunion: cute.struct.MemRange[Int32, 4]
 
         return Storage
 
@@ -127,13 +126,7 @@ class UnionMmaKernel(SparseDecodeMmaKernel):
         buf_addr = ptx.smem_addr(storage.buf.data_ptr())
         full_ptr = storage.full.data_ptr()
         empty_ptr = storage.empty.data_ptr()
-        sTokPages = storage.tok_pages.get_tensor(cute.make_layout(32 * self.tile_tokens))
-        sTokBlocks = storage.tok_blocks.get_tensor(cute.make_layout(32 * self.tile_tokens))
-        sBallots = storage.ballots.get_tensor(cute.make_layout(self.tile_tokens))
-        sPages = storage.pages.get_tensor(cute.make_layout(self.union_max))
-        sBlocks = storage.blocks.get_tensor(cute.make_layout(self.union_max))
-        sMasks = storage.masks.get_tensor(cute.make_layout(self.union_max))
-        sNunion = storage.nunion.get_tensor(cute.make_layout(4))
+        sPages, sBlocks, sMasks = self.union_lists(storage)
         if warp == 0:
             if lane == 0:
                 for s in cutlass.range_constexpr(self.stages):
@@ -151,8 +144,7 @@ class UnionMmaKernel(SparseDecodeMmaKernel):
         kv_len = Int32(0)
         if active:
             kv_len = mKvLens[t]
-        n_union = self.build_union(mTopk, mBT, mKvLens, mKV, sTokPages, sTokBlocks, sBallots, sPages, sBlocks,
-                                   sMasks, None, req, h, tile, qlen, n_tok, warp, lane)
+        n_union = self.build_union(mTopk, mBT, mKvLens, mKV, storage, None, req, h, tile, qlen, n_tok, warp, lane)
 
         if warp == self.warps:
             # ---- 3a. producer: every union block once
@@ -164,10 +156,14 @@ class UnionMmaKernel(SparseDecodeMmaKernel):
             self.consume_union(mQ, mOut, mLse, sBlocks, sMasks, buf_addr, full_ptr, empty_ptr,
                                t, h, warp, lane, kv_len, n_union, active, qk_scale_log2, v_scale)
 
+    def union_lists(self, storage):
+        """(pages, blocks, token masks) of the tile's union: shared-memory tensors of union_max int32."""
+        return tuple(f.get_tensor(cute.make_layout(self.union_max)) for f in (storage.pages, storage.blocks,
+                                                                             storage.masks))
+
     @cute.jit
-    def build_union(self, mTopk, mBT, mKvLens, mKV, sTokPages, sTokBlocks, sBallots, sPages, sBlocks, sMasks,
-                    sKvLen, req, h, tile, qlen, n_tok, warp, lane):
-        """The tile's union of blocks -> sPages / sBlocks / sMasks[0, n): returns n (every thread).
+    def build_union(self, mTopk, mBT, mKvLens, mKV, storage, sKvLen, req, h, tile, qlen, n_tok, warp, lane):
+        """The tile's union of blocks -> union_lists(storage)[0, n): returns n (every thread).
 
         Token j of the tile (j < tile_tokens) is compacted by consumer warp j % warps (its valid
         slots, as the shipped kernel does, -1 past them); then lane l of that warp owns token j's
@@ -177,6 +173,10 @@ class UnionMmaKernel(SparseDecodeMmaKernel):
         """
         TT = self.tile_tokens
         per_warp = TT // self.warps
+        sTokPages = storage.tok_pages.get_tensor(cute.make_layout(32 * TT))
+        sTokBlocks = storage.tok_blocks.get_tensor(cute.make_layout(32 * TT))
+        sBallots = storage.ballots.get_tensor(cute.make_layout(TT))
+        sPages, sBlocks, sMasks = self.union_lists(storage)
         if warp < self.warps:
             for k in cutlass.range_constexpr(per_warp):
                 j = warp + self.warps * k

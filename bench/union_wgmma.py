@@ -210,12 +210,7 @@ class UnionWgmmaKernel(UnionMmaKernel):
         full_ptr = storage.full.data_ptr()
         empty_ptr = storage.empty.data_ptr()
         tiles_ptr = storage.tiles.data_ptr()
-        sTokPages = storage.tok_pages.get_tensor(cute.make_layout(32 * TT))
-        sTokBlocks = storage.tok_blocks.get_tensor(cute.make_layout(32 * TT))
-        sBallots = storage.ballots.get_tensor(cute.make_layout(TT))
-        sPages = storage.pages.get_tensor(cute.make_layout(self.union_max))
-        sBlocks = storage.blocks.get_tensor(cute.make_layout(self.union_max))
-        sMasks = storage.masks.get_tensor(cute.make_layout(self.union_max))
+        sPages, sBlocks, sMasks = self.union_lists(storage)
         sKvLen = storage.kvlen.get_tensor(cute.make_layout(TT))
         if warp == 0:
             if lane == 0:
@@ -229,8 +224,7 @@ class UnionWgmmaKernel(UnionMmaKernel):
         qk_scale_log2 = qk_scale_log2 * mKScale[0]
         v_scale = v_scale * mVScale[0]
         n_tok = cutlass.min(Int32(TT), qlen - tile * TT)
-        n_union = self.build_union(mTopk, mBT, mKvLens, mKV, sTokPages, sTokBlocks, sBallots, sPages, sBlocks,
-                                   sMasks, sKvLen, req, h, tile, qlen, n_tok, warp, lane)
+        n_union = self.build_union(mTopk, mBT, mKvLens, mKV, storage, sKvLen, req, h, tile, qlen, n_tok, warp, lane)
         self.trace_po = mPO
         if cutlass.const_expr(self.trace):
             if tidx == 0:
