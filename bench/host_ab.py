@@ -37,7 +37,6 @@ from msa_jit.validation import check_kv_scale, check_scale, validate_prepare_ten
 
 HQ, HKV, PAGE, TOPK = 64, 4, 128, 16
 POINTS = (1, 64)  # batch 1: 16 splits, two launches per op; batch 64: one split, one launch
-FUSED_SO = None  # --fused-so
 
 
 # ----------------------------------------------------------------------------- the old paths (ccbb811)
@@ -96,8 +95,9 @@ def old_prepare(planner, refresh, block_table, seq_lens, seq_lens_cpu, decode_qu
 
 
 # ----------------------------------------------------------------------------- the steps
-def make_point(batch: int):
-    """A 64/4 decode step that costs the GPU little: every request one full block (page i)."""
+def make_point(batch: int, fused_so: str | None = None):
+    """A 64/4 decode step that costs the GPU little: every request one full block (page i); with
+    fused_so, a second plan that runs that artifact (op_fused)."""
     dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(batch)
     kv = (torch.randn(batch, HKV, PAGE, 256, generator=g, device=dev) * 0.5).to(torch.float8_e4m3fn)
@@ -117,11 +117,11 @@ def make_point(batch: int):
     s["kv_u8"] = kv.view(torch.uint8)
     s["k_dev"] = torch.tensor(1.0, device=dev)  # 0-dim, as vLLM's layer._k_scale
     s["v_dev"] = torch.tensor(1.0, device=dev)
-    if FUSED_SO:  # a second plan (its own workspace and arrival counters) running the fused-merge build
+    if fused_so:  # a second plan (its own workspace and arrival counters) running the fused-merge build
         from msa_jit import loader
 
         s["plan_fused"] = SparseDecodePlanner().prepare(s["block_table"], s["seq_lens"], s["seq_lens_cpu"], 1, **s["kw"])
-        s["plan_fused"].kernels[(torch.bfloat16, "float8_e4m3fn")] = loader.load_artifact(FUSED_SO)[0]
+        s["plan_fused"].kernels[(torch.bfloat16, "float8_e4m3fn")] = loader.load_artifact(fused_so)[0]
     return s
 
 
@@ -246,15 +246,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--fused-so", help="a fused-merge build (bench/kv_format_ab.py f_c2_fused, 64x4): op_fused")
     a = ap.parse_args(argv)
-    global FUSED_SO
-    FUSED_SO = a.fused_so
     from msa_jit.bench import environment, per_call_us
 
     t_start = time.perf_counter()
     result = {"environment": environment(), "command": " ".join(sys.argv), "calls": a.calls,
               "rounds": a.rounds, "points": {}}
     for batch in POINTS:
-        s = make_point(batch)
+        s = make_point(batch, a.fused_so)
         fns = variants(s)
         checks = check_results(s, fns)
         rounds: dict[str, list[float]] = {k: [] for k in fns}
