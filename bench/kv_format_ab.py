@@ -103,6 +103,22 @@ VARIANTS = {  # name -> (kv dtype, kernel options)
     # commit 6484cc9; T1702: no gain)
     "n_c3s3_late": ("nvfp4", dict(C3, stages=3, late_release=True)),
     "f_c3_late": ("float8_e4m3fn", dict(C3, stages=2, late_release=True)),
+    # 2 CTAs per SM of 8 consumer warps (16 keys each per block): 16 consumer warps per SM against
+    # the 3-CTA build's 12, for the latency-bound NVFP4 loop (session 12)
+    "n_c2w8s4": ("nvfp4", dict(C3, ctas_per_sm=2, consumer_warps=8, stages=4)),
+    "n_c2w8s5": ("nvfp4", dict(C3, ctas_per_sm=2, consumer_warps=8, stages=5)),
+    "f_c2w8s3": ("float8_e4m3fn", dict(C3, ctas_per_sm=2, consumer_warps=8, stages=3)),
+    # the 2-CTA NVFP4 build (the planner's at batch 1) with the 3-CTA build's softmax / reads
+    "n_c2_lean": ("nvfp4", {"softmax": "lean"}),
+    "n_c2_staged": ("nvfp4", {"smem_reads": "staged"}),
+    "n_c2_lean_staged": ("nvfp4", {"softmax": "lean", "smem_reads": "staged"}),
+    "n_c2_qsmem_lean": ("nvfp4", {"softmax": "lean", "q_frags": "smem"}),
+    # session 11's NVFP4 builds (before the V-row order of kernels' swap_quads)
+    "s11_n_c3s3": ("nvfp4", dict(C3, stages=3, checkout="5ef6e85")),
+    "s11_n_c2": ("nvfp4", {"checkout": "5ef6e85"}),
+    # the stream alone and the math alone of the NVFP4 3-CTA build (kernel_probes.py)
+    "n_c3s3_nocopy": ("nvfp4", dict(C3, stages=3, probe="no_copy")),
+    "n_c3s3_nomath": ("nvfp4", dict(C3, stages=3, probe="no_math")),
 }
 GEOMS = [(64, 4), (8, 1)]
 POINTS = [("64/4", 256, 1), ("64/4", 64, 1), ("8/1", 256, 1), ("64/4", 16, 1), ("64/4", 1, 1), ("64/4", 64, 4),
