@@ -221,13 +221,6 @@ def prmt(a: Int32, b: Int32, selector: int, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
-def prmt_var(a: Int32, b: Int32, selector: Int32, *, loc=None, ip=None) -> Int32:
-    """prmt as above with the selector in a register (e.g. a per-lane byte rotation)."""
-    return Int32(_asm(T.i32(), [_i32(a, loc, ip), _i32(b, loc, ip), _i32(selector, loc, ip)],
-                      "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r"))
-
-
-@dsl_user_op
 def hmul2(a: Int32, b: Int32, *, loc=None, ip=None) -> Int32:
     """f16x2 a * b (round to nearest; exact when the product fits, as for e2m1 x e4m3)."""
     return Int32(_asm(T.i32(), [_i32(a, loc, ip), _i32(b, loc, ip)], "mul.rn.f16x2 $0, $1, $2;", "=r,r,r"))

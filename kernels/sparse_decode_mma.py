@@ -138,11 +138,6 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
         # the NVFP4 bit trick pairs a word's codes (d, d+2), (d+1, d+3), and Q's A fragments
         # pair their dims alike; fp8 K and the hardware e2m1 conversion pair (d, d+1), (d+2, d+3)
         self.q_pairs_strided = self.nvfp4 and not self.e2m1_cvt
-        # NVFP4 V rows are 64 B, so the 4 rows 4c + i that lanes c = 0..3 read per load alias in
-        # the banks (8 wavefronts per load, ncu 2026-12-04): lane c takes the keys of its quad in
-        # the order i ^ (c & 1) instead (S columns, masks and V reads alike; slot_key), so each
-        # load reads rows of both parities: 2 wavefronts, and every offset stays a per-lane constant
-        self.swap_quads = self.nvfp4
         self.buf_bytes = max(stages * self.stage_bytes, self.warps * RED_WARP)
         # elements of the 16 x 128 output tile each consumer thread finalizes (16-byte stores)
         self.out_elems = 16 * HEAD_DIM // self.consumer_threads
@@ -358,7 +353,7 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
         nt_s = 2 * nsub
         # K rows of this thread: S n-tile n = 2*sub + j holds key key_base + 16*sub + 4(g//2) + g%2 + 2j;
         # K half kh covers k-steps 4kh..4kh+3 (head dims 64kh + 16c.. in K's word order)
-        k_keys = [key_base + 16 * (n // 2) + self.slot_key(g // 2, n % 2, g % 2) for n in range(nt_s)]
+        k_keys = [key_base + 16 * (n // 2) + 4 * (g // 2) + g % 2 + 2 * (n % 2) for n in range(nt_s)]
         if cutlass.const_expr(self.staged):
             kw = None
             vw = None
@@ -396,12 +391,12 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
                 sv[4 * n + e] = d[n][e]
 
         # ---- one online-softmax step for the block (rows g and g+8 = heads h*G+g, h*G+g+8).
-        # n-tile n = 2*sub + j, column 2c+e holds key key_base + 16*sub + slot_key(c, j, e).
-        key0 = blk * self.page + key_base
+        # n-tile n = 2*sub + j, column 2c+e holds key key_base + 16*sub + 4c + 2j + e.
+        key0 = blk * self.page + key_base + 4 * c
         if cutlass.const_expr(self.lean):
-            self.softmax_lean(sv, acc, row_max, row_sum, key0, c, blk, kv_len, scale, nt_s)
+            self.softmax_lean(sv, acc, row_max, row_sum, key0, blk, kv_len, scale, nt_s)
         else:
-            self.softmax_plain(sv, acc, row_max, row_sum, key0, c, kv_len, scale, nt_s)
+            self.softmax_plain(sv, acc, row_max, row_sum, key0, kv_len, scale, nt_s)
 
         # ---- O += P V, one 16-key k-chunk per sub-tile, 16 n-tiles of 8 dims each
         for sub in cutlass.range_constexpr(nsub):
@@ -463,17 +458,8 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
         return [ptx.hmul2(ev0, sc), ptx.hmul2(od0, sc), ptx.hmul2(ev1, sc), ptx.hmul2(od1, sc)]
 
     @cute.jit
-    def slot_key(self, quad, j: cutlass.Constexpr, e):
-        """Key (within a 16-key sub-tile) of S column 2 * quad + e in n-tile parity j, i.e. of P / V
-        slot 2j + e of lane c = quad: 4 quad + 2j + e, or with swap_quads 4 quad + 2j + (e ^ (quad & 1))
-        (j stays an immediate offset)."""
-        if cutlass.const_expr(self.swap_quads):
-            return 4 * quad + (e ^ (quad & 1)) + 2 * j
-        return 4 * quad + e + 2 * j
-
-    @cute.jit
     def load_v(self, stage, key_base, sub, g, c):
-        """V of sub-tile sub: rows key_base + 16 sub + slot_key(c, i // 2, i % 2) (i < 4), dims 16g .. 16g + 15.
+        """V of sub-tile sub: rows key_base + 16 sub + 4c + i (i < 4), dims 16g .. 16g + 15.
 
         fp8: 4 rows x 4 words (bank-conflict-free rotated loads); NVFP4: 4 rows x 2 code words,
         then the 4 rows' block scales of group g as 2 f16x2 (rows 0,1 and rows 2,3).
@@ -481,15 +467,10 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
         row0 = key_base + 16 * sub + 4 * c
         if cutlass.const_expr(self.nvfp4):
             vslot = stage + self.page * NVFP4_ROW_BYTES
-            base = key_base + 16 * sub
-            rows = [ptx.ld_shared_v2(vslot + (base + self.slot_key(c, i // 2, i % 2)) * NVFP4_CODE_BYTES + 8 * g)
-                    for i in range(4)]
+            rows = [ptx.ld_shared_v2(vslot + (row0 + i) * NVFP4_CODE_BYTES + 8 * g) for i in range(4)]
             # swizzled scales: (n, g) at row (n // 4) * 4 + g // 2, column (g % 2) * 4 + n % 4, so
-            # rows row0..row0+3 (row0 % 4 == 0) of group g are 4 adjacent bytes, byte i of row0 + i;
-            # with swap_quads an odd lane swaps them pairwise, so that byte i is slot i's
+            # rows row0..row0+3 (row0 % 4 == 0) of group g are 4 adjacent bytes
             sw = ptx.ld_shared_b32(vslot + self.page * NVFP4_CODE_BYTES + (row0 + g // 2) * 8 + (g % 2) * 4)
-            if cutlass.const_expr(self.swap_quads):
-                sw = ptx.prmt_var(sw, sw, 0x3210 ^ ((c & 1) * 0x1111))
             return [rows, ptx.e4m3x2_to_f16x2(sw, 0), ptx.e4m3x2_to_f16x2(sw, 1)]
         vrow = stage + row0 * ROW_BYTES + HEAD_DIM + 16 * g
         return [self.ld_v_rotated(vrow + i * ROW_BYTES, c) for i in range(4)]
@@ -533,7 +514,7 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
         cute.arch.mbarrier_arrive(empty_bar)
 
     @cute.jit
-    def softmax_plain(self, sv, acc, row_max, row_sum, key0, c, kv_len, scale, nt_s: cutlass.Constexpr):
+    def softmax_plain(self, sv, acc, row_max, row_sum, key0, kv_len, scale, nt_s: cutlass.Constexpr):
         """S -> P in place (masked against kv_len, scaled inside the exponent), O and l rescaled every block.
 
         The row max is taken over the unscaled S (scale > 0: the same key wins) and scaled once;
@@ -545,7 +526,7 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
             for n in cutlass.range_constexpr(nt_s):
                 for e in cutlass.range_constexpr(2):
                     x = sv[4 * n + 2 * r + e]
-                    if key0 + 16 * (n // 2) + self.slot_key(c, n % 2, e) >= kv_len:
+                    if key0 + 16 * (n // 2) + 2 * (n % 2) + e >= kv_len:
                         x = -Float32.inf
                     sv[4 * n + 2 * r + e] = x
                     mx = cute.arch.fmax(mx, x)
@@ -563,7 +544,7 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
                 acc[4 * nt + k] = acc[4 * nt + k] * alpha[k // 2]
 
     @cute.jit
-    def softmax_lean(self, sv, acc, row_max, row_sum, key0, c, blk, kv_len, scale, nt_s: cutlass.Constexpr):
+    def softmax_lean(self, sv, acc, row_max, row_sum, key0, blk, kv_len, scale, nt_s: cutlass.Constexpr):
         """S -> P in place, lazily rescaled; S is in log2 units already when the scale is in Q
         (bf16 query), else scaled inside the exponent as in softmax_plain.
 
@@ -574,7 +555,7 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
             for r in cutlass.range_constexpr(2):
                 for n in cutlass.range_constexpr(nt_s):
                     for e in cutlass.range_constexpr(2):
-                        if key0 + 16 * (n // 2) + self.slot_key(c, n % 2, e) >= kv_len:
+                        if key0 + 16 * (n // 2) + 2 * (n % 2) + e >= kv_len:
                             sv[4 * n + 2 * r + e] = -Float32.inf
         mxs = cute.make_rmem_tensor(2, Float32)
         grow = Int32(0)
