@@ -246,9 +246,8 @@ def e2m1x8_to_f16x2x4(w: Int32, *, loc=None, ip=None):
         "and.b32 t, t, 0x1C1C1C1C;\n\t"
         "shl.b32 u, $4, 4;\n\t"
         "lop3.b32 ey, u, t, 0x80808080, 0xEC;\n\t"  # (u & c) | t
-        # high nibbles: magnitude (w >> 2) & 0x1C, sign w & 0x80; the shift as a multiply-high,
-        # which runs on the FMA pipe instead of the ALU the rest of the conversion loads
-        "mul.hi.u32 t, $4, 0x40000000;\n\t"
+        # high nibbles: magnitude (w >> 2) & 0x1C, sign w & 0x80
+        "shr.u32 t, $4, 2;\n\t"
         "and.b32 t, t, 0x1C1C1C1C;\n\t"
         "lop3.b32 ez, $4, t, 0x80808080, 0xEC;\n\t"
         "mov.b32 {yl, yh}, ey;\n\t"
