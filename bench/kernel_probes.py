@@ -27,6 +27,10 @@ Options (besides the shipped kernel's):
                     no proxy fence is missing)
   release="bar"     lane 0 arrives after a named barrier of the warp's 32 threads (`bar.sync 2 + warp,
                     32`): racecheck still reports the same hazards (race-2026-12-04-s10.log)
+  convert="none"    NVFP4 K / V fragments are the raw code words (no conversion, no block scale;
+                    results wrong): with probe="no_copy", the loop's math without the conversion
+  convert="no_cvt"  the integer part of the e2m1 -> e4m3 step kept, its 4 F2FP per 8 codes left out
+  convert="no_scale" the conversion kept, the block scale's HMUL2 left out (session 12, row 61)
 Retired without a probe here (their commits keep them): the fp8 bit trick (`convert="bittrick"`,
 before 6b956f7's parent), one 2-byte store per output element (`out_stores="scalar"`, 0b2e8da).
 
@@ -48,6 +52,7 @@ from msa_jit.kernels.sparse_decode_mma import ROW_BYTES, SparseDecodeMmaKernel  
 
 TRACE_WORDS = 8
 PROBES = ("full", "no_math", "no_copy", "trace")
+CONVERTS = ("full", "none", "no_cvt", "no_scale")
 RELEASES = ("lanes", "warp", "bar")
 
 
@@ -64,6 +69,23 @@ def smid(*, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
+def e2m1x8_bits_only(w: Int32, *, loc=None, ip=None):
+    """ptx.e2m1x8_to_f16x2x4's integer ops without its 4 cvt (the e4m3 bytes passed on as f16x2)."""
+    s = ptx._asm(
+        ptx.llvm.StructType.get_literal([T.i32()] * 2),
+        [Int32(w).ir_value(loc=loc, ip=ip)],
+        "{\n\t.reg .b32 t, u;\n\t"
+        "shl.b32 t, $2, 2;\n\tand.b32 t, t, 0x1C1C1C1C;\n\tshl.b32 u, $2, 4;\n\t"
+        "lop3.b32 $0, u, t, 0x80808080, 0xEC;\n\t"
+        "shr.u32 t, $2, 2;\n\tand.b32 t, t, 0x1C1C1C1C;\n\t"
+        "lop3.b32 $1, $2, t, 0x80808080, 0xEC;\n\t}",
+        "=r,=r,r",
+    )
+    ey, ez = ptx._unpack(s, 2, T.i32(), Int32, loc, ip)
+    return ey, ey ^ 0x10001, ez, ez ^ 0x10001  # four values, as the cvt's (XOR: one cheap op each)
+
+
+@dsl_user_op
 def prefetch_l2(addr: Int64, *, loc=None, ip=None) -> None:
     """prefetch.global.L2 [addr]."""
     ptx._asm(None, [Int64(addr).ir_value(loc=loc, ip=ip)], "prefetch.global.L2 [$0];", "l", side_effects=True)
@@ -74,10 +96,10 @@ class ProbeMmaKernel(SparseDecodeMmaKernel):
 
     def __init__(self, *, probe: str = "full", pdl: bool = True, v_loads: str = "rotated",
                  prefetch_bt: bool = False, release: str = "lanes", merge_trigger: bool | None = None,
-                 **options):
+                 convert: str = "full", **options):
         super().__init__(**options)
         for name, value, allowed in (("probe", probe, PROBES), ("v_loads", v_loads, ("rotated", "v4")),
-                                     ("release", release, RELEASES)):
+                                     ("release", release, RELEASES), ("convert", convert, CONVERTS)):
             if value not in allowed:
                 raise ValueError(f"{name} {value!r} not in {allowed}")
         self.probe = probe
@@ -86,6 +108,7 @@ class ProbeMmaKernel(SparseDecodeMmaKernel):
         self.v_rotated = v_loads == "rotated"
         self.prefetch_bt = bool(prefetch_bt)
         self.release = release
+        self.convert = convert
         if merge_trigger is not None:
             self.merge_trigger = bool(merge_trigger)
         if release != "lanes":  # one arrival per warp
@@ -126,6 +149,37 @@ class ProbeMmaKernel(SparseDecodeMmaKernel):
                 cute.arch.mbarrier_arrive(empty_bar)
         else:
             SparseDecodeMmaKernel.release_stage(self, empty_bar, lane)
+
+    # ---- convert="none" / "no_cvt" / "no_scale" (NVFP4 only)
+    @cute.jit
+    def nvfp4_k_frags(self, kraw, kp):
+        if cutlass.const_expr(self.convert == "full"):
+            return SparseDecodeMmaKernel.nvfp4_k_frags(self, kraw, kp)
+        sc = kraw[2]
+        if cutlass.const_expr(self.convert == "none"):
+            w = kraw[kp]
+            return [w, w ^ 0x10001, w ^ 0x20002, w ^ 0x30003]
+        if cutlass.const_expr(self.convert == "no_cvt"):
+            return [ptx.hmul2(h, sc) for h in e2m1x8_bits_only(kraw[kp])]
+        return list(ptx.e2m1x8_to_f16x2x4(kraw[kp]))
+
+    @cute.jit
+    def nvfp4_v_frags(self, vraw, grp):
+        if cutlass.const_expr(self.convert == "full"):
+            return SparseDecodeMmaKernel.nvfp4_v_frags(self, vraw, grp)
+        rows, sc01, sc23 = vraw
+        w = grp // 2
+        base = 4 * grp
+        nts = [base, base + 2, base + 1, base + 3]
+        if cutlass.const_expr(self.convert == "none"):
+            return nts, [(rows[0][w] ^ i, rows[2][w] ^ i) for i in range(4)]
+        sel = 0x5140 if grp % 2 == 0 else 0x7362
+        a, b = ptx.prmt(rows[0][w], rows[1][w], sel), ptx.prmt(rows[2][w], rows[3][w], sel)
+        if cutlass.const_expr(self.convert == "no_cvt"):
+            e01, e23 = e2m1x8_bits_only(a), e2m1x8_bits_only(b)
+            return nts, [(ptx.hmul2(e01[i], sc01), ptx.hmul2(e23[i], sc23)) for i in range(4)]
+        e01, e23 = ptx.e2m1x8_to_f16x2x4(a), ptx.e2m1x8_to_f16x2x4(b)
+        return nts, [(e01[i], e23[i]) for i in range(4)]
 
     # ---- v_loads="v4"
     @cute.jit

@@ -119,6 +119,14 @@ VARIANTS = {  # name -> (kv dtype, kernel options)
     # the stream alone and the math alone of the NVFP4 3-CTA build (kernel_probes.py)
     "n_c3s3_nocopy": ("nvfp4", dict(C3, stages=3, probe="no_copy")),
     "n_c3s3_nomath": ("nvfp4", dict(C3, stages=3, probe="no_math")),
+    # the same loop's math alone at 1 and 2 CTAs per SM (4 and 8 consumer warps per SM against 12)
+    "n_c1s3_nocopy": ("nvfp4", dict(C3, stages=3, ctas_per_sm=1, probe="no_copy")),
+    "n_c2s3_nocopy": ("nvfp4", dict(C3, stages=3, ctas_per_sm=2, probe="no_copy")),
+    # the math alone without (parts of) the e2m1 conversion (kernel_probes.py convert=...; row 61)
+    "n_c3s3_nocopy_conv0": ("nvfp4", dict(C3, stages=3, probe="no_copy", convert="none")),
+    "n_c3s3_nocopy_nocvt": ("nvfp4", dict(C3, stages=3, probe="no_copy", convert="no_cvt")),
+    "n_c3s3_nocopy_noscale": ("nvfp4", dict(C3, stages=3, probe="no_copy", convert="no_scale")),
+    "n_c3s3_conv0": ("nvfp4", dict(C3, stages=3, convert="none")),
 }
 GEOMS = [(64, 4), (8, 1)]
 POINTS = [("64/4", 256, 1), ("64/4", 64, 1), ("8/1", 256, 1), ("64/4", 16, 1), ("64/4", 1, 1), ("64/4", 64, 4),

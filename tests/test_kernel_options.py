@@ -73,12 +73,14 @@ def test_shipped_kernel_sources_hold_no_probe_code():
         ast.parse(text)
 
 
-def _main_kernel(tmp_path, options, hq=64, hkv=4, q_dtype="bfloat16", ctas_per_sm=2, arch="sm_90a"):
+def _main_kernel(tmp_path, options, hq=64, hkv=4, q_dtype="bfloat16", ctas_per_sm=2, arch="sm_90a",
+                 kv_dtype="float8_e4m3fn"):
     """(resources, SASS text) of the decode kernel (not the split merge); options with a probe
     or retired option build bench/kernel_probes.py's subclass."""
-    cfg = SparseDecodeConfig(num_q_heads=hq, num_kv_heads=hkv, q_dtype=q_dtype, arch=arch, ctas_per_sm=ctas_per_sm)
+    cfg = SparseDecodeConfig(num_q_heads=hq, num_kv_heads=hkv, q_dtype=q_dtype, arch=arch, ctas_per_sm=ctas_per_sm,
+                             kv_dtype=kv_dtype)
     tmp_path.mkdir(parents=True, exist_ok=True)
-    probe_keys = {"probe", "pdl", "prefetch_bt", "v_loads", "release"}
+    probe_keys = {"probe", "pdl", "prefetch_bt", "v_loads", "release", "convert"}
     cls = _probe_class() if options and set(options) & probe_keys else None
     compile_sparse_decode(cfg, tmp_path, kernel_options=options, kernel_class=cls)
     (cubin,) = sass.extract_cubins(tmp_path / "sparse_decode.so")
@@ -147,6 +149,17 @@ def test_output_goes_out_in_16_byte_stores(tmp_path):
     ops = sass.opcode_counts(v4)
     # 2 x 8 bf16 (num_splits == 1) or 4 x 4 fp32 (split partial) per thread, no 2-byte stores
     assert ops["STG.E.128"] == 6 and "STG.E.U16" not in ops, ops
+
+
+def test_conversion_probes_leave_their_part_out(tmp_path):
+    # kernel_probes.py convert=...: the NVFP4 loop without its conversion, its cvt or its scale
+    f2fp, hmul2 = "F2FP.F16.E4M3.UNPACK_B", "HMUL2"
+    n = {c: sass.opcode_counts(_main_kernel(tmp_path / c, {"convert": c}, kv_dtype="nvfp4")[1])
+         for c in ("full", "none", "no_cvt", "no_scale")}
+    assert n["full"][f2fp] >= 128 and n["full"][hmul2] >= 128
+    assert n["none"][f2fp] == 0 and n["none"][hmul2] == 0
+    assert n["no_cvt"][f2fp] < 32 and n["no_cvt"][hmul2] == n["full"][hmul2]
+    assert n["no_scale"][hmul2] == 0 and n["no_scale"][f2fp] >= 128
 
 
 def test_v4_v_loads_probe_reads_v_in_16_byte_loads(tmp_path):
