@@ -116,6 +116,10 @@ VARIANTS = {  # name -> (kv dtype, kernel options)
     # session 11's NVFP4 builds (before the V-row order of kernels' swap_quads)
     "s11_n_c3s3": ("nvfp4", dict(C3, stages=3, checkout="5ef6e85")),
     "s11_n_c2": ("nvfp4", {"checkout": "5ef6e85"}),
+    # branch wip/prmt-e2m1 (f7ed3d3, not yet measured): e2m1 codes placed as f16 bits by byte
+    # permutes instead of cvt.rn.f16x2.e4m3x2 (performance.md, session 12's next steps)
+    "prmt_n_c3s3": ("nvfp4", dict(C3, stages=3, checkout="f7ed3d3")),
+    "prmt_n_c2": ("nvfp4", {"checkout": "f7ed3d3"}),
     # the stream alone and the math alone of the NVFP4 3-CTA build (kernel_probes.py)
     "n_c3s3_nocopy": ("nvfp4", dict(C3, stages=3, probe="no_copy")),
     "n_c3s3_nomath": ("nvfp4", dict(C3, stages=3, probe="no_math")),
