@@ -30,6 +30,8 @@ Options (besides the shipped kernel's):
   convert="none"    NVFP4 K / V fragments are the raw code words (no conversion, no block scale;
                     results wrong): with probe="no_copy", the loop's math without the conversion
   convert="no_cvt"  the integer part of the e2m1 -> e4m3 step kept, its 4 F2FP per 8 codes left out
+                    (row 61 priced the cvt form; since row 63 the kernel places the bits by PRMT
+                    instead, and this probe leaves those 4 permutes out)
   convert="no_scale" the conversion kept, the block scale's HMUL2 left out (session 12, row 61)
 Retired without a probe here (their commits keep them): the fp8 bit trick (`convert="bittrick"`,
 before 6b956f7's parent), one 2-byte store per output element (`out_stores="scalar"`, 0b2e8da).
@@ -70,7 +72,7 @@ def smid(*, loc=None, ip=None) -> Int32:
 
 @dsl_user_op
 def e2m1x8_bits_only(w: Int32, *, loc=None, ip=None):
-    """ptx.e2m1x8_to_f16x2x4's integer ops without its 4 cvt (the e4m3 bytes passed on as f16x2)."""
+    """The e2m1 -> byte integer ops (row 61's e4m3 form) without the 4 cvt / prmt that make f16x2."""
     s = ptx._asm(
         ptx.llvm.StructType.get_literal([T.i32()] * 2),
         [Int32(w).ir_value(loc=loc, ip=ip)],

@@ -228,34 +228,34 @@ def hmul2(a: Int32, b: Int32, *, loc=None, ip=None) -> Int32:
 
 @dsl_user_op
 def e2m1x8_to_f16x2x4(w: Int32, *, loc=None, ip=None):
-    """The 8 e2m1 codes of w (code j in bits [4j, 4j+4)) -> 4 f16x2 holding code * 2**-6, exactly:
+    """The 8 e2m1 codes of w (code j in bits [4j, 4j+4)) -> 4 f16x2 holding code * 2**-14, exactly:
     (codes 0, 2), (codes 4, 6), (codes 1, 3), (codes 5, 7).
 
-    No e2m1 conversion instruction before SM100, so each code becomes an e4m3 byte first: an
-    e2m1 code s|e1 e0 m is the e4m3 byte s|0 0 e1 e0|m 0 0 scaled by 2**-6 (normals and the
-    subnormal 0.5 alike): the magnitude moves to bits 2..4, the sign to bit 7. A high nibble's
-    sign already sits at bit 7 (3 integer ops per 4 codes), a low nibble's moves up by 4 (4
-    ops); then two `cvt.rn.f16x2.e4m3x2` per 4 codes.
+    No e2m1 conversion instruction before SM100. An e2m1 code s|e1 e0 m is, as the f16 bits
+    s|0 0 0 e1 e0|m 0..0, its value times 2**-14 (normals and the subnormal 0.5 alike): each code
+    becomes the byte s|0 0 0 e1 e0 m|0 (magnitude to bits 1..3, sign to bit 7; a high nibble's sign
+    is there already: 3 integer ops per 4 codes, a low nibble's 4), and one byte permute per f16x2
+    puts two such bytes into the high bytes of the halves over zero low bytes. The permute replaces
+    a `cvt.rn.f16x2.e4m3x2` of e4m3 bytes (session 12, row 61: the cvt is the slower instruction).
     """
     s = _asm(
         llvm.StructType.get_literal([T.i32()] * 4),
         [_i32(w, loc, ip)],
-        "{\n\t.reg .b32 t, u, ey, ez;\n\t.reg .b16 yl, yh, zl, zh;\n\t"
-        # low nibbles: magnitude (w << 2) & 0x1C, sign (w << 4) & 0x80
-        "shl.b32 t, $4, 2;\n\t"
-        "and.b32 t, t, 0x1C1C1C1C;\n\t"
+        "{\n\t.reg .b32 t, u, ey, ez;\n\t"
+        # low nibbles: magnitude (w << 1) & 0x0E, sign (w << 4) & 0x80
+        "shl.b32 t, $4, 1;\n\t"
+        "and.b32 t, t, 0x0E0E0E0E;\n\t"
         "shl.b32 u, $4, 4;\n\t"
         "lop3.b32 ey, u, t, 0x80808080, 0xEC;\n\t"  # (u & c) | t
-        # high nibbles: magnitude (w >> 2) & 0x1C, sign w & 0x80
-        "shr.u32 t, $4, 2;\n\t"
-        "and.b32 t, t, 0x1C1C1C1C;\n\t"
+        # high nibbles: magnitude (w >> 3) & 0x0E, sign w & 0x80
+        "shr.u32 t, $4, 3;\n\t"
+        "and.b32 t, t, 0x0E0E0E0E;\n\t"
         "lop3.b32 ez, $4, t, 0x80808080, 0xEC;\n\t"
-        "mov.b32 {yl, yh}, ey;\n\t"
-        "mov.b32 {zl, zh}, ez;\n\t"
-        "cvt.rn.f16x2.e4m3x2 $0, yl;\n\t"
-        "cvt.rn.f16x2.e4m3x2 $1, yh;\n\t"
-        "cvt.rn.f16x2.e4m3x2 $2, zl;\n\t"
-        "cvt.rn.f16x2.e4m3x2 $3, zh;\n\t}",
+        # bytes 0, 1 (or 2, 3) into bytes 1 and 3 over zero bytes (selector 4 picks the zero register's)
+        "prmt.b32 $0, ey, 0, 0x1404;\n\t"
+        "prmt.b32 $1, ey, 0, 0x3424;\n\t"
+        "prmt.b32 $2, ez, 0, 0x1404;\n\t"
+        "prmt.b32 $3, ez, 0, 0x3424;\n\t}",
         "=r,=r,=r,=r,r",
     )
     return _unpack(s, 4, T.i32(), Int32, loc, ip)

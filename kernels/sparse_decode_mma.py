@@ -46,7 +46,7 @@ KV_DTYPES = ("float8_e4m3fn", "nvfp4")
 # at row (n // 4) * 4 + g // 2, column (g % 2) * 4 + n % 4)
 NVFP4_CODE_BYTES = HEAD_DIM // 2
 NVFP4_ROW_BYTES = NVFP4_CODE_BYTES + HEAD_DIM // 16  # codes + one block scale per 16 values: 72
-NVFP4_FOLD = 2.0**6  # K and V leave ptx.e2m1x8_to_f16x2x4 (times their block scale) as value * 2**-6
+NVFP4_FOLD = 2.0**14  # K and V leave ptx.e2m1x8_to_f16x2x4 (times their block scale) as value * 2**-14
 LN2 = math.log(2.0)
 # Cross-warp reduction buffer: per warp 16 rows x 4 chunks of (32 fp32 + 4 pad); the
 # 144-byte chunk and 576-byte row keep the 16-byte stores and loads bank-conflict free.
@@ -130,7 +130,7 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
         self.nvfp4 = kv_dtype == "nvfp4"
         self.stage_bytes = page_size * (2 * NVFP4_ROW_BYTES if self.nvfp4 else ROW_BYTES)
         # NVFP4 codes -> f16 by the hardware's `cvt.rn.f16x2.e2m1x2` (SM100+, arch_options), exact
-        # values; else each code becomes an e4m3 byte first (ptx.e2m1x8_to_f16x2x4, value * 2**-6)
+        # values; else bit placement into f16 (ptx.e2m1x8_to_f16x2x4, value * 2**-14)
         if e2m1_cvt and not self.nvfp4:
             raise ValueError("e2m1_cvt needs kv_dtype='nvfp4'")
         self.e2m1_cvt = bool(e2m1_cvt)
@@ -254,7 +254,7 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
             # unevenly across SMs (per_layer T1334: +5 us per layer); only the merge may
             cute.arch.griddepcontrol_launch_dependents()
         # the global scales as device tensors (1.0 when the caller gave python floats); an NVFP4
-        # block's K and V leave the conversion times 2**-6 (e2m1x8_to_f16x2x4), folded back here
+        # block's K and V leave the conversion times 2**-14 (e2m1x8_to_f16x2x4), folded back here
         qk_scale_log2 = qk_scale_log2 * mKScale[0] * self.kv_fold
         v_scale = v_scale * mVScale[0] * self.kv_fold
 

@@ -38,11 +38,13 @@ def test_every_geometry_compiles_with_nvfp4(arch):
                     main = "".join(v for k, v in funcs.items() if "merge" not in k.lower())
                     res = [r for r in sass.kernel_resources(cubin) if "merge" not in r.name.lower()]
                 ops = _ops(main)
-                # the codes -> f16 by cvt (F2FP), the block scales in f16 (HMUL2), the MMAs, one 18 KiB
-                # bulk copy per block; local memory within what the occupancy accepts
-                assert ops["HMMA"] == 64 and ops["HMUL2"] == 128 and ops["F2FP"] >= 128, (cfg, ops)
+                # the codes -> f16 (sm_90a: byte permutes, PRMT; sm_100a: cvt, F2FP), the block scales
+                # in f16 (HMUL2), the MMAs, one 18 KiB bulk copy per block; local memory within what
+                # the occupancy accepts
+                conv = ops["F2FP"] if arch == "sm_100a" else ops["PRMT"]
+                assert ops["HMMA"] == 64 and ops["HMUL2"] == 128 and conv >= 128, (cfg, ops)
                 # sm_100a converts the e2m1 codes in hardware (K and V: 64 + 64 per warp and block,
-                # each V code pair converted once for its two n-tile groups); sm_90a goes through e4m3
+                # each V code pair converted once for its two n-tile groups); sm_90a places bits (PRMT)
                 e2m1 = sass.opcode_counts(main).get("F2FP.F16.E2M1.UNPACK_B", 0)
                 assert e2m1 == (128 if arch == "sm_100a" else 0), (cfg, e2m1)
                 assert ops["LDL"] + ops["STL"] <= compiler.accepted_local_ops(cfg), (cfg, ops)
@@ -66,32 +68,37 @@ def test_the_umma_kernel_never_serves_nvfp4(monkeypatch):
     assert compiler.kernel_family(SparseDecodeConfig(8, 1, arch="sm_100a", kv_dtype="nvfp4")) == "portable"
 
 
-def test_e2m1_to_e4m3_bytes_formula():
+def test_e2m1_to_f16_bytes_formula():
     """The integer steps of kernels/ptx.py e2m1x8_to_f16x2x4, modelled here bit for bit (shifts,
-    masks, lop3 0xEC = (a & c) | b): every code of every nibble position becomes the e4m3 byte
-    whose value is the code's times 2**-6 (then cvt.f16x2.e4m3x2 is exact)."""
+    masks, lop3 0xEC = (a & c) | b, prmt over a zero register): every code of every nibble position
+    lands in the f16x2 half the docstring names, with the value code * 2**-14 exactly."""
     import random
+    import struct
 
     e2m1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 
-    def e4m3(b):
-        sign = -1.0 if b & 0x80 else 1.0
-        e, m = (b >> 3) & 15, b & 7
-        return sign * (2.0**-6 * m / 8 if e == 0 else 2.0 ** (e - 7) * (1 + m / 8))
+    def f16(h):
+        return struct.unpack("<e", struct.pack("<H", h))[0]
 
     def lop3_ec(a, b, c):
         return (a & c) | b
 
+    def prmt(a, b, sel):
+        src = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+        return sum(src[(sel >> (4 * k)) & 7] << (8 * k) for k in range(4))
+
     rng = random.Random(0)
     words = [rng.getrandbits(32) for _ in range(500)] + [0x0, 0xFFFFFFFF, 0x88888888, 0x77777777, 0x76543210]
     for w in words:
-        low = lop3_ec((w << 4) & 0xFFFFFFFF, ((w << 2) & 0xFFFFFFFF) & 0x1C1C1C1C, 0x80808080)
-        high = lop3_ec(w, (w >> 2) & 0x1C1C1C1C, 0x80808080)
-        for i in range(4):
-            for word, nib in ((low, 2 * i), (high, 2 * i + 1)):
+        ey = lop3_ec((w << 4) & 0xFFFFFFFF, ((w << 1) & 0xFFFFFFFF) & 0x0E0E0E0E, 0x80808080)
+        ez = lop3_ec(w, (w >> 3) & 0x0E0E0E0E, 0x80808080)
+        out = [prmt(ey, 0, 0x1404), prmt(ey, 0, 0x3424), prmt(ez, 0, 0x1404), prmt(ez, 0, 0x3424)]
+        pairs = [(0, 2), (4, 6), (1, 3), (5, 7)]  # (low half, high half) codes of each f16x2
+        for word, (lo, hi) in zip(out, pairs):
+            for half, nib in ((word & 0xFFFF, lo), (word >> 16, hi)):
                 code = (w >> (4 * nib)) & 15
-                want = (-1.0 if code & 8 else 1.0) * e2m1[code & 7] * 2.0**-6
-                assert e4m3((word >> (8 * i)) & 0xFF) == want, (hex(w), nib)
+                want = (-1.0 if code & 8 else 1.0) * e2m1[code & 7] * 2.0**-14
+                assert f16(half) == want, (hex(w), nib)
 
 
 def test_hardware_e2m1_conversion_is_chosen_by_arch():
@@ -101,7 +108,7 @@ def test_hardware_e2m1_conversion_is_chosen_by_arch():
     assert K.arch_options("sm_90a", "nvfp4") == {} and K.arch_options("sm_100a", "float8_e4m3fn") == {}
     for arch, fold, strided in (("sm_90a", NVFP4_FOLD, True), ("sm_100a", 1.0, False)):
         k = compiler.make_kernel(SparseDecodeConfig(64, 4, kv_dtype="nvfp4", arch=arch))
-        # the bit trick leaves values * 2**-6 and pairs a word's codes (d, d+2); the cvt neither
+        # the bit trick leaves values * 2**-14 and pairs a word's codes (d, d+2); the cvt neither
         assert (k.kv_fold, k.q_pairs_strided) == (fold, strided)
     with pytest.raises(ValueError, match="e2m1_cvt"):
         K(num_q_heads=64, num_kv_heads=4, e2m1_cvt=True)
