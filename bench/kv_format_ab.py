@@ -123,6 +123,11 @@ VARIANTS = {  # name -> (kv dtype, kernel options)
     # the stream alone and the math alone of the NVFP4 3-CTA build (kernel_probes.py)
     "n_c3s3_nocopy": ("nvfp4", dict(C3, stages=3, probe="no_copy")),
     "n_c3s3_nomath": ("nvfp4", dict(C3, stages=3, probe="no_math")),
+    # batch 1: the 2-CTA builds' stream alone and math alone, fp8 against NVFP4 (#18 "no slower")
+    "f_c2_nomath": ("float8_e4m3fn", {"probe": "no_math"}),
+    "n_c2_nomath": ("nvfp4", {"probe": "no_math"}),
+    "f_c2_nocopy": ("float8_e4m3fn", {"probe": "no_copy"}),
+    "n_c2_nocopy": ("nvfp4", {"probe": "no_copy"}),
     # the same loop's math alone at 1 and 2 CTAs per SM (4 and 8 consumer warps per SM against 12)
     "n_c1s3_nocopy": ("nvfp4", dict(C3, stages=3, ctas_per_sm=1, probe="no_copy")),
     "n_c2s3_nocopy": ("nvfp4", dict(C3, stages=3, ctas_per_sm=2, probe="no_copy")),
