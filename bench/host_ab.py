@@ -117,6 +117,7 @@ def make_point(batch: int, fused_so: str | None = None):
     s["kv_u8"] = kv.view(torch.uint8)
     s["k_dev"] = torch.tensor(1.0, device=dev)  # 0-dim, as vLLM's layer._k_scale
     s["v_dev"] = torch.tensor(1.0, device=dev)
+    s["k_dev1"], s["v_dev1"] = s["k_dev"].view(1), s["v_dev"].view(1)
     if fused_so:  # a second plan (its own workspace and arrival counters) running the fused-merge build
         from msa_jit import loader
 
@@ -157,6 +158,9 @@ def variants(s):
         "op_old_dev_scales": lambda: old_op(q, kv, tk, out, plan, sm_scale=sm, k_scale=s["k_dev"], v_scale=s["v_dev"]),
         "op_new_dev_scales": lambda: sparse_decode(q, kv, tk, out, plan, sm_scale=sm, k_scale=s["k_dev"],
                                                    v_scale=s["v_dev"]),
+        # the same scales as [1] tensors (no view: since session 13 a 0-dim one's view is made once)
+        "op_new_dev_scales_1d": lambda: sparse_decode(q, kv, tk, out, plan, sm_scale=sm, k_scale=s["k_dev1"],
+                                                      v_scale=s["v_dev1"]),
         "prepare_old": lambda: old_prepare(planner, old_refresh, bt, sl, None, 1, **kw),
         "prepare_new": lambda: planner.prepare(bt, sl, None, 1, **kw),
         "prepare_old_cpu_copy": lambda: old_prepare(planner, old_refresh, bt, sl, slc, 1, **kw),
@@ -200,7 +204,7 @@ def check_results(s, fns) -> dict[str, bool]:
     sl.fill_(PAGE)
     plan.refresh(sl)
     bits = {}
-    for name in ("op_old", "op_new", "op_new_u8kv", "op_new_dev_scales"):
+    for name in ("op_old", "op_new", "op_new_u8kv", "op_new_dev_scales", "op_new_dev_scales_1d"):
         s["out"].fill_(math.nan)
         fns[name]()
         torch.cuda.synchronize()

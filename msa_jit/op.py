@@ -37,6 +37,27 @@ _INF = math.inf
 _NVFP4_ROW = 72
 
 
+# 0-dim device scales (vLLM's layer._k_scale / _v_scale) -> their [1] view, made once per tensor: a
+# view costs ~1 us per scale and call (2 per op call). Keyed by identity and data pointer (a storage
+# swap, `t.data = ...`, makes a new view; an in-place write is seen through the view); cleared when
+# full, so fresh scale tensors per call cannot pile up.
+_SCALE_VIEWS: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
+_SCALE_VIEWS_MAX = 1024
+
+
+def _scale_view(scale: torch.Tensor) -> torch.Tensor:
+    """The [1]-shaped view of a 0-dim scale tensor, cached."""
+    ptr = scale.data_ptr()
+    hit = _SCALE_VIEWS.get(id(scale))
+    if hit is not None and hit[0] is scale and hit[1] == ptr:
+        return hit[2]
+    view = scale.view(1)
+    if len(_SCALE_VIEWS) >= _SCALE_VIEWS_MAX:
+        _SCALE_VIEWS.clear()
+    _SCALE_VIEWS[id(scale)] = (scale, ptr, view)
+    return view
+
+
 def _kernel_call_arguments():
     global _call_arguments
     if _call_arguments is None:
@@ -109,17 +130,17 @@ def _kernel_fast_path(query: Any, kv_cache: Any, topk: Any, out: Any, plan: Spar
     """
     if not (type(sm_scale) is float and 0.0 < sm_scale < _INF and type(q_scale) is float and 0.0 < q_scale < _INF):
         return False
-    # a scale tensor goes in as [1] (a 0-dim one viewed); the function checks float32, [1], device
+    # a scale tensor goes in as [1] (a 0-dim one as its cached view); the function checks float32, [1], device
     if type(k_scale) is float and 0.0 < k_scale < _INF:
         ks, k_dev = k_scale, None
     elif isinstance(k_scale, _Tensor) and k_scale.is_cuda:
-        ks, k_dev = 1.0, k_scale if k_scale.dim() == 1 else k_scale.view(1)
+        ks, k_dev = 1.0, k_scale if k_scale.dim() == 1 else _scale_view(k_scale)
     else:
         return False
     if type(v_scale) is float and 0.0 < v_scale < _INF:
         vs, v_dev = v_scale, None
     elif isinstance(v_scale, _Tensor) and v_scale.is_cuda:
-        vs, v_dev = 1.0, v_scale if v_scale.dim() == 1 else v_scale.view(1)
+        vs, v_dev = 1.0, v_scale if v_scale.dim() == 1 else _scale_view(v_scale)
     else:
         return False
     kv_dtype = kv_cache.dtype

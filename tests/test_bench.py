@@ -517,6 +517,7 @@ def test_measure_row_and_ceilings_on_the_gpu():
 @pytest.mark.gpu
 def test_host_overheads_on_the_gpu():
     h = bench.host_overheads(iters=200, rounds=1)
-    for key in ("op_call_cpu_us", "prepare_cpu_us", "torch_add_us", "op_call_cpu_us_nvfp4", "graph_op_gpu_us"):
+    for key in ("op_call_cpu_us", "prepare_cpu_us", "torch_add_us", "op_call_cpu_us_nvfp4", "op_call_cpu_us_nvfp4_0d",
+                "graph_op_gpu_us"):
         assert h[key] > 0, key
     assert h["op_call_vs_torch_add"] == round(h["op_call_cpu_us"] / h["torch_add_us"], 2)

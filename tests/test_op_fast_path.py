@@ -307,6 +307,24 @@ def test_fast_path_declines_what_only_the_checked_path_handles(monkeypatch):
     assert len(seen) == 1 and len(rec.calls) == 1
 
 
+def test_scale_views_are_made_once_and_follow_their_tensor(monkeypatch):
+    """A 0-dim scale's [1] view is made on its first call and reused; an in-place write shows
+    through it, a storage swap (`t.data = ...`) makes a new one; the cache stays bounded."""
+    monkeypatch.setattr(op, "_SCALE_VIEWS", {})
+    s = torch.tensor(0.5)
+    v1 = op._scale_view(s)
+    assert op._scale_view(s) is v1 and v1.shape == (1,) and v1.item() == 0.5
+    s.fill_(2.0)
+    assert op._scale_view(s) is v1 and v1.item() == 2.0
+    s.data = torch.tensor(3.0)
+    v2 = op._scale_view(s)
+    assert v2 is not v1 and v2.item() == 3.0 and op._scale_view(s) is v2
+    monkeypatch.setattr(op, "_SCALE_VIEWS_MAX", 4)
+    fresh = [torch.tensor(float(i)) for i in range(10)]  # a new tensor per call
+    assert [op._scale_view(t).item() for t in fresh] == [float(i) for i in range(10)]
+    assert len(op._SCALE_VIEWS) <= 4
+
+
 def test_a_launch_error_is_raised_once_not_retried():
     """A failure of a valid call (here: the launch) comes back as it is, after the validation found
     nothing: the kernel is not called a second time."""
@@ -415,6 +433,33 @@ def test_gpu_fast_path_equals_the_checked_path(kv_dtype, q_dtype):
             for out, lse in outs[1:]:
                 assert _same_bits(outs[0][0], out) and _same_bits(outs[0][1], lse)
             assert not outs[0][0].isnan().any()
+
+
+@pytest.mark.gpu
+def test_gpu_cached_scale_views_follow_writes_and_swaps():
+    """0-dim device scales (vLLM's `_k_scale` / `_v_scale`) are viewed once; the fast path still
+    sees a new value written in place and a new storage, bitwise as the checked path does."""
+    c = _gpu_case("nvfp4")
+    plan = SparseDecodePlanner().prepare(*c.prepare_args(), **c.prepare_kwargs())
+    t = c.scales(scale_tensors=True)
+
+    def run(path):
+        out, lse = torch.full_like(c.new_out(), math.nan), torch.full_like(c.new_lse(), math.nan)
+        path(c.query, c.kv_cache, c.topk, out, plan, lse=lse, backend="kernel", **t)
+        torch.cuda.synchronize()
+        return out, lse
+
+    first = run(sparse_decode)
+    t["v_scale"].mul_(2.0)  # in place: the cached view reads it
+    second = run(sparse_decode)
+    assert not _same_bits(first[0], second[0])
+    want = run(op._checked_sparse_decode)
+    assert _same_bits(want[0], second[0]) and _same_bits(want[1], second[1])
+    t["k_scale"].data = t["k_scale"] * 0.5  # a new storage under the same tensor object
+    third = run(sparse_decode)
+    want = run(op._checked_sparse_decode)
+    assert not _same_bits(second[1], third[1])
+    assert _same_bits(want[0], third[0]) and _same_bits(want[1], third[1])
 
 
 @pytest.mark.gpu

@@ -179,7 +179,8 @@ def host_overheads(iters: int = 3000, batch: int = 1, rounds: int = 3, nvfp4: bo
     step), beside `torch_add_us`, the same for `torch.add(x, 1, out=y)` on a small CUDA tensor,
     interleaved over `rounds`: the `*_vs_torch_add` ratios compare hosts (their CPUs differ by
     up to 2.5x). `op_call_cpu_us_nvfp4`: the op on an NVFP4 cache with its global scales as
-    one-element device tensors (as vLLM passes them). The eager-step figures of earlier files
+    [1] device tensors; `op_call_cpu_us_nvfp4_0d`: as 0-dim ones (vLLM's `layer._k_scale` /
+    `_v_scale`, what the engine passes). The eager-step figures of earlier files
     (`eager_*`, `op_pipelined_*`: 200 steps, GPU time by graph replay) are kept.
     """
     import torch
@@ -207,8 +208,11 @@ def host_overheads(iters: int = 3000, batch: int = 1, rounds: int = 3, nvfp4: bo
             s4 = make_step(64, 4, batch, 1, "bfloat16", kv_dtype=NVFP4_KV)
             s4["k_scale"] = torch.tensor([s4["k_scale"]], dtype=torch.float32, device="cuda")
             s4["v_scale"] = torch.tensor([s4["v_scale"]], dtype=torch.float32, device="cuda")
+            s0 = dict(s4, k_scale=s4["k_scale"].view(()), v_scale=s4["v_scale"].view(()))
             decode(s4, plan)
+            decode(s0, plan)
             fns["op_call_nvfp4"] = lambda: decode(s4, plan)
+            fns["op_call_nvfp4_0d"] = lambda: decode(s0, plan)
         except Exception as e:  # noqa: BLE001 - e.g. no NVFP4 artifact: the fp8 figures still count
             nvfp4_error = f"{type(e).__name__}: {e}"
     eager_step()
@@ -220,6 +224,7 @@ def host_overheads(iters: int = 3000, batch: int = 1, rounds: int = 3, nvfp4: bo
                            "prepare_vs_torch_add": round(us["prepare"] / us["torch_add"], 2)}
     if "op_call_nvfp4" in us:
         res["op_call_cpu_us_nvfp4"] = round(us["op_call_nvfp4"], 2)
+        res["op_call_cpu_us_nvfp4_0d"] = round(us["op_call_nvfp4_0d"], 2)
     elif nvfp4_error:
         res["op_call_nvfp4_error"] = nvfp4_error
     eager_us = per_call_us(eager_step, 200, sync="each")
