@@ -26,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 
+Q8 = "float8_e4m3fn"  # an option "q_dtype": Q8 marks a variant built and timed with an fp8 query
 C3 = {"q_frags": "smem", "smem_reads": "staged", "ctas_per_sm": 3, "softmax": "lean"}
 VARIANTS = {  # name -> (kv dtype, kernel options)
     "n_c2": ("nvfp4", {}),
@@ -136,6 +137,16 @@ VARIANTS = {  # name -> (kv dtype, kernel options)
     "n_c3s3_nocopy_nocvt": ("nvfp4", dict(C3, stages=3, probe="no_copy", convert="no_cvt")),
     "n_c3s3_nocopy_noscale": ("nvfp4", dict(C3, stages=3, probe="no_copy", convert="no_scale")),
     "n_c3s3_conv0": ("nvfp4", dict(C3, stages=3, convert="none")),
+    # the union kernel with S on fp8 wgmma straight from TMA-laid K tiles (bench/union_fp8.py): a bf16
+    # query split into two e4m3 halves, and (q8_*) an fp8 query (vLLM's call) beside the shipped
+    # fp8-query builds; with timing probes (V left unconverted / no MMAs)
+    "f_union_k8": ("float8_e4m3fn", {"union_fp8": True}),
+    "f_union_k8_noconv": ("float8_e4m3fn", {"union_fp8": True, "convert": False}),  # wrong results
+    "q8_f_c2": ("float8_e4m3fn", {"q_dtype": Q8}),
+    "q8_f_c3": ("float8_e4m3fn", dict(C3, stages=2, q_dtype=Q8)),
+    "q8_union": ("float8_e4m3fn", {"union_fp8": True, "q_dtype": Q8}),
+    "q8_union_noconv": ("float8_e4m3fn", {"union_fp8": True, "convert": False, "q_dtype": Q8}),  # wrong results
+    "q8_union_nomma": ("float8_e4m3fn", {"union_fp8": True, "mma": False, "q_dtype": Q8}),  # wrong results
 }
 GEOMS = [(64, 4), (8, 1)]
 POINTS = [("64/4", 256, 1), ("64/4", 64, 1), ("8/1", 256, 1), ("64/4", 16, 1), ("64/4", 1, 1), ("64/4", 64, 4),
@@ -152,6 +163,11 @@ def _uint8_convention(fn):
                   kv_cache.view(torch.uint8) if kv_cache.dtype == fp8 else kv_cache, *rest)
 
     return call
+
+
+def _q_dtype(name: str) -> str:
+    """The query dtype variant `name` is built and timed with."""
+    return VARIANTS[name][1].get("q_dtype", "bfloat16")
 
 
 def _so(root: Path, name: str, hq: int, hkv: int) -> Path:
@@ -171,8 +187,10 @@ def build(a: argparse.Namespace) -> int:
         for hq, hkv in GEOMS:
             so = _so(Path(a.dir), name, hq, hkv)
             so.parent.mkdir(parents=True, exist_ok=True)
-            cfg = SparseDecodeConfig(num_q_heads=hq, num_kv_heads=hkv, kv_dtype=kv, arch=a.arch)
-            compile_sparse_decode(cfg, so.parent, kernel_options=opt, kernel_class=_variants()._kernel_class(opt))
+            kopt = {k: v for k, v in opt.items() if k != "q_dtype"}
+            cfg = SparseDecodeConfig(num_q_heads=hq, num_kv_heads=hkv, kv_dtype=kv, q_dtype=_q_dtype(name),
+                                     arch=a.arch)
+            compile_sparse_decode(cfg, so.parent, kernel_options=kopt, kernel_class=_variants()._kernel_class(kopt))
             r = [x for x in sass.summarize(so) if "merge" not in x["kernel"].lower()][0]
             print(f"{name} {hq}/{hkv}: {r['registers']} registers, {r['local_ops']} local ops", flush=True)
     return 0
@@ -188,11 +206,11 @@ def random_nvfp4_like(kv):
     return c.view(pages, 2 * hkv, page, 72)
 
 
-def check(fn, hq: int, hkv: int, kv: str) -> tuple[float, list[str]]:
+def check(fn, hq: int, hkv: int, kv: str, qd: str = "bfloat16") -> tuple[float, list[str]]:
     """(worst rel L2, problems) of one loaded variant against the float64 reference: the small
     cases of bench/variants.py's check (one split and split-KV, padded rows, qlen > 1, each
     launched 3 times on one plan with fresh, poisoned outputs) in its cache format."""
-    rows = _variants()._check(fn, hq, hkv, "bfloat16", kv)
+    rows = _variants()._check(fn, hq, hkv, qd, kv)
     problems = [f"B={r['batch']} qlen={r['qlen']} splits={r['num_splits']}: {p}" for r in rows for p in r["problems"]]
     return max(r["rel_l2"] for r in rows), problems
 
@@ -218,7 +236,7 @@ def run(a: argparse.Namespace) -> int:
             fns[key] = _uint8_convention(fn)
     checks = {}
     for (n, g), fn in list(fns.items()):  # a variant that computes something else is not timed
-        worst, problems = check(fn, *g, VARIANTS[n][0])
+        worst, problems = check(fn, *g, VARIANTS[n][0], _q_dtype(n))
         checks[f"{n} {g[0]}/{g[1]}"] = {"worst_rel_l2": worst, "problems": problems}
         print(f"check {n} {g[0]}/{g[1]}: worst rel L2 {worst:.2e} {'FAIL ' + '; '.join(problems) if problems else 'ok'}",
               flush=True)
@@ -234,34 +252,35 @@ def run(a: argparse.Namespace) -> int:
         steps = [make_step(hq, hkv, batch, qlen, "bfloat16", seed=i, shared_blocks=shared) for i in range(layers)]
         for s in steps:
             s["kv_nvfp4"] = random_nvfp4_like(s["kv_cache"])
+            s["query_fp8"] = s["query"].to(torch.float8_e4m3fn)
         bt, sl, slc = steps[0]["block_table"], steps[0]["seq_lens"], steps[0]["seq_lens_cpu"]
         kw = dict(num_q_heads=hq, num_kv_heads=hkv, page_size=128, topk_blocks=16)
         planner = SparseDecodePlanner(ctas_per_sm=2)  # the kernels are injected below
         plan = planner.prepare(bt, sl, slc, qlen, **kw)
         one = torch.ones((), device="cuda")
 
-        def graph_of(n, kv):
+        def graph_of(n, kv, qd):
             def step():
                 p = planner.prepare(bt, sl, slc, qlen, **kw)
                 for s in steps[:n]:
                     cache = s["kv_nvfp4"] if kv == "nvfp4" else s["kv_cache"]
-                    sparse_decode(s["query"], cache, s["topk"], s["out"], p, sm_scale=1 / math.sqrt(128),
+                    sparse_decode(s["query_fp8"] if qd == Q8 else s["query"], cache, s["topk"], s["out"], p, sm_scale=1 / math.sqrt(128),
                                   k_scale=one, v_scale=one)
             return step
 
         res: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
         for _ in range(a.rounds):  # interleaved: drift hits every variant alike
             for n in names:
-                kv = VARIANTS[n][0]
-                plan.kernels[(torch.bfloat16, kv)] = fns[(n, (hq, hkv))]
-                t1 = statistics.median(time_graph(graph_of(1, kv), iters=30))
-                tl = statistics.median(time_graph(graph_of(layers, kv), iters=30))
+                kv, qd = VARIANTS[n][0], _q_dtype(n)
+                plan.kernels[(getattr(torch, qd), kv)] = fns[(n, (hq, hkv))]
+                t1 = statistics.median(time_graph(graph_of(1, kv, qd), iters=30))
+                tl = statistics.median(time_graph(graph_of(layers, kv, qd), iters=30))
                 res[n].append((t1, (tl - t1) / (layers - 1)))
         for n in names:
             kv = VARIANTS[n][0]
             nbytes = steps[0]["kv_bytes"] // (128 * 256) * (128 * (144 if kv == "nvfp4" else 256))
             m = statistics.median(x[1] for x in res[n])
-            row = dict(variant=n, kv_dtype=kv, geometry=geo, batch=batch, qlen=qlen, shared_blocks=shared,
+            row = dict(variant=n, q_dtype=_q_dtype(n), kv_dtype=kv, geometry=geo, batch=batch, qlen=qlen, shared_blocks=shared,
                        num_splits=plan.num_splits,
                        step_us=round(statistics.median(x[0] for x in res[n]), 2), marginal_us=round(m, 2),
                        marginal_pct_of_copy=round(100 * nbytes / (m * 1e-6) / bw, 1))

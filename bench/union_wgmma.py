@@ -109,14 +109,16 @@ def swizzled(rows: cutlass.Constexpr, row, col):
 class UnionWgmmaKernel(UnionMmaKernel):
     """One CTA per (request, KV head, 64 // G tokens); S and O on warpgroup MMAs."""
 
+    query_dtype = "bfloat16"  # the query this probe takes (bench/union_fp8.py's subclass: fp8)
+
     def __init__(self, *, union_wgmma: bool = True, stages: int | None = None, warpgroups: int = 2,
                  convert: bool = True, converter: int = 0, mma: bool = True, ring: bool = False,
                  direct: bool = False, trace: bool = False, **options):
         options.pop("union", None)
         # shared memory: stages x 32 KiB of fp8 pages + Q (16 KiB) + f16 K and V per MMA warpgroup (64 KiB)
         super().__init__(stages=stages or (3 if warpgroups == 1 and not converter else 2), **options)
-        if self.q_fp8 or self.nvfp4:
-            raise ValueError("the wgmma union probe takes a bf16 query and an fp8 cache")
+        if self.q_fp8 != (self.query_dtype == "float8_e4m3fn") or self.nvfp4:
+            raise ValueError(f"{type(self).__name__} takes a {self.query_dtype} query and an fp8 cache")
         if ROWS % self.group or self.warps != 4 or warpgroups not in (1, 2) or converter not in (0, 1, 2) \
                 or (converter and warpgroups != 2):
             raise ValueError(f"group size {self.group} must divide {ROWS}; 1 or 2 MMA warpgroups (2 with converters); "

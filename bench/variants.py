@@ -101,6 +101,10 @@ def _kernel_class(options: dict[str, Any]):
         from union_wgmma_ring import UnionWgmmaRingKernel
 
         return UnionWgmmaRingKernel
+    if options.get("union_fp8"):
+        from union_fp8 import UnionFp8Kernel
+
+        return UnionFp8Kernel
     if options.get("union_wgmma"):
         from union_wgmma import UnionWgmmaKernel
 

@@ -236,5 +236,28 @@ def test_union_wgmma_probe_compiles_to_warpgroup_mmas(tmp_path, options):
     assert counts["HGMMA.64"] >= 16  # S and O of both MMA warpgroups (opcode_counts stops at the "x")
     assert "LDL" not in text and "STL" not in text
     assert ("USETMAXREG" in text) == bool(options.get("converter"))
-    with pytest.raises(ValueError, match="bf16 query"):
+    with pytest.raises(ValueError, match="bfloat16 query"):
         UnionWgmmaKernel(num_q_heads=64, num_kv_heads=4, kv_dtype="nvfp4")
+
+
+@pytest.mark.parametrize("heads,q_dtype", [((64, 4), "bfloat16"), ((8, 1), "bfloat16"), ((64, 4), "float8_e4m3fn"),
+                                           ((8, 1), "float8_e4m3fn")])
+def test_union_fp8_probe_reads_k_by_tma_into_fp8_warpgroup_mmas(tmp_path, heads, q_dtype):
+    # bench/union_fp8.py: K and V of each union block laid down by two TMA copies (3-D where Hkv is 1),
+    # S on fp8 warpgroup MMAs (QGMMA) straight from them (a bf16 query as two e4m3 halves: twice
+    # the QGMMAs), O = P V on f16 ones (HGMMA); one launch, no local memory; fp8 caches only
+    sys.path.insert(0, str(BENCH))
+    from union_fp8 import UnionFp8Kernel
+
+    cfg = SparseDecodeConfig(num_q_heads=heads[0], num_kv_heads=heads[1], q_dtype=q_dtype, arch="sm_90a")
+    compile_sparse_decode(cfg, tmp_path, kernel_options={"union_fp8": True}, kernel_class=UnionFp8Kernel)
+    (cubin,) = sass.extract_cubins(tmp_path / "sparse_decode.so")
+    assert len(sass.kernel_resources(cubin)) == 1
+    text = sass.disassemble(cubin)
+    counts = sass.opcode_counts(text)
+    chains = 2 if q_dtype == "bfloat16" else 1
+    assert counts["QGMMA.64"] == 8 * chains and counts["HGMMA.64"] == 16  # 4 k32 / 8 k16 steps, 2 warpgroups
+    assert sum(n for op, n in counts.items() if op.startswith("UTMALDG")) >= 2
+    assert "LDL" not in text and "STL" not in text
+    with pytest.raises(ValueError, match="fp8 cache"):
+        UnionFp8Kernel(num_q_heads=64, num_kv_heads=4, kv_dtype="nvfp4")
