@@ -2,7 +2,7 @@
 # One device run on the lent H200 (docs/gpu-workflow.md): carry .gpu-bundle, .artifacts (warmed for
 # BOTH cache formats: python bench/warm_kv_formats.py), and .variants for variants / trace.
 #   bash bench/h200_run.sh tests memcheck racecheck selftest bench ceilings    # the round's full run
-#   any of: tests memcheck racecheck selftest bench bench_quick ceilings host_ab variants trace per_layer_ab
+#   any of: tests memcheck racecheck selftest bench bench_quick ceilings host_ab variants trace per_layer_ab union_k8
 #   VARIANTS="now lsu" bash bench/h200_run.sh variants   # time only these variants
 #   BASELINE=bench/results/bench-....json                # compare with (default: newest in bench/results)
 # Every step runs under a timeout that ends it by DEADLINE seconds after the start (default 570:
@@ -45,6 +45,14 @@ for step in "$@"; do
     trace) python3 bench/trace_ctas.py --dir .variants --out $OUT ${TRACES:+--variants $TRACES} 2>&1 | tee $OUT/trace.log | tail -n 8 ;;
     per_layer_ab) python3 bench/per_layer_ab.py --out $OUT 2>&1 | tee $OUT/per-layer-ab.log | tail -n 26 ;;
     host_ab) timeout "$(limit 60)" python3 bench/host_ab.py --out $OUT 2>&1 | tail -n 46 ;;
+    union_k8) # bench/union_fp8.py (carry .kv-variants built by: python bench/kv_format_ab.py build --variants
+              # f_c3 f_union_k8 f_union_k8_noconv q8_f_c3 q8_union q8_union_noconv q8_union_nomma)
+              timeout "$(limit 120)" python3 bench/union_check.py --dir .kv-variants --variants f_union_k8 q8_union \
+                > $OUT/union-k8-check.log 2>&1; echo "union check rc=$?"; tail -n 3 $OUT/union-k8-check.log
+              timeout "$(limit 330)" python3 bench/kv_format_ab.py run --dir .kv-variants --out $OUT --rounds 5 \
+                --variants f_c3 f_union_k8 f_union_k8_noconv q8_f_c3 q8_union q8_union_noconv q8_union_nomma \
+                --keep f_union_k8_noconv q8_union_noconv q8_union_nomma \
+                --points 64/4:64:4:12 64/4:64:4:0 64/4:64:2:12 64/4:64:8:12 8/1:256:4:12 2>&1 | grep -v "^{" | tail -n 12 ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
   echo "== $step: $(( $(date +%s) - t0 )) s (total $(( $(date +%s) - START )) s)"
