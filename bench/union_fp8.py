@@ -275,25 +275,32 @@ class UnionFp8Kernel(UnionWgmmaKernel):
         cute.copy(tma_v, tVg[None, page], tVs[None, s], tma_bar_ptr=full_ptr + s)
 
     @cute.jit
-    def stage_q_fp8(self, mQ, q_smem, req, h, tile, qlen, n_tok, tidx):
-        """Q of the tile -> sQ (fp8 as given, 128B-swizzled): thread tidx (< 128) writes half (64
-        bytes) of row tidx // 2; rows past the tile's tokens are zero."""
+    def q_half_row(self, mQ, req, h, tile, qlen, n_tok, tidx):
+        """The 64 query elements (dims 64 (tidx % 2) ..) of tile row tidx // 2 (token row // G,
+        head row % G) as words, zero past the tile's tokens: 16 words of fp8 or 32 of bf16."""
         G = self.group
         qrow = tidx // 2
-        qhalf = tidx % 2
-        words = cute.make_rmem_tensor(16, Int32)
-        for k in cutlass.range_constexpr(16):
+        elem_bytes = 1 if self.q_fp8 else 2
+        words = cute.make_rmem_tensor(16 * elem_bytes, Int32)
+        for k in cutlass.range_constexpr(16 * elem_bytes):
             words[k] = Int32(0)
         if qrow // G < n_tok:
             t = req * qlen + tile * self.tile_tokens + qrow // G
             src = mQ.iterator.toint() + (Int64(t) * Int64(mQ.stride[0])
-                                         + Int64((h * G + qrow % G) * HEAD_DIM + 64 * qhalf))
-            for p in cutlass.range_constexpr(4):
+                                         + Int64((h * G + qrow % G) * HEAD_DIM + 64 * (tidx % 2))) * elem_bytes
+            for p in cutlass.range_constexpr(4 * elem_bytes):
                 wv = ptx.ld_global_nc_v4(src + 16 * p)
                 for k in cutlass.range_constexpr(4):
                     words[4 * p + k] = wv[k]
+        return words
+
+    @cute.jit
+    def stage_q_fp8(self, mQ, q_smem, req, h, tile, qlen, n_tok, tidx):
+        """Q of the tile -> sQ (fp8 as given, 128B-swizzled): thread tidx (< 128) writes half (64
+        bytes) of row tidx // 2; rows past the tile's tokens are zero."""
+        words = self.q_half_row(mQ, req, h, tile, qlen, n_tok, tidx)
         for p in cutlass.range_constexpr(4):
-            ptx.st_shared_v4(q_smem + swizzled_fp8(qrow, 64 * qhalf + 16 * p),
+            ptx.st_shared_v4(q_smem + swizzled_fp8(tidx // 2, 64 * (tidx % 2) + 16 * p),
                              words[4 * p], words[4 * p + 1], words[4 * p + 2], words[4 * p + 3])
         cute.arch.fence_view_async_shared()
 
@@ -302,20 +309,9 @@ class UnionFp8Kernel(UnionWgmmaKernel):
         """Q of the tile (bf16) -> sQ (hi) and sQ_lo (lo), e4m3, 128B-swizzled, and each row's
         scale: thread tidx (< 128) takes half (64 dims) of row tidx // 2; rows past the tile's tokens
         are zero (scale 0)."""
-        G = self.group
         qrow = tidx // 2
         qhalf = tidx % 2
-        words = cute.make_rmem_tensor(32, Int32)
-        for k in cutlass.range_constexpr(32):
-            words[k] = Int32(0)
-        if qrow // G < n_tok:
-            t = req * qlen + tile * self.tile_tokens + qrow // G
-            src = mQ.iterator.toint() + (Int64(t) * Int64(mQ.stride[0])
-                                         + Int64((h * G + qrow % G) * HEAD_DIM + 64 * qhalf)) * 2
-            for p in cutlass.range_constexpr(8):
-                wv = ptx.ld_global_nc_v4(src + 16 * p)
-                for k in cutlass.range_constexpr(4):
-                    words[4 * p + k] = wv[k]
+        words = self.q_half_row(mQ, req, h, tile, qlen, n_tok, tidx)
         amax = Float32(0.0)
         for k in cutlass.range_constexpr(32):
             amax = cute.arch.fmax(amax, bf16x2_absmax(words[k]))
