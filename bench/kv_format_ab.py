@@ -142,9 +142,12 @@ VARIANTS = {  # name -> (kv dtype, kernel options)
     # fp8-query builds; with timing probes (V left unconverted / no MMAs)
     "f_union_k8": ("float8_e4m3fn", {"union_fp8": True}),
     "f_union_k8_noconv": ("float8_e4m3fn", {"union_fp8": True, "convert": False}),  # wrong results
+    # ... with V converted by a third warpgroup (setmaxnreg) instead of each MMA warpgroup
+    "f_union_k8_cv": ("float8_e4m3fn", {"union_fp8": True, "v_converter": True}),
     "q8_f_c2": ("float8_e4m3fn", {"q_dtype": Q8}),
     "q8_f_c3": ("float8_e4m3fn", dict(C3, stages=2, q_dtype=Q8)),
     "q8_union": ("float8_e4m3fn", {"union_fp8": True, "q_dtype": Q8}),
+    "q8_union_cv": ("float8_e4m3fn", {"union_fp8": True, "v_converter": True, "q_dtype": Q8}),
     "q8_union_noconv": ("float8_e4m3fn", {"union_fp8": True, "convert": False, "q_dtype": Q8}),  # wrong results
     "q8_union_nomma": ("float8_e4m3fn", {"union_fp8": True, "mma": False, "q_dtype": Q8}),  # wrong results
 }

@@ -102,10 +102,16 @@ class UnionFp8Kernel(UnionWgmmaKernel):
     """One CTA per (request, KV head, 64 // G tokens): S on fp8 wgmma from the TMA'd K."""
 
     def __init__(self, *, union_fp8: bool = True, stages: int = 4, convert: bool = True, mma: bool = True,
-                 **options):
+                 v_converter: bool = False, **options):
         options.pop("union_wgmma", None)
         self.query_dtype = options.get("q_dtype", "bfloat16")  # both: an fp8 query as given, bf16 split
-        super().__init__(stages=stages, warpgroups=2, converter=0, convert=convert, mma=mma, **options)
+        super().__init__(stages=stages, warpgroups=2, converter=int(v_converter), convert=convert, mma=mma,
+                         **options)
+        # v_converter: a third warpgroup (0) converts every block's V into the f16 tile of the MMA
+        # warpgroup that takes the block (i % 2), handed over by mbarriers; a stage is read by the
+        # converter (V) and by one MMA warpgroup (K), whose thread 0 refills it
+        self.v_converter = bool(v_converter)
+        self.empty_arrivals = self.consumer_threads * (2 if v_converter else 1)
         # a bf16 query: each row as s * (hi + lo), hi and lo e4m3 tiles, s = amax / 448 per row; S is
         # two QGMMA chains into one accumulator, then scaled per row (~8 significant bits of Q, as bf16)
         self.split_q = not self.q_fp8
@@ -115,13 +121,13 @@ class UnionFp8Kernel(UnionWgmmaKernel):
 
     def storage_type(self):
         f8 = cutlass.Float8E4M3FN
-        tiles = self.stages * self.tile_bytes
+        stage_tiles = self.stages * self.tile_bytes
         v16 = self.page * HEAD_DIM
 
         @cute.struct
         class Storage:
-            bufk: cute.struct.Align[cute.struct.MemRange[f8, tiles], 1024]
-            bufv: cute.struct.Align[cute.struct.MemRange[f8, tiles], 1024]
+            bufk: cute.struct.Align[cute.struct.MemRange[f8, stage_tiles], 1024]
+            bufv: cute.struct.Align[cute.struct.MemRange[f8, stage_tiles], 1024]
             sq: cute.struct.Align[cute.struct.MemRange[f8, ROWS * HEAD_DIM], 1024]
             sq_lo: cute.struct.Align[cute.struct.MemRange[f8, ROWS * HEAD_DIM if self.split_q else 16], 1024]
             qscale: cute.struct.MemRange[Float32, ROWS]
@@ -129,6 +135,8 @@ class UnionFp8Kernel(UnionWgmmaKernel):
             sv1: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, v16], 1024]
             full: cute.struct.Align[cute.struct.MemRange[Int64, self.stages], 8]
             empty: cute.struct.Align[cute.struct.MemRange[Int64, self.stages], 8]
+            # v_converter: V tile b full / empty (mbarriers 2b, 2b + 1)
+            tiles: cute.struct.Align[cute.struct.MemRange[Int64, 4], 8]
             tok_pages: cute.struct.MemRange[Int32, 32 * self.tile_tokens]
             tok_blocks: cute.struct.MemRange[Int32, 32 * self.tile_tokens]
             ballots: cute.struct.MemRange[Int32, self.tile_tokens]
@@ -229,6 +237,8 @@ class UnionFp8Kernel(UnionWgmmaKernel):
                 for s in cutlass.range_constexpr(self.stages):
                     cute.arch.mbarrier_init(full_ptr + s, 1)
                     cute.arch.mbarrier_init(empty_ptr + s, self.empty_arrivals)
+                for k in cutlass.range_constexpr(4):
+                    cute.arch.mbarrier_init(storage.tiles.data_ptr() + k, self.consumer_threads)
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
         qk_scale_log2 = qk_scale_log2 * mKScale[0]
@@ -257,12 +267,43 @@ class UnionFp8Kernel(UnionWgmmaKernel):
                 for j in range(cutlass.min(n_union, Int32(self.stages))):
                     self.issue_block(mKV, sPages, h, j, Int32(0), full_ptr)
         cute.arch.sync_threads()  # sQ (fenced) is complete
-        if warp < 4:
-            self.mma_loop_fp8(mKV, mOut, mLse, storage, sPages, sBlocks, sMasks, sKvLen, full_ptr, empty_ptr,
-                              req, h, tile, qlen, n_tok, n_union, qk_scale_log2, v_scale, tidx, 0)
+        args = (mKV, mOut, mLse, storage, sPages, sBlocks, sMasks, sKvLen, full_ptr, empty_ptr,
+                req, h, tile, qlen, n_tok, n_union, qk_scale_log2, v_scale)
+        if cutlass.const_expr(self.v_converter):
+            if warp < 4:
+                cute.arch.setmaxregister_decrease(self.conv_regs)
+                self.convert_loop_v(storage, full_ptr, empty_ptr, n_union, tidx)
+            elif warp < 8:
+                cute.arch.setmaxregister_increase(self.mma_regs)
+                self.mma_loop_fp8(*args, tidx - 128, 0)
+            else:
+                cute.arch.setmaxregister_increase(self.mma_regs)
+                self.mma_loop_fp8(*args, tidx - 256, 1)
         else:
-            self.mma_loop_fp8(mKV, mOut, mLse, storage, sPages, sBlocks, sMasks, sKvLen, full_ptr, empty_ptr,
-                              req, h, tile, qlen, n_tok, n_union, qk_scale_log2, v_scale, tidx - 128, 1)
+            if warp < 4:
+                self.mma_loop_fp8(*args, tidx, 0)
+            else:
+                self.mma_loop_fp8(*args, tidx - 128, 1)
+
+    @cute.jit
+    def convert_loop_v(self, storage, full_ptr, empty_ptr, n_union, tidx):
+        """The V converter warpgroup: block i's V -> the f16 tile of MMA warpgroup i % 2, once that
+        warpgroup's P V of block i - 2 is done; it releases the stage (its V half) before handing
+        the tile over, so the MMA warpgroup that refills the stage waits only for itself."""
+        bufv = ptx.smem_addr(storage.bufv.data_ptr())
+        tiles = storage.tiles.data_ptr()
+        v_tiles = (ptx.smem_addr(storage.sv0.data_ptr()), ptx.smem_addr(storage.sv1.data_ptr()))
+        for i in range(n_union):
+            s = i % self.stages
+            b = i % 2
+            cute.arch.mbarrier_wait(full_ptr + s, (i // self.stages) & 1)
+            cute.arch.mbarrier_wait(tiles + 2 * b + 1, ((i // 2) & 1) ^ 1)  # V tile b is free
+            dst = v_tiles[0]
+            if b == 1:
+                dst = v_tiles[1]
+            self.convert_v(bufv + s * self.tile_bytes, dst, tidx)
+            cute.arch.mbarrier_arrive(empty_ptr + s)
+            cute.arch.mbarrier_arrive(tiles + 2 * b)
 
     @cute.jit
     def issue_block(self, mKV, sPages, h, j, buf_addr, full_ptr):
@@ -406,11 +447,12 @@ class UnionFp8Kernel(UnionWgmmaKernel):
             blk = sBlocks[i]
             mask = sMasks[i]
             cute.arch.mbarrier_wait(full_ptr + s, (i // self.stages) & 1)
-            # ---- V -> this warpgroup's f16 tile, once every warp's P V of its last block is done. Before
-            # the S MMAs, not while they run: ptxas 12.9 (the DSL's) crashes on the overlapped form
-            cute.arch.barrier(barrier_id=bar, number_of_threads=nthr)
-            self.convert_v(bufv + s * self.tile_bytes, m["v_smem"], tidx)
-            cute.arch.barrier(barrier_id=bar, number_of_threads=nthr)  # the tile is complete for P V
+            if cutlass.const_expr(not self.v_converter):
+                # ---- V -> this warpgroup's f16 tile, once every warp's P V of its last block is done.
+                # Before the S MMAs, not while they run: ptxas 12.9 (the DSL's) crashes on that form
+                cute.arch.barrier(barrier_id=bar, number_of_threads=nthr)
+                self.convert_v(bufv + s * self.tile_bytes, m["v_smem"], tidx)
+                cute.arch.barrier(barrier_id=bar, number_of_threads=nthr)  # the tile is complete for P V
             # ---- S = Q K^T on the stage's K as the TMA laid it down (fp8)
             acc_s = cute.make_rmem_tensor(m["thr_s"].partition_shape_C((ROWS, self.page)), Float32)
             if cutlass.const_expr(self.mma):
@@ -425,7 +467,8 @@ class UnionFp8Kernel(UnionWgmmaKernel):
                         cute.gemm(atom_s, acc_s, m["tSrQlo"][None, None, k], tSrK[None, None, k, s], acc_s)
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
-            self.release_stage_and_refill(mKV, sPages, h, i, n_union, Int32(0), full_ptr, empty_ptr, tidx, True)
+            if cutlass.const_expr(not self.v_converter):
+                self.release_stage_and_refill(mKV, sPages, h, i, n_union, Int32(0), full_ptr, empty_ptr, tidx, True)
             if cutlass.const_expr(self.mma):
                 for hh in cutlass.range_constexpr(2):  # rows 16 warp + g + 8 hh
                     f = qk_scale_log2
@@ -437,6 +480,10 @@ class UnionFp8Kernel(UnionWgmmaKernel):
                 self.softmax_cols(acc_s, acc_o, p_words, row_max, row_sum, alpha, blk, mask, sKvLen, 0, self.page,
                                   warp, g, c, True)
             # ---- O += P V
+            if cutlass.const_expr(self.v_converter):
+                cute.arch.mbarrier_wait(storage.tiles.data_ptr() + 2 * wg, (i // 2) & 1)  # V tile converted
+                # the converter has released the stage's V: thread 0's refill waits for this warpgroup only
+                self.release_stage_and_refill(mKV, sPages, h, i, n_union, Int32(0), full_ptr, empty_ptr, tidx, True)
             if cutlass.const_expr(self.mma):
                 warpgroup.fence()
                 atom_o = cute.make_mma_atom(m["mma_o"].op)
@@ -445,5 +492,7 @@ class UnionFp8Kernel(UnionWgmmaKernel):
                     cute.gemm(atom_o, acc_o, tOrP[None, None, k], tOrV[None, None, k], acc_o)
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
+            if cutlass.const_expr(self.v_converter):
+                cute.arch.mbarrier_arrive(storage.tiles.data_ptr() + 2 * wg + 1)  # V tile read
         self.finish(mOut, mLse, storage, acc_o, row_max, row_sum, bufk, req, h, tile, qlen, n_tok, v_scale,
                     tidx, warp, g, c, wg)
