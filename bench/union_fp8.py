@@ -10,7 +10,7 @@ interleaved with V at a 256-byte row stride. So each stage is filled by two TMA 
 boxes of 128 keys x 128 bytes over the cache viewed as (key, byte, KV head, page), 128B
 swizzle), which lay K and V down dense and swizzled: K is then the B operand of S as it lies.
 Only V is converted (fp8 -> an f16 tile per MMA warpgroup, as union_wgmma's O = P V takes it),
-before the block's S MMAs (the other MMA warpgroup's MMAs overlap it).
+while the block's S MMAs run.
 
 Shared memory: 4 stages x 32 KiB (K and V) + Q (8 KiB fp8) + 2 f16 V tiles (64 KiB) = 200 KiB,
 against union_wgmma's 2 stages beside 128 KiB of f16 tiles (row 55: >= ~110 KiB of fp8 in flight
@@ -377,15 +377,17 @@ class UnionFp8Kernel(UnionWgmmaKernel):
         cute.arch.fence_view_async_shared()
 
     @cute.jit
-    def convert_v(self, v_stage, dst_smem, tidx):
+    def convert_v(self, v_stage, dst_smem, tidx, fence: cutlass.Constexpr = True):
         """The stage's fp8 V tile (TMA-swizzled key rows) -> an f16 tile (union_wgmma's layout), by
-        128 threads: thread = 16 dims of keys tidx // 8 + 16 r."""
+        128 threads: thread = 16 dims of keys tidx // 8 + 16 r; fenced for the MMAs that read it
+        (fence=False: the caller fences)."""
         c8 = tidx % 8
         for r in cutlass.range_constexpr(self.page // 16 if self.convert else 0):
             key = tidx // 8 + 16 * r
             w = ptx.ld_shared_v4(v_stage + swizzled_fp8(key, 16 * c8))
             store_f16_chunks(dst_smem + swizzled(self.page, key, 16 * c8), w, c8)
-        cute.arch.fence_view_async_shared()
+        if cutlass.const_expr(fence):
+            cute.arch.fence_view_async_shared()
 
     def mma_setup_fp8(self, storage, wg: int, tidx):
         """The MMAs, fragments and accumulators of MMA warpgroup wg (thread tidx of its 128)."""
@@ -448,12 +450,8 @@ class UnionFp8Kernel(UnionWgmmaKernel):
             mask = sMasks[i]
             cute.arch.mbarrier_wait(full_ptr + s, (i // self.stages) & 1)
             if cutlass.const_expr(not self.v_converter):
-                # ---- V -> this warpgroup's f16 tile, once every warp's P V of its last block is done.
-                # Before the S MMAs, not while they run: ptxas 12.9 (the DSL's) crashes on that form
-                cute.arch.barrier(barrier_id=bar, number_of_threads=nthr)
-                self.convert_v(bufv + s * self.tile_bytes, m["v_smem"], tidx)
-                cute.arch.barrier(barrier_id=bar, number_of_threads=nthr)  # the tile is complete for P V
-            # ---- S = Q K^T on the stage's K as the TMA laid it down (fp8)
+                cute.arch.barrier(barrier_id=bar, number_of_threads=nthr)  # every warp's P V of its last block is done
+            # ---- S = Q K^T on the stage's K as the TMA laid it down (fp8), asynchronous
             acc_s = cute.make_rmem_tensor(m["thr_s"].partition_shape_C((ROWS, self.page)), Float32)
             if cutlass.const_expr(self.mma):
                 warpgroup.fence()
@@ -466,8 +464,14 @@ class UnionFp8Kernel(UnionWgmmaKernel):
                     for k in cutlass.range_constexpr(cute.size(tSrQ.shape[2])):
                         cute.gemm(atom_s, acc_s, m["tSrQlo"][None, None, k], tSrK[None, None, k, s], acc_s)
                 warpgroup.commit_group()
+            if cutlass.const_expr(not self.v_converter):
+                # ---- meanwhile V -> this warpgroup's f16 tile. Its proxy fence comes after the wait:
+                # ptxas 12.9 (the DSL's) segfaults on a fence.proxy.async between a wgmma commit and wait
+                self.convert_v(bufv + s * self.tile_bytes, m["v_smem"], tidx, fence=False)
+            if cutlass.const_expr(self.mma):
                 warpgroup.wait_group(0)
             if cutlass.const_expr(not self.v_converter):
+                cute.arch.fence_view_async_shared()
                 self.release_stage_and_refill(mKV, sPages, h, i, n_union, Int32(0), full_ptr, empty_ptr, tidx, True)
             if cutlass.const_expr(self.mma):
                 for hh in cutlass.range_constexpr(2):  # rows 16 warp + g + 8 hh
@@ -480,6 +484,8 @@ class UnionFp8Kernel(UnionWgmmaKernel):
                 self.softmax_cols(acc_s, acc_o, p_words, row_max, row_sum, alpha, blk, mask, sKvLen, 0, self.page,
                                   warp, g, c, True)
             # ---- O += P V
+            if cutlass.const_expr(not self.v_converter):
+                cute.arch.barrier(barrier_id=bar, number_of_threads=nthr)  # every thread's part of the V tile is in
             if cutlass.const_expr(self.v_converter):
                 cute.arch.mbarrier_wait(storage.tiles.data_ptr() + 2 * wg, (i // 2) & 1)  # V tile converted
                 # the converter has released the stage's V: thread 0's refill waits for this warpgroup only
