@@ -1,25 +1,30 @@
-"""The union kernel with S on fp8 warpgroup MMAs, for an fp8 query (vLLM's call), as a bench probe
-(issue #19's speculative decode; docs/performance.md, next steps of sessions 11 and 13, item 1).
+"""The union kernel with S on fp8 warpgroup MMAs straight from the cache's K, as a bench probe
+(issue #19's speculative decode; docs/performance.md row 66).
 
 bench/union_wgmma.py converts every union block's K and V to f16 tiles before its MMAs, and
 row 55 measured that conversion as what the design waits on: the f16 tiles take the shared
-memory that should hold fp8 stages in flight. With an fp8 query, S = Q K^T needs no conversion
-at all: `wgmma.m64n128k32.f32.e4m3.e4m3` reads both operands K-major from shared memory, and
-the cache's K half of a (page, KV head) is exactly a K-major tile (key rows of 128 bytes), only
-interleaved with V at a 256-byte row stride. So each stage is filled by two TMA copies (2-D
-boxes of 128 keys x 128 bytes over the cache viewed as (key, byte, KV head, page), 128B
-swizzle), which lay K and V down dense and swizzled: K is then the B operand of S as it lies.
-Only V is converted (fp8 -> an f16 tile per MMA warpgroup, as union_wgmma's O = P V takes it),
-while the block's S MMAs run.
+memory that should hold fp8 stages in flight. Here K is never converted:
+`wgmma.m64n128k32.f32.e4m3.e4m3` reads both operands K-major from shared memory, and the
+cache's K half of a (page, KV head) is exactly a K-major tile (key rows of 128 bytes), only
+interleaved with V at a 256-byte row stride. So each stage is filled by two TMA copies (boxes
+of 128 keys x 128 bytes over the cache viewed as (key, byte, KV head, page), 128B swizzle),
+which lay K and V down dense and swizzled: K is then the B operand of S as it lies. Only V is
+converted (fp8 -> an f16 tile per MMA warpgroup, as union_wgmma's O = P V takes it), while the
+block's S MMAs run.
 
-Shared memory: 4 stages x 32 KiB (K and V) + Q (8 KiB fp8) + 2 f16 V tiles (64 KiB) = 200 KiB,
-against union_wgmma's 2 stages beside 128 KiB of f16 tiles (row 55: >= ~110 KiB of fp8 in flight
-per SM is what the stream needs).
+The query: an fp8 query (vLLM's call) is the A operand as given; a bf16 query is split per row
+into s * (hi + lo), hi = e4m3(q / s), lo = e4m3(q / s - hi), s = amax / 448: two QGMMA chains
+into one accumulator, scaled per row (rel L2 <= 3.4e-3 in bench/split_q_error.py's model,
+against 1e-2 allowed; e4m3 alone would be 1e-2..1e-1).
+
+Shared memory: 4 stages x 32 KiB (K and V) + Q (8 KiB, 16 split) + 2 f16 V tiles (64 KiB) =
+200-208 KiB, against union_wgmma's 2 stages beside 128 KiB of f16 tiles (row 55: >= ~110 KiB of
+fp8 in flight per SM is what the stream needs).
 
 Roles: two MMA warpgroups take the union blocks in turn (block i: warpgroup i % 2); each
 converts its block's V, and its thread 0 refills the stage once the warpgroup has read it.
-Probe options (timing only, results wrong): convert=False leaves V unconverted, mma=False skips
-the MMAs.
+v_converter=True: a third warpgroup converts every V instead. Probe options (timing only,
+results wrong): convert=False leaves V unconverted, mma=False skips the MMAs.
 """
 
 # no `from __future__ import annotations`: the DSL reads evaluated annotations
