@@ -2,7 +2,7 @@
 # One device run on the lent H200 (docs/gpu-workflow.md): carry .gpu-bundle, .artifacts (warmed for
 # BOTH cache formats: python bench/warm_kv_formats.py), and .variants for variants / trace.
 #   bash bench/h200_run.sh tests memcheck racecheck selftest bench ceilings    # the round's full run
-#   any of: tests memcheck racecheck selftest bench bench_quick ceilings host_ab variants trace per_layer_ab union_k8
+#   any of: tests memcheck racecheck selftest bench bench_quick ceilings host_ab variants trace per_layer_ab union_k8 union_k8_small
 #   VARIANTS="now lsu" bash bench/h200_run.sh variants   # time only these variants
 #   BASELINE=bench/results/bench-....json                # compare with (default: newest in bench/results)
 # Every step runs under a timeout that ends it by DEADLINE seconds after the start (default 570:
@@ -54,6 +54,11 @@ for step in "$@"; do
                 --variants f_c3 f_union_k8 f_union_k8_cv f_union_k8_noconv q8_f_c3 q8_union q8_union_cv q8_union_noconv \
                 --keep f_union_k8_noconv q8_union_noconv \
                 --points 64/4:64:4:12 64/4:64:4:0 64/4:64:2:12 64/4:64:8:12 8/1:256:4:12 2>&1 | grep -v "^{" | tail -n 12 ;;
+    union_k8_small) # the same kernels at the split shapes (batch 1-16, qlen 1: a tile of one token, the plan's
+              # splits over its blocks, then the split merge), against the planner's 2- and 3-CTA builds
+              timeout "$(limit 330)" python3 bench/kv_format_ab.py run --dir .kv-variants --out $OUT --rounds 7 \
+                --variants f_c2 f_c3 f_union_k8 f_union_k8_cv \
+                --points 64/4:1:1 8/1:1:1 64/4:4:1 8/1:4:1 64/4:16:1 8/1:16:1 2>&1 | grep -v "^{" | tail -n 8 ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
   echo "== $step: $(( $(date +%s) - t0 )) s (total $(( $(date +%s) - START )) s)"

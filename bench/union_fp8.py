@@ -43,11 +43,22 @@ from cutlass.cutlass_dsl import T, dsl_user_op  # noqa: E402
 from cutlass.tensor_utils import LayoutEnum  # noqa: E402
 
 from union_kernel import ptx  # noqa: E402
-from union_wgmma import BAR_WG, ROWS, UnionWgmmaKernel, _smem_layout, store_f16_chunks, swizzled  # noqa: E402
-from msa_jit.kernels.sparse_decode_mma import HEAD_DIM  # noqa: E402
+from union_wgmma import BAR_ALL, BAR_WG, ROWS, UnionWgmmaKernel, _smem_layout, ld_shared_f32, st_global_b32, \
+    st_shared_f32, store_f16_chunks, swizzled  # noqa: E402
+from msa_jit.kernels import common  # noqa: E402
+from msa_jit.kernels.sparse_decode_mma import HEAD_DIM, LN2  # noqa: E402
+from msa_jit.kernels.split_merge import SplitMergeKernel  # noqa: E402
 
 ROW_BYTES = 2 * HEAD_DIM  # a key row of the fp8 cache: K bytes [0, 128), V bytes [128, 256)
 E4M3_MAX = 448.0
+
+
+@dsl_user_op
+def st_global_v2_f32(addr: Int64, v0: Float32, v1: Float32, *, loc=None, ip=None) -> None:
+    """st.global.v2.f32 at an 8-byte aligned address."""
+    ptx._asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), Float32(v0).ir_value(loc=loc, ip=ip),
+                    Float32(v1).ir_value(loc=loc, ip=ip)], "st.global.v2.f32 [$0], {$1, $2};", "l,f,f",
+             side_effects=True)
 
 
 @dsl_user_op
@@ -174,7 +185,8 @@ class UnionFp8Kernel(UnionWgmmaKernel):
         v_scale: Float32,
         stream: cuda.CUstream,
     ):
-        """The shipped calling convention; one launch, grid (requests, Hkv, token tiles). The K and
+        """The shipped calling convention: grid (requests, Hkv, token tiles x splits), then the split
+        merge when the plan splits (each split takes a range of its tile's union blocks). The K and
         V halves of the cache [P, Hkv, page, 256] as (key, byte, KV head, page) views for TMA."""
         num_tokens = query.shape[0]
         page_stride = self.hkv * self.page * ROW_BYTES
@@ -187,17 +199,22 @@ class UnionFp8Kernel(UnionWgmmaKernel):
         tma_v, g_v = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(),
                                                  cute.make_tensor(kv_cache.iterator + HEAD_DIM, view), tile,
                                                  (self.page, HEAD_DIM))
+        tiles = (qlen + self.tile_tokens - 1) // self.tile_tokens
         self.kernel(
             query, kv_cache, topk, block_table, kv_lens, out, lse, partial_o, partial_lse, k_scale_tensor,
             v_scale_tensor, qlen, num_splits, qk_scale_log2, v_scale, tma_k, g_k, tma_v, g_v, self.storage_type(),
         ).launch(
-            grid=((num_tokens + qlen - 1) // qlen, self.hkv, (qlen + self.tile_tokens - 1) // self.tile_tokens),
+            grid=((num_tokens + qlen - 1) // qlen, self.hkv, tiles * num_splits),
             block=(self.threads, 1, 1),
             stream=stream,
             preferred_smem_carveout=100,
             use_pdl=self.pdl,
             **self.launch_options(),
         )
+        if num_splits > 1:
+            SplitMergeKernel(num_kv_heads=self.hkv, group_size=self.group, max_splits=self.topk, pdl=self.pdl,
+                             trigger=self.merge_trigger).launch(out, lse, partial_o, partial_lse, num_splits,
+                                                                num_tokens, stream)
 
     @cute.kernel
     def kernel(
@@ -224,7 +241,9 @@ class UnionFp8Kernel(UnionWgmmaKernel):
         Storage: cutlass.Constexpr,
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        req, h, tile = cute.arch.block_idx()
+        req, h, z = cute.arch.block_idx()
+        tile = z // num_splits
+        split = z % num_splits
         warp = cute.arch.make_warp_uniform(tidx // 32)
         lane = tidx % 32
         TT = self.tile_tokens
@@ -250,6 +269,9 @@ class UnionFp8Kernel(UnionWgmmaKernel):
         v_scale = v_scale * mVScale[0]
         n_tok = cutlass.min(Int32(TT), qlen - tile * TT)
         n_union = self.build_union(mTopk, mBT, mKvLens, mKV, storage, sKvLen, req, h, tile, qlen, n_tok, warp, lane)
+        # this CTA's split: union blocks first .. first + n_split (the loops count from 0)
+        first, n_split = common.split_range(n_union, num_splits, split)
+        self.first = first
 
         # the stages as TMA destinations: (tile, stage) of K and of V; the cache as (tile, page) of this KV head
         staged = fp8_tile_layout(self.page, self.stages)
@@ -262,22 +284,22 @@ class UnionFp8Kernel(UnionWgmmaKernel):
         tVs, tVg = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
                                          cute.group_modes(gV, 0, 2))
         self.tma = (tma_k, tKs, tKg, tma_v, tVs, tVg)
-        if warp < 4:  # warpgroup 0: Q of the tile, and the first stages' blocks
+        if warp < 4:  # warpgroup 0: the first stages' blocks, then Q of the tile (its loads behind the TMA's)
+            if tidx == 0:
+                for j in range(cutlass.min(n_split, Int32(self.stages))):
+                    self.issue_block(mKV, sPages, h, j, Int32(0), full_ptr)
             if cutlass.const_expr(self.split_q):
                 self.stage_q_split(mQ, ptx.smem_addr(storage.sq.data_ptr()), ptx.smem_addr(storage.sq_lo.data_ptr()),
                                    storage.qscale.get_tensor(cute.make_layout(ROWS)), req, h, tile, qlen, n_tok, tidx)
             else:
                 self.stage_q_fp8(mQ, ptx.smem_addr(storage.sq.data_ptr()), req, h, tile, qlen, n_tok, tidx)
-            if tidx == 0:
-                for j in range(cutlass.min(n_union, Int32(self.stages))):
-                    self.issue_block(mKV, sPages, h, j, Int32(0), full_ptr)
         cute.arch.sync_threads()  # sQ (fenced) is complete
-        args = (mKV, mOut, mLse, storage, sPages, sBlocks, sMasks, sKvLen, full_ptr, empty_ptr,
-                req, h, tile, qlen, n_tok, n_union, qk_scale_log2, v_scale)
+        args = (mKV, mOut, mLse, mPO, mPL, storage, sPages, sBlocks, sMasks, sKvLen, full_ptr, empty_ptr,
+                req, h, tile, split, num_splits, qlen, n_tok, first, n_split, qk_scale_log2, v_scale)
         if cutlass.const_expr(self.v_converter):
             if warp < 4:
                 cute.arch.setmaxregister_decrease(self.conv_regs)
-                self.convert_loop_v(storage, full_ptr, empty_ptr, n_union, tidx)
+                self.convert_loop_v(storage, full_ptr, empty_ptr, n_split, tidx)
             elif warp < 8:
                 cute.arch.setmaxregister_increase(self.mma_regs)
                 self.mma_loop_fp8(*args, tidx - 128, 0)
@@ -312,10 +334,11 @@ class UnionFp8Kernel(UnionWgmmaKernel):
 
     @cute.jit
     def issue_block(self, mKV, sPages, h, j, buf_addr, full_ptr):
-        """One thread: union block j's K and V (two TMA boxes) -> stage j % stages."""
+        """One thread: the split's block j (union block first + j): K and V (two TMA boxes) -> stage
+        j % stages."""
         tma_k, tKs, tKg, tma_v, tVs, tVg = self.tma
         s = j % self.stages
-        page = sPages[j]
+        page = sPages[self.first + j]
         cute.arch.mbarrier_arrive_and_expect_tx(full_ptr + s, self.stage_bytes)
         cute.copy(tma_k, tKg[None, page], tKs[None, s], tma_bar_ptr=full_ptr + s)
         cute.copy(tma_v, tVg[None, page], tVs[None, s], tma_bar_ptr=full_ptr + s)
@@ -425,10 +448,11 @@ class UnionFp8Kernel(UnionWgmmaKernel):
         )
 
     @cute.jit
-    def mma_loop_fp8(self, mKV, mOut, mLse, storage, sPages, sBlocks, sMasks, sKvLen, full_ptr, empty_ptr,
-                     req, h, tile, qlen, n_tok, n_union, qk_scale_log2, v_scale, tidx, wg: cutlass.Constexpr):
-        """MMA warpgroup wg (thread tidx of its 128): union blocks wg, wg + 2, ...; warpgroup 0
-        merges the two warpgroups' (m, l, O) and stores."""
+    def mma_loop_fp8(self, mKV, mOut, mLse, mPO, mPL, storage, sPages, sBlocks, sMasks, sKvLen, full_ptr,
+                     empty_ptr, req, h, tile, split, num_splits, qlen, n_tok, first, n_union, qk_scale_log2, v_scale,
+                     tidx, wg: cutlass.Constexpr):
+        """MMA warpgroup wg (thread tidx of its 128): the split's blocks wg, wg + 2, ... of n_union
+        (union blocks first + i); warpgroup 0 merges the two warpgroups' (m, l, O) and stores."""
         bar = BAR_WG + wg
         nthr = self.consumer_threads
         warp = cute.arch.make_warp_uniform(tidx // 32)
@@ -451,8 +475,8 @@ class UnionFp8Kernel(UnionWgmmaKernel):
             row_sum[hh] = Float32(0.0)
         for i in range(wg, n_union, 2):
             s = i % self.stages
-            blk = sBlocks[i]
-            mask = sMasks[i]
+            blk = sBlocks[first + i]
+            mask = sMasks[first + i]
             cute.arch.mbarrier_wait(full_ptr + s, (i // self.stages) & 1)
             if cutlass.const_expr(not self.v_converter):
                 cute.arch.barrier(barrier_id=bar, number_of_threads=nthr)  # every warp's P V of its last block is done
@@ -505,5 +529,66 @@ class UnionFp8Kernel(UnionWgmmaKernel):
                 warpgroup.wait_group(0)
             if cutlass.const_expr(self.v_converter):
                 cute.arch.mbarrier_arrive(storage.tiles.data_ptr() + 2 * wg + 1)  # V tile read
-        self.finish(mOut, mLse, storage, acc_o, row_max, row_sum, bufk, req, h, tile, qlen, n_tok, v_scale,
-                    tidx, warp, g, c, wg)
+        self.finish_split(mOut, mLse, mPO, mPL, storage, acc_o, row_max, row_sum, bufk, req, h, tile, split,
+                          num_splits, qlen, n_tok, v_scale, tidx, warp, g, c, wg)
+
+    @cute.jit
+    def finish_split(self, mOut, mLse, mPO, mPL, storage, acc_o, row_max, row_sum, buf_addr, req, h, tile, split,
+                     num_splits, qlen, n_tok, v_scale, tidx, warp, g, c, wg: cutlass.Constexpr):
+        """Merge the MMA warpgroups' (m, l, O) through shared memory (union_wgmma's finish); warpgroup
+        0 writes each tile row's out and lse, or with splits its normalized partial O and log2-LSE
+        (kernels/split_merge.py's rows (t * Hkv + h) * num_splits + split)."""
+        G = self.group
+        nthr = self.consumer_threads
+        sRowM = storage.rowm.get_tensor(cute.make_layout(ROWS * 2))
+        sRowL = storage.rowl.get_tensor(cute.make_layout(ROWS * 2))
+        for hh in cutlass.range_constexpr(2):
+            tot = row_sum[hh]
+            tot = tot + cute.arch.shuffle_sync_bfly(tot, 1)
+            tot = tot + cute.arch.shuffle_sync_bfly(tot, 2)
+            m_row = 16 * warp + g + 8 * hh
+            if c == 0:
+                sRowL[ROWS * wg + m_row] = tot
+                sRowM[ROWS * wg + m_row] = row_max[hh]
+        o_other = buf_addr  # MMA warpgroup 1's O (every stage is read by now)
+        cute.arch.barrier(barrier_id=BAR_ALL, number_of_threads=2 * nthr)
+        if cutlass.const_expr(wg == 1):
+            for k in cutlass.range_constexpr(cute.size(acc_o)):
+                st_shared_f32(o_other + (k * nthr + tidx) * 4, acc_o[k])
+        cute.arch.barrier(barrier_id=BAR_ALL, number_of_threads=2 * nthr)
+        if cutlass.const_expr(wg == 0):
+            for hh in cutlass.range_constexpr(2):
+                m_row = 16 * warp + g + 8 * hh
+                j_row = m_row // G
+                if j_row < n_tok:
+                    m_all, l_all = self.merged_stats(sRowM, sRowL, m_row)
+                    m_use = m_all
+                    if m_all == -Float32.inf:
+                        m_use = Float32(0.0)
+                    inv = Float32(0.0)
+                    lse2 = -Float32.inf
+                    if l_all > Float32(0.0):
+                        inv = v_scale / l_all
+                        lse2 = m_all + ptx.lg2(l_all)
+                    w_self = inv * ptx.ex2(row_max[hh] - m_use)
+                    w_other = inv * ptx.ex2(sRowM[ROWS + m_row] - m_use)
+                    t = req * qlen + tile * self.tile_tokens + j_row
+                    hq = h * G + m_row % G
+                    idx = (t * self.hkv + h) * num_splits + split
+                    if c == 0:
+                        if num_splits == 1:
+                            mLse[t, hq] = lse2 * LN2
+                        else:
+                            mPL[idx, m_row % G] = lse2
+                    row = mOut.iterator.toint() + (Int64(t) * Int64(mOut.stride[0]) + Int64(hq * HEAD_DIM + 2 * c)) * 2
+                    prow = mPO.iterator.toint() + (Int64(idx) * Int64(mPO.stride[0])
+                                                   + Int64((m_row % G) * HEAD_DIM + 2 * c)) * 4
+                    for j in cutlass.range_constexpr(HEAD_DIM // 8):
+                        v = []
+                        for e in cutlass.range_constexpr(2):
+                            k = e + 2 * hh + 4 * j
+                            v.append(acc_o[k] * w_self + ld_shared_f32(o_other + (k * nthr + tidx) * 4) * w_other)
+                        if num_splits == 1:
+                            st_global_b32(row + 16 * j, ptx.f32x2_to_bf16x2(v[0], v[1]))
+                        else:
+                            st_global_v2_f32(prow + 32 * j, v[0], v[1])

@@ -247,7 +247,8 @@ def test_union_fp8_probe_reads_k_by_tma_into_fp8_warpgroup_mmas(tmp_path, heads,
     # bench/union_fp8.py: K and V of each union block laid down by two TMA copies (3-D where Hkv is 1),
     # S on fp8 warpgroup MMAs (QGMMA) straight from them (a bf16 query as two e4m3 halves: twice
     # the QGMMAs), O = P V on f16 ones (HGMMA); one launch, no local memory; fp8 caches only. With a V
-    # converter warpgroup, setmaxnreg gives its registers to the MMA warpgroups
+    # converter warpgroup, setmaxnreg gives its registers to the MMA warpgroups. A plan's splits take
+    # ranges of the tile's union blocks and leave partials to kernels/split_merge.py
     sys.path.insert(0, str(BENCH))
     from union_fp8 import UnionFp8Kernel
 
@@ -255,8 +256,10 @@ def test_union_fp8_probe_reads_k_by_tma_into_fp8_warpgroup_mmas(tmp_path, heads,
     compile_sparse_decode(cfg, tmp_path, kernel_options={"union_fp8": True, "v_converter": v_converter},
                           kernel_class=UnionFp8Kernel)
     (cubin,) = sass.extract_cubins(tmp_path / "sparse_decode.so")
-    assert len(sass.kernel_resources(cubin)) == 1
-    text = sass.disassemble(cubin)
+    names = sorted(r.name for r in sass.kernel_resources(cubin))
+    assert len(names) == 2 and sum("merge" in n.lower() for n in names) == 1  # with splits: the shipped merge
+    text = "\n".join(body for name, body in sass.split_functions(sass.disassemble(cubin)).items()
+                     if "merge" not in name.lower())
     counts = sass.opcode_counts(text)
     chains = 2 if q_dtype == "bfloat16" else 1
     assert counts["QGMMA.64"] == 8 * chains and counts["HGMMA.64"] == 16  # 4 k32 / 8 k16 steps, 2 warpgroups
