@@ -51,6 +51,7 @@ from msa_jit.kernels.split_merge import SplitMergeKernel  # noqa: E402
 
 ROW_BYTES = 2 * HEAD_DIM  # a key row of the fp8 cache: K bytes [0, 128), V bytes [128, 256)
 E4M3_MAX = 448.0
+AMAX_MIN = 2.0 ** -100  # a row below it is zero in e4m3 (its S is ~0 in the reference too)
 
 
 @dsl_user_op
@@ -388,6 +389,7 @@ class UnionFp8Kernel(UnionWgmmaKernel):
         inv = Float32(0.0)
         scale = Float32(0.0)
         if amax > Float32(0.0):
+            amax = cute.arch.fmax(amax, Float32(AMAX_MIN))  # 448 / a bf16 denormal would overflow
             inv = Float32(E4M3_MAX) / amax
             scale = amax / Float32(E4M3_MAX)
         hi = cute.make_rmem_tensor(16, Int32)
