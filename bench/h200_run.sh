@@ -2,7 +2,7 @@
 # One device run on the lent H200 (docs/gpu-workflow.md): carry .gpu-bundle, .artifacts (warmed for
 # BOTH cache formats: python bench/warm_kv_formats.py), and .variants for variants / trace.
 #   bash bench/h200_run.sh tests memcheck racecheck selftest bench ceilings    # the round's full run
-#   any of: tests memcheck racecheck selftest bench bench_quick ceilings host_ab variants trace per_layer_ab union_k8 union_k8_small
+#   any of: tests memcheck racecheck selftest bench bench_quick ceilings host_ab variants trace per_layer_ab union_k8 union_k8_small union_k8_trace
 #   VARIANTS="now lsu" bash bench/h200_run.sh variants   # time only these variants
 #   BASELINE=bench/results/bench-....json                # compare with (default: newest in bench/results)
 # Every step runs under a timeout that ends it by DEADLINE seconds after the start (default 570:
@@ -54,6 +54,9 @@ for step in "$@"; do
                 --variants f_c3 f_union_k8 f_union_k8_cv f_union_k8_noconv q8_f_c3 q8_union q8_union_cv q8_union_noconv \
                 --keep f_union_k8_noconv q8_union_noconv \
                 --points 64/4:64:4:12 64/4:64:4:0 64/4:64:2:12 64/4:64:8:12 8/1:256:4:12 2>&1 | grep -v "^{" | tail -n 12 ;;
+    union_k8_trace) # where the fp8-K kernel's MMA warpgroups wait, per block (built: f_union_k8_trace)
+              timeout "$(limit 90)" python3 bench/union_trace.py --events fp8 --out $OUT \
+                --so .kv-variants/f_union_k8_trace/64x4/sparse_decode.so 2>&1 | tail -n 11 ;;
     union_k8_small) # the same kernels at the split shapes (batch 1-16, qlen 1: a tile of one token, the plan's
               # splits over its blocks, then the split merge), against the planner's 2- and 3-CTA builds
               timeout "$(limit 330)" python3 bench/kv_format_ab.py run --dir .kv-variants --out $OUT --rounds 7 \

@@ -144,6 +144,8 @@ VARIANTS = {  # name -> (kv dtype, kernel options)
     "f_union_k8_noconv": ("float8_e4m3fn", {"union_fp8": True, "convert": False}),  # wrong results
     # ... with V converted by a third warpgroup (setmaxnreg) instead of each MMA warpgroup
     "f_union_k8_cv": ("float8_e4m3fn", {"union_fp8": True, "v_converter": True}),
+    # built for bench/union_trace.py --events fp8 only (its stamps overwrite the plan's partials)
+    "f_union_k8_trace": ("float8_e4m3fn", {"union_fp8": True, "trace": True}),
     "q8_f_c2": ("float8_e4m3fn", {"q_dtype": Q8}),
     "q8_f_c3": ("float8_e4m3fn", dict(C3, stages=2, q_dtype=Q8)),
     "q8_union": ("float8_e4m3fn", {"union_fp8": True, "q_dtype": Q8}),

@@ -21,6 +21,9 @@ Shared memory: 4 stages x 32 KiB (K and V) + Q (8 KiB, 16 split) + 2 f16 V tiles
 200-208 KiB, against union_wgmma's 2 stages beside 128 KiB of f16 tiles (row 55: >= ~110 KiB of
 fp8 in flight per SM is what the stream needs).
 
+trace=True: thread 0 of each MMA warpgroup stamps %globaltimer at 7 events of each block
+(bench/union_trace.py --events fp8).
+
 Roles: two MMA warpgroups take the union blocks in turn (block i: warpgroup i % 2); each
 converts its block's V, and its thread 0 refills the stage once the warpgroup has read it.
 v_converter=True: a third warpgroup converts every V instead. Probe options (timing only,
@@ -42,8 +45,9 @@ from cutlass.cute.nvgpu import cpasync, warpgroup  # noqa: E402
 from cutlass.cutlass_dsl import T, dsl_user_op  # noqa: E402
 from cutlass.tensor_utils import LayoutEnum  # noqa: E402
 
+from kernel_probes import globaltimer_lo, smid  # noqa: E402
 from union_kernel import ptx  # noqa: E402
-from union_wgmma import BAR_ALL, BAR_WG, ROWS, UnionWgmmaKernel, _smem_layout, ld_shared_f32, st_global_b32, \
+from union_wgmma import BAR_ALL, BAR_WG, ROWS, TRACE_BLOCKS, UnionWgmmaKernel, _smem_layout, ld_shared_f32, st_global_b32, \
     st_shared_f32, store_f16_chunks, swizzled  # noqa: E402
 from msa_jit.kernels import common  # noqa: E402
 from msa_jit.kernels.sparse_decode_mma import HEAD_DIM, LN2  # noqa: E402
@@ -273,6 +277,12 @@ class UnionFp8Kernel(UnionWgmmaKernel):
         # this CTA's split: union blocks first .. first + n_split (the loops count from 0)
         first, n_split = common.split_range(n_union, num_splits, split)
         self.first = first
+        self.trace_po = mPO
+        if cutlass.const_expr(self.trace):  # bench/union_trace.py --events fp8
+            if tidx == 0:
+                self.stamp(TRACE_BLOCKS * 8, n_split)
+                self.stamp(TRACE_BLOCKS * 8 + 1, smid())
+                self.stamp(TRACE_BLOCKS * 8 + 2, globaltimer_lo())
 
         # the stages as TMA destinations: (tile, stage) of K and of V; the cache as (tile, page) of this KV head
         staged = fp8_tile_layout(self.page, self.stages)
@@ -480,8 +490,10 @@ class UnionFp8Kernel(UnionWgmmaKernel):
             blk = sBlocks[first + i]
             mask = sMasks[first + i]
             cute.arch.mbarrier_wait(full_ptr + s, (i // self.stages) & 1)
+            self.trace_block(i, 0, tidx)  # the stage is full
             if cutlass.const_expr(not self.v_converter):
                 cute.arch.barrier(barrier_id=bar, number_of_threads=nthr)  # every warp's P V of its last block is done
+            self.trace_block(i, 1, tidx)  # S issued next
             # ---- S = Q K^T on the stage's K as the TMA laid it down (fp8), asynchronous
             acc_s = cute.make_rmem_tensor(m["thr_s"].partition_shape_C((ROWS, self.page)), Float32)
             if cutlass.const_expr(self.mma):
@@ -499,8 +511,10 @@ class UnionFp8Kernel(UnionWgmmaKernel):
                 # ---- meanwhile V -> this warpgroup's f16 tile. Its proxy fence comes after the wait:
                 # ptxas 12.9 (the DSL's) segfaults on a fence.proxy.async between a wgmma commit and wait
                 self.convert_v(bufv + s * self.tile_bytes, m["v_smem"], tidx, fence=False)
+            self.trace_block(i, 2, tidx)  # this thread's V conversion done
             if cutlass.const_expr(self.mma):
                 warpgroup.wait_group(0)
+            self.trace_block(i, 3, tidx)  # S done
             if cutlass.const_expr(not self.v_converter):
                 cute.arch.fence_view_async_shared()
                 self.release_stage_and_refill(mKV, sPages, h, i, n_union, Int32(0), full_ptr, empty_ptr, tidx, True)
@@ -514,6 +528,7 @@ class UnionFp8Kernel(UnionWgmmaKernel):
                             acc_s[e + 2 * hh + 4 * jj] = acc_s[e + 2 * hh + 4 * jj] * f
                 self.softmax_cols(acc_s, acc_o, p_words, row_max, row_sum, alpha, blk, mask, sKvLen, 0, self.page,
                                   warp, g, c, True)
+            self.trace_block(i, 4, tidx)  # softmax done (and thread 0's refill issued)
             # ---- O += P V
             if cutlass.const_expr(not self.v_converter):
                 cute.arch.barrier(barrier_id=bar, number_of_threads=nthr)  # every thread's part of the V tile is in
@@ -521,6 +536,7 @@ class UnionFp8Kernel(UnionWgmmaKernel):
                 cute.arch.mbarrier_wait(storage.tiles.data_ptr() + 2 * wg, (i // 2) & 1)  # V tile converted
                 # the converter has released the stage's V: thread 0's refill waits for this warpgroup only
                 self.release_stage_and_refill(mKV, sPages, h, i, n_union, Int32(0), full_ptr, empty_ptr, tidx, True)
+            self.trace_block(i, 5, tidx)  # the V tile is complete
             if cutlass.const_expr(self.mma):
                 warpgroup.fence()
                 atom_o = cute.make_mma_atom(m["mma_o"].op)
@@ -529,6 +545,7 @@ class UnionFp8Kernel(UnionWgmmaKernel):
                     cute.gemm(atom_o, acc_o, tOrP[None, None, k], tOrV[None, None, k], acc_o)
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
+            self.trace_block(i, 6, tidx)  # P V done
             if cutlass.const_expr(self.v_converter):
                 cute.arch.mbarrier_arrive(storage.tiles.data_ptr() + 2 * wg + 1)  # V tile read
         self.finish_split(mOut, mLse, mPO, mPL, storage, acc_o, row_max, row_sum, bufk, req, h, tile, split,

@@ -1,6 +1,10 @@
-"""Per-role timelines of the wgmma union probe (bench/union_wgmma.py, trace=True builds).
+"""Per-role timelines of the wgmma union probes (bench/union_wgmma.py, union_fp8.py: trace=True builds).
 
     python3 bench/union_trace.py --so .kv-variants/f_union_cv2_trace/64x4/sparse_decode.so --out $OUT
+    python3 bench/union_trace.py --events fp8 --so .kv-variants/f_union_k8_trace/64x4/sparse_decode.so --out $OUT
+
+--events fp8 (union_fp8.py): each MMA warpgroup's thread 0 stamps, per block, 0 stage full,
+1 S issued, 2 its V conversion done, 3 S done, 4 softmax done, 5 V tile complete, 6 P V done.
 
 One eager step of 64/4 B=64 qlen 4 with 12/16 shared blocks (the spec-decode point); every CTA's
 converter and MMA warpgroups stamp %globaltimer per union block (events 0-7: K tile free, K tile
@@ -29,6 +33,22 @@ from msa_jit.bench import environment, make_step  # noqa: E402
 TRACE_BLOCKS = 64
 TRACE_WORDS = TRACE_BLOCKS * 8 + 4
 EVENTS = ("k_free", "k_full", "v_free", "v_full", "k_at_mma", "s_done", "v_at_mma", "pv_done")
+EVENTS_FP8 = ("full", "s_issued", "v_converted", "s_done", "softmax_done", "v_tile_ready", "pv_done")
+
+
+def intervals_fp8(stamps: list[list[int]], n: int) -> dict[str, list[float]]:
+    """Microseconds of each interval of one CTA's n blocks under --events fp8 (a warpgroup takes
+    blocks i, i + 2, ...: its wait for block i's stage counts from its P V of block i - 2)."""
+    out: dict[str, list[float]] = {k: [] for k in ("stage_wait", "barrier", "convert_v", "s_after_convert",
+                                                   "softmax", "v_tile_wait", "pv", "block")}
+    for i in range(min(n, TRACE_BLOCKS)):
+        s = stamps[i]
+        if i >= 2:
+            out["stage_wait"].append((s[0] - stamps[i - 2][6]) / 1e3)
+        for name, a, b in (("barrier", 0, 1), ("convert_v", 1, 2), ("s_after_convert", 2, 3), ("softmax", 3, 4),
+                           ("v_tile_wait", 4, 5), ("pv", 5, 6), ("block", 0, 6)):
+            out[name].append((s[b] - s[a]) / 1e3)
+    return out
 
 
 def intervals(stamps: list[list[int]], n: int) -> dict[str, list[float]]:
@@ -57,17 +77,23 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--so", required=True)
     ap.add_argument("--out", default=".")
+    ap.add_argument("--events", choices=("cv2", "fp8"), default="cv2", help="the probe's stamps (see above)")
+    ap.add_argument("--point", default="64/4:64:4:12", help="GEOMETRY:BATCH:QLEN:SHARED_BLOCKS")
+    ap.add_argument("--q-dtype", default="bfloat16", choices=("bfloat16", "float8_e4m3fn"))
     a = ap.parse_args()
-    hq, hkv, batch, qlen = 64, 4, 64, 4
-    step = make_step(hq, hkv, batch, qlen, "bfloat16", shared_blocks=12)
+    geo, batch, qlen, shared = a.point.split(":")
+    (hq, hkv), batch, qlen, shared = map(int, geo.split("/")), int(batch), int(qlen), int(shared)
+    step = make_step(hq, hkv, batch, qlen, a.q_dtype, shared_blocks=shared)
     plan = SparseDecodePlanner().prepare(step["block_table"], step["seq_lens"], step["seq_lens_cpu"], qlen,
                                          num_q_heads=hq, num_kv_heads=hkv, page_size=128, topk_blocks=16)
-    plan.kernels[(torch.bfloat16, "float8_e4m3fn")] = loader.load_artifact(a.so)[0]
+    plan.kernels[(getattr(torch, a.q_dtype), "float8_e4m3fn")] = loader.load_artifact(a.so)[0]
     for _ in range(3):  # warm, then the traced run
         plan.partial_o.zero_()
         sparse_decode(step["query"], step["kv_cache"], step["topk"], step["out"], plan, sm_scale=1 / math.sqrt(128))
     torch.cuda.synchronize()
-    ctas = batch * hkv
+    tiles = -(-qlen // (64 // (hq // hkv))) if a.events == "fp8" else 1
+    ctas = batch * hkv * tiles * (plan.num_splits if a.events == "fp8" else 1)
+    interval_fn = intervals_fp8 if a.events == "fp8" else intervals
     words = plan.partial_o.view(-1).view(torch.int32)[: ctas * TRACE_WORDS].view(ctas, TRACE_WORDS).cpu().tolist()
     agg: dict[str, list[float]] = {}
     spans = []
@@ -75,13 +101,14 @@ def main() -> int:
         n, t0 = w[TRACE_BLOCKS * 8], w[TRACE_BLOCKS * 8 + 2]
         stamps = [[(w[8 * i + e] - t0) & 0xFFFFFFFF for e in range(8)] for i in range(min(n, TRACE_BLOCKS))]
         spans.append(max(max(s) for s in stamps) / 1e3 if stamps else 0.0)
-        for k, v in intervals(stamps, n).items():
+        for k, v in interval_fn(stamps, n).items():
             agg.setdefault(k, []).extend(v)
     med = {k: round(statistics.median(v), 3) for k, v in agg.items() if v}
     mean = {k: round(statistics.fmean(v), 3) for k, v in agg.items() if v}
     result = {"environment": environment(), "command": " ".join(sys.argv),
               "date": time.strftime("%Y-%m-%dT%H%M", time.gmtime()),
-              "point": "64/4 B=64 qlen 4, 12/16 shared", "ctas": ctas, "events": EVENTS,
+              "point": a.point, "q_dtype": a.q_dtype, "ctas": ctas,
+              "events": EVENTS_FP8 if a.events == "fp8" else EVENTS,
               "median_us": med, "mean_us": mean, "cta_span_us_median": round(statistics.median(spans), 2),
               "cta_span_us_max": round(max(spans), 2), "cta0_n_union": words[0][TRACE_BLOCKS * 8],
               "cta0_stamps_ns": [[(words[0][8 * i + e] - words[0][TRACE_BLOCKS * 8 + 2]) & 0xFFFFFFFF
