@@ -57,11 +57,12 @@ for step in "$@"; do
     union_k8_trace) # where the fp8-K kernel's MMA warpgroups wait, per block (built: f_union_k8_trace)
               timeout "$(limit 90)" python3 bench/union_trace.py --events fp8 --out $OUT \
                 --so .kv-variants/f_union_k8_trace/64x4/sparse_decode.so 2>&1 | tail -n 11 ;;
-    union_k8_small) # the same kernels at the split shapes (batch 1-16, qlen 1: a tile of one token, the plan's
-              # splits over its blocks, then the split merge), against the planner's 2- and 3-CTA builds
-              timeout "$(limit 330)" python3 bench/kv_format_ab.py run --dir .kv-variants --out $OUT --rounds 7 \
+    union_k8_small) # the same kernels at qlen 1: the split shapes (batch 1-16: a tile of one token, the plan's
+              # splits over its blocks, then the split merge) and the T*Hkv = 256 points (one token per CTA,
+              # two waves at 1 CTA per SM), against the planner's 2- and 3-CTA builds
+              timeout "$(limit 330)" python3 bench/kv_format_ab.py run --dir .kv-variants --out $OUT --rounds 5 \
                 --variants f_c2 f_c3 f_union_k8 f_union_k8_cv \
-                --points 64/4:1:1 8/1:1:1 64/4:4:1 8/1:4:1 64/4:16:1 8/1:16:1 2>&1 | grep -v "^{" | tail -n 8 ;;
+                --points 64/4:1:1 8/1:1:1 64/4:4:1 8/1:4:1 64/4:16:1 8/1:16:1 64/4:64:1 8/1:256:1 2>&1 | grep -v "^{" | tail -n 8 ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
   echo "== $step: $(( $(date +%s) - t0 )) s (total $(( $(date +%s) - START )) s)"
