@@ -47,23 +47,14 @@ from cutlass.tensor_utils import LayoutEnum  # noqa: E402
 
 from kernel_probes import globaltimer_lo, smid  # noqa: E402
 from union_kernel import ptx  # noqa: E402
-from union_wgmma import BAR_ALL, BAR_WG, ROWS, TRACE_BLOCKS, UnionWgmmaKernel, _smem_layout, ld_shared_f32, st_global_b32, \
-    st_shared_f32, store_f16_chunks, swizzled  # noqa: E402
+from union_wgmma import BAR_WG, ROWS, TRACE_BLOCKS, UnionWgmmaKernel, store_f16_chunks, swizzled  # noqa: E402
 from msa_jit.kernels import common  # noqa: E402
-from msa_jit.kernels.sparse_decode_mma import HEAD_DIM, LN2  # noqa: E402
+from msa_jit.kernels.sparse_decode_mma import HEAD_DIM  # noqa: E402
 from msa_jit.kernels.split_merge import SplitMergeKernel  # noqa: E402
 
 ROW_BYTES = 2 * HEAD_DIM  # a key row of the fp8 cache: K bytes [0, 128), V bytes [128, 256)
 E4M3_MAX = 448.0
 AMAX_MIN = 2.0 ** -100  # a row below it is zero in e4m3 (its S is ~0 in the reference too)
-
-
-@dsl_user_op
-def st_global_v2_f32(addr: Int64, v0: Float32, v1: Float32, *, loc=None, ip=None) -> None:
-    """st.global.v2.f32 at an 8-byte aligned address."""
-    ptx._asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), Float32(v0).ir_value(loc=loc, ip=ip),
-                    Float32(v1).ir_value(loc=loc, ip=ip)], "st.global.v2.f32 [$0], {$1, $2};", "l,f,f",
-             side_effects=True)
 
 
 @dsl_user_op
@@ -430,33 +421,22 @@ class UnionFp8Kernel(UnionWgmmaKernel):
             cute.arch.fence_view_async_shared()
 
     def mma_setup_fp8(self, storage, wg: int, tidx):
-        """The MMAs, fragments and accumulators of MMA warpgroup wg (thread tidx of its 128)."""
+        """The MMAs, fragments and accumulators of MMA warpgroup wg (thread tidx of its 128): S on
+        QGMMA from sQ (and sQ_lo) and the staged K tiles, O as union_wgmma's."""
         f8 = cutlass.Float8E4M3FN
-        f16 = cutlass.Float16
         sQ_layout = fp8_tile_layout(ROWS)
         staged = fp8_tile_layout(self.page, self.stages)
-        sV_layout = _smem_layout(self.page)
-        sv_field = storage.sv0 if wg == 0 else storage.sv1
         sQ = storage.sq.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sQlo = storage.sq_lo.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner) if self.split_q else sQ
         sK = storage.bufk.get_tensor(staged.outer, swizzle=staged.inner)
-        sV = sv_field.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        # V as the B operand of O = P V: (N = head dims, K = keys), head dims contiguous (MN-major)
-        sVt = cute.composition(sV, cute.make_ordered_layout((HEAD_DIM, self.page), order=(1, 0)))
         mma_s = sm90.make_trivial_tiled_mma(f8, f8, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
                                             Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(ROWS, self.page))
-        mma_o = sm90.make_trivial_tiled_mma(f16, f16, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
-                                            Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(ROWS, HEAD_DIM),
-                                            a_source=warpgroup.OperandSource.RMEM)
         thr_s = mma_s.get_slice(tidx)
-        thr_o = mma_o.get_slice(tidx)
         return dict(
-            mma_s=mma_s, mma_o=mma_o, thr_s=thr_s, v_smem=ptx.smem_addr(sv_field.data_ptr()),
+            self.o_setup(storage.sv0 if wg == 0 else storage.sv1, tidx),
+            mma_s=mma_s, thr_s=thr_s,
             tSrQ=thr_s.make_fragment_A(thr_s.partition_A(sQ)), tSrQlo=thr_s.make_fragment_A(thr_s.partition_A(sQlo)),
             tSrK=thr_s.make_fragment_B(thr_s.partition_B(sK)),
-            tOrV=thr_o.make_fragment_B(thr_o.partition_B(sVt)),
-            tOrP=thr_o.make_fragment_A(thr_o.partition_shape_A((ROWS, self.page))),
-            acc_o=cute.make_rmem_tensor(thr_o.partition_shape_C((ROWS, HEAD_DIM)), Float32),
         )
 
     @cute.jit
@@ -479,12 +459,7 @@ class UnionFp8Kernel(UnionWgmmaKernel):
         sQScale = storage.qscale.get_tensor(cute.make_layout(ROWS))
         for i in cutlass.range_constexpr(cute.size(acc_o)):
             acc_o[i] = Float32(0.0)
-        row_max = cute.make_rmem_tensor(2, Float32)
-        row_sum = cute.make_rmem_tensor(2, Float32)
-        alpha = cute.make_rmem_tensor(2, Float32)
-        for hh in cutlass.range_constexpr(2):
-            row_max[hh] = -Float32.inf
-            row_sum[hh] = Float32(0.0)
+        row_max, row_sum, alpha = self.row_state()
         for i in range(wg, n_union, 2):
             s = i % self.stages
             blk = sBlocks[first + i]
@@ -538,76 +513,9 @@ class UnionFp8Kernel(UnionWgmmaKernel):
                 self.release_stage_and_refill(mKV, sPages, h, i, n_union, Int32(0), full_ptr, empty_ptr, tidx, True)
             self.trace_block(i, 5, tidx)  # the V tile is complete
             if cutlass.const_expr(self.mma):
-                warpgroup.fence()
-                atom_o = cute.make_mma_atom(m["mma_o"].op)
-                atom_o.set(warpgroup.Field.ACCUMULATE, True)
-                for k in cutlass.range_constexpr(cute.size(tOrP.shape[2])):
-                    cute.gemm(atom_o, acc_o, tOrP[None, None, k], tOrV[None, None, k], acc_o)
-                warpgroup.commit_group()
-                warpgroup.wait_group(0)
+                self.pv_mma(m["mma_o"], acc_o, tOrP, tOrV)
             self.trace_block(i, 6, tidx)  # P V done
             if cutlass.const_expr(self.v_converter):
                 cute.arch.mbarrier_arrive(storage.tiles.data_ptr() + 2 * wg + 1)  # V tile read
-        self.finish_split(mOut, mLse, mPO, mPL, storage, acc_o, row_max, row_sum, bufk, req, h, tile, split,
-                          num_splits, qlen, n_tok, v_scale, tidx, warp, g, c, wg)
-
-    @cute.jit
-    def finish_split(self, mOut, mLse, mPO, mPL, storage, acc_o, row_max, row_sum, buf_addr, req, h, tile, split,
-                     num_splits, qlen, n_tok, v_scale, tidx, warp, g, c, wg: cutlass.Constexpr):
-        """Merge the MMA warpgroups' (m, l, O) through shared memory (union_wgmma's finish); warpgroup
-        0 writes each tile row's out and lse, or with splits its normalized partial O and log2-LSE
-        (kernels/split_merge.py's rows (t * Hkv + h) * num_splits + split)."""
-        G = self.group
-        nthr = self.consumer_threads
-        sRowM = storage.rowm.get_tensor(cute.make_layout(ROWS * 2))
-        sRowL = storage.rowl.get_tensor(cute.make_layout(ROWS * 2))
-        for hh in cutlass.range_constexpr(2):
-            tot = row_sum[hh]
-            tot = tot + cute.arch.shuffle_sync_bfly(tot, 1)
-            tot = tot + cute.arch.shuffle_sync_bfly(tot, 2)
-            m_row = 16 * warp + g + 8 * hh
-            if c == 0:
-                sRowL[ROWS * wg + m_row] = tot
-                sRowM[ROWS * wg + m_row] = row_max[hh]
-        o_other = buf_addr  # MMA warpgroup 1's O (every stage is read by now)
-        cute.arch.barrier(barrier_id=BAR_ALL, number_of_threads=2 * nthr)
-        if cutlass.const_expr(wg == 1):
-            for k in cutlass.range_constexpr(cute.size(acc_o)):
-                st_shared_f32(o_other + (k * nthr + tidx) * 4, acc_o[k])
-        cute.arch.barrier(barrier_id=BAR_ALL, number_of_threads=2 * nthr)
-        if cutlass.const_expr(wg == 0):
-            for hh in cutlass.range_constexpr(2):
-                m_row = 16 * warp + g + 8 * hh
-                j_row = m_row // G
-                if j_row < n_tok:
-                    m_all, l_all = self.merged_stats(sRowM, sRowL, m_row)
-                    m_use = m_all
-                    if m_all == -Float32.inf:
-                        m_use = Float32(0.0)
-                    inv = Float32(0.0)
-                    lse2 = -Float32.inf
-                    if l_all > Float32(0.0):
-                        inv = v_scale / l_all
-                        lse2 = m_all + ptx.lg2(l_all)
-                    w_self = inv * ptx.ex2(row_max[hh] - m_use)
-                    w_other = inv * ptx.ex2(sRowM[ROWS + m_row] - m_use)
-                    t = req * qlen + tile * self.tile_tokens + j_row
-                    hq = h * G + m_row % G
-                    idx = (t * self.hkv + h) * num_splits + split
-                    if c == 0:
-                        if num_splits == 1:
-                            mLse[t, hq] = lse2 * LN2
-                        else:
-                            mPL[idx, m_row % G] = lse2
-                    row = mOut.iterator.toint() + (Int64(t) * Int64(mOut.stride[0]) + Int64(hq * HEAD_DIM + 2 * c)) * 2
-                    prow = mPO.iterator.toint() + (Int64(idx) * Int64(mPO.stride[0])
-                                                   + Int64((m_row % G) * HEAD_DIM + 2 * c)) * 4
-                    for j in cutlass.range_constexpr(HEAD_DIM // 8):
-                        v = []
-                        for e in cutlass.range_constexpr(2):
-                            k = e + 2 * hh + 4 * j
-                            v.append(acc_o[k] * w_self + ld_shared_f32(o_other + (k * nthr + tidx) * 4) * w_other)
-                        if num_splits == 1:
-                            st_global_b32(row + 16 * j, ptx.f32x2_to_bf16x2(v[0], v[1]))
-                        else:
-                            st_global_v2_f32(prow + 32 * j, v[0], v[1])
+        self.finish(mOut, mLse, storage, acc_o, row_max, row_sum, bufk, req, h, tile, qlen, n_tok, v_scale, tidx,
+                    warp, g, c, wg, mPO, mPL, split, num_splits)

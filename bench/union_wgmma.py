@@ -55,6 +55,14 @@ def st_global_b32(addr: Int64, w: Int32, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def st_global_v2_f32(addr: Int64, v0: Float32, v1: Float32, *, loc=None, ip=None) -> None:
+    """st.global.v2.f32 at an 8-byte aligned address."""
+    ptx._asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), Float32(v0).ir_value(loc=loc, ip=ip),
+                    Float32(v1).ir_value(loc=loc, ip=ip)], "st.global.v2.f32 [$0], {$1, $2};", "l,f,f",
+             side_effects=True)
+
+
+@dsl_user_op
 def st_shared_f32(addr: Int32, v: Float32, *, loc=None, ip=None) -> None:
     ptx._asm(None, [Int32(addr).ir_value(loc=loc, ip=ip), Float32(v).ir_value(loc=loc, ip=ip)],
              "st.shared.f32 [$0], $1;", "r,f", side_effects=True)
@@ -394,33 +402,62 @@ class UnionWgmmaKernel(UnionMmaKernel):
                 self.trace_block(i, 3, tidx)
             self.release_stage_and_refill(mKV, sPages, h, i, n_union, buf_addr, full_ptr, empty_ptr, tidx, cw == 0)
 
+    def o_setup(self, sv_field, tidx):
+        """O = P V of one MMA warpgroup (thread tidx of its 128): the MMA (P from registers, the f16
+        V tile in sv_field as an MN-major B), its fragments and the O accumulator."""
+        f16 = cutlass.Float16
+        sV_layout = _smem_layout(self.page)
+        sV = sv_field.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        # V as the B operand of O = P V: (N = head dims, K = keys), head dims contiguous (MN-major)
+        sVt = cute.composition(sV, cute.make_ordered_layout((HEAD_DIM, self.page), order=(1, 0)))
+        mma_o = sm90.make_trivial_tiled_mma(f16, f16, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
+                                            Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(ROWS, HEAD_DIM),
+                                            a_source=warpgroup.OperandSource.RMEM)
+        thr_o = mma_o.get_slice(tidx)
+        return dict(
+            mma_o=mma_o, v_smem=ptx.smem_addr(sv_field.data_ptr()),
+            tOrV=thr_o.make_fragment_B(thr_o.partition_B(sVt)),
+            tOrP=thr_o.make_fragment_A(thr_o.partition_shape_A((ROWS, self.page))),
+            acc_o=cute.make_rmem_tensor(thr_o.partition_shape_C((ROWS, HEAD_DIM)), Float32),
+        )
+
     def mma_setup(self, storage, wg: int, tidx):
         """The MMAs, fragments and accumulators of MMA warpgroup wg (thread tidx of its 128)."""
         f16 = cutlass.Float16
         sQ_layout = _smem_layout(ROWS)
         sK_layout = _smem_layout(self.page)
         sk_field = storage.sk0 if wg == 0 else storage.sk1
-        sv_field = storage.sv0 if wg == 0 else storage.sv1
         sQ = storage.sq.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = sk_field.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sV = sv_field.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        # V as the B operand of O = P V: (N = head dims, K = keys), head dims contiguous (MN-major)
-        sVt = cute.composition(sV, cute.make_ordered_layout((HEAD_DIM, self.page), order=(1, 0)))
         mma_s = sm90.make_trivial_tiled_mma(f16, f16, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
                                             Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(ROWS, self.page))
-        mma_o = sm90.make_trivial_tiled_mma(f16, f16, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
-                                            Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(ROWS, HEAD_DIM),
-                                            a_source=warpgroup.OperandSource.RMEM)
         thr_s = mma_s.get_slice(tidx)
-        thr_o = mma_o.get_slice(tidx)
         return dict(
-            mma_s=mma_s, mma_o=mma_o, thr_s=thr_s, k_smem=ptx.smem_addr(sk_field.data_ptr()),
-            v_smem=ptx.smem_addr(sv_field.data_ptr()),
+            self.o_setup(storage.sv0 if wg == 0 else storage.sv1, tidx),
+            mma_s=mma_s, thr_s=thr_s, k_smem=ptx.smem_addr(sk_field.data_ptr()),
             tSrQ=thr_s.make_fragment_A(thr_s.partition_A(sQ)), tSrK=thr_s.make_fragment_B(thr_s.partition_B(sK)),
-            tOrV=thr_o.make_fragment_B(thr_o.partition_B(sVt)),
-            tOrP=thr_o.make_fragment_A(thr_o.partition_shape_A((ROWS, self.page))),
-            acc_o=cute.make_rmem_tensor(thr_o.partition_shape_C((ROWS, HEAD_DIM)), Float32),
         )
+
+    @staticmethod
+    def row_state():
+        """(row max, row sum, rescale factor) of a thread's two accumulator rows: -inf, 0, unset."""
+        row_max = cute.make_rmem_tensor(2, Float32)
+        row_sum = cute.make_rmem_tensor(2, Float32)
+        for hh in range(2):  # traced inline (not a @cute.jit function)
+            row_max[hh] = -Float32.inf
+            row_sum[hh] = Float32(0.0)
+        return row_max, row_sum, cute.make_rmem_tensor(2, Float32)
+
+    @cute.jit
+    def pv_mma(self, mma_o, acc_o, tOrP, tOrV):
+        """O += P V on the warpgroup's tensor cores; returns when it is done."""
+        warpgroup.fence()
+        atom_o = cute.make_mma_atom(mma_o.op)
+        atom_o.set(warpgroup.Field.ACCUMULATE, True)
+        for k in cutlass.range_constexpr(cute.size(tOrP.shape[2])):
+            cute.gemm(atom_o, acc_o, tOrP[None, None, k], tOrV[None, None, k], acc_o)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
 
     @cute.jit
     def mma_loop(self, mKV, mOut, mLse, storage, sPages, sBlocks, sMasks, sKvLen, buf_addr, full_ptr, empty_ptr,
@@ -438,12 +475,7 @@ class UnionWgmmaKernel(UnionMmaKernel):
         p_words = cute.make_tensor(cute.recast_ptr(tOrP.iterator, dtype=Int32), cute.make_layout(ROWS * self.page // 256))
         for i in cutlass.range_constexpr(cute.size(acc_o)):  # O, rows 16w + g + 8hh, dims 8j + 2c + e: [e + 2hh + 4j]
             acc_o[i] = Float32(0.0)
-        row_max = cute.make_rmem_tensor(2, Float32)
-        row_sum = cute.make_rmem_tensor(2, Float32)
-        alpha = cute.make_rmem_tensor(2, Float32)
-        for hh in cutlass.range_constexpr(2):
-            row_max[hh] = -Float32.inf
-            row_sum[hh] = Float32(0.0)
+        row_max, row_sum, alpha = self.row_state()
         for i in range(wg, n_union, self.wgs):
             use = (i // self.wgs) & 1
             blk = sBlocks[i]
@@ -483,13 +515,7 @@ class UnionWgmmaKernel(UnionMmaKernel):
                 cute.arch.mbarrier_wait(tiles_ptr + 4 * wg + 2, use)  # V tile converted
                 self.trace_block(i, 6, tidx)
             if cutlass.const_expr(self.mma):
-                warpgroup.fence()
-                atom_o = cute.make_mma_atom(m["mma_o"].op)
-                atom_o.set(warpgroup.Field.ACCUMULATE, True)
-                for k in cutlass.range_constexpr(cute.size(tOrP.shape[2])):
-                    cute.gemm(atom_o, acc_o, tOrP[None, None, k], tOrV[None, None, k], acc_o)
-                warpgroup.commit_group()
-                warpgroup.wait_group(0)
+                self.pv_mma(m["mma_o"], acc_o, tOrP, tOrV)
             if cutlass.const_expr(self.converters > 0):
                 cute.arch.mbarrier_arrive(tiles_ptr + 4 * wg + 3)  # V tile read
                 self.trace_block(i, 7, tidx)
@@ -544,8 +570,10 @@ class UnionWgmmaKernel(UnionMmaKernel):
 
     @cute.jit
     def finish(self, mOut, mLse, storage, acc_o, row_max, row_sum, buf_addr, req, h, tile, qlen, n_tok, v_scale,
-               tidx, warp, g, c, wg: cutlass.Constexpr):
-        """Merge the MMA warpgroups' (m, l, O) through shared memory; warpgroup 0 writes out and lse."""
+               tidx, warp, g, c, wg: cutlass.Constexpr, mPO=None, mPL=None, split=0, num_splits=1):
+        """Merge the MMA warpgroups' (m, l, O) through shared memory; warpgroup 0 writes out and lse,
+        or, given the plan's partials and num_splits > 1 (bench/union_fp8.py), this split's
+        normalized O and log2-LSE (kernels/split_merge.py's rows (t * Hkv + h) * num_splits + split)."""
         G = self.group
         nthr = self.consumer_threads
         sRowM = storage.rowm.get_tensor(cute.make_layout(ROWS * self.wgs))
@@ -587,8 +615,17 @@ class UnionWgmmaKernel(UnionMmaKernel):
                         w_other = inv * ptx.ex2(sRowM[ROWS + m_row] - m_use)
                     t = req * qlen + tile * self.tile_tokens + j_row
                     hq = h * G + m_row % G
+                    prow = Int64(0)  # this split's partial row (partials only)
+                    if cutlass.const_expr(mPO is not None):
+                        pidx = (t * self.hkv + h) * num_splits + split
+                        prow = mPO.iterator.toint() + (Int64(pidx) * Int64(mPO.stride[0])
+                                                       + Int64((m_row % G) * HEAD_DIM + 2 * c)) * 4
+                        if c == 0:
+                            if num_splits > 1:
+                                mPL[pidx, m_row % G] = lse2
                     if c == 0:
-                        mLse[t, hq] = lse2 * LN2
+                        if num_splits == 1:
+                            mLse[t, hq] = lse2 * LN2
                     row = mOut.iterator.toint() + (Int64(t) * Int64(mOut.stride[0]) + Int64(hq * HEAD_DIM + 2 * c)) * 2
                     for j in cutlass.range_constexpr(HEAD_DIM // 8):
                         v = []
@@ -598,7 +635,10 @@ class UnionWgmmaKernel(UnionMmaKernel):
                             if cutlass.const_expr(self.wgs > 1):
                                 x = x + ld_shared_f32(o_other + (idx * nthr + tidx) * 4) * w_other
                             v.append(x)
-                        st_global_b32(row + 16 * j, ptx.f32x2_to_bf16x2(v[0], v[1]))
+                        if num_splits == 1:
+                            st_global_b32(row + 16 * j, ptx.f32x2_to_bf16x2(v[0], v[1]))
+                        else:
+                            st_global_v2_f32(prow + 32 * j, v[0], v[1])
 
     @cute.jit
     def merged_stats(self, sRowM, sRowL, n):
