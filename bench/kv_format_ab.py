@@ -269,7 +269,8 @@ def run(a: argparse.Namespace) -> int:
                 p = planner.prepare(bt, sl, slc, qlen, **kw)
                 for s in steps[:n]:
                     cache = s["kv_nvfp4"] if kv == "nvfp4" else s["kv_cache"]
-                    sparse_decode(s["query_fp8"] if qd == Q8 else s["query"], cache, s["topk"], s["out"], p, sm_scale=1 / math.sqrt(128),
+                    query = s["query_fp8"] if qd == Q8 else s["query"]
+                    sparse_decode(query, cache, s["topk"], s["out"], p, sm_scale=1 / math.sqrt(128),
                                   k_scale=one, v_scale=one)
             return step
 
