@@ -150,6 +150,8 @@ VARIANTS = {  # name -> (kv dtype, kernel options)
     "q8_f_c3": ("float8_e4m3fn", dict(C3, stages=2, q_dtype=Q8)),
     "q8_union": ("float8_e4m3fn", {"union_fp8": True, "q_dtype": Q8}),
     "q8_union_cv": ("float8_e4m3fn", {"union_fp8": True, "v_converter": True, "q_dtype": Q8}),
+    # one MMA warpgroup and 2 stages per CTA, 2 CTAs per SM: one wave at the spec-decode point
+    "q8_union_w1": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "q_dtype": Q8}),
     "q8_union_noconv": ("float8_e4m3fn", {"union_fp8": True, "convert": False, "q_dtype": Q8}),  # wrong results
     "q8_union_nomma": ("float8_e4m3fn", {"union_fp8": True, "mma": False, "q_dtype": Q8}),  # wrong results
 }

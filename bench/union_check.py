@@ -24,9 +24,9 @@ from msa_jit.testing import compare_with_reference, make_case  # noqa: E402
 
 KV = {"f_union": "float8_e4m3fn", "n_union": "nvfp4", "f_union_wg": "float8_e4m3fn", "f_union_wg2": "float8_e4m3fn", "f_union_cv": "float8_e4m3fn", "f_union_cv2": "float8_e4m3fn", "f_union_ring": "float8_e4m3fn", "f_union_direct": "float8_e4m3fn", "f_union_ring1": "float8_e4m3fn",
       "f_union_k8": "float8_e4m3fn", "f_union_k8_cv": "float8_e4m3fn", "q8_union": "float8_e4m3fn",
-      "q8_union_cv": "float8_e4m3fn"}
+      "q8_union_cv": "float8_e4m3fn", "q8_union_w1": "float8_e4m3fn"}
 # variants built for an fp8 query (bench/kv_format_ab.py's q8_*); the others take bf16
-Q8_VARIANTS = {"q8_union", "q8_union_cv"}
+Q8_VARIANTS = {"q8_union", "q8_union_cv", "q8_union_w1"}
 # (batch, qlen, padded, adversarial, shared slots)
 CASES = [(3, 1, False, False, 0), (4, 2, True, False, 12), (5, 3, False, True, 0), (8, 4, True, False, 12),
          (2, 8, False, False, 12), (6, 5, True, True, 8), (1, 4, False, False, 16), (16, 4, False, False, 0)]

@@ -26,7 +26,8 @@ trace=True: thread 0 of each MMA warpgroup stamps %globaltimer at 7 events of ea
 
 Roles: two MMA warpgroups take the union blocks in turn (block i: warpgroup i % 2); each
 converts its block's V, and its thread 0 refills the stage once the warpgroup has read it.
-v_converter=True: a third warpgroup converts every V instead. Probe options (timing only,
+v_converter=True: a third warpgroup converts every V instead. warpgroups=1 (fp8 query): one MMA
+warpgroup and 2 stages per CTA, 2 CTAs per SM (108-110 KiB each). Probe options (timing only,
 results wrong): convert=False leaves V unconverted, mma=False skips the MMAs.
 """
 
@@ -113,12 +114,15 @@ def swizzled_fp8(row, col):
 class UnionFp8Kernel(UnionWgmmaKernel):
     """One CTA per (request, KV head, 64 // G tokens): S on fp8 wgmma from the TMA'd K."""
 
-    def __init__(self, *, union_fp8: bool = True, stages: int = 4, convert: bool = True, mma: bool = True,
-                 v_converter: bool = False, **options):
+    def __init__(self, *, union_fp8: bool = True, stages: int | None = None, warpgroups: int = 2,
+                 convert: bool = True, mma: bool = True, v_converter: bool = False, **options):
         options.pop("union_wgmma", None)
         self.query_dtype = options.get("q_dtype", "bfloat16")  # both: an fp8 query as given, bf16 split
-        super().__init__(stages=stages, warpgroups=2, converter=int(v_converter), convert=convert, mma=mma,
-                         **options)
+        # warpgroups=1: one MMA warpgroup and 2 stages per CTA, 2 CTAs per SM (the same stages and MMA
+        # warpgroups per SM as the default 1 x 2 x 4 stages, in one wave of 2 x 132 CTAs where that
+        # takes two, so one CTA's index chain and first copies overlap the other's stream); fp8 query
+        super().__init__(stages=stages or (4 if warpgroups == 2 else 2), warpgroups=warpgroups,
+                         converter=int(v_converter), convert=convert, mma=mma, **options)
         # v_converter: a third warpgroup (0) converts every block's V into the f16 tile of the MMA
         # warpgroup that takes the block (i % 2), handed over by mbarriers; a stage is read by the
         # converter (V) and by one MMA warpgroup (K), whose thread 0 refills it
@@ -130,6 +134,10 @@ class UnionFp8Kernel(UnionWgmmaKernel):
         self.tile_bytes = self.page * HEAD_DIM  # a K or V tile of a stage (fp8)
         if self.stage_bytes != 2 * self.tile_bytes:
             raise ValueError("the fp8 union probe needs the fp8 cache's 256-byte key rows")
+        if warpgroups == 1:
+            if self.split_q:  # its two Q tiles leave the CTA 1.6 KiB over half an SM's shared memory
+                raise ValueError("warpgroups=1 (2 CTAs per SM) takes an fp8 query")
+            self.ctas_per_sm = 2
 
     def storage_type(self):
         f8 = cutlass.Float8E4M3FN
@@ -144,7 +152,7 @@ class UnionFp8Kernel(UnionWgmmaKernel):
             sq_lo: cute.struct.Align[cute.struct.MemRange[f8, ROWS * HEAD_DIM if self.split_q else 16], 1024]
             qscale: cute.struct.MemRange[Float32, ROWS]
             sv0: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, v16], 1024]
-            sv1: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, v16], 1024]
+            sv1: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, v16 if self.wgs > 1 else 8], 1024]
             full: cute.struct.Align[cute.struct.MemRange[Int64, self.stages], 8]
             empty: cute.struct.Align[cute.struct.MemRange[Int64, self.stages], 8]
             # v_converter: V tile b full / empty (mbarriers 2b, 2b + 1)
@@ -156,8 +164,8 @@ class UnionFp8Kernel(UnionWgmmaKernel):
             blocks: cute.struct.MemRange[Int32, self.union_max]
             masks: cute.struct.MemRange[Int32, self.union_max]
             kvlen: cute.struct.MemRange[Int32, self.tile_tokens]
-            rowm: cute.struct.MemRange[Float32, ROWS * 2]
-            rowl: cute.struct.MemRange[Float32, ROWS * 2]
+            rowm: cute.struct.MemRange[Float32, ROWS * self.wgs]
+            rowl: cute.struct.MemRange[Float32, ROWS * self.wgs]
 
         return Storage
 
@@ -311,7 +319,7 @@ class UnionFp8Kernel(UnionWgmmaKernel):
         else:
             if warp < 4:
                 self.mma_loop_fp8(*args, tidx, 0)
-            else:
+            elif cutlass.const_expr(self.wgs > 1):
                 self.mma_loop_fp8(*args, tidx - 128, 1)
 
     @cute.jit
@@ -460,7 +468,7 @@ class UnionFp8Kernel(UnionWgmmaKernel):
         for i in cutlass.range_constexpr(cute.size(acc_o)):
             acc_o[i] = Float32(0.0)
         row_max, row_sum, alpha = self.row_state()
-        for i in range(wg, n_union, 2):
+        for i in range(wg, n_union, self.wgs):
             s = i % self.stages
             blk = sBlocks[first + i]
             mask = sMasks[first + i]
