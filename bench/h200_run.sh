@@ -46,12 +46,13 @@ for step in "$@"; do
     per_layer_ab) python3 bench/per_layer_ab.py --out $OUT 2>&1 | tee $OUT/per-layer-ab.log | tail -n 26 ;;
     host_ab) timeout "$(limit 60)" python3 bench/host_ab.py --out $OUT 2>&1 | tail -n 46 ;;
     union_k8) # bench/union_fp8.py (carry .kv-variants built by: python bench/kv_format_ab.py build --variants
-              # f_c3 f_union_k8 f_union_k8_cv f_union_k8_noconv q8_f_c3 q8_union q8_union_cv q8_union_w1 q8_union_noconv)
+              # f_c3 f_union_k8 f_union_k8_cv f_union_k8_w1 f_union_k8_noconv q8_f_c3 q8_union q8_union_cv q8_union_w1
+              # q8_union_noconv)
               timeout "$(limit 150)" python3 bench/union_check.py --dir .kv-variants \
-                --variants f_union_k8 f_union_k8_cv q8_union q8_union_cv q8_union_w1 \
+                --variants f_union_k8 f_union_k8_cv f_union_k8_w1 q8_union q8_union_cv q8_union_w1 \
                 > $OUT/union-k8-check.log 2>&1; echo "union check rc=$?"; tail -n 3 $OUT/union-k8-check.log
               timeout "$(limit 330)" python3 bench/kv_format_ab.py run --dir .kv-variants --out $OUT --rounds 5 \
-                --variants f_c3 f_union_k8 f_union_k8_cv f_union_k8_noconv q8_f_c3 q8_union q8_union_cv q8_union_w1 \
+                --variants f_c3 f_union_k8 f_union_k8_cv f_union_k8_w1 f_union_k8_noconv q8_f_c3 q8_union q8_union_cv q8_union_w1 \
                   q8_union_noconv \
                 --keep f_union_k8_noconv q8_union_noconv \
                 --points 64/4:64:4:12 64/4:64:4:0 64/4:64:2:12 64/4:64:8:12 8/1:256:4:12 2>&1 | grep -v "^{" | tail -n 12 ;;

@@ -144,6 +144,8 @@ VARIANTS = {  # name -> (kv dtype, kernel options)
     "f_union_k8_noconv": ("float8_e4m3fn", {"union_fp8": True, "convert": False}),  # wrong results
     # ... with V converted by a third warpgroup (setmaxnreg) instead of each MMA warpgroup
     "f_union_k8_cv": ("float8_e4m3fn", {"union_fp8": True, "v_converter": True}),
+    # one MMA warpgroup, 2 stages and V in two 64-key halves per CTA: 2 CTAs per SM with a bf16 query
+    "f_union_k8_w1": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "v_halves": True}),
     # built for bench/union_trace.py --events fp8 only (its stamps overwrite the plan's partials)
     "f_union_k8_trace": ("float8_e4m3fn", {"union_fp8": True, "trace": True}),
     "q8_f_c2": ("float8_e4m3fn", {"q_dtype": Q8}),

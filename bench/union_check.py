@@ -23,7 +23,7 @@ from msa_jit import SparseDecodePlanner, loader, sparse_decode  # noqa: E402
 from msa_jit.testing import compare_with_reference, make_case  # noqa: E402
 
 KV = {"f_union": "float8_e4m3fn", "n_union": "nvfp4", "f_union_wg": "float8_e4m3fn", "f_union_wg2": "float8_e4m3fn", "f_union_cv": "float8_e4m3fn", "f_union_cv2": "float8_e4m3fn", "f_union_ring": "float8_e4m3fn", "f_union_direct": "float8_e4m3fn", "f_union_ring1": "float8_e4m3fn",
-      "f_union_k8": "float8_e4m3fn", "f_union_k8_cv": "float8_e4m3fn", "q8_union": "float8_e4m3fn",
+      "f_union_k8": "float8_e4m3fn", "f_union_k8_cv": "float8_e4m3fn", "f_union_k8_w1": "float8_e4m3fn", "q8_union": "float8_e4m3fn",
       "q8_union_cv": "float8_e4m3fn", "q8_union_w1": "float8_e4m3fn"}
 # variants built for an fp8 query (bench/kv_format_ab.py's q8_*); the others take bf16
 Q8_VARIANTS = {"q8_union", "q8_union_cv", "q8_union_w1"}

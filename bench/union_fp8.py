@@ -26,8 +26,9 @@ trace=True: thread 0 of each MMA warpgroup stamps %globaltimer at 7 events of ea
 
 Roles: two MMA warpgroups take the union blocks in turn (block i: warpgroup i % 2); each
 converts its block's V, and its thread 0 refills the stage once the warpgroup has read it.
-v_converter=True: a third warpgroup converts every V instead. warpgroups=1 (fp8 query): one MMA
-warpgroup and 2 stages per CTA, 2 CTAs per SM (108-110 KiB each). Probe options (timing only,
+v_converter=True: a third warpgroup converts every V instead. warpgroups=1: one MMA warpgroup
+and 2 stages per CTA, 2 CTAs per SM (108-110 KiB each with an fp8 query; a bf16 query's two Q tiles
+fit only with v_halves=True, V converted and multiplied in two 64-key halves: 100-102 KiB). Probe options (timing only,
 results wrong): convert=False leaves V unconverted, mma=False skips the MMAs.
 """
 
@@ -115,7 +116,8 @@ class UnionFp8Kernel(UnionWgmmaKernel):
     """One CTA per (request, KV head, 64 // G tokens): S on fp8 wgmma from the TMA'd K."""
 
     def __init__(self, *, union_fp8: bool = True, stages: int | None = None, warpgroups: int = 2,
-                 convert: bool = True, mma: bool = True, v_converter: bool = False, **options):
+                 convert: bool = True, mma: bool = True, v_converter: bool = False, v_halves: bool = False,
+                 **options):
         options.pop("union_wgmma", None)
         self.query_dtype = options.get("q_dtype", "bfloat16")  # both: an fp8 query as given, bf16 split
         # warpgroups=1: one MMA warpgroup and 2 stages per CTA, 2 CTAs per SM (the same stages and MMA
@@ -134,15 +136,21 @@ class UnionFp8Kernel(UnionWgmmaKernel):
         self.tile_bytes = self.page * HEAD_DIM  # a K or V tile of a stage (fp8)
         if self.stage_bytes != 2 * self.tile_bytes:
             raise ValueError("the fp8 union probe needs the fp8 cache's 256-byte key rows")
+        # v_halves (warpgroups=1): V converted and multiplied in two 64-key halves through a 16 KiB
+        # f16 tile, so a bf16 query's two Q tiles fit 2 CTAs per SM too (the stage is held until its
+        # second half is converted)
+        self.v_keys = self.page // 2 if v_halves else self.page
+        if v_halves and (warpgroups != 1 or v_converter):
+            raise ValueError("v_halves needs warpgroups=1 and no V converter")
         if warpgroups == 1:
-            if self.split_q:  # its two Q tiles leave the CTA 1.6 KiB over half an SM's shared memory
-                raise ValueError("warpgroups=1 (2 CTAs per SM) takes an fp8 query")
+            if self.split_q and not v_halves:  # its two Q tiles leave the CTA 1.6 KiB over half an SM
+                raise ValueError("warpgroups=1 (2 CTAs per SM) takes an fp8 query, or a bf16 one with v_halves")
             self.ctas_per_sm = 2
 
     def storage_type(self):
         f8 = cutlass.Float8E4M3FN
         stage_tiles = self.stages * self.tile_bytes
-        v16 = self.page * HEAD_DIM
+        v16 = self.v_keys * HEAD_DIM
 
         @cute.struct
         class Storage:
@@ -416,15 +424,15 @@ class UnionFp8Kernel(UnionWgmmaKernel):
         cute.arch.fence_view_async_shared()
 
     @cute.jit
-    def convert_v(self, v_stage, dst_smem, tidx, fence: cutlass.Constexpr = True):
-        """The stage's fp8 V tile (TMA-swizzled key rows) -> an f16 tile (union_wgmma's layout), by
-        128 threads: thread = 16 dims of keys tidx // 8 + 16 r; fenced for the MMAs that read it
-        (fence=False: the caller fences)."""
+    def convert_v(self, v_stage, dst_smem, tidx, fence: cutlass.Constexpr = True, half: cutlass.Constexpr = 0):
+        """The stage's fp8 V tile (TMA-swizzled key rows; with v_halves its keys 64 half ..) -> an
+        f16 tile of v_keys rows (union_wgmma's layout), by 128 threads: thread = 16 dims of keys
+        tidx // 8 + 16 r; fenced for the MMAs that read it (fence=False: the caller fences)."""
         c8 = tidx % 8
-        for r in cutlass.range_constexpr(self.page // 16 if self.convert else 0):
+        for r in cutlass.range_constexpr(self.v_keys // 16 if self.convert else 0):
             key = tidx // 8 + 16 * r
-            w = ptx.ld_shared_v4(v_stage + swizzled_fp8(key, 16 * c8))
-            store_f16_chunks(dst_smem + swizzled(self.page, key, 16 * c8), w, c8)
+            w = ptx.ld_shared_v4(v_stage + swizzled_fp8(key + self.v_keys * half, 16 * c8))
+            store_f16_chunks(dst_smem + swizzled(self.v_keys, key, 16 * c8), w, c8)
         if cutlass.const_expr(fence):
             cute.arch.fence_view_async_shared()
 
@@ -441,7 +449,7 @@ class UnionFp8Kernel(UnionWgmmaKernel):
                                             Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(ROWS, self.page))
         thr_s = mma_s.get_slice(tidx)
         return dict(
-            self.o_setup(storage.sv0 if wg == 0 else storage.sv1, tidx),
+            self.o_setup(storage.sv0 if wg == 0 else storage.sv1, tidx, self.v_keys),
             mma_s=mma_s, thr_s=thr_s,
             tSrQ=thr_s.make_fragment_A(thr_s.partition_A(sQ)), tSrQlo=thr_s.make_fragment_A(thr_s.partition_A(sQlo)),
             tSrK=thr_s.make_fragment_B(thr_s.partition_B(sK)),
@@ -500,7 +508,9 @@ class UnionFp8Kernel(UnionWgmmaKernel):
             self.trace_block(i, 3, tidx)  # S done
             if cutlass.const_expr(not self.v_converter):
                 cute.arch.fence_view_async_shared()
-                self.release_stage_and_refill(mKV, sPages, h, i, n_union, Int32(0), full_ptr, empty_ptr, tidx, True)
+                if cutlass.const_expr(self.v_keys == self.page):
+                    self.release_stage_and_refill(mKV, sPages, h, i, n_union, Int32(0), full_ptr, empty_ptr, tidx,
+                                                  True)
             if cutlass.const_expr(self.mma):
                 for hh in cutlass.range_constexpr(2):  # rows 16 warp + g + 8 hh
                     f = qk_scale_log2
@@ -522,6 +532,13 @@ class UnionFp8Kernel(UnionWgmmaKernel):
             self.trace_block(i, 5, tidx)  # the V tile is complete
             if cutlass.const_expr(self.mma):
                 self.pv_mma(m["mma_o"], acc_o, tOrP, tOrV)
+            if cutlass.const_expr(self.v_keys < self.page):  # ---- the second half of V, then of P V
+                cute.arch.barrier(barrier_id=bar, number_of_threads=nthr)  # every warp's first half is done
+                self.convert_v(bufv + s * self.tile_bytes, m["v_smem"], tidx, half=1)
+                self.release_stage_and_refill(mKV, sPages, h, i, n_union, Int32(0), full_ptr, empty_ptr, tidx, True)
+                cute.arch.barrier(barrier_id=bar, number_of_threads=nthr)
+                if cutlass.const_expr(self.mma):
+                    self.pv_mma(m["mma_o"], acc_o, tOrP, tOrV, cute.size(tOrV.shape[2]))
             self.trace_block(i, 6, tidx)  # P V done
             if cutlass.const_expr(self.v_converter):
                 cute.arch.mbarrier_arrive(storage.tiles.data_ptr() + 2 * wg + 1)  # V tile read

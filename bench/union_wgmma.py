@@ -402,14 +402,16 @@ class UnionWgmmaKernel(UnionMmaKernel):
                 self.trace_block(i, 3, tidx)
             self.release_stage_and_refill(mKV, sPages, h, i, n_union, buf_addr, full_ptr, empty_ptr, tidx, cw == 0)
 
-    def o_setup(self, sv_field, tidx):
+    def o_setup(self, sv_field, tidx, v_keys: int = 0):
         """O = P V of one MMA warpgroup (thread tidx of its 128): the MMA (P from registers, the f16
-        V tile in sv_field as an MN-major B), its fragments and the O accumulator."""
+        V tile of v_keys keys (default: the page) in sv_field as an MN-major B), its fragments (P's
+        for the whole page) and the O accumulator."""
         f16 = cutlass.Float16
-        sV_layout = _smem_layout(self.page)
+        v_keys = v_keys or self.page
+        sV_layout = _smem_layout(v_keys)
         sV = sv_field.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         # V as the B operand of O = P V: (N = head dims, K = keys), head dims contiguous (MN-major)
-        sVt = cute.composition(sV, cute.make_ordered_layout((HEAD_DIM, self.page), order=(1, 0)))
+        sVt = cute.composition(sV, cute.make_ordered_layout((HEAD_DIM, v_keys), order=(1, 0)))
         mma_o = sm90.make_trivial_tiled_mma(f16, f16, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
                                             Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(ROWS, HEAD_DIM),
                                             a_source=warpgroup.OperandSource.RMEM)
@@ -449,13 +451,14 @@ class UnionWgmmaKernel(UnionMmaKernel):
         return row_max, row_sum, cute.make_rmem_tensor(2, Float32)
 
     @cute.jit
-    def pv_mma(self, mma_o, acc_o, tOrP, tOrV):
-        """O += P V on the warpgroup's tensor cores; returns when it is done."""
+    def pv_mma(self, mma_o, acc_o, tOrP, tOrV, p_step0: cutlass.Constexpr = 0):
+        """O += P V on the warpgroup's tensor cores, over tOrV's k-steps (P's from p_step0); returns
+        when it is done."""
         warpgroup.fence()
         atom_o = cute.make_mma_atom(mma_o.op)
         atom_o.set(warpgroup.Field.ACCUMULATE, True)
-        for k in cutlass.range_constexpr(cute.size(tOrP.shape[2])):
-            cute.gemm(atom_o, acc_o, tOrP[None, None, k], tOrV[None, None, k], acc_o)
+        for k in cutlass.range_constexpr(cute.size(tOrV.shape[2])):
+            cute.gemm(atom_o, acc_o, tOrP[None, None, p_step0 + k], tOrV[None, None, k], acc_o)
         warpgroup.commit_group()
         warpgroup.wait_group(0)
 

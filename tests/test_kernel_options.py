@@ -242,19 +242,21 @@ def test_union_wgmma_probe_compiles_to_warpgroup_mmas(tmp_path, options):
 
 @pytest.mark.parametrize("heads,q_dtype,v_converter,warpgroups", [
     ((64, 4), "bfloat16", False, 2), ((8, 1), "bfloat16", False, 2), ((64, 4), "float8_e4m3fn", False, 2),
-    ((8, 1), "float8_e4m3fn", True, 2), ((64, 4), "bfloat16", True, 2), ((8, 1), "float8_e4m3fn", False, 1)])
+    ((8, 1), "float8_e4m3fn", True, 2), ((64, 4), "bfloat16", True, 2), ((8, 1), "float8_e4m3fn", False, 1),
+    ((8, 1), "bfloat16", False, 1)])
 def test_union_fp8_probe_reads_k_by_tma_into_fp8_warpgroup_mmas(tmp_path, heads, q_dtype, v_converter, warpgroups):
     # bench/union_fp8.py: K and V of each union block laid down by two TMA copies (3-D where Hkv is 1),
     # S on fp8 warpgroup MMAs (QGMMA) straight from them (a bf16 query as two e4m3 halves: twice
     # the QGMMAs), O = P V on f16 ones (HGMMA); one launch, no local memory; fp8 caches only. With a V
     # converter warpgroup, setmaxnreg gives its registers to the MMA warpgroups. A plan's splits take
     # ranges of the tile's union blocks and leave partials to kernels/split_merge.py. One MMA warpgroup
-    # (fp8 query): 2 CTAs fit an SM
+    # (fp8 query; a bf16 one with V in two 64-key halves): 2 CTAs fit an SM
     sys.path.insert(0, str(BENCH))
     from union_fp8 import UnionFp8Kernel
 
     cfg = SparseDecodeConfig(num_q_heads=heads[0], num_kv_heads=heads[1], q_dtype=q_dtype, arch="sm_90a")
-    options = {"union_fp8": True, "v_converter": v_converter, "warpgroups": warpgroups}
+    halves = warpgroups == 1 and q_dtype == "bfloat16"
+    options = {"union_fp8": True, "v_converter": v_converter, "warpgroups": warpgroups, "v_halves": halves}
     compile_sparse_decode(cfg, tmp_path, kernel_options=options, kernel_class=UnionFp8Kernel)
     (cubin,) = sass.extract_cubins(tmp_path / "sparse_decode.so")
     names = sorted(r.name for r in sass.kernel_resources(cubin))
@@ -269,9 +271,12 @@ def test_union_fp8_probe_reads_k_by_tma_into_fp8_warpgroup_mmas(tmp_path, heads,
     assert "LDL" not in text and "STL" not in text
     assert ("USETMAXREG" in text) == v_converter
     if warpgroups == 1:  # two CTAs per SM: each at most half of the 228 KiB less 1 KiB reserved per CTA
-        kernel = UnionFp8Kernel(num_q_heads=heads[0], num_kv_heads=heads[1], q_dtype=q_dtype, warpgroups=1)
+        kernel = UnionFp8Kernel(num_q_heads=heads[0], num_kv_heads=heads[1], q_dtype=q_dtype, warpgroups=1,
+                                v_halves=halves)
         assert kernel.storage_type().size_in_bytes() + 1024 <= (228 - 2) * 1024 // 2
     with pytest.raises(ValueError, match="fp8 cache"):
         UnionFp8Kernel(num_q_heads=64, num_kv_heads=4, kv_dtype="nvfp4")
     with pytest.raises(ValueError, match="fp8 query"):
         UnionFp8Kernel(num_q_heads=64, num_kv_heads=4, warpgroups=1)
+    with pytest.raises(ValueError, match="v_halves"):
+        UnionFp8Kernel(num_q_heads=64, num_kv_heads=4, v_halves=True)
