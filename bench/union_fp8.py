@@ -459,8 +459,8 @@ class UnionFp8Kernel(UnionWgmmaKernel):
     def mma_loop_fp8(self, mKV, mOut, mLse, mPO, mPL, storage, sPages, sBlocks, sMasks, sKvLen, full_ptr,
                      empty_ptr, req, h, tile, split, num_splits, qlen, n_tok, first, n_union, qk_scale_log2, v_scale,
                      tidx, wg: cutlass.Constexpr):
-        """MMA warpgroup wg (thread tidx of its 128): the split's blocks wg, wg + 2, ... of n_union
-        (union blocks first + i); warpgroup 0 merges the two warpgroups' (m, l, O) and stores."""
+        """MMA warpgroup wg (thread tidx of its 128): the split's blocks wg, wg + wgs, ... of n_union
+        (union blocks first + i); warpgroup 0 merges the warpgroups' (m, l, O) and stores."""
         bar = BAR_WG + wg
         nthr = self.consumer_threads
         warp = cute.arch.make_warp_uniform(tidx // 32)
