@@ -22,11 +22,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from msa_jit import SparseDecodePlanner, loader, sparse_decode  # noqa: E402
 from msa_jit.testing import compare_with_reference, make_case  # noqa: E402
 
-KV = {"f_union": "float8_e4m3fn", "n_union": "nvfp4", "f_union_wg": "float8_e4m3fn", "f_union_wg2": "float8_e4m3fn", "f_union_cv": "float8_e4m3fn", "f_union_cv2": "float8_e4m3fn", "f_union_ring": "float8_e4m3fn", "f_union_direct": "float8_e4m3fn", "f_union_ring1": "float8_e4m3fn",
-      "f_union_k8": "float8_e4m3fn", "f_union_k8_cv": "float8_e4m3fn", "f_union_k8_w1": "float8_e4m3fn", "q8_union": "float8_e4m3fn",
-      "q8_union_cv": "float8_e4m3fn", "q8_union_w1": "float8_e4m3fn"}
-# variants built for an fp8 query (bench/kv_format_ab.py's q8_*); the others take bf16
-Q8_VARIANTS = {"q8_union", "q8_union_cv", "q8_union_w1"}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kv_format_ab import VARIANTS  # noqa: E402
+from kv_format_ab import _q_dtype as q_dtype_of  # noqa: E402
+
+# the union builds whose results are meant to be right; their cache and query dtypes are
+# bench/kv_format_ab.py's (one table of variants)
+UNION_VARIANTS = ("f_union", "n_union", "f_union_wg", "f_union_wg2", "f_union_cv", "f_union_cv2", "f_union_ring",
+                  "f_union_direct", "f_union_ring1", "f_union_k8", "f_union_k8_cv", "f_union_k8_w1", "q8_union",
+                  "q8_union_cv", "q8_union_w1")
 # (batch, qlen, padded, adversarial, shared slots)
 CASES = [(3, 1, False, False, 0), (4, 2, True, False, 12), (5, 3, False, True, 0), (8, 4, True, False, 12),
          (2, 8, False, False, 12), (6, 5, True, True, 8), (1, 4, False, False, 16), (16, 4, False, False, 0)]
@@ -45,10 +49,9 @@ def share_slots(case, shared: int) -> None:
 
 
 def check(fn, name: str, hq: int, hkv: int) -> list[str]:
-    kv = KV[name]
+    kv, q_dtype = VARIANTS[name][0], getattr(torch, q_dtype_of(name))
     problems = []
     for i, (batch, qlen, padded, adversarial, shared) in enumerate(CASES):
-        q_dtype = torch.float8_e4m3fn if name in Q8_VARIANTS else torch.bfloat16
         case = make_case(batch, qlen, hq, hkv, q_dtype=q_dtype, seed=100 + i, device="cuda", padded=padded,
                          adversarial=adversarial, transposed_topk=i % 2 == 1,
                          kv_dtype="nvfp4" if kv == "nvfp4" else "fp8")
@@ -76,7 +79,7 @@ def check(fn, name: str, hq: int, hkv: int) -> list[str]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default=".kv-variants")
-    ap.add_argument("--variants", nargs="+", default=list(KV), choices=list(KV))
+    ap.add_argument("--variants", nargs="+", default=list(UNION_VARIANTS), choices=UNION_VARIANTS)
     a = ap.parse_args()
     problems = []
     for name in a.variants:

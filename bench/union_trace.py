@@ -91,8 +91,8 @@ def main() -> int:
         plan.partial_o.zero_()
         sparse_decode(step["query"], step["kv_cache"], step["topk"], step["out"], plan, sm_scale=1 / math.sqrt(128))
     torch.cuda.synchronize()
-    tiles = -(-qlen // (64 // (hq // hkv))) if a.events == "fp8" else 1
-    ctas = batch * hkv * tiles * (plan.num_splits if a.events == "fp8" else 1)
+    tiles = -(-qlen // (64 // (hq // hkv)))  # both probes: a CTA per (request, KV head, 64 // G tokens)
+    ctas = batch * hkv * tiles * (plan.num_splits if a.events == "fp8" else 1)  # only union_fp8 splits
     interval_fn = intervals_fp8 if a.events == "fp8" else intervals
     words = plan.partial_o.view(-1).view(torch.int32)[: ctas * TRACE_WORDS].view(ctas, TRACE_WORDS).cpu().tolist()
     agg: dict[str, list[float]] = {}
