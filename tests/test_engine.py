@@ -342,6 +342,27 @@ def test_kv_cache_layout_dispatch():
         engine.kv_cache_layout([1, 2])
 
 
+@pytest.mark.parametrize("mode", ["grad", "no_grad", "inference_mode"])
+def test_adapter_runs_without_grad_in_every_mode(monkeypatch, mode):
+    """The engine's module wraps both calls in @torch.no_grad(); the adapter enters that guard
+    only when grad mode is on (under vLLM's inference_mode it would only cost), so the op and the
+    planner see grad disabled in every mode, and the caller's mode is restored after."""
+    seen = []
+    monkeypatch.setattr(engine, "sparse_decode", lambda *a, **k: seen.append(("op", torch.is_grad_enabled())))
+    c = make_case(2, 1, 8, 1, q_dtype=FP8, seed=21)
+    cache = MSACutlassDecodePlanCache()
+    real_prepare = cache._planner.prepare
+    monkeypatch.setattr(cache._planner, "prepare",
+                        lambda *a, **k: seen.append(("prepare", torch.is_grad_enabled())) or real_prepare(*a, **k))
+    ctx = {"grad": torch.enable_grad, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}[mode]
+    with ctx():
+        md = prepare_decode_metadata(c.block_table, c.seq_lens, c.seq_lens_cpu, c.qlen, plan_cache=cache,
+                                     **c.prepare_kwargs())
+        _decode_call(c, md, c.kv_cache, c.new_out())
+        assert torch.is_grad_enabled() is (mode == "grad")
+    assert seen == [("prepare", False), ("op", False)]
+
+
 def _decode_call(c, md, kv, out, **kw):
     msa_cutlass_sparse_decode(c.query, kv, c.topk, out, md, scale=c.sm_scale, q_scale_float=c.q_scale,
                               k_scale_float=c.k_scale, v_scale_float=c.v_scale, **kw)
