@@ -54,7 +54,9 @@ from .targets import check_targets, format_targets
 from .timing import (
     copy_bandwidth,
     event_seconds,
+    interleaved_issue_us,
     interleaved_per_call_us,
+    issue_us,
     median_in_graph,
     per_call_us,
     time_graph,
@@ -66,7 +68,8 @@ __all__ = [
     "GRID_QLENS", "NUM_LAYERS", "NVFP4_BLOCK_BYTES", "NVFP4_KV", "QUICK_QLENS", "QUICK_SHARED_POINTS",
     "RESULTS_DIR", "SHARED_BLOCKS", "SHARED_POINTS", "BenchPoint", "RowSpec", "StepIndices", "add_speedups",
     "block_bytes", "check_targets", "compare_with_baseline", "copy_bandwidth", "decode", "environment",
-    "event_seconds", "format_targets", "grid_rows", "host_overheads", "interleaved_per_call_us", "latest_result",
+    "event_seconds", "format_targets", "grid_rows", "host_overheads", "interleaved_issue_us", "interleaved_per_call_us",
+    "issue_us", "latest_result",
     "main", "make_indices", "make_kv_cache", "make_step", "measure_row", "median_in_graph", "per_call_us",
     "per_layer", "plot", "prepare_args", "readme_table", "regressions", "run_grid", "time_graph", "time_in_graph",
 ]

@@ -29,10 +29,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from ..geometry import HEAD_DIM
 from .grid import (FLOOR_BATCHES, GRID_BATCHES, GRID_GEOMETRIES, GRID_KV_DTYPES, GRID_QLENS, NUM_LAYERS,
                    SHARED_BLOCKS, SHARED_POINTS, RowSpec, add_speedups, grid_rows)
 from .steps import FP8_KV, GEOMETRIES, NVFP4_KV, decode, make_indices, make_step, prepare_args
-from .timing import copy_bandwidth, interleaved_per_call_us, median_in_graph, per_call_us, time_graph
+from .timing import (copy_bandwidth, interleaved_issue_us, interleaved_per_call_us, median_in_graph, per_call_us,
+                     time_graph)
 
 
 @dataclass
@@ -171,20 +173,30 @@ def per_layer(copy_bw: float, points=(("64/4", 64), ("8/1", 256), ("64/4", 256),
     return rows
 
 
-def host_overheads(iters: int = 3000, batch: int = 1, rounds: int = 3, nvfp4: bool = True) -> dict[str, Any]:
+def host_overheads(calls: int = 200, batch: int = 1, rounds: int = 15, nvfp4: bool = True,
+                   wall_calls: int = 3000) -> dict[str, Any]:
     """CPU cost of an eager op call and of a cached prepare (64/4, bf16 query), per the contract.
 
-    `op_call_cpu_us` / `prepare_cpu_us`: wall time per call of `iters` calls issued back to back
-    with one sync at the end (vLLM runs the op eagerly, once per layer, `prepare` once per
-    step), beside `torch_add_us`, the same for `torch.add(x, 1, out=y)` on a small CUDA tensor,
-    interleaved over `rounds`: the `*_vs_torch_add` ratios compare hosts (their CPUs differ by
-    up to 2.5x). `op_call_cpu_us_nvfp4`: the op on an NVFP4 cache with its global scales as
-    [1] device tensors; `op_call_cpu_us_nvfp4_0d`: as 0-dim ones (vLLM's `layer._k_scale` /
-    `_v_scale`, what the engine passes). The eager-step figures of earlier files
-    (`eager_*`, `op_pipelined_*`: 200 steps, GPU time by graph replay) are kept.
+    `*_cpu_us`: host time per call, `calls` calls issued while the GPU is held busy
+    (`timing.issue_us`), so the figure is the CPU's even where the op's GPU time is longer; the
+    median of `rounds` interleaved rounds, under `torch.inference_mode()` as vLLM runs its model:
+    - `op_call_cpu_us` / `prepare_cpu_us`: `msa_jit.sparse_decode` and a cached
+      `SparseDecodePlanner.prepare`;
+    - `engine_call_cpu_us` / `engine_prepare_cpu_us`: what vLLM pays through the engine adapter,
+      `msa_jit.engine.msa_cutlass_sparse_decode` (fp8 query and cache, float scales, vLLM's call)
+      per layer and `prepare_decode_metadata` (cached) per step;
+    - `op_call_cpu_us_nvfp4`: the op on an NVFP4 cache with its global scales as [1] device
+      tensors; `op_call_cpu_us_nvfp4_0d`: as 0-dim ones (vLLM's `layer._k_scale` / `_v_scale`);
+    - `torch_add_us`: `torch.add(x, 1, out=y)` on a small CUDA tensor, timed the same way; the
+      `*_vs_torch_add` ratios compare hosts (their CPUs differ by up to 2.5x).
+    `op_call_wall_us` / `torch_add_wall_us`: files before 2026-12-05 called this `*_cpu_us`:
+    `wall_calls` calls back to back with one sync at the end, which is the GPU's time per call wherever that
+    is longer (it was: 64/4 batch 1 on T1715's, T1717's and T2133's hosts). The eager-step
+    figures (`eager_*`, `op_pipelined_*`: 200 steps, GPU time by graph replay) are kept.
     """
     import torch
 
+    from ..engine import MSACutlassDecodePlanCache, msa_cutlass_sparse_decode, prepare_decode_metadata
     from ..planner import SparseDecodePlanner
 
     step = make_step(64, 4, batch, 1, "bfloat16")
@@ -198,9 +210,20 @@ def host_overheads(iters: int = 3000, batch: int = 1, rounds: int = 3, nvfp4: bo
     def eager_step():
         decode(step, planner.prepare(*args, **kw))
 
+    engine_cache = MSACutlassDecodePlanCache()
+    metadata = prepare_decode_metadata(*args, plan_cache=engine_cache, **kw)
+    q_fp8 = step["query"].to(torch.float8_e4m3fn)
+
+    def engine_call():
+        msa_cutlass_sparse_decode(q_fp8, step["kv_cache"], step["topk"], step["out"], metadata,
+                                  scale=HEAD_DIM ** -0.5, q_scale_float=1.0, k_scale_float=step["k_scale"],
+                                  v_scale_float=step["v_scale"])
+
     x = torch.zeros(16, device="cuda")
     y = torch.empty_like(x)
     fns = {"op_call": op_call, "prepare": lambda: planner.prepare(*args, **kw),
+           "engine_call": engine_call,
+           "engine_prepare": lambda: prepare_decode_metadata(*args, plan_cache=engine_cache, **kw),
            "torch_add": lambda: torch.add(x, 1, out=y)}
     nvfp4_error = None
     if nvfp4:
@@ -216,17 +239,23 @@ def host_overheads(iters: int = 3000, batch: int = 1, rounds: int = 3, nvfp4: bo
         except Exception as e:  # noqa: BLE001 - e.g. no NVFP4 artifact: the fp8 figures still count
             nvfp4_error = f"{type(e).__name__}: {e}"
     eager_step()
-    us = interleaved_per_call_us(fns, iters, rounds=rounds)
-    res: dict[str, Any] = {"batch": batch, "calls": iters, "rounds": rounds,
-                           "op_call_cpu_us": round(us["op_call"], 2), "prepare_cpu_us": round(us["prepare"], 2),
-                           "torch_add_us": round(us["torch_add"], 2),
-                           "op_call_vs_torch_add": round(us["op_call"] / us["torch_add"], 2),
-                           "prepare_vs_torch_add": round(us["prepare"] / us["torch_add"], 2)}
+    engine_call()
+    with torch.inference_mode():
+        us = interleaved_issue_us(fns, calls, rounds=rounds)
+        wall = interleaved_per_call_us({"op_call": op_call, "torch_add": fns["torch_add"]}, wall_calls, rounds=3)
+    res: dict[str, Any] = {"batch": batch, "calls": calls, "rounds": rounds, "method": "issue_held_gpu"}
+    for name in ("op_call", "prepare", "engine_call", "engine_prepare"):
+        res[f"{name}_cpu_us"] = round(us[name], 2)
+    res["torch_add_us"] = round(us["torch_add"], 2)
+    for name in ("op_call", "prepare", "engine_call", "engine_prepare"):
+        res[f"{name}_vs_torch_add"] = round(us[name] / us["torch_add"], 2)
     if "op_call_nvfp4" in us:
         res["op_call_cpu_us_nvfp4"] = round(us["op_call_nvfp4"], 2)
         res["op_call_cpu_us_nvfp4_0d"] = round(us["op_call_nvfp4_0d"], 2)
     elif nvfp4_error:
         res["op_call_nvfp4_error"] = nvfp4_error
+    res["op_call_wall_us"] = round(wall["op_call"], 2)
+    res["torch_add_wall_us"] = round(wall["torch_add"], 2)
     eager_us = per_call_us(eager_step, 200, sync="each")
     pipelined_us = per_call_us(eager_step, 200, sync="end")
     gpu_us = statistics.median(time_graph(eager_step, iters=50))
@@ -236,7 +265,7 @@ def host_overheads(iters: int = 3000, batch: int = 1, rounds: int = 3, nvfp4: bo
                 "eager_pipelined_step_us": round(pipelined_us, 2),
                 "eager_pipelined_overhead_us": round(pipelined_us - gpu_us, 2),
                 "graph_op_gpu_us": round(op_gpu_us, 2),
-                "op_pipelined_overhead_us": round(us["op_call"] - op_gpu_us, 2)})
+                "op_pipelined_overhead_us": round(wall["op_call"] - op_gpu_us, 2)})
     return res
 
 
@@ -355,7 +384,7 @@ def run_grid(geometries=GRID_GEOMETRIES, batches=GRID_BATCHES, qlens=GRID_QLENS,
     if stopped:
         result["incomplete"] = {"rows_done": len(rows), "rows": len(specs)}
     elif host:
-        for name, kw in (("host", {}), ("host_b256", dict(iters=500, batch=256, nvfp4=False))):
+        for name, kw in (("host", {}), ("host_b256", dict(calls=100, wall_calls=500, batch=256, nvfp4=False))):
             try:
                 result[name] = host_overheads(**kw)
             except Exception as e:  # noqa: BLE001 - the grid's rows must still be written

@@ -1,7 +1,7 @@
 """How the bench times things (METHOD.md): CUDA events, CUDA-graph replay with L2 flushed, medians.
 
 `time_graph` is the figure of every step, layer and floor row; `copy_bandwidth` the ceiling
-every bandwidth is a ratio to; `per_call_us` the host side. torch is imported inside the
+every bandwidth is a ratio to; `issue_us` the host side (`per_call_us` its wall-clock forms). torch is imported inside the
 functions, so importing this module costs nothing.
 """
 
@@ -14,6 +14,9 @@ from typing import Callable
 FLUSH_BYTES = 256 << 20  # read before every timed replay: larger than the H200's 60 MB L2
 WARMUP_MS = 50.0  # untimed replays first (bench/results/warmup-probe-2026-12-02.txt)
 COPY_BYTES = 2 << 30
+# torch.cuda._sleep cycles that hold the GPU while `issue_us` issues: ~10 ms at the H200's
+# 1.98 GHz, the issue of 200 calls of up to 50 us each
+HOLD_CYCLES = 20_000_000
 
 
 def _sync() -> None:
@@ -165,6 +168,54 @@ def per_call_us(fn: Callable[[], object], n: int, *, warmup: int = 0, sync: str 
     if sync == "end":
         _sync()
     return (time.perf_counter() - t0) / n * 1e6
+
+
+def issue_us(fn: Callable[[], object], n: int = 200, *, hold_cycles: int = HOLD_CYCLES,
+             attempts: int = 4) -> float:
+    """Host microseconds per call of fn over n calls issued while the GPU is held busy.
+
+    A spin kernel (`torch.cuda._sleep`) queued first keeps every launch of the n calls waiting
+    in the stream, so no call waits on the GPU and the figure is the CPU's alone: an eager
+    engine whose CPU runs ahead of its GPU. Back-to-back calls with one sync at the end
+    (`per_call_us(sync="end")`) give the larger of the CPU's and the GPU's time per call
+    instead: on a fast host, the op's eager GPU time at 64/4 batch 1. An event recorded behind
+    the spin must still be pending once the n calls are issued; when it is not (the spin was
+    too short, or a full launch queue made a call wait) the chunk is timed again with twice the
+    spin and half the calls, `attempts` times, then RuntimeError.
+    """
+    import torch
+
+    _sync()
+    for _ in range(attempts):
+        spin, calls = hold_cycles, n
+        torch.cuda._sleep(hold_cycles)
+        held = torch.cuda.Event()
+        held.record()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        seconds = time.perf_counter() - t0
+        still_held = not held.query()
+        _sync()
+        if still_held:
+            return seconds / n * 1e6
+        hold_cycles, n = 2 * hold_cycles, max(n // 2, 1)
+    raise RuntimeError(f"issue_us: the GPU finished a {spin}-cycle spin before {calls} calls were issued "
+                       f"({attempts} tries): the figure would include waits on the GPU")
+
+
+def interleaved_issue_us(fns: dict[str, Callable[[], object]], n: int = 200, *, rounds: int = 15,
+                         warmup: int = 100) -> dict[str, float]:
+    """Median over `rounds` of `issue_us(fn, n)` for each fn, the fns taken in turn every round
+    (the lent hosts' CPUs drift within a run, and the figures are compared with each other)."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(issue_us(fn, n))
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def interleaved_per_call_us(fns: dict[str, Callable[[], object]], n: int, *, rounds: int = 3,
