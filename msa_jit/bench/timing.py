@@ -1,8 +1,8 @@
 """How the bench times things (METHOD.md): CUDA events, CUDA-graph replay with L2 flushed, medians.
 
 `time_graph` is the figure of every step, layer and floor row; `copy_bandwidth` the ceiling
-every bandwidth is a ratio to; `issue_us` the host side (`per_call_us` its wall-clock forms). torch is imported inside the
-functions, so importing this module costs nothing.
+every bandwidth is a ratio to; `issue_us` the host side (`per_call_us` its wall-clock forms).
+torch is imported inside the functions, so importing this module costs nothing.
 """
 
 from __future__ import annotations
