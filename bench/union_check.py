@@ -6,7 +6,9 @@ Cases beyond bench/variants.py's: qlen 1..8 (tiles of 4 tokens, a partial last t
 a request sharing 12 of their slots with the request's first token, padded rows (kv_len 0),
 adversarial topk / block tables (duplicates included: the union serves a block once per token,
 the reference's set semantics), each launched 3 times on one plan with fresh, poisoned outputs,
-and the 3 outputs bitwise identical.
+and the 3 outputs bitwise identical. A failing case is located (`locate`): its error by token
+position, query head of the group and 16-dim slice, whether its LSE (the S side alone) agrees,
+and, where the plan splits, the error of the same case on a plan without splits.
 """
 
 from __future__ import annotations
@@ -48,6 +50,36 @@ def share_slots(case, shared: int) -> None:
             tk[t0 + j, :, :shared] = tk[t0, :, :shared]
 
 
+def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
+    den = ref.norm().item()
+    return (got - ref).norm().item() / (den if den > 0 else 1.0)
+
+
+def locate(case, out: torch.Tensor, lse: torch.Tensor, hkv: int) -> str:
+    """Where `out` is wrong (one line): relative L2 error by token position in the request
+    (tile rows), by query head of the KV head's group, by 16-dim slice of the head (V's f16
+    tile chunks), rows with NaN left; and the LSE, which depends on the S side alone (Q, K,
+    masks, softmax): right LSE with a wrong O points at V's conversion or P V."""
+    from msa_jit.reference import sparse_decode_reference
+
+    args = [t.cpu() if isinstance(t, torch.Tensor) else t for t in case.reference_args()]
+    ref, ref_lse = sparse_decode_reference(*args, **case.scales())
+    got = out.detach().cpu().double()
+    group = got.shape[1] // hkv
+    tok = torch.arange(got.shape[0]) % case.qlen
+    head = torch.arange(got.shape[1]) % group
+    fmt = " ".join
+    by_tok = fmt(f"{_rel(got[tok == j], ref[tok == j]):.1e}" for j in range(case.qlen))
+    by_head = fmt(f"{_rel(got[:, head == g], ref[:, head == g]):.1e}" for g in range(group))
+    by_dims = fmt(f"{_rel(got[..., 16 * k:16 * k + 16], ref[..., 16 * k:16 * k + 16]):.1e}" for k in range(8))
+    nan_rows = int(got.isnan().any(-1).sum())
+    finite = ~torch.isinf(ref_lse)
+    lse_c = lse.detach().cpu().double()
+    lse_err = (lse_c[finite] - ref_lse[finite]).abs().max().item() if finite.any() else 0.0
+    return (f"by token position [{by_tok}]; by head of the group [{by_head}]; by 16-dim slice [{by_dims}]; "
+            f"{nan_rows} (token, head) rows with NaN; LSE max abs error {lse_err:.1e} (S side)")
+
+
 def check(fn, name: str, hq: int, hkv: int) -> list[str]:
     kv, q_dtype = VARIANTS[name][0], getattr(torch, q_dtype_of(name))
     problems = []
@@ -60,6 +92,7 @@ def check(fn, name: str, hq: int, hkv: int) -> list[str]:
         plan.kernels[(case.query.dtype, kv)] = fn
         outs = []
         worst = 0.0
+        failed = False
         for _ in range(3):
             out, lse = case.new_out(), case.new_lse()
             sparse_decode(case.query, case.kv_cache, case.topk, out, plan, lse=lse, backend="kernel",
@@ -67,8 +100,21 @@ def check(fn, name: str, hq: int, hkv: int) -> list[str]:
             torch.cuda.synchronize()
             err, probs = compare_with_reference(case, out, lse)
             worst = max(worst, err)
+            failed = failed or bool(probs)
             problems += [f"{name} {hq}/{hkv} B={batch} qlen={qlen} shared={shared} adv={adversarial}: {p}" for p in probs]
             outs.append(out.view(torch.int16).clone())
+        if failed:
+            problems.append(f"{name} {hq}/{hkv} B={batch} qlen={qlen}: located: {locate(case, out, lse, hkv)}")
+            if plan.num_splits > 1:  # the same case in one split per tile: the split / merge path or the core?
+                one = SparseDecodePlanner(num_sms=1).prepare(*case.prepare_args(), **case.prepare_kwargs())
+                one.kernels[(case.query.dtype, kv)] = fn
+                out1, lse1 = case.new_out(), case.new_lse()
+                sparse_decode(case.query, case.kv_cache, case.topk, out1, one, lse=lse1, backend="kernel",
+                              **case.scales(scale_tensors=kv == "nvfp4"))
+                torch.cuda.synchronize()
+                err1, _ = compare_with_reference(case, out1, lse1)
+                problems.append(f"{name} {hq}/{hkv} B={batch} qlen={qlen}: {plan.num_splits} splits; "
+                                f"without splits rel L2 {err1:.2e}")
         if not all(torch.equal(outs[0], o) for o in outs[1:]):
             problems.append(f"{name} {hq}/{hkv} B={batch} qlen={qlen}: outputs differ run to run")
         print(f"{name} {hq}/{hkv} B={batch} qlen={qlen} shared={shared} padded={padded} adv={adversarial}: "
