@@ -47,23 +47,34 @@ for step in "$@"; do
     host_ab) timeout "$(limit 60)" python3 bench/host_ab.py --out $OUT 2>&1 | tail -n 46 ;;
     union_k8) # bench/union_fp8.py (carry .kv-variants built by: python bench/kv_format_ab.py build --variants
               # f_c3 f_union_k8 f_union_k8_cv f_union_k8_w1 f_union_k8_noconv q8_f_c3 q8_union q8_union_cv q8_union_w1
-              # q8_union_noconv)
-              timeout "$(limit 150)" python3 bench/union_check.py --dir .kv-variants \
-                --variants f_union_k8 f_union_k8_cv f_union_k8_w1 q8_union q8_union_cv q8_union_w1 \
-                > $OUT/union-k8-check.log 2>&1; echo "union check rc=$?"; tail -n 3 $OUT/union-k8-check.log
-              timeout "$(limit 330)" python3 bench/kv_format_ab.py run --dir .kv-variants --out $OUT --rounds 5 \
-                --variants f_c3 f_union_k8 f_union_k8_cv f_union_k8_w1 f_union_k8_noconv q8_f_c3 q8_union q8_union_cv q8_union_w1 \
-                  q8_union_noconv \
-                --keep f_union_k8_noconv q8_union_noconv \
-                --points 64/4:64:4:12 64/4:64:4:0 64/4:64:2:12 64/4:64:8:12 8/1:256:4:12 2>&1 | grep -v "^{" | tail -n 12 ;;
+              # q8_union_noconv). One union_check process per build, so a build that hangs or faults costs only
+              # its own check; only the builds that pass are timed (and union_k8_small after it times those)
+              UNION_OK=(); UNION_RAN=1
+              for v in f_union_k8 f_union_k8_cv f_union_k8_w1 q8_union q8_union_cv q8_union_w1; do
+                timeout "$(limit 60)" python3 bench/union_check.py --dir .kv-variants --variants "$v" \
+                  >> $OUT/union-k8-check.log 2>&1
+                rc=$?; (( rc == 0 )) && UNION_OK+=("$v"); echo "union check $v: rc=$rc"
+              done
+              tail -n 2 $OUT/union-k8-check.log
+              probes=()
+              [[ " ${UNION_OK[*]} " == *" f_union_k8 "* ]] && probes+=(f_union_k8_noconv)
+              [[ " ${UNION_OK[*]} " == *" q8_union "* ]] && probes+=(q8_union_noconv)
+              keep=(); (( ${#probes[@]} )) && keep=(--keep "${probes[@]}")
+              if (( ${#UNION_OK[@]} )); then
+                timeout "$(limit 330)" python3 bench/kv_format_ab.py run --dir .kv-variants --out $OUT --rounds 5 \
+                  --variants f_c3 q8_f_c3 "${UNION_OK[@]}" "${probes[@]}" "${keep[@]}" \
+                  --points 64/4:64:4:12 64/4:64:4:0 64/4:64:2:12 64/4:64:8:12 8/1:256:4:12 2>&1 | grep -v "^{" | tail -n 12
+              fi ;;
     union_k8_trace) # where the fp8-K kernel's MMA warpgroups wait, per block (built: f_union_k8_trace)
               timeout "$(limit 90)" python3 bench/union_trace.py --events fp8 --out $OUT \
                 --so .kv-variants/f_union_k8_trace/64x4/sparse_decode.so 2>&1 | tail -n 11 ;;
     union_k8_small) # the same kernels at qlen 1: the split shapes (batch 1-16: a tile of one token, the plan's
               # splits over its blocks, then the split merge) and the T*Hkv = 256 points (one token per CTA,
               # two waves at 1 CTA per SM), against the planner's 2- and 3-CTA builds
+              small=(f_union_k8 f_union_k8_cv)  # after union_k8 in the same run: those of them that passed
+              [[ -n ${UNION_RAN:-} ]] && small=($(printf '%s\n' "${UNION_OK[@]}" | grep -x -e f_union_k8 -e f_union_k8_cv))
               timeout "$(limit 330)" python3 bench/kv_format_ab.py run --dir .kv-variants --out $OUT --rounds 5 \
-                --variants f_c2 f_c3 f_union_k8 f_union_k8_cv \
+                --variants f_c2 f_c3 "${small[@]}" \
                 --points 64/4:1:1 8/1:1:1 64/4:4:1 8/1:4:1 64/4:16:1 8/1:16:1 64/4:64:1 8/1:256:1 2>&1 | grep -v "^{" | tail -n 8 ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
