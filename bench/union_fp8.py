@@ -123,7 +123,13 @@ class UnionFp8Kernel(UnionWgmmaKernel):
         # warpgroups=1: one MMA warpgroup and 2 stages per CTA, 2 CTAs per SM (the same stages and MMA
         # warpgroups per SM as the default 1 x 2 x 4 stages, in one wave of 2 x 132 CTAs where that
         # takes two, so one CTA's index chain and first copies overlap the other's stream); fp8 query
-        super().__init__(stages=stages or (4 if warpgroups == 2 else 2), warpgroups=warpgroups,
+        stages = stages or (4 if warpgroups == 2 else 2)
+        if warpgroups == 2 and stages % 2:
+            # blocks i and i + stages share a stage; with an odd count they go to different MMA
+            # warpgroups, and block i's warpgroup could reach block i + 2 stages while i + stages'
+            # copy is in flight: its full-barrier wait would pass on the phase of the same parity
+            raise ValueError(f"stages={stages}: two MMA warpgroups need an even stage count")
+        super().__init__(stages=stages, warpgroups=warpgroups,
                          converter=int(v_converter), convert=convert, mma=mma, **options)
         # v_converter: a third warpgroup (0) converts every block's V into the f16 tile of the MMA
         # warpgroup that takes the block (i % 2), handed over by mbarriers; a stage is read by the
@@ -303,7 +309,7 @@ class UnionFp8Kernel(UnionWgmmaKernel):
                                          cute.group_modes(gV, 0, 2))
         self.tma = (tma_k, tKs, tKg, tma_v, tVs, tVg)
         if warp < 4:  # warpgroup 0: the first stages' blocks, then Q of the tile (its loads behind the TMA's)
-            if tidx == 0:
+            if warp == 0:  # the whole warp (the TMA copy elects its lane)
                 for j in range(cutlass.min(n_split, Int32(self.stages))):
                     self.issue_block(mKV, sPages, h, j, Int32(0), full_ptr)
             if cutlass.const_expr(self.split_q):
@@ -352,14 +358,30 @@ class UnionFp8Kernel(UnionWgmmaKernel):
 
     @cute.jit
     def issue_block(self, mKV, sPages, h, j, buf_addr, full_ptr):
-        """One thread: the split's block j (union block first + j): K and V (two TMA boxes) -> stage
-        j % stages."""
+        """One WHOLE, converged warp: the split's block j (union block first + j): K and V (two TMA
+        boxes) -> stage j % stages. cute.copy of a TMA atom elects its issuing lane itself
+        (elect.sync over the full warp), so it must not run under a one-thread branch."""
         tma_k, tKs, tKg, tma_v, tVs, tVg = self.tma
         s = j % self.stages
         page = sPages[self.first + j]
-        cute.arch.mbarrier_arrive_and_expect_tx(full_ptr + s, self.stage_bytes)
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(full_ptr + s, self.stage_bytes)
         cute.copy(tma_k, tKg[None, page], tKs[None, s], tma_bar_ptr=full_ptr + s)
         cute.copy(tma_v, tVg[None, page], tVs[None, s], tma_bar_ptr=full_ptr + s)
+
+    @cute.jit
+    def release_stage_and_refill(self, mKV, sPages, h, i, n_union, buf_addr, full_ptr, empty_ptr, tidx,
+                                 refills: cutlass.Constexpr):
+        """This thread has read block i's stage: arrive on its empty barrier; with `refills`, warp 0
+        of the caller's warpgroup (all 32 lanes: the TMA copy elects one) waits for every reader and
+        copies block i + stages into it."""
+        s = i % self.stages
+        cute.arch.mbarrier_arrive(empty_ptr + s)
+        if cutlass.const_expr(refills):
+            if cute.arch.make_warp_uniform(tidx // 32) == 0:
+                if i + self.stages < n_union:
+                    cute.arch.mbarrier_wait(empty_ptr + s, (i // self.stages) & 1)
+                    self.issue_block(mKV, sPages, h, i + self.stages, buf_addr, full_ptr)
 
     @cute.jit
     def q_half_row(self, mQ, req, h, tile, qlen, n_tok, tidx):

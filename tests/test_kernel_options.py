@@ -268,6 +268,10 @@ def test_union_fp8_probe_reads_k_by_tma_into_fp8_warpgroup_mmas(tmp_path, heads,
     # 4 k32 / 8 k16 steps per MMA warpgroup
     assert counts["QGMMA.64"] == 4 * chains * warpgroups and counts["HGMMA.64"] == 8 * warpgroups
     assert sum(n for op, n in counts.items() if op.startswith("UTMALDG")) >= 2
+    # a TMA cute.copy elects its lane with a full-warp elect.sync: issued under a one-thread branch it
+    # compiled to BRA.DIV + WARPSYNC.COLLECTIVE slow paths that wait on lanes parked elsewhere (a hang:
+    # NVIDIA/cutlass#2365); from a whole warp there are none
+    assert "BRA.DIV" not in text and "WARPSYNC" not in text
     assert "LDL" not in text and "STL" not in text
     assert ("USETMAXREG" in text) == v_converter
     if warpgroups == 1:  # two CTAs per SM: each at most half of the 228 KiB less 1 KiB reserved per CTA
@@ -280,3 +284,5 @@ def test_union_fp8_probe_reads_k_by_tma_into_fp8_warpgroup_mmas(tmp_path, heads,
         UnionFp8Kernel(num_q_heads=64, num_kv_heads=4, warpgroups=1)
     with pytest.raises(ValueError, match="v_halves"):
         UnionFp8Kernel(num_q_heads=64, num_kv_heads=4, v_halves=True)
+    with pytest.raises(ValueError, match="even stage count"):  # blocks i, i + stages on two warpgroups
+        UnionFp8Kernel(num_q_heads=64, num_kv_heads=4, stages=3)
