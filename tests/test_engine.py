@@ -265,6 +265,19 @@ def test_gpu_step_and_graph_replay(batch, qlen):
     torch.testing.assert_close(out_g, out, rtol=1e-2, atol=1e-3)
 
 
+@pytest.mark.gpu
+def test_gpu_step_under_inference_mode():
+    """vLLM's call: the plan built and the op run under torch.inference_mode() (the adapter then
+    skips its no-grad guard), bitwise the same as with grad on, and right."""
+    c = make_case(4, 2, 64, 4, q_dtype=FP8, seed=31, device="cuda", padded=True)
+    _, out_grad = _run(c, MSACutlassDecodePlanCache())
+    with torch.inference_mode():
+        _, out_inf = _run(c, MSACutlassDecodePlanCache())
+    torch.cuda.synchronize()
+    _check(c, out_inf)
+    assert torch.equal(out_inf.view(torch.int16), out_grad.view(torch.int16))
+
+
 # ----------------------------------------------------------------------------- vLLM 0.33 additions
 @pytest.mark.parametrize("dtype,ok", [("nvfp4", True), ("nvfp4_4over6", True), ("nvfp4_ds_mla", False),
                                       ("fp8", False), ("auto", False), ("bfloat16", False), (None, False)])
