@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from msa_jit import SparseDecodePlanner, loader, sparse_decode  # noqa: E402
-from msa_jit.testing import compare_with_reference, make_case  # noqa: E402
+from msa_jit.testing import compare_with_reference, make_case, rel_l2  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kv_format_ab import VARIANTS  # noqa: E402
@@ -50,11 +50,6 @@ def share_slots(case, shared: int) -> None:
             tk[t0 + j, :, :shared] = tk[t0, :, :shared]
 
 
-def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
-    den = ref.norm().item()
-    return (got - ref).norm().item() / (den if den > 0 else 1.0)
-
-
 def locate(case, out: torch.Tensor, lse: torch.Tensor, hkv: int) -> str:
     """Where `out` is wrong (one line): relative L2 error by token position in the request
     (tile rows), by query head of the KV head's group, by 16-dim slice of the head (V's f16
@@ -69,9 +64,9 @@ def locate(case, out: torch.Tensor, lse: torch.Tensor, hkv: int) -> str:
     tok = torch.arange(got.shape[0]) % case.qlen
     head = torch.arange(got.shape[1]) % group
     fmt = " ".join
-    by_tok = fmt(f"{_rel(got[tok == j], ref[tok == j]):.1e}" for j in range(case.qlen))
-    by_head = fmt(f"{_rel(got[:, head == g], ref[:, head == g]):.1e}" for g in range(group))
-    by_dims = fmt(f"{_rel(got[..., 16 * k:16 * k + 16], ref[..., 16 * k:16 * k + 16]):.1e}" for k in range(8))
+    by_tok = fmt(f"{rel_l2(got[tok == j], ref[tok == j]):.1e}" for j in range(case.qlen))
+    by_head = fmt(f"{rel_l2(got[:, head == g], ref[:, head == g]):.1e}" for g in range(group))
+    by_dims = fmt(f"{rel_l2(got[..., 16 * k:16 * k + 16], ref[..., 16 * k:16 * k + 16]):.1e}" for k in range(8))
     nan_rows = int(got.isnan().any(-1).sum())
     finite = ~torch.isinf(ref_lse)
     lse_c = lse.detach().cpu().double()
@@ -93,11 +88,16 @@ def check(fn, name: str, hq: int, hkv: int) -> list[str]:
         outs = []
         worst = 0.0
         failed = False
-        for _ in range(3):
+
+        def launch(p):
             out, lse = case.new_out(), case.new_lse()
-            sparse_decode(case.query, case.kv_cache, case.topk, out, plan, lse=lse, backend="kernel",
+            sparse_decode(case.query, case.kv_cache, case.topk, out, p, lse=lse, backend="kernel",
                           **case.scales(scale_tensors=kv == "nvfp4"))
             torch.cuda.synchronize()
+            return out, lse
+
+        for _ in range(3):
+            out, lse = launch(plan)
             err, probs = compare_with_reference(case, out, lse)
             worst = max(worst, err)
             failed = failed or bool(probs)
@@ -108,11 +108,7 @@ def check(fn, name: str, hq: int, hkv: int) -> list[str]:
             if plan.num_splits > 1:  # the same case in one split per tile: the split / merge path or the core?
                 one = SparseDecodePlanner(num_sms=1).prepare(*case.prepare_args(), **case.prepare_kwargs())
                 one.kernels[(case.query.dtype, kv)] = fn
-                out1, lse1 = case.new_out(), case.new_lse()
-                sparse_decode(case.query, case.kv_cache, case.topk, out1, one, lse=lse1, backend="kernel",
-                              **case.scales(scale_tensors=kv == "nvfp4"))
-                torch.cuda.synchronize()
-                err1, _ = compare_with_reference(case, out1, lse1)
+                err1, _ = compare_with_reference(case, *launch(one))
                 problems.append(f"{name} {hq}/{hkv} B={batch} qlen={qlen}: {plan.num_splits} splits; "
                                 f"without splits rel L2 {err1:.2e}")
         if not all(torch.equal(outs[0], o) for o in outs[1:]):

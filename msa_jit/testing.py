@@ -312,6 +312,12 @@ def make_case(
     )
 
 
+def rel_l2(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """||got - ref|| / ||ref|| in float64 on the CPU (||got - ref|| where ref is all zero)."""
+    den = ref.norm().item()
+    return (got.detach().cpu().double() - ref.cpu().double()).norm().item() / (den if den > 0 else 1.0)
+
+
 def compare_with_reference(case: Case, out: torch.Tensor, lse: torch.Tensor | None,
                            *, tol: float = 1e-2, lse_atol: float = 2e-3) -> tuple[float, list[str]]:
     """(relative L2 error of out, problems) against the float64 reference of `case`.
@@ -327,8 +333,7 @@ def compare_with_reference(case: Case, out: torch.Tensor, lse: torch.Tensor | No
     problems = []
     if got.isnan().any():
         problems.append("output not fully written (NaN poison left)")
-    den = ref.norm().item()
-    err = (got - ref).norm().item() / (den if den > 0 else 1.0)
+    err = rel_l2(got, ref)
     if not err <= tol:
         problems.append(f"relative L2 error {err:.3e} > {tol}")
     empty = torch.isinf(ref_lse)
@@ -356,5 +361,4 @@ def error_vs_unquantized(case: Case, out: torch.Tensor) -> float:
     args = [t.cpu() if isinstance(t, torch.Tensor) else t for t in case.reference_args()]
     args[1] = case.unquantized_kv_cache()
     ref, _ = sparse_decode_reference(*args, **dict(case.scales(), k_scale=1.0, v_scale=1.0))
-    den = ref.norm().item()
-    return (out.detach().cpu().double() - ref).norm().item() / (den if den > 0 else 1.0)
+    return rel_l2(out, ref)

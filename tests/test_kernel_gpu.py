@@ -21,7 +21,7 @@ import torch
 from helpers import make_case
 from msa_jit.geometry import MINIMAX_M3_GEOMETRIES as GEOMETRIES
 from msa_jit.geometry import CTAS_PER_SM  # every occupancy is pinned in turn, so both builds run at every shape
-from msa_jit.testing import compare_with_reference
+from msa_jit.testing import compare_with_reference, rel_l2
 
 pytestmark = pytest.mark.gpu
 
@@ -30,11 +30,6 @@ Q_DTYPES = [torch.bfloat16, torch.float8_e4m3fn]
 BATCHES = [1, 3, 16, 64]
 KV_DTYPES = ["fp8", "nvfp4"]
 TOL = 1e-2
-
-
-def _rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
-    den = ref.norm().item()
-    return (out.double().cpu() - ref).norm().item() / (den if den > 0 else 1.0)
 
 
 def _run(case, planner, *, lse=True, scale_tensors=False):
@@ -165,7 +160,7 @@ def test_cuda_graph_replay_follows_inputs():
         g.replay()
         torch.cuda.synchronize()
         ref_out, _ = _reference(c, live.scales())  # the scales are baked into the captured launch
-        err = _rel_l2(out, ref_out)
+        err = rel_l2(out, ref_out)
         assert not out.isnan().any() and err <= TOL, f"graph replay: err {err:.3e}"
 
 
@@ -201,7 +196,7 @@ def test_device_scales_are_read_at_replay(q_dtype):
         g.replay()
         torch.cuda.synchronize()
         ref_out, _ = _reference(case, dict(case.scales(), k_scale=k0 * fk, v_scale=v0 * fv))
-        err = _rel_l2(out, ref_out)
+        err = rel_l2(out, ref_out)
         assert not out.isnan().any() and err <= TOL, f"scales x ({fk}, {fv}): err {err:.3e}"
 
 
