@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from msa_jit import SparseDecodePlanner, loader, sparse_decode  # noqa: E402
-from msa_jit.testing import compare_with_reference, make_case, rel_l2  # noqa: E402
+from msa_jit.testing import compare_with_reference, make_case, rel_l2, share_slots  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kv_format_ab import VARIANTS  # noqa: E402
@@ -36,18 +36,6 @@ UNION_VARIANTS = ("f_union", "n_union", "f_union_wg", "f_union_wg2", "f_union_cv
 # (batch, qlen, padded, adversarial, shared slots)
 CASES = [(3, 1, False, False, 0), (4, 2, True, False, 12), (5, 3, False, True, 0), (8, 4, True, False, 12),
          (2, 8, False, False, 12), (6, 5, True, True, 8), (1, 4, False, False, 16), (16, 4, False, False, 0)]
-
-
-def share_slots(case, shared: int) -> None:
-    """Token j > 0 of each request takes token 0's first `shared` slots (valid for it: later
-    tokens see at least token 0's keys and slots)."""
-    if not shared:
-        return
-    tk = case.topk
-    for r in range(case.batch):
-        t0 = r * case.qlen
-        for j in range(1, case.qlen):
-            tk[t0 + j, :, :shared] = tk[t0, :, :shared]
 
 
 def locate(case, out: torch.Tensor, lse: torch.Tensor, hkv: int) -> str:

@@ -318,6 +318,26 @@ def rel_l2(got: torch.Tensor, ref: torch.Tensor) -> float:
     return (got.detach().cpu().double() - ref.cpu().double()).norm().item() / (den if den > 0 else 1.0)
 
 
+def share_slots(case: Case, shared: int) -> None:
+    """Speculative decode's draft tokens, in place: token j > 0 of each request takes the valid
+    blocks among token 0's first `shared` topk slots first, then its own blocks that are not among
+    them (no block twice in a row, as the contract promises), -1 after. Valid for token j: it sees
+    at least token 0's keys."""
+    if not shared:
+        return
+    rows = case.topk.cpu()
+    k = rows.shape[-1]
+    for r in range(case.batch):
+        t0 = r * case.qlen
+        for j in range(1, case.qlen):
+            for h in range(rows.shape[1]):
+                common = [b for b in rows[t0, h, :shared].tolist() if b >= 0]
+                own = [b for b in rows[t0 + j, h].tolist() if b >= 0 and b not in common]
+                row = (common + own)[:k]
+                rows[t0 + j, h] = torch.tensor(row + [-1] * (k - len(row)), dtype=rows.dtype)
+    case.topk.copy_(rows)
+
+
 def compare_with_reference(case: Case, out: torch.Tensor, lse: torch.Tensor | None,
                            *, tol: float = 1e-2, lse_atol: float = 2e-3) -> tuple[float, list[str]]:
     """(relative L2 error of out, problems) against the float64 reference of `case`.

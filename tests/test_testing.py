@@ -1,5 +1,6 @@
 """msa_jit.testing.compare_with_reference: the check `msa-jit selftest` relies on can fail."""
 
+import pytest
 import torch
 
 import msa_jit
@@ -29,3 +30,20 @@ def test_rejects_poison_wrong_values_and_wrong_lse():
     assert any("NaN" in p for p in compare_with_reference(case, bad, lse)[1])
     assert any("L2" in p for p in compare_with_reference(case, out * 1.1, lse)[1])
     assert any("lse" in p for p in compare_with_reference(case, out, lse + 0.01)[1])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_share_slots_makes_draft_tokens_share_without_duplicates(seed):
+    from msa_jit.testing import share_slots
+
+    c = make_case(3, 4, 16, 2, q_dtype=torch.bfloat16, seed=seed, transposed_topk=bool(seed % 2), padded=seed == 0)
+    before = c.topk.clone()
+    share_slots(c, 12)
+    tk = c.topk
+    assert torch.equal(tk[0::4], before[0::4])  # first tokens unchanged
+    for t in range(tk.shape[0]):
+        for h in range(tk.shape[1]):
+            valid = [b for b in tk[t, h].tolist() if b >= 0]
+            assert len(valid) == len(set(valid)), (t, h, valid)
+            first = [b for b in tk[t - t % 4, h, :12].tolist() if b >= 0]
+            assert valid[: len(first)] == first  # the first token's blocks lead every draft token's row
