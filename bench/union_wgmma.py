@@ -34,44 +34,20 @@ import cutlass.cute as cute  # noqa: E402
 import cutlass.utils.hopper_helpers as sm90  # noqa: E402
 from cutlass import Float32, Int32, Int64  # noqa: E402
 from cutlass.cute.nvgpu import warpgroup  # noqa: E402
-from cutlass.cutlass_dsl import T, dsl_user_op  # noqa: E402
-from cutlass.tensor_utils import LayoutEnum  # noqa: E402
+from cutlass.cutlass_dsl import dsl_user_op  # noqa: E402
 
 from kernel_probes import globaltimer_lo, smid  # noqa: E402
 from union_kernel import UnionMmaKernel, ptx  # noqa: E402
 from msa_jit.kernels.sparse_decode_mma import HEAD_DIM, LN2  # noqa: E402
+# the helpers it shares with the shipped union kernel (kernels/sparse_decode_union_sm90.py)
+from msa_jit.kernels.union_sm90_ops import (BAR_ALL, BAR_WG, ROWS, f16_tile_layout, ld_shared_f32,  # noqa: E402
+                                            st_global_b32, st_global_v2_f32, st_shared_f32, store_f16_chunks,
+                                            swizzled_f16)
 
-ROWS = 64  # the warpgroup MMA's M: tile tokens x G
 TRACE_BLOCKS = 64  # trace=True: 8 stamps for each of the first 64 union blocks, then n_union, smid, start
 TRACE_WORDS = TRACE_BLOCKS * 8 + 4
-BAR_WG = 1  # named barriers 1, 2: the 128 threads of consumer warpgroup 0, 1
-BAR_ALL = 3  # both consumer warpgroups
-
-
-@dsl_user_op
-def st_global_b32(addr: Int64, w: Int32, *, loc=None, ip=None) -> None:
-    ptx._asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), Int32(w).ir_value(loc=loc, ip=ip)],
-             "st.global.b32 [$0], $1;", "l,r", side_effects=True)
-
-
-@dsl_user_op
-def st_global_v2_f32(addr: Int64, v0: Float32, v1: Float32, *, loc=None, ip=None) -> None:
-    """st.global.v2.f32 at an 8-byte aligned address."""
-    ptx._asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), Float32(v0).ir_value(loc=loc, ip=ip),
-                    Float32(v1).ir_value(loc=loc, ip=ip)], "st.global.v2.f32 [$0], {$1, $2};", "l,f,f",
-             side_effects=True)
-
-
-@dsl_user_op
-def st_shared_f32(addr: Int32, v: Float32, *, loc=None, ip=None) -> None:
-    ptx._asm(None, [Int32(addr).ir_value(loc=loc, ip=ip), Float32(v).ir_value(loc=loc, ip=ip)],
-             "st.shared.f32 [$0], $1;", "r,f", side_effects=True)
-
-
-@dsl_user_op
-def ld_shared_f32(addr: Int32, *, loc=None, ip=None) -> Float32:
-    return Float32(ptx._asm(T.f32(), [Int32(addr).ir_value(loc=loc, ip=ip)], "ld.shared.f32 $0, [$1];", "=f,r",
-                            side_effects=True))
+_smem_layout = f16_tile_layout  # the shipped kernel's f16 tile (its V tile), and its swizzle
+swizzled = swizzled_f16
 
 
 @dsl_user_op
@@ -80,44 +56,10 @@ def st_shared_b32(addr: Int32, w: Int32, *, loc=None, ip=None) -> None:
              "st.shared.b32 [$0], $1;", "r,r", side_effects=True)
 
 
-def _smem_layout(rows: int):
-    """The 128B-swizzled K-major f16 layout of a (rows, 128) tile (two 64-column halves)."""
-    atom = warpgroup.make_smem_layout_atom(sm90.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, cutlass.Float16, HEAD_DIM),
-                                           cutlass.Float16)
-    return cute.tile_to_shape(atom, (rows, HEAD_DIM), order=(0, 1))
-
-
-@cute.jit
-def store_f16_chunks(dst, w, c8):
-    """The 16 e4m3 bytes of w (4 words) as 16 f16 at dst (the even 16-byte chunk of a swizzled tile
-    row, col 16c8) and the odd chunk after it (byte offset ^ 16). The 8 threads of a key row are one
-    phase of a 16-byte store: threads c8 < 4 store their even chunk first, the others their odd
-    one, so a phase covers 8 different bank groups (even chunks of one half, odd of the other)."""
-    f = []
-    for k in cutlass.range_constexpr(4):
-        f.append(ptx.e4m3x2_to_f16x2(w[k], 0))
-        f.append(ptx.e4m3x2_to_f16x2(w[k], 1))
-    hi = c8 // 4
-    first = dst ^ (16 * hi)
-    ptx.st_shared_v4(first, cutlass.select_(hi == 0, f[0], f[4]), cutlass.select_(hi == 0, f[1], f[5]),
-                     cutlass.select_(hi == 0, f[2], f[6]), cutlass.select_(hi == 0, f[3], f[7]))
-    ptx.st_shared_v4(first ^ 16, cutlass.select_(hi == 0, f[4], f[0]), cutlass.select_(hi == 0, f[5], f[1]),
-                     cutlass.select_(hi == 0, f[6], f[2]), cutlass.select_(hi == 0, f[7], f[3]))
-
-
-@cute.jit
-def swizzled(rows: cutlass.Constexpr, row, col):
-    """Byte offset of element (row, col) of a _smem_layout(rows) tile (col % 8 == 0 for 16-byte
-    chunks): linear 64 * row + col % 64 + rows * 64 * (col // 64) elements, then the 128B swizzle
-    on the byte address (bits 4-6 ^= bits 7-9; the tile is 1024-byte aligned)."""
-    b = (row * 64 + (col % 64) + (col // 64) * (rows * 64)) * 2
-    return b ^ ((b >> 3) & 0x70)
-
-
 class UnionWgmmaKernel(UnionMmaKernel):
     """One CTA per (request, KV head, 64 // G tokens); S and O on warpgroup MMAs."""
 
-    query_dtype = "bfloat16"  # the query this probe takes (bench/union_fp8.py's subclass: fp8)
+    query_dtype = "bfloat16"  # the query this probe takes
 
     def __init__(self, *, union_wgmma: bool = True, stages: int | None = None, warpgroups: int = 2,
                  convert: bool = True, converter: int = 0, mma: bool = True, ring: bool = False,
@@ -575,7 +517,7 @@ class UnionWgmmaKernel(UnionMmaKernel):
     def finish(self, mOut, mLse, storage, acc_o, row_max, row_sum, buf_addr, req, h, tile, qlen, n_tok, v_scale,
                tidx, warp, g, c, wg: cutlass.Constexpr, mPO=None, mPL=None, split=0, num_splits=1):
         """Merge the MMA warpgroups' (m, l, O) through shared memory; warpgroup 0 writes out and lse,
-        or, given the plan's partials and num_splits > 1 (bench/union_fp8.py), this split's
+        or, given the plan's partials and num_splits > 1 (as the shipped union kernel does), this split's
         normalized O and log2-LSE (kernels/split_merge.py's rows (t * Hkv + h) * num_splits + split)."""
         G = self.group
         nthr = self.consumer_threads

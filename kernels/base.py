@@ -1,11 +1,12 @@
 """What every arch's decode kernel shares: the static geometry and the host-side launch.
 
 `SparseDecodeKernelBase.__call__` is the exported function: it takes the calling convention
-of kernels/convention.py (`ARGUMENTS`, in order), launches the subclass's `kernel` on a
-(token, KV head, split) grid and, when the top-k blocks are split, the split merge
-(kernels/split_merge.py) in the same launch sequence. A subclass provides `kernel` (its
-device code, taking the `ARGUMENTS` tensors and scalars plus its shared-memory struct),
-`storage_type`, `threads`, and may override `launch_options` and `pdl`.
+of kernels/convention.py (`ARGUMENTS`, in order), launches the subclass's `kernel` on its
+`grid` (by default (token, KV head, split)) and, when the top-k blocks are split, the split
+merge (kernels/split_merge.py) in the same launch sequence. A subclass provides `kernel` (its
+device code, taking the `ARGUMENTS` tensors and scalars, then its `kernel_operands`, then its
+shared-memory struct), `storage_type`, `threads`, and may override `grid`, `kernel_operands`
+(host-made operands such as TMA descriptors), `launch_options` and `pdl`.
 """
 
 # no `from __future__ import annotations`: the DSL reads evaluated annotations
@@ -80,9 +81,10 @@ class SparseDecodeKernelBase:
         num_tokens = query.shape[0]
         self.kernel(
             query, kv_cache, topk, block_table, kv_lens, out, lse, partial_o, partial_lse, k_scale_tensor,
-            v_scale_tensor, qlen, num_splits, qk_scale_log2, v_scale, self.storage_type(),
+            v_scale_tensor, qlen, num_splits, qk_scale_log2, v_scale, *self.kernel_operands(kv_cache),
+            self.storage_type(),
         ).launch(
-            grid=(num_tokens, self.hkv, num_splits),
+            grid=self.grid(num_tokens, qlen, num_splits),
             block=(self.threads, 1, 1),
             stream=stream,
             # explicit carveout, so compiling needs no GPU to query the shared-memory size
@@ -93,6 +95,15 @@ class SparseDecodeKernelBase:
         if num_splits > 1:
             SplitMergeKernel(num_kv_heads=self.hkv, group_size=self.group, max_splits=self.topk,
                              pdl=self.pdl, trigger=self.merge_trigger).launch(out, lse, partial_o, partial_lse, num_splits, num_tokens, stream)
+
+    def grid(self, num_tokens, qlen, num_splits) -> tuple:
+        """The decode kernel's grid (traced in __call__): one CTA per (token, KV head, split)."""
+        return (num_tokens, self.hkv, num_splits)
+
+    def kernel_operands(self, kv_cache) -> tuple:
+        """Operands the host side makes for the decode kernel, passed after the convention's
+        arguments (traced in __call__): none."""
+        return ()
 
     def storage_type(self):
         """The shared-memory struct of the decode kernel (a cute.struct class)."""

@@ -41,6 +41,20 @@ MINIMAX_M3_GEOMETRIES = ((64, 4), (32, 2), (16, 1), (8, 1))
 # CTAs per SM a kernel can be built for: 2 (the default) or 3 (for grids of one wave at 3 per SM;
 # the planner picks, see planner.choose_ctas_per_sm)
 CTAS_PER_SM = (2, 3)
+# SparseDecodeConfig.kernel: how the work is cut. "token": one CTA per (query token, KV head, split),
+# every arch (kernels/sparse_decode_mma.py, sparse_decode_sm100.py). "union": one CTA per (request, KV
+# head, tile of UNION_ROWS // G consecutive query tokens, split) over the union of the tile's blocks,
+# each block read once (kernels/sparse_decode_union_sm90.py: sm_90a, fp8 cache, decode_query_len >= 2;
+# opt-in with MSA_JIT_ENABLE_SM90_UNION=1 until measured on a GPU, planner.choose_kernel)
+KERNELS = ("token", "union")
+UNION_ARCHES = ("sm_90a",)
+UNION_ROWS = 64  # MMA rows of a union CTA: its tile's tokens x the group's G query heads
+UNION_PAGE_SIZES = (128,)  # a stage is one 128-key TMA box of K and one of V
+# tiles of 8 or 4 tokens: a smaller group's union lists (64 / G tokens x topk blocks) leave some
+# builds over an SM's shared memory (G 4: topk > 16 at 2 CTAs per SM; G 2 at every topk), and
+# G 1's 64-token tiles overflow the kernel's 32-bit token masks
+UNION_GROUP_SIZES = (8, 16)
+UNION_CTAS_PER_SM = (1, 2)  # 2 MMA warpgroups and 4 stages per CTA, or 1 warpgroup and 2 stages
 _ARCH_RE = re.compile(r"sm_(\d+)([af]?)")
 
 
@@ -114,8 +128,9 @@ class SparseDecodeConfig:
     """Everything a compiled sparse decode kernel is specialized on.
 
     Runtime sizes (T, P, B, max_blocks, qlen, num_splits) are not part of it. ctas_per_sm:
-    the occupancy the kernel is built for (one of CTAS_PER_SM; the planner picks it per step
-    shape, and the compiler maps it to the kernel class's options).
+    the occupancy the kernel is built for (one of CTAS_PER_SM, or of UNION_CTAS_PER_SM for the
+    union kernel; the planner picks it per step shape, and the compiler maps it to the kernel
+    class's options). kernel: one of KERNELS, how the work is cut into CTAs.
     """
 
     num_q_heads: int
@@ -128,6 +143,7 @@ class SparseDecodeConfig:
     out_dtype: str = "bfloat16"
     arch: str = DEFAULT_ARCH
     ctas_per_sm: int = 2
+    kernel: str = "token"
 
     @property
     def group_size(self) -> int:
@@ -144,6 +160,7 @@ class SparseDecodeConfig:
             f"sparse_decode Hq={self.num_q_heads} Hkv={self.num_kv_heads} (G={self.group_size}) "
             f"D={self.head_dim} page={self.page_size} topk_blocks={self.topk_blocks} q={self.q_dtype} "
             f"kv={self.kv_dtype} out={self.out_dtype} ctas/SM={self.ctas_per_sm}"
+            + (f" kernel={self.kernel}" if self.kernel != "token" else "")
         )
 
     def validate(self) -> "SparseDecodeConfig":
@@ -225,12 +242,36 @@ def check_config(cfg: SparseDecodeConfig) -> str | None:
         reasons.append(f"kv_dtype must be one of {KV_DTYPES}, got {cfg.kv_dtype!r}")
     if cfg.out_dtype not in OUT_DTYPES:
         reasons.append(f"out_dtype must be {OUT_DTYPES[0]!r}, got {cfg.out_dtype!r}")
-    if not _is_int(cfg.ctas_per_sm) or cfg.ctas_per_sm not in CTAS_PER_SM:
-        reasons.append(f"ctas_per_sm must be one of {CTAS_PER_SM}, got {cfg.ctas_per_sm!r}")
+    occupancies = UNION_CTAS_PER_SM if cfg.kernel == "union" else CTAS_PER_SM
+    if not _is_int(cfg.ctas_per_sm) or cfg.ctas_per_sm not in occupancies:
+        reasons.append(f"ctas_per_sm must be one of {occupancies} for the {cfg.kernel!r} kernel, "
+                       f"got {cfg.ctas_per_sm!r}")
     arch_reason = arch_problem(cfg.arch)
     if arch_reason:
         reasons.append(arch_reason)
+    if cfg.kernel not in KERNELS:
+        reasons.append(f"kernel must be one of {KERNELS}, got {cfg.kernel!r}")
+    elif cfg.kernel == "union" and not reasons:
+        reasons.extend(union_problems(num_q_heads=cfg.num_q_heads, num_kv_heads=cfg.num_kv_heads,
+                                      page_size=cfg.page_size, kv_dtype=cfg.kv_dtype, arch=cfg.arch))
     return "; ".join(reasons) if reasons else None
+
+
+def union_problems(*, num_q_heads: int, num_kv_heads: int, page_size: int, kv_dtype: str,
+                   arch: str | None) -> list[str]:
+    """Why the union kernel cannot serve a geometry the token kernel serves (empty when it can):
+    sm_90a only, an fp8 cache, 128-token pages, a group size in UNION_GROUP_SIZES."""
+    out = []
+    if arch not in UNION_ARCHES:
+        out.append(f"the union kernel is built for {UNION_ARCHES} only, not {arch!r}")
+    if kv_dtype != "float8_e4m3fn":
+        out.append(f"the union kernel reads an fp8 cache only, not {kv_dtype!r}")
+    if page_size not in UNION_PAGE_SIZES:
+        out.append(f"the union kernel takes page_size {UNION_PAGE_SIZES}, not {page_size}")
+    g = num_q_heads // num_kv_heads
+    if g not in UNION_GROUP_SIZES:
+        out.append(f"the union kernel needs a group size num_q_heads / num_kv_heads in {UNION_GROUP_SIZES}, not {g}")
+    return out
 
 
 # ----------------------------------------------------------------------------- supports()

@@ -240,49 +240,30 @@ def test_union_wgmma_probe_compiles_to_warpgroup_mmas(tmp_path, options):
         UnionWgmmaKernel(num_q_heads=64, num_kv_heads=4, kv_dtype="nvfp4")
 
 
-@pytest.mark.parametrize("heads,q_dtype,v_converter,warpgroups", [
-    ((64, 4), "bfloat16", False, 2), ((8, 1), "bfloat16", False, 2), ((64, 4), "float8_e4m3fn", False, 2),
-    ((8, 1), "float8_e4m3fn", True, 2), ((64, 4), "bfloat16", True, 2), ((8, 1), "float8_e4m3fn", False, 1),
-    ((8, 1), "bfloat16", False, 1)])
-def test_union_fp8_probe_reads_k_by_tma_into_fp8_warpgroup_mmas(tmp_path, heads, q_dtype, v_converter, warpgroups):
-    # bench/union_fp8.py: K and V of each union block laid down by two TMA copies (3-D where Hkv is 1),
-    # S on fp8 warpgroup MMAs (QGMMA) straight from them (a bf16 query as two e4m3 halves: twice
-    # the QGMMAs), O = P V on f16 ones (HGMMA); one launch, no local memory; fp8 caches only. With a V
-    # converter warpgroup, setmaxnreg gives its registers to the MMA warpgroups. A plan's splits take
-    # ranges of the tile's union blocks and leave partials to kernels/split_merge.py. One MMA warpgroup
-    # (fp8 query; a bf16 one with V in two 64-key halves): 2 CTAs fit an SM
+@pytest.mark.parametrize("options", [{"trace": True}, {"mma": False}, {"convert": False}])
+def test_union_fp8_probe_leaves_its_part_out(tmp_path, options):
+    # bench/union_fp8.py: the shipped union kernel (tests/test_union_kernel_compile.py) with the bench's
+    # probe options through its hooks: trace stamps %globaltimer, mma=False drops every MMA,
+    # convert=False V's conversion (F2FP), the rest as shipped
     sys.path.insert(0, str(BENCH))
     from union_fp8 import UnionFp8Kernel
 
-    cfg = SparseDecodeConfig(num_q_heads=heads[0], num_kv_heads=heads[1], q_dtype=q_dtype, arch="sm_90a")
-    halves = warpgroups == 1 and q_dtype == "bfloat16"
-    options = {"union_fp8": True, "v_converter": v_converter, "warpgroups": warpgroups, "v_halves": halves}
-    compile_sparse_decode(cfg, tmp_path, kernel_options=options, kernel_class=UnionFp8Kernel)
-    (cubin,) = sass.extract_cubins(tmp_path / "sparse_decode.so")
-    names = sorted(r.name for r in sass.kernel_resources(cubin))
-    assert len(names) == 2 and sum("merge" in n.lower() for n in names) == 1  # with splits: the shipped merge
-    text = "\n".join(body for name, body in sass.split_functions(sass.disassemble(cubin)).items()
-                     if "merge" not in name.lower())
+    cfg = SparseDecodeConfig(num_q_heads=64, num_kv_heads=4, q_dtype="float8_e4m3fn", arch="sm_90a")
+
+    def decode_sass(opts, where):
+        where.mkdir()
+        compile_sparse_decode(cfg, where, kernel_options={"union_fp8": True, **opts}, kernel_class=UnionFp8Kernel)
+        (cubin,) = sass.extract_cubins(where / "sparse_decode.so")
+        return "\n".join(body for name, body in sass.split_functions(sass.disassemble(cubin)).items()
+                         if "merge" not in name.lower())
+
+    def f2fp(counts):
+        return sum(n for op, n in counts.items() if op.startswith("F2FP"))
+
+    text = decode_sass(options, tmp_path / "probe")
     counts = sass.opcode_counts(text)
-    chains = 2 if q_dtype == "bfloat16" else 1
-    # 4 k32 / 8 k16 steps per MMA warpgroup
-    assert counts["QGMMA.64"] == 4 * chains * warpgroups and counts["HGMMA.64"] == 8 * warpgroups
-    assert sum(n for op, n in counts.items() if op.startswith("UTMALDG")) >= 2
-    # a TMA cute.copy elects its lane with a full-warp elect.sync: issued under a one-thread branch it
-    # compiled to BRA.DIV + WARPSYNC.COLLECTIVE slow paths that wait on lanes parked elsewhere (a hang:
-    # NVIDIA/cutlass#2365); from a whole warp there are none
-    assert "BRA.DIV" not in text and "WARPSYNC" not in text
+    assert ("GLOBALTIMER" in text) == bool(options.get("trace"))
+    assert (counts["QGMMA.64"], counts["HGMMA.64"]) == ((0, 0) if options.get("mma") is False else (8, 16))
+    if options.get("convert") is False:  # V's 64 F2FP in each of the 2 MMA warpgroups gone; P's stay
+        assert f2fp(sass.opcode_counts(decode_sass({}, tmp_path / "shipped"))) - f2fp(counts) == 2 * 64
     assert "LDL" not in text and "STL" not in text
-    assert ("USETMAXREG" in text) == v_converter
-    if warpgroups == 1:  # two CTAs per SM: each at most half of the 228 KiB less 1 KiB reserved per CTA
-        kernel = UnionFp8Kernel(num_q_heads=heads[0], num_kv_heads=heads[1], q_dtype=q_dtype, warpgroups=1,
-                                v_halves=halves)
-        assert kernel.storage_type().size_in_bytes() + 1024 <= (228 - 2) * 1024 // 2
-    with pytest.raises(ValueError, match="fp8 cache"):
-        UnionFp8Kernel(num_q_heads=64, num_kv_heads=4, kv_dtype="nvfp4")
-    with pytest.raises(ValueError, match="fp8 query"):
-        UnionFp8Kernel(num_q_heads=64, num_kv_heads=4, warpgroups=1)
-    with pytest.raises(ValueError, match="v_halves"):
-        UnionFp8Kernel(num_q_heads=64, num_kv_heads=4, v_halves=True)
-    with pytest.raises(ValueError, match="even stage count"):  # blocks i, i + stages on two warpgroups
-        UnionFp8Kernel(num_q_heads=64, num_kv_heads=4, stages=3)

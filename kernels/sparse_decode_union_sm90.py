@@ -1,0 +1,745 @@
+"""sm_90a speculative-decode ("union") kernel: fp8 warpgroup MMAs on K as the TMA lays it down.
+
+A request's qlen query tokens (a speculative-decode step) select overlapping blocks. Grid
+(requests, Hkv, tiles x num_splits): one CTA per (request, KV head h, tile of
+tile_tokens = 64 // G consecutive query tokens of the request, split), so
+CTAs = B * Hkv * ceil(qlen / (64 // G)) * num_splits. The tile's tokens x the G query heads
+of h are the 64 rows of one warpgroup MMA. The CTA builds the UNION of the blocks its tokens
+selected (each with a bitmask of the tokens that selected it) and streams every union block
+once; split `split` takes its range of the union blocks (common.split_range) and writes
+normalized partials, which the shipped split merge (kernels/split_merge.py) combines in the
+same launch sequence when num_splits > 1.
+
+Per union block (one page of KV head h: 128 keys of 256 bytes, K in bytes [0, 128), V in
+[128, 256)):
+  * two TMA copies (boxes of 128 keys x 128 bytes over the cache viewed as (key, byte, KV
+    head, page), 128B swizzle) lay K and V down dense into a stage; K is then, as it lies, the
+    K-major B operand of S = Q K^T on `wgmma.m64n128k32.f32.e4m3.e4m3` (QGMMA);
+  * Q (64 rows x 128 dims) is an e4m3 A tile in shared memory: an fp8 query as given; a bf16
+    query split per row into s * (hi + lo), hi = e4m3(q / s), lo = e4m3(q / s - hi),
+    s = amax / 448: two QGMMA chains into one accumulator, scaled per row (~8 significant bits
+    of Q, as bf16);
+  * the online softmax runs on the accumulator rows (row = (token, head): its token's kv_len
+    mask, -inf where its token did not select the block); V is converted to an f16 tile while
+    S runs, and O += P V on `wgmma.m64n128k16` f16 MMAs with P from registers.
+
+Roles: `warpgroups` MMA warpgroups take the union blocks in turn (block i: warpgroup i % 2);
+each converts its block's V and its warp 0 refills the stage once the warpgroup has read it
+(no producer warp: ptxas allots registers per warpgroup). v_converter=True: a third warpgroup
+converts every V (setmaxnreg moves its registers to the MMA warpgroups). At the end the MMA
+warpgroups merge their (m, l, O) through shared memory.
+
+Builds (occupancy_options): 1 CTA per SM = 2 MMA warpgroups and 4 stages (G = 16 or 8, topk
+16: 212-214 KiB of shared memory with a bf16 query, 204-206 KiB with an fp8 one); 2 CTAs per
+SM = 1 MMA warpgroup and 2 stages (108-110 KiB with an fp8 query; a bf16 query's two Q tiles
+fit only with v_halves=True: V converted and multiplied in two 64-key halves, 100-102 KiB).
+
+Constraints (ValueError in the constructor, or in arch_options): sm_90a only (wgmma, TMA);
+an fp8 cache with 128-token pages (256-byte key rows); G divides 64 and 64 // G <= 32 (the
+token bitmask of a union block is 32 bits); 1 or 2 CTAs per SM, each CTA within its share of
+the SM's shared memory (the union lists grow with 64 // G x topk: G = 2 or 4 with topk 32 may
+not fit).
+"""
+
+# no `from __future__ import annotations`: the DSL reads evaluated annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90
+from cutlass import Float32, Int32, Int64
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from . import common, ptx
+from .base import SparseDecodeKernelBase
+from .sparse_decode_mma import HEAD_DIM, LN2, ROW_BYTES
+from .union_sm90_ops import (AMAX_MIN, BAR_ALL, BAR_WG, E4M3_MAX, ROWS, bf16x2_absmax, bf16x4_to_e4m3_hi_lo,
+                             build_union, f16_tile_layout, fp8_tile_layout, ld_shared_f32, st_global_b32,
+                             st_global_v2_f32, st_shared_f32, store_f16_chunks, swizzled_f16, swizzled_fp8)
+
+WG_THREADS = 128  # threads of a warpgroup
+PAGE_SIZE = 128  # keys of a block: one TMA box of K and one of V per stage
+MAX_TILE_TOKENS = 32  # a union block's mask has one bit per tile token (Int32)
+SMEM_PER_SM = 228 * 1024  # H100 / H200; each resident CTA reserves 1 KiB of it
+
+
+class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
+    """Static config in __init__; the launch in SparseDecodeKernelBase.__call__ on this class's grid
+    and kernel_operands (the TMA atoms of K and V); device code in kernel() and the methods it
+    calls, named by role."""
+
+    arch_family = "union_sm90"
+    # programmatic dependent launch, as the portable kernel: each kernel of the launch waits
+    # (griddepcontrol.wait) before its first global-memory access
+    pdl = True
+
+    @staticmethod
+    def occupancy_options(ctas_per_sm: int, q_dtype: str, kv_dtype: str = "float8_e4m3fn") -> dict:
+        """Constructor options of the build for `ctas_per_sm` CTAs per SM (SparseDecodeConfig.ctas_per_sm).
+
+        1: 2 MMA warpgroups and 4 stages (the defaults). 2: one MMA warpgroup and 2 stages (the
+        same warpgroups and stages per SM, in one wave of twice the CTAs), a bf16 query with V in
+        two 64-key halves so that its two Q tiles fit.
+        """
+        if ctas_per_sm == 1:
+            return {}
+        if ctas_per_sm == 2:
+            return {"warpgroups": 1} if q_dtype == "float8_e4m3fn" else {"warpgroups": 1, "v_halves": True}
+        raise ValueError(f"no union build for {ctas_per_sm} CTAs per SM (1 or 2)")
+
+    @staticmethod
+    def arch_options(arch: str, kv_dtype: str) -> dict:
+        """None; refuses any arch but sm_90a (wgmma and the TMA copies are sm_90a's)."""
+        if arch != "sm_90a":
+            raise ValueError(f"the union kernel is built for sm_90a only, not {arch!r}")
+        return {}
+
+    def __init__(
+        self,
+        *,
+        num_q_heads: int,
+        num_kv_heads: int,
+        page_size: int = PAGE_SIZE,
+        topk: int = 16,
+        q_dtype: str = "bfloat16",
+        kv_dtype: str = "float8_e4m3fn",
+        warpgroups: int = 2,
+        stages: int | None = None,
+        v_converter: bool = False,
+        v_halves: bool = False,
+    ):
+        super().__init__(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, page_size=page_size,
+                         topk=topk, q_dtype=q_dtype, kv_dtype=kv_dtype)
+        if kv_dtype != "float8_e4m3fn":
+            raise ValueError(f"the union kernel reads an fp8 cache only, not {kv_dtype!r}")
+        if q_dtype not in ("bfloat16", "float8_e4m3fn"):
+            raise ValueError(f"q_dtype {q_dtype!r} not in ('bfloat16', 'float8_e4m3fn')")
+        if page_size != PAGE_SIZE:
+            raise ValueError(f"the union kernel takes page_size {PAGE_SIZE} (one TMA box of 128 keys of "
+                             f"256-byte rows per K / V), not {page_size}")
+        if ROWS % self.group or ROWS // self.group > MAX_TILE_TOKENS:
+            raise ValueError(f"group size {self.group} must divide {ROWS} and leave at most {MAX_TILE_TOKENS} "
+                             "tokens per tile (one mask bit each)")
+        if warpgroups not in (1, 2):
+            raise ValueError(f"warpgroups={warpgroups}: 1 or 2 MMA warpgroups")
+        self.wgs = warpgroups
+        self.stages = stages or (4 if warpgroups == 2 else 2)
+        if self.stages < 1:
+            raise ValueError(f"stages={self.stages}: at least 1")
+        if warpgroups == 2 and self.stages % 2:
+            # blocks i and i + stages share a stage; with an odd count they go to different MMA
+            # warpgroups, and block i's warpgroup could reach block i + 2 stages while i + stages'
+            # copy is in flight: its full-barrier wait would pass on the phase of the same parity
+            raise ValueError(f"stages={self.stages}: two MMA warpgroups need an even stage count")
+        if v_converter and warpgroups != 2:
+            raise ValueError("v_converter needs warpgroups=2")
+        if v_halves and (warpgroups != 1 or v_converter):
+            raise ValueError("v_halves needs warpgroups=1 and no V converter")
+        # a bf16 query: each row as s * (hi + lo), hi and lo e4m3 tiles, s = amax / 448 per row; S is
+        # two QGMMA chains into one accumulator, then scaled per row (~8 significant bits of Q, as bf16)
+        self.split_q = not self.q_fp8
+        if warpgroups == 1 and self.split_q and not v_halves:  # its two Q tiles leave the CTA 1.6 KiB over
+            raise ValueError("warpgroups=1 (2 CTAs per SM) takes an fp8 query, or a bf16 one with v_halves")
+        # v_converter: a third warpgroup (0) converts every block's V into the f16 tile of the MMA
+        # warpgroup that takes the block (i % 2), handed over by mbarriers; a stage is read by the
+        # converter (V) and by one MMA warpgroup (K), whose warp 0 refills it
+        self.v_converter = bool(v_converter)
+        # v_halves (warpgroups=1): V converted and multiplied in two 64-key halves through a 16 KiB
+        # f16 tile, so a bf16 query's two Q tiles fit 2 CTAs per SM too (the stage is held until its
+        # second half is converted)
+        self.v_keys = self.page // 2 if v_halves else self.page
+        self.tile_tokens = ROWS // self.group  # query tokens per CTA
+        self.union_max = self.tile_tokens * self.topk  # union blocks of a tile, at most
+        self.stage_bytes = self.page * ROW_BYTES  # K and V of a (page, KV head)
+        self.tile_bytes = self.page * HEAD_DIM  # a K or V tile of a stage (fp8)
+        self.empty_arrivals = WG_THREADS * (2 if v_converter else 1)  # the threads that read a stage
+        self.threads = WG_THREADS * (warpgroups + int(self.v_converter))
+        # setmaxnreg (v_converter): the converter gives registers to the MMA warpgroups (pool 65536)
+        self.conv_regs, self.mma_regs = 88, 208
+        self.ctas_per_sm = 2 if warpgroups == 1 else 1
+        smem = self.storage_type().size_in_bytes()
+        if smem > SMEM_PER_SM // self.ctas_per_sm - 1024:
+            raise ValueError(f"{smem} bytes of shared memory per CTA: over an SM's share for "
+                             f"{self.ctas_per_sm} CTAs per SM (topk {topk}, group size {self.group})")
+
+    # ------------------------------------------------------------------ host side
+    def storage_type(self):
+        """The shared-memory struct: K and V stages, the Q tile(s), the f16 V tile(s), barriers, the
+        union lists and the cross-warpgroup (m, l)."""
+        f8 = cutlass.Float8E4M3FN
+        stage_tiles = self.stages * self.tile_bytes
+        v16 = self.v_keys * HEAD_DIM
+
+        @cute.struct
+        class Storage:
+            bufk: cute.struct.Align[cute.struct.MemRange[f8, stage_tiles], 1024]
+            bufv: cute.struct.Align[cute.struct.MemRange[f8, stage_tiles], 1024]
+            sq: cute.struct.Align[cute.struct.MemRange[f8, ROWS * HEAD_DIM], 1024]
+            sq_lo: cute.struct.Align[cute.struct.MemRange[f8, ROWS * HEAD_DIM if self.split_q else 16], 1024]
+            qscale: cute.struct.MemRange[Float32, ROWS]
+            sv0: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, v16], 1024]
+            sv1: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, v16 if self.wgs > 1 else 8], 1024]
+            full: cute.struct.Align[cute.struct.MemRange[Int64, self.stages], 8]
+            empty: cute.struct.Align[cute.struct.MemRange[Int64, self.stages], 8]
+            # v_converter: V tile b full / empty (mbarriers 2b, 2b + 1)
+            tiles: cute.struct.Align[cute.struct.MemRange[Int64, 4], 8]
+            tok_pages: cute.struct.MemRange[Int32, 32 * self.tile_tokens]
+            tok_blocks: cute.struct.MemRange[Int32, 32 * self.tile_tokens]
+            ballots: cute.struct.MemRange[Int32, self.tile_tokens]
+            pages: cute.struct.MemRange[Int32, self.union_max]
+            blocks: cute.struct.MemRange[Int32, self.union_max]
+            masks: cute.struct.MemRange[Int32, self.union_max]
+            kvlen: cute.struct.MemRange[Int32, self.tile_tokens]
+            rowm: cute.struct.MemRange[Float32, ROWS * self.wgs]
+            rowl: cute.struct.MemRange[Float32, ROWS * self.wgs]
+
+        return Storage
+
+    def launch_options(self) -> dict:
+        return {"min_blocks_per_mp": self.ctas_per_sm}
+
+    def grid(self, num_tokens, qlen, num_splits) -> tuple:
+        """One CTA per (request, KV head, tile of tile_tokens query tokens x split): a query of
+        num_tokens = requests x qlen rows."""
+        tiles = (qlen + self.tile_tokens - 1) // self.tile_tokens
+        return ((num_tokens + qlen - 1) // qlen, self.hkv, tiles * num_splits)
+
+    def kernel_operands(self, kv_cache) -> tuple:
+        """The TMA atoms and global views of the K and V halves of the cache [P, Hkv, page, 256]
+        (fp8), as (key, byte, KV head, page) tensors: (tma_k, g_k, tma_v, g_v)."""
+        page_stride = self.hkv * self.page * ROW_BYTES
+        view = cute.make_layout((self.page, HEAD_DIM, self.hkv, kv_cache.shape[0]),
+                                stride=(ROW_BYTES, 1, self.page * ROW_BYTES, page_stride))
+        tile = fp8_tile_layout(self.page)
+        tma_k, g_k = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(),
+                                                 cute.make_tensor(kv_cache.iterator, view), tile,
+                                                 (self.page, HEAD_DIM))
+        tma_v, g_v = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(),
+                                                 cute.make_tensor(kv_cache.iterator + HEAD_DIM, view), tile,
+                                                 (self.page, HEAD_DIM))
+        return tma_k, g_k, tma_v, g_v
+
+    # ---------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mKV: cute.Tensor,
+        mTopk: cute.Tensor,
+        mBT: cute.Tensor,
+        mKvLens: cute.Tensor,
+        mOut: cute.Tensor,
+        mLse: cute.Tensor,
+        mPO: cute.Tensor,
+        mPL: cute.Tensor,
+        mKScale: cute.Tensor,
+        mVScale: cute.Tensor,
+        qlen: Int32,
+        num_splits: Int32,
+        qk_scale_log2: Float32,
+        v_scale: Float32,
+        tma_k: cute.CopyAtom,
+        g_k: cute.Tensor,
+        tma_v: cute.CopyAtom,
+        g_v: cute.Tensor,
+        Storage: cutlass.Constexpr,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        req, h, z = cute.arch.block_idx()
+        tile = z // num_splits
+        split = z % num_splits
+        warp = cute.arch.make_warp_uniform(tidx // 32)
+        lane = tidx % 32
+        TT = self.tile_tokens
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(Storage)
+        full_ptr = storage.full.data_ptr()
+        empty_ptr = storage.empty.data_ptr()
+        sPages, sBlocks, sMasks = self.union_lists(storage)
+        sKvLen = storage.kvlen.get_tensor(cute.make_layout(TT))
+        # the barriers touch no global memory: set them up while the previous kernel may still run
+        if warp == 0:
+            if lane == 0:
+                cpasync.prefetch_descriptor(tma_k)
+                cpasync.prefetch_descriptor(tma_v)
+                for s in cutlass.range_constexpr(self.stages):
+                    cute.arch.mbarrier_init(full_ptr + s, 1)
+                    cute.arch.mbarrier_init(empty_ptr + s, self.empty_arrivals)
+                for k in cutlass.range_constexpr(4):
+                    cute.arch.mbarrier_init(storage.tiles.data_ptr() + k, WG_THREADS)
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()  # the split merge may be scheduled now
+        qk_scale_log2 = qk_scale_log2 * mKScale[0]
+        v_scale = v_scale * mVScale[0]
+        n_tok = cutlass.min(Int32(TT), qlen - tile * TT)
+        n_union = build_union(mTopk, mBT, mKvLens, mKV.shape[0], storage, (sPages, sBlocks, sMasks), sKvLen, req, h,
+                              tile, qlen, n_tok, warp, lane, TT, self.topk, self.page)
+        # this CTA's split: union blocks first .. first + n_split (the loops count from 0)
+        first, n_split = common.split_range(n_union, num_splits, split)
+        self.mark_cta(mPO, n_split, tidx)
+
+        # the stages as TMA destinations: (tile, stage) of K and of V; the cache as (tile, page) of this KV head
+        staged = fp8_tile_layout(self.page, self.stages)
+        sK = storage.bufk.get_tensor(staged.outer, swizzle=staged.inner)
+        sV = storage.bufv.get_tensor(staged.outer, swizzle=staged.inner)
+        gK = cute.local_tile(g_k[None, None, h, None], (self.page, HEAD_DIM), (0, 0, None))
+        gV = cute.local_tile(g_v[None, None, h, None], (self.page, HEAD_DIM), (0, 0, None))
+        tKs, tKg = cpasync.tma_partition(tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
+                                         cute.group_modes(gK, 0, 2))
+        tVs, tVg = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
+                                         cute.group_modes(gV, 0, 2))
+        tma = (tma_k, tKs, tKg, tma_v, tVs, tVg)
+        if warp < 4:  # warpgroup 0: the first stages' blocks, then Q of the tile (its loads behind the TMA's)
+            if warp == 0:  # the whole warp (the TMA copy elects its lane)
+                for j in range(cutlass.min(n_split, Int32(self.stages))):
+                    self.issue_block(tma, sPages, first, j, full_ptr)
+            if cutlass.const_expr(self.split_q):
+                self.stage_q_split(mQ, ptx.smem_addr(storage.sq.data_ptr()), ptx.smem_addr(storage.sq_lo.data_ptr()),
+                                   storage.qscale.get_tensor(cute.make_layout(ROWS)), req, h, tile, qlen, n_tok, tidx)
+            else:
+                self.stage_q_fp8(mQ, ptx.smem_addr(storage.sq.data_ptr()), req, h, tile, qlen, n_tok, tidx)
+        cute.arch.sync_threads()  # sQ (fenced) is complete
+        args = (mOut, mLse, mPO, mPL, storage, sPages, sBlocks, sMasks, sKvLen, full_ptr, empty_ptr, tma,
+                req, h, tile, split, num_splits, qlen, n_tok, first, n_split, qk_scale_log2, v_scale)
+        if cutlass.const_expr(self.v_converter):
+            if warp < 4:
+                cute.arch.setmaxregister_decrease(self.conv_regs)
+                self.convert_loop_v(storage, full_ptr, empty_ptr, n_split, tidx)
+            elif warp < 8:
+                cute.arch.setmaxregister_increase(self.mma_regs)
+                self.mma_loop(*args, tidx - 128, 0)
+            else:
+                cute.arch.setmaxregister_increase(self.mma_regs)
+                self.mma_loop(*args, tidx - 256, 1)
+        else:
+            if warp < 4:
+                self.mma_loop(*args, tidx, 0)
+            elif cutlass.const_expr(self.wgs > 1):
+                self.mma_loop(*args, tidx - 128, 1)
+
+    # ---- the tile's union of blocks
+    def union_lists(self, storage):
+        """(pages, blocks, token masks) of the tile's union: shared-memory tensors of union_max int32."""
+        return tuple(f.get_tensor(cute.make_layout(self.union_max)) for f in (storage.pages, storage.blocks,
+                                                                             storage.masks))
+
+    # ---- the stage ring
+    @cute.jit
+    def issue_block(self, tma, sPages, first, j, full_ptr):
+        """One WHOLE, converged warp: the split's block j (union block first + j): K and V (two TMA
+        boxes) -> stage j % stages. cute.copy of a TMA atom elects its issuing lane itself
+        (elect.sync over the full warp), so it must not run under a one-thread branch."""
+        tma_k, tKs, tKg, tma_v, tVs, tVg = tma
+        s = j % self.stages
+        page = sPages[first + j]
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(full_ptr + s, self.stage_bytes)
+        cute.copy(tma_k, tKg[None, page], tKs[None, s], tma_bar_ptr=full_ptr + s)
+        cute.copy(tma_v, tVg[None, page], tVs[None, s], tma_bar_ptr=full_ptr + s)
+
+    @cute.jit
+    def release_stage_and_refill(self, tma, sPages, first, i, n_union, full_ptr, empty_ptr, tidx):
+        """This thread has read block i's stage: arrive on its empty barrier; warp 0 of the caller's
+        warpgroup (all 32 lanes: the TMA copy elects one) then waits for every reader and copies
+        block i + stages into it."""
+        s = i % self.stages
+        cute.arch.mbarrier_arrive(empty_ptr + s)
+        if cute.arch.make_warp_uniform(tidx // 32) == 0:
+            if i + self.stages < n_union:
+                cute.arch.mbarrier_wait(empty_ptr + s, (i // self.stages) & 1)
+                self.issue_block(tma, sPages, first, i + self.stages, full_ptr)
+
+    # ---- Q of the tile
+    @cute.jit
+    def q_half_row(self, mQ, req, h, tile, qlen, n_tok, tidx):
+        """The 64 query elements (dims 64 (tidx % 2) ..) of tile row tidx // 2 (token row // G,
+        head row % G) as words, zero past the tile's tokens: 16 words of fp8 or 32 of bf16."""
+        G = self.group
+        qrow = tidx // 2
+        elem_bytes = 1 if self.q_fp8 else 2
+        words = cute.make_rmem_tensor(16 * elem_bytes, Int32)
+        for k in cutlass.range_constexpr(16 * elem_bytes):
+            words[k] = Int32(0)
+        if qrow // G < n_tok:
+            t = req * qlen + tile * self.tile_tokens + qrow // G
+            src = mQ.iterator.toint() + (Int64(t) * Int64(mQ.stride[0])
+                                         + Int64((h * G + qrow % G) * HEAD_DIM + 64 * (tidx % 2))) * elem_bytes
+            for p in cutlass.range_constexpr(4 * elem_bytes):
+                wv = ptx.ld_global_nc_v4(src + 16 * p)
+                for k in cutlass.range_constexpr(4):
+                    words[4 * p + k] = wv[k]
+        return words
+
+    @cute.jit
+    def stage_q_fp8(self, mQ, q_smem, req, h, tile, qlen, n_tok, tidx):
+        """Q of the tile -> sQ (fp8 as given, 128B-swizzled): thread tidx (< 128) writes half (64
+        bytes) of row tidx // 2; rows past the tile's tokens are zero."""
+        words = self.q_half_row(mQ, req, h, tile, qlen, n_tok, tidx)
+        for p in cutlass.range_constexpr(4):
+            ptx.st_shared_v4(q_smem + swizzled_fp8(tidx // 2, 64 * (tidx % 2) + 16 * p),
+                             words[4 * p], words[4 * p + 1], words[4 * p + 2], words[4 * p + 3])
+        cute.arch.fence_view_async_shared()
+
+    @cute.jit
+    def stage_q_split(self, mQ, q_hi, q_lo, sScale, req, h, tile, qlen, n_tok, tidx):
+        """Q of the tile (bf16) -> sQ (hi) and sQ_lo (lo), e4m3, 128B-swizzled, and each row's
+        scale: thread tidx (< 128) takes half (64 dims) of row tidx // 2; rows past the tile's tokens
+        are zero (scale 0)."""
+        qrow = tidx // 2
+        qhalf = tidx % 2
+        words = self.q_half_row(mQ, req, h, tile, qlen, n_tok, tidx)
+        amax = Float32(0.0)
+        for k in cutlass.range_constexpr(32):
+            amax = cute.arch.fmax(amax, bf16x2_absmax(words[k]))
+        amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, 1))  # the row's other half
+        inv = Float32(0.0)
+        scale = Float32(0.0)
+        if amax > Float32(0.0):
+            amax = cute.arch.fmax(amax, Float32(AMAX_MIN))  # 448 / a bf16 denormal would overflow
+            inv = Float32(E4M3_MAX) / amax
+            scale = amax / Float32(E4M3_MAX)
+        hi = cute.make_rmem_tensor(16, Int32)
+        lo = cute.make_rmem_tensor(16, Int32)
+        for k in cutlass.range_constexpr(16):
+            a, b = bf16x4_to_e4m3_hi_lo(words[2 * k], words[2 * k + 1], inv)
+            hi[k] = a
+            lo[k] = b
+        for p in cutlass.range_constexpr(4):
+            off = swizzled_fp8(qrow, 64 * qhalf + 16 * p)
+            ptx.st_shared_v4(q_hi + off, hi[4 * p], hi[4 * p + 1], hi[4 * p + 2], hi[4 * p + 3])
+            ptx.st_shared_v4(q_lo + off, lo[4 * p], lo[4 * p + 1], lo[4 * p + 2], lo[4 * p + 3])
+        if qhalf == 0:
+            sScale[qrow] = scale
+        cute.arch.fence_view_async_shared()
+
+    # ---- V: fp8 stage -> f16 tile
+    @cute.jit
+    def convert_v(self, v_stage, dst_smem, tidx, fence: cutlass.Constexpr = True, half: cutlass.Constexpr = 0):
+        """The stage's fp8 V tile (TMA-swizzled key rows; with v_halves its keys 64 half ..) -> an
+        f16 tile of v_keys rows (f16_tile_layout), by 128 threads: thread = 16 dims of keys
+        tidx // 8 + 16 r; fenced for the MMAs that read it (fence=False: the caller fences)."""
+        c8 = tidx % 8
+        for r in cutlass.range_constexpr(self.v_keys // 16):
+            key = tidx // 8 + 16 * r
+            w = ptx.ld_shared_v4(v_stage + swizzled_fp8(key + self.v_keys * half, 16 * c8))
+            store_f16_chunks(dst_smem + swizzled_f16(self.v_keys, key, 16 * c8), w, c8)
+        if cutlass.const_expr(fence):
+            cute.arch.fence_view_async_shared()
+
+    @cute.jit
+    def convert_loop_v(self, storage, full_ptr, empty_ptr, n_union, tidx):
+        """The V converter warpgroup: block i's V -> the f16 tile of MMA warpgroup i % 2, once that
+        warpgroup's P V of block i - 2 is done; it releases the stage (its V half) before handing
+        the tile over, so the MMA warpgroup that refills the stage waits only for itself."""
+        bufv = ptx.smem_addr(storage.bufv.data_ptr())
+        tiles = storage.tiles.data_ptr()
+        v_tiles = (ptx.smem_addr(storage.sv0.data_ptr()), ptx.smem_addr(storage.sv1.data_ptr()))
+        for i in range(n_union):
+            s = i % self.stages
+            b = i % 2
+            cute.arch.mbarrier_wait(full_ptr + s, (i // self.stages) & 1)
+            cute.arch.mbarrier_wait(tiles + 2 * b + 1, ((i // 2) & 1) ^ 1)  # V tile b is free
+            dst = v_tiles[0]
+            if b == 1:
+                dst = v_tiles[1]
+            self.convert_v(bufv + s * self.tile_bytes, dst, tidx)
+            cute.arch.mbarrier_arrive(empty_ptr + s)
+            cute.arch.mbarrier_arrive(tiles + 2 * b)
+
+    # ---- the MMA warpgroups
+    def o_setup(self, sv_field, tidx):
+        """O = P V of one MMA warpgroup (thread tidx of its 128): the MMA (P from registers, the f16
+        V tile of v_keys keys in sv_field as an MN-major B), its fragments (P's for the whole
+        page) and the O accumulator."""
+        f16 = cutlass.Float16
+        sV_layout = f16_tile_layout(self.v_keys)
+        sV = sv_field.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        # V as the B operand of O = P V: (N = head dims, K = keys), head dims contiguous (MN-major)
+        sVt = cute.composition(sV, cute.make_ordered_layout((HEAD_DIM, self.v_keys), order=(1, 0)))
+        mma_o = sm90.make_trivial_tiled_mma(f16, f16, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
+                                            Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(ROWS, HEAD_DIM),
+                                            a_source=warpgroup.OperandSource.RMEM)
+        thr_o = mma_o.get_slice(tidx)
+        return dict(
+            mma_o=mma_o, v_smem=ptx.smem_addr(sv_field.data_ptr()),
+            tOrV=thr_o.make_fragment_B(thr_o.partition_B(sVt)),
+            tOrP=thr_o.make_fragment_A(thr_o.partition_shape_A((ROWS, self.page))),
+            acc_o=cute.make_rmem_tensor(thr_o.partition_shape_C((ROWS, HEAD_DIM)), Float32),
+        )
+
+    def mma_setup(self, storage, wg: int, tidx):
+        """The MMAs, fragments and accumulators of MMA warpgroup wg (thread tidx of its 128): S on
+        QGMMA from sQ (and sQ_lo) and the staged K tiles, O = P V from o_setup."""
+        f8 = cutlass.Float8E4M3FN
+        sQ_layout = fp8_tile_layout(ROWS)
+        staged = fp8_tile_layout(self.page, self.stages)
+        sQ = storage.sq.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sQlo = storage.sq_lo.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner) if self.split_q else sQ
+        sK = storage.bufk.get_tensor(staged.outer, swizzle=staged.inner)
+        mma_s = sm90.make_trivial_tiled_mma(f8, f8, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
+                                            Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(ROWS, self.page))
+        thr_s = mma_s.get_slice(tidx)
+        return dict(
+            self.o_setup(storage.sv0 if wg == 0 else storage.sv1, tidx),
+            mma_s=mma_s, thr_s=thr_s,
+            tSrQ=thr_s.make_fragment_A(thr_s.partition_A(sQ)), tSrQlo=thr_s.make_fragment_A(thr_s.partition_A(sQlo)),
+            tSrK=thr_s.make_fragment_B(thr_s.partition_B(sK)),
+        )
+
+    @staticmethod
+    def row_state():
+        """(row max, row sum) of a thread's two accumulator rows: -inf, 0."""
+        row_max = cute.make_rmem_tensor(2, Float32)
+        row_sum = cute.make_rmem_tensor(2, Float32)
+        for hh in range(2):  # traced inline (not a @cute.jit function)
+            row_max[hh] = -Float32.inf
+            row_sum[hh] = Float32(0.0)
+        return row_max, row_sum
+
+    @cute.jit
+    def mma_loop(self, mOut, mLse, mPO, mPL, storage, sPages, sBlocks, sMasks, sKvLen, full_ptr, empty_ptr, tma,
+                 req, h, tile, split, num_splits, qlen, n_tok, first, n_union, qk_scale_log2, v_scale,
+                 tidx, wg: cutlass.Constexpr):
+        """MMA warpgroup wg (thread tidx of its 128): the split's blocks wg, wg + wgs, ... of n_union
+        (union blocks first + i); warpgroup 0 merges the warpgroups' (m, l, O) and stores."""
+        bar = BAR_WG + wg
+        warp = cute.arch.make_warp_uniform(tidx // 32)
+        lane = tidx % 32
+        g = lane // 4
+        c = lane % 4
+        m = self.mma_setup(storage, wg, tidx)
+        tOrV, tOrP, acc_o = m["tOrV"], m["tOrP"], m["acc_o"]
+        p_words = cute.make_tensor(cute.recast_ptr(tOrP.iterator, dtype=Int32), cute.make_layout(ROWS * self.page // 256))
+        bufk = ptx.smem_addr(storage.bufk.data_ptr())
+        bufv = ptx.smem_addr(storage.bufv.data_ptr())
+        sQScale = storage.qscale.get_tensor(cute.make_layout(ROWS))
+        for i in cutlass.range_constexpr(cute.size(acc_o)):  # O, rows 16w + g + 8hh, dims 8j + 2c + e: [e + 2hh + 4j]
+            acc_o[i] = Float32(0.0)
+        row_max, row_sum = self.row_state()
+        for i in range(wg, n_union, self.wgs):
+            s = i % self.stages
+            blk = sBlocks[first + i]
+            mask = sMasks[first + i]
+            cute.arch.mbarrier_wait(full_ptr + s, (i // self.stages) & 1)
+            self.mark(i, 0, tidx)  # the stage is full
+            if cutlass.const_expr(not self.v_converter):
+                cute.arch.barrier(barrier_id=bar, number_of_threads=WG_THREADS)  # every warp's P V of its last block is done
+            self.mark(i, 1, tidx)  # S issued next
+            acc_s = cute.make_rmem_tensor(m["thr_s"].partition_shape_C((ROWS, self.page)), Float32)
+            self.s_mma_issue(m, acc_s, s)
+            if cutlass.const_expr(not self.v_converter):
+                # ---- meanwhile V -> this warpgroup's f16 tile. Its proxy fence comes after the wait:
+                # ptxas 12.9 (the DSL's) segfaults on a fence.proxy.async between a wgmma commit and wait
+                self.convert_v(bufv + s * self.tile_bytes, m["v_smem"], tidx, fence=False)
+            self.mark(i, 2, tidx)  # this thread's V conversion done
+            self.s_mma_wait()
+            self.mark(i, 3, tidx)  # S done
+            if cutlass.const_expr(not self.v_converter):
+                cute.arch.fence_view_async_shared()
+                if cutlass.const_expr(self.v_keys == self.page):
+                    self.release_stage_and_refill(tma, sPages, first, i, n_union, full_ptr, empty_ptr, tidx)
+            self.softmax(acc_s, acc_o, p_words, row_max, row_sum, blk, mask, sKvLen, sQScale, qk_scale_log2,
+                         warp, g, c)
+            self.mark(i, 4, tidx)  # softmax done (and warp 0's refill issued)
+            # ---- O += P V
+            if cutlass.const_expr(not self.v_converter):
+                cute.arch.barrier(barrier_id=bar, number_of_threads=WG_THREADS)  # every thread's part of the V tile is in
+            if cutlass.const_expr(self.v_converter):
+                cute.arch.mbarrier_wait(storage.tiles.data_ptr() + 2 * wg, (i // 2) & 1)  # V tile converted
+                # the converter has released the stage's V: warp 0's refill waits for this warpgroup only
+                self.release_stage_and_refill(tma, sPages, first, i, n_union, full_ptr, empty_ptr, tidx)
+            self.mark(i, 5, tidx)  # the V tile is complete
+            self.pv_mma(m["mma_o"], acc_o, tOrP, tOrV)
+            if cutlass.const_expr(self.v_keys < self.page):  # ---- the second half of V, then of P V
+                cute.arch.barrier(barrier_id=bar, number_of_threads=WG_THREADS)  # every warp's first half is done
+                self.convert_v(bufv + s * self.tile_bytes, m["v_smem"], tidx, half=1)
+                self.release_stage_and_refill(tma, sPages, first, i, n_union, full_ptr, empty_ptr, tidx)
+                cute.arch.barrier(barrier_id=bar, number_of_threads=WG_THREADS)
+                self.pv_mma(m["mma_o"], acc_o, tOrP, tOrV, cute.size(tOrV.shape[2]))
+            self.mark(i, 6, tidx)  # P V done
+            if cutlass.const_expr(self.v_converter):
+                cute.arch.mbarrier_arrive(storage.tiles.data_ptr() + 2 * wg + 1)  # V tile read
+        # MMA warpgroup 1's O goes over the K stages (every stage is read by now)
+        self.finish(mOut, mLse, mPO, mPL, storage, acc_o, row_max, row_sum, bufk, req, h, tile, split, num_splits,
+                    qlen, n_tok, v_scale, tidx, warp, g, c, wg)
+
+    @cute.jit
+    def s_mma_issue(self, m, acc_s, s):
+        """S = Q K^T of stage s on QGMMA (a bf16 query: the hi chain, then the lo chain into the same
+        accumulator), issued and committed: asynchronous until s_mma_wait."""
+        tSrQ, tSrK = m["tSrQ"], m["tSrK"]
+        warpgroup.fence()
+        atom_s = cute.make_mma_atom(m["mma_s"].op)
+        atom_s.set(warpgroup.Field.ACCUMULATE, False)
+        for k in cutlass.range_constexpr(cute.size(tSrQ.shape[2])):
+            cute.gemm(atom_s, acc_s, tSrQ[None, None, k], tSrK[None, None, k, s], acc_s)
+            atom_s.set(warpgroup.Field.ACCUMULATE, True)
+        if cutlass.const_expr(self.split_q):
+            for k in cutlass.range_constexpr(cute.size(tSrQ.shape[2])):
+                cute.gemm(atom_s, acc_s, m["tSrQlo"][None, None, k], tSrK[None, None, k, s], acc_s)
+        warpgroup.commit_group()
+
+    def s_mma_wait(self):
+        """Wait for the S MMAs of s_mma_issue."""
+        warpgroup.wait_group(0)
+
+    @cute.jit
+    def softmax(self, acc_s, acc_o, p_words, row_max, row_sum, blk, mask, sKvLen, sQScale, qk_scale_log2, warp, g, c):
+        """S of the block into log2 units (qk_scale_log2, times the row's Q scale for a split bf16
+        query), then the online softmax (softmax_cols)."""
+        for hh in cutlass.range_constexpr(2):  # rows 16 warp + g + 8 hh
+            f = qk_scale_log2
+            if cutlass.const_expr(self.split_q):
+                f = f * sQScale[16 * warp + g + 8 * hh]
+            for jj in cutlass.range_constexpr(self.page // 8):
+                for e in cutlass.range_constexpr(2):
+                    acc_s[e + 2 * hh + 4 * jj] = acc_s[e + 2 * hh + 4 * jj] * f
+        self.softmax_cols(acc_s, acc_o, p_words, row_max, row_sum, blk, mask, sKvLen, warp, g, c)
+
+    @cute.jit
+    def softmax_cols(self, acc_s, acc_o, p_words, row_max, row_sum, blk, mask, sKvLen, warp, g, c):
+        """Online softmax of rows 16w + g + 8hh of S (log2 units) over the block's keys, O rescaled;
+        P -> the A fragments of O = P V (k-step ks: keys 16ks + 2c (+1), (+8, +9))."""
+        G = self.group
+        ncols = self.page
+        for hh in cutlass.range_constexpr(2):
+            m_row = 16 * warp + g + 8 * hh
+            j_row = m_row // G
+            lim = sKvLen[j_row] - blk * self.page  # visible keys: col < lim
+            if ((mask >> j_row) & 1) == 0:
+                lim = Int32(0)
+            if lim < ncols:
+                for jj in cutlass.range_constexpr(ncols // 8):
+                    for e in cutlass.range_constexpr(2):
+                        if 8 * jj + 2 * c + e >= lim:
+                            acc_s[e + 2 * hh + 4 * jj] = -Float32.inf
+            mx = -Float32.inf
+            for jj in cutlass.range_constexpr(ncols // 8):
+                for e in cutlass.range_constexpr(2):
+                    mx = cute.arch.fmax(mx, acc_s[e + 2 * hh + 4 * jj])
+            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 1))
+            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 2))
+            m_new = cute.arch.fmax(row_max[hh], mx)
+            m_use = m_new
+            if m_new == -Float32.inf:
+                m_use = Float32(0.0)
+            a = ptx.ex2(row_max[hh] - m_use)
+            row_max[hh] = m_new
+            psum = Float32(0.0)
+            for jj in cutlass.range_constexpr(ncols // 8):
+                for e in cutlass.range_constexpr(2):
+                    p = ptx.ex2(acc_s[e + 2 * hh + 4 * jj] - m_use)
+                    acc_s[e + 2 * hh + 4 * jj] = p
+                    psum = psum + p
+            row_sum[hh] = row_sum[hh] * a + psum
+            for j in cutlass.range_constexpr(HEAD_DIM // 8):
+                for e in cutlass.range_constexpr(2):
+                    acc_o[e + 2 * hh + 4 * j] = acc_o[e + 2 * hh + 4 * j] * a
+            for jj in cutlass.range_constexpr(ncols // 8):  # jj = 2ks + kh
+                p_words[hh + 2 * (jj % 2) + 4 * (jj // 2)] = ptx.f32x2_to_f16x2(acc_s[2 * hh + 4 * jj],
+                                                                              acc_s[1 + 2 * hh + 4 * jj])
+
+    @cute.jit
+    def pv_mma(self, mma_o, acc_o, tOrP, tOrV, p_step0: cutlass.Constexpr = 0):
+        """O += P V on the warpgroup's tensor cores, over tOrV's k-steps (P's from p_step0); returns
+        when it is done."""
+        warpgroup.fence()
+        atom_o = cute.make_mma_atom(mma_o.op)
+        atom_o.set(warpgroup.Field.ACCUMULATE, True)
+        for k in cutlass.range_constexpr(cute.size(tOrV.shape[2])):
+            cute.gemm(atom_o, acc_o, tOrP[None, None, p_step0 + k], tOrV[None, None, k], acc_o)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+
+    # ---- the epilogue
+    @cute.jit
+    def finish(self, mOut, mLse, mPO, mPL, storage, acc_o, row_max, row_sum, o_other, req, h, tile, split,
+               num_splits, qlen, n_tok, v_scale, tidx, warp, g, c, wg: cutlass.Constexpr):
+        """Merge the MMA warpgroups' (m, l, O) through shared memory (warpgroup 1's O at o_other);
+        warpgroup 0 writes out [T, Hq, 128] bf16 and lse [T, Hq] (natural log), or with
+        num_splits > 1 this split's normalized O and log2-LSE into partial_o / partial_lse rows
+        (t * Hkv + h) * num_splits + split (kernels/split_merge.py's)."""
+        G = self.group
+        nthr = WG_THREADS
+        sRowM = storage.rowm.get_tensor(cute.make_layout(ROWS * self.wgs))
+        sRowL = storage.rowl.get_tensor(cute.make_layout(ROWS * self.wgs))
+        for hh in cutlass.range_constexpr(2):
+            tot = row_sum[hh]
+            tot = tot + cute.arch.shuffle_sync_bfly(tot, 1)
+            tot = tot + cute.arch.shuffle_sync_bfly(tot, 2)
+            m_row = 16 * warp + g + 8 * hh
+            if c == 0:
+                sRowL[ROWS * wg + m_row] = tot
+                sRowM[ROWS * wg + m_row] = row_max[hh]
+        if cutlass.const_expr(self.wgs > 1):
+            cute.arch.barrier(barrier_id=BAR_ALL, number_of_threads=nthr * self.wgs)
+            if cutlass.const_expr(wg == 1):
+                for k in cutlass.range_constexpr(cute.size(acc_o)):
+                    st_shared_f32(o_other + (k * nthr + tidx) * 4, acc_o[k])
+            cute.arch.barrier(barrier_id=BAR_ALL, number_of_threads=nthr * self.wgs)
+        else:
+            cute.arch.barrier(barrier_id=BAR_WG, number_of_threads=nthr)
+        if cutlass.const_expr(wg == 0):
+            for hh in cutlass.range_constexpr(2):
+                m_row = 16 * warp + g + 8 * hh
+                j_row = m_row // G
+                if j_row < n_tok:
+                    m_all, l_all = self.merged_stats(sRowM, sRowL, m_row)
+                    m_use = m_all
+                    if m_all == -Float32.inf:
+                        m_use = Float32(0.0)
+                    inv = Float32(0.0)
+                    lse2 = -Float32.inf
+                    if l_all > Float32(0.0):
+                        inv = v_scale / l_all
+                        lse2 = m_all + ptx.lg2(l_all)
+                    w_self = inv * ptx.ex2(row_max[hh] - m_use)
+                    w_other = Float32(0.0)
+                    if cutlass.const_expr(self.wgs > 1):
+                        w_other = inv * ptx.ex2(sRowM[ROWS + m_row] - m_use)
+                    t = req * qlen + tile * self.tile_tokens + j_row
+                    hq = h * G + m_row % G
+                    pidx = (t * self.hkv + h) * num_splits + split  # this split's partial row
+                    prow = mPO.iterator.toint() + (Int64(pidx) * Int64(mPO.stride[0])
+                                                   + Int64((m_row % G) * HEAD_DIM + 2 * c)) * 4
+                    if c == 0:
+                        if num_splits > 1:
+                            mPL[pidx, m_row % G] = lse2
+                    if c == 0:
+                        if num_splits == 1:
+                            mLse[t, hq] = lse2 * LN2
+                    row = mOut.iterator.toint() + (Int64(t) * Int64(mOut.stride[0]) + Int64(hq * HEAD_DIM + 2 * c)) * 2
+                    for j in cutlass.range_constexpr(HEAD_DIM // 8):
+                        v = []
+                        for e in cutlass.range_constexpr(2):
+                            idx = e + 2 * hh + 4 * j
+                            x = acc_o[idx] * w_self
+                            if cutlass.const_expr(self.wgs > 1):
+                                x = x + ld_shared_f32(o_other + (idx * nthr + tidx) * 4) * w_other
+                            v.append(x)
+                        if num_splits == 1:
+                            st_global_b32(row + 16 * j, ptx.f32x2_to_bf16x2(v[0], v[1]))
+                        else:
+                            st_global_v2_f32(prow + 32 * j, v[0], v[1])
+
+    @cute.jit
+    def merged_stats(self, sRowM, sRowL, n):
+        """(max, sum) of tile row n over the MMA warpgroups (log2 units, sums rescaled to the max)."""
+        m_all = sRowM[n]
+        l_all = sRowL[n]
+        if cutlass.const_expr(self.wgs > 1):
+            m1 = sRowM[ROWS + n]
+            m_new = cute.arch.fmax(m_all, m1)
+            m_use = m_new
+            if m_new == -Float32.inf:
+                m_use = Float32(0.0)
+            l_all = l_all * ptx.ex2(m_all - m_use) + sRowL[ROWS + n] * ptx.ex2(m1 - m_use)
+            m_all = m_new
+        return m_all, l_all
+
+    # ---- hooks: no code here; an instrumented subclass (bench/union_fp8.py) stamps timers in them
+    def mark_cta(self, mPO, n_blocks, tidx):
+        """The CTA's split has n_blocks union blocks (mPO: the plan's partial_o)."""
+
+    def mark(self, i, event: int, tidx):
+        """Event `event` (0..6, see mma_loop) of the split's block i, at thread tidx of an MMA warpgroup."""
