@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping
 
 from . import cache as _cache
 from . import env
-from .geometry import KV_DTYPE_SHORT, Q_DTYPE_SHORT, SparseDecodeConfig
+from .geometry import KV_DTYPE_SHORT, Q_DTYPE_SHORT, UNION_CTAS_PER_SM, SparseDecodeConfig, union_problems
 from .loader import load_artifact
 
 log = logging.getLogger("msa_jit")
@@ -97,20 +97,27 @@ KERNEL_REGISTRY: dict[str, KernelFamily] = {
     # tcgen05 kernel: compiles and its SASS is checked in CI, never run on hardware yet, so
     # kernel_family() picks it only with MSA_JIT_ENABLE_SM100_UMMA=1 on sm_100*.
     "sm100": KernelFamily("sparse_decode_sm100", "SparseDecodeSm100Kernel", (2,)),
+    # SparseDecodeConfig.kernel == "union" (sm_90a, fp8 cache): compiles and its SASS is checked in CI,
+    # not yet run on hardware, so the planner picks it only with MSA_JIT_ENABLE_SM90_UNION=1
+    "union_sm90": KernelFamily("sparse_decode_union_sm90", "SparseDecodeUnionSm90Kernel", UNION_CTAS_PER_SM),
 }
 
 
 def kernel_family(config: SparseDecodeConfig) -> str:
-    """Which registered kernel serves this config (see KERNEL_REGISTRY); only its arch matters."""
+    """Which registered kernel serves this config (see KERNEL_REGISTRY): its `kernel` and arch."""
+    if config.kernel == "union":
+        return "union_sm90"
     if (config.arch.startswith("sm_100") and env.enable_sm100_umma() and config.kv_dtype == "float8_e4m3fn"
             and "sm100" in KERNEL_REGISTRY):  # the tcgen05 kernel reads fp8 caches only
         return "sm100"
     return "portable"
 
 
-def supported_ctas_per_sm(arch: str) -> tuple[int, ...]:
-    """The occupancies the kernel serving `arch` can be built for, ascending (the planner's choice)."""
-    return tuple(sorted(KERNEL_REGISTRY[kernel_family(SparseDecodeConfig(1, 1, arch=arch))].occupancies))
+def supported_ctas_per_sm(arch: str, kernel: str = "token") -> tuple[int, ...]:
+    """The occupancies the `kernel` ("token" or "union") serving `arch` can be built for, ascending
+    (the planner's choice)."""
+    family = kernel_family(SparseDecodeConfig(1, 1, arch=arch, kernel=kernel))
+    return tuple(sorted(KERNEL_REGISTRY[family].occupancies))
 
 
 def accepted_local_ops(config: SparseDecodeConfig) -> int:
@@ -124,8 +131,16 @@ def accepted_local_ops(config: SparseDecodeConfig) -> int:
 
 
 def plannable_configs(config: SparseDecodeConfig) -> list[SparseDecodeConfig]:
-    """`config` at every occupancy the planner may pick for its arch (what a warmup builds)."""
-    return [replace(config, ctas_per_sm=n) for n in supported_ctas_per_sm(config.arch)]
+    """`config` at every occupancy the planner may pick for its arch (what a warmup builds), and
+    the union kernel's builds where the planner may pick it (MSA_JIT_ENABLE_SM90_UNION=1, an fp8
+    cache it serves)."""
+    token = replace(config, kernel="token")
+    out = [replace(token, ctas_per_sm=n) for n in supported_ctas_per_sm(config.arch)]
+    if env.enable_sm90_union() and not union_problems(
+            num_q_heads=config.num_q_heads, num_kv_heads=config.num_kv_heads, page_size=config.page_size,
+            kv_dtype=config.kv_dtype, arch=config.arch):
+        out += [replace(config, kernel="union", ctas_per_sm=n) for n in supported_ctas_per_sm(config.arch, "union")]
+    return out
 
 
 def _dist_version(*names: str) -> str:

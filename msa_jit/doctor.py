@@ -23,6 +23,11 @@ SM100_POLICY = (
     "the default. An SM100-specialized (UMMA/tcgen05) kernel is used only when "
     "MSA_JIT_ENABLE_SM100_UMMA=1 (and one is registered in msa_jit.compiler.KERNEL_REGISTRY)."
 )
+UNION_POLICY = (
+    "On sm_90a the union kernel (one CTA per request's token tile, each shared block read once) "
+    "serves fp8-cache steps with decode_query_len >= 2 and a grid of at least one wave only when "
+    "MSA_JIT_ENABLE_SM90_UNION=1 (or a planner pins kernel='union'); it has not yet run on a GPU."
+)
 
 
 def _probe(fn: Callable[[], Any]) -> Any:
@@ -183,12 +188,14 @@ def probe_policy(arches: list[str]) -> dict[str, Any]:
     from .geometry import SparseDecodeConfig
 
     families = {a: compiler.kernel_family(SparseDecodeConfig(16, 1, arch=a)) for a in arches}
-    try:
-        umma = env.enable_sm100_umma()
-    except ValueError as e:
-        umma = f"invalid ({e})"
-    return {"policy": SM100_POLICY, "enable_sm100_umma": umma, "registered": sorted(compiler.KERNEL_REGISTRY),
-            "families": families}
+    flags = {}
+    for name, read in (("enable_sm100_umma", env.enable_sm100_umma), ("enable_sm90_union", env.enable_sm90_union)):
+        try:
+            flags[name] = read()
+        except ValueError as e:
+            flags[name] = f"invalid ({e})"
+    return {"policy": SM100_POLICY, "union_policy": UNION_POLICY, **flags,
+            "registered": sorted(compiler.KERNEL_REGISTRY), "families": families}
 
 
 def collect(cache_dir: str | None = None) -> dict[str, Any]:
@@ -285,6 +292,8 @@ def render(r: dict[str, Any]) -> str:
     else:
         add(f"  {k['policy']}")
         add(f"  MSA_JIT_ENABLE_SM100_UMMA -> {k['enable_sm100_umma']}; registered kernels: {', '.join(k['registered'])}")
+        add(f"  {k['union_policy']}")
+        add(f"  MSA_JIT_ENABLE_SM90_UNION -> {k['enable_sm90_union']}")
         for arch, fam in k["families"].items():
             add(f"  {arch}: {fam} kernel" + (" (portable mma.sync)" if fam == "portable" else ""))
     return "\n".join(out)

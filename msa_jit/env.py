@@ -29,6 +29,7 @@ __all__ = [
     "LOCK_TIMEOUT",
     "ARCH",
     "ENABLE_SM100_UMMA",
+    "ENABLE_SM90_UNION",
     "LOG_LEVEL",
     "DSL_VERSION",
     "DSL_RUNTIME",
@@ -43,6 +44,7 @@ __all__ = [
     "lock_timeout_s",
     "target_arch",
     "enable_sm100_umma",
+    "enable_sm90_union",
     "log_level",
     "dsl_version_override",
     "dsl_runtime",
@@ -61,6 +63,7 @@ CACHE_MAX_BYTES = "MSA_JIT_CACHE_MAX_BYTES"
 LOCK_TIMEOUT = "MSA_JIT_LOCK_TIMEOUT"
 ARCH = "MSA_JIT_ARCH"
 ENABLE_SM100_UMMA = "MSA_JIT_ENABLE_SM100_UMMA"
+ENABLE_SM90_UNION = "MSA_JIT_ENABLE_SM90_UNION"
 LOG_LEVEL = "MSA_JIT_LOG_LEVEL"
 DSL_VERSION = "MSA_JIT_DSL_VERSION"
 DSL_RUNTIME = "MSA_JIT_DSL_RUNTIME"
@@ -94,6 +97,11 @@ VARIABLES: dict[str, str] = {
         "'10.0a' spell sm_100a too). Default: detect from the current device."
     ),
     ENABLE_SM100_UMMA: "Bool, default 0. Enable the SM100 UMMA (tcgen05) kernel path.",
+    ENABLE_SM90_UNION: (
+        "Bool, default 0. Let the planner pick the sm_90a union kernel for fp8-cache steps with "
+        "decode_query_len >= 2 and a grid of at least one wave (each block the tile's tokens share "
+        "read once); not yet run on a GPU, so opt-in. Warmups then build it too."
+    ),
     LOG_LEVEL: "Logging level of the msa_jit loggers: debug/info/warning/error/critical or an int. Default warning.",
     DSL_VERSION: (
         "CuTe DSL version to key artifacts with when the DSL's package metadata is absent "
@@ -272,6 +280,11 @@ def enable_sm100_umma() -> bool:
     return _bool(ENABLE_SM100_UMMA)
 
 
+def enable_sm90_union() -> bool:
+    """``MSA_JIT_ENABLE_SM90_UNION``: let the planner pick the sm_90a union kernel (default False)."""
+    return _bool(ENABLE_SM90_UNION)
+
+
 _LEVELS = {
     "debug": logging.DEBUG,
     "info": logging.INFO,
@@ -306,6 +319,7 @@ def log_level() -> int:
 PARSERS: dict[str, str] = {
     CACHE_DIR: "cache_dir", NO_COMPILE: "no_compile", CACHE_MAX_BYTES: "cache_max_bytes",
     LOCK_TIMEOUT: "lock_timeout_s", ARCH: "target_arch", ENABLE_SM100_UMMA: "enable_sm100_umma",
+    ENABLE_SM90_UNION: "enable_sm90_union",
     LOG_LEVEL: "log_level", DSL_VERSION: "dsl_version_override", DSL_RUNTIME: "dsl_runtime",
     VLLM_PLUGIN: "vllm_plugin_enabled", VLLM_SM100: "vllm_sm100",
 }

@@ -52,6 +52,9 @@ class SparseDecodePlan:
     # occupancy of the kernel serving this plan for an fp8 / an NVFP4 cache (planner.choose_ctas_per_sm)
     ctas_per_sm: int = 2
     nvfp4_ctas_per_sm: int = 2
+    # SparseDecodeConfig.kernel for an fp8 cache ("token" or "union", planner.choose_kernel); an
+    # NVFP4 cache is always served by the token kernel
+    kernel: str = "token"
     # (query dtype, kv dtype) -> compiled kernel
     kernels: dict[tuple[torch.dtype, str], Callable[..., Any]] = field(default_factory=dict)
     # refresh(seq_lens): the per-step prologue launch bound to this plan's tensors (planner sets it)
@@ -74,7 +77,7 @@ class SparseDecodePlan:
         built = ", ".join(f"{dtype_name(q)}/{kv}" for q, kv in self.kernels) or "none"
         return (f"SparseDecodePlan(batch={self.batch}, qlen={self.qlen}, heads={self.num_q_heads}/{self.num_kv_heads}, "
                 f"page_size={self.page_size}, topk_blocks={self.topk_blocks}, num_splits={self.num_splits}, "
-                f"ctas_per_sm={self.ctas_per_sm}, arch={self.arch}, device={self.device}, "
+                f"ctas_per_sm={self.ctas_per_sm}, kernel={self.kernel}, arch={self.arch}, device={self.device}, "
                 f"workspace={work} bytes, kernels: {built})")
 
     @property
@@ -101,6 +104,7 @@ class SparseDecodePlan:
             kv_dtype=kv_dtype,
             arch=self.arch,
             ctas_per_sm=self.nvfp4_ctas_per_sm if kv_dtype == "nvfp4" else self.ctas_per_sm,
+            kernel="token" if kv_dtype == "nvfp4" else self.kernel,
         )
 
     def kernel_tensors(self) -> tuple[Any, ...]:

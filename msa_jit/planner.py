@@ -17,7 +17,9 @@ import threading
 
 import torch
 
-from .geometry import CTAS_PER_SM, HEAD_DIM, arch_problem, device_arch
+from . import env
+from .geometry import (CTAS_PER_SM, HEAD_DIM, KERNELS, UNION_CTAS_PER_SM, UNION_ROWS, arch_problem, device_arch,
+                       union_problems)
 from .plan import PlanKey, SparseDecodePlan
 from .validation import validate_prepare, validate_prepare_tensors, validate_seq_lens_cpu
 
@@ -25,7 +27,10 @@ __all__ = [
     "DEFAULT_NUM_SMS",
     "SparseDecodePlanner",
     "choose_ctas_per_sm",
+    "choose_kernel",
     "choose_num_splits",
+    "choose_union_ctas_per_sm",
+    "union_grid_ctas",
     "default_planner",
     "prepare",
 ]
@@ -77,6 +82,36 @@ def choose_ctas_per_sm(grid_ctas: int, num_sms: int, supported: tuple[int, ...] 
     if 3 in supported and num_sms < grid_ctas and (kv_dtype == "nvfp4" or grid_ctas <= 3 * num_sms):
         return 3
     return 2 if 2 in supported else min(supported)
+
+
+def union_grid_ctas(batch: int, qlen: int, num_q_heads: int, num_kv_heads: int) -> int:
+    """CTAs of the union kernel per split: B * Hkv * ceil(qlen / (UNION_ROWS // G)) (a CTA serves a
+    tile of UNION_ROWS // G consecutive query tokens of one request and KV head)."""
+    tile_tokens = UNION_ROWS // (num_q_heads // num_kv_heads)
+    return batch * num_kv_heads * -(-qlen // tile_tokens)
+
+
+def choose_kernel(batch: int, qlen: int, num_q_heads: int, num_kv_heads: int, page_size: int,
+                  arch: str | None, num_sms: int, enabled: bool) -> str:
+    """SparseDecodeConfig.kernel for an fp8 cache: "union" when `enabled` (MSA_JIT_ENABLE_SM90_UNION),
+    the union kernel serves the geometry on `arch`, qlen >= 2 and its grid fills the GPU at least
+    once (>= num_sms CTAs, so neither kernel splits: T*Hkv >= that grid); else "token".
+
+    Prediction, not yet measured (docs/performance.md rows 66-67): 75-87% of copy at 64/4 B=64 qlen 4
+    with 12/16 blocks shared, where the token kernel reaches 58%. Smaller grids keep the token
+    kernel until the union's split shapes are measured."""
+    if not enabled or qlen < 2 or union_problems(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                                                  page_size=page_size, kv_dtype="float8_e4m3fn", arch=arch):
+        return "token"
+    return "union" if union_grid_ctas(batch, qlen, num_q_heads, num_kv_heads) >= num_sms else "token"
+
+
+def choose_union_ctas_per_sm(grid_ctas: int, num_sms: int) -> int:
+    """Occupancy of the union kernel for `grid_ctas` = its grid * num_splits: 2 (one MMA warpgroup and
+    2 stages per CTA) when the grid fits one wave at 2 per SM but not at 1, so each CTA's index chain
+    and first copies overlap another's stream; else 1 (two MMA warpgroups, 4 stages). The same stages
+    and MMA warpgroups per SM either way; a prediction (docs/performance.md row 66), not yet measured."""
+    return 2 if num_sms < grid_ctas <= 2 * num_sms else 1
 
 
 @functools.lru_cache(maxsize=None)
@@ -131,19 +166,28 @@ class SparseDecodePlanner:
     num_sms: SM count used by `choose_num_splits` / `choose_ctas_per_sm` (default: the CUDA
     device's, or DEFAULT_NUM_SMS on other devices). arch: target arch for plans on non-CUDA
     devices (CUDA plans use the device's own, e.g. "sm_90a"). ctas_per_sm: pin the kernel's
-    occupancy (2 or 3) instead of choosing it per step shape.
+    occupancy (2 or 3 for the token kernel, 1 or 2 for the union kernel) instead of choosing it per
+    step shape. kernel: pin the fp8 cache's kernel ("token" or "union", KERNELS) instead of
+    `choose_kernel` (None: the union only with MSA_JIT_ENABLE_SM90_UNION=1 and no ctas_per_sm pin); a
+    union pin serves every step shape, qlen 1 and split grids included, and raises ValueError at the
+    first prepare of a geometry it cannot serve.
     """
 
     def __init__(self, *, num_sms: int | None = None, arch: str | None = None,
-                 ctas_per_sm: int | None = None) -> None:
-        if ctas_per_sm is not None and ctas_per_sm not in CTAS_PER_SM:
-            raise ValueError(f"ctas_per_sm must be None or one of {CTAS_PER_SM}, got {ctas_per_sm!r}")
+                 ctas_per_sm: int | None = None, kernel: str | None = None) -> None:
+        if kernel is not None and kernel not in KERNELS:
+            raise ValueError(f"kernel must be None or one of {KERNELS}, got {kernel!r}")
+        allowed = UNION_CTAS_PER_SM if kernel == "union" else CTAS_PER_SM
+        if ctas_per_sm is not None and ctas_per_sm not in allowed:
+            raise ValueError(f"ctas_per_sm must be None or one of {allowed}"
+                             f"{' for the union kernel' if kernel == 'union' else ''}, got {ctas_per_sm!r}")
         if arch is not None and arch_problem(arch):
             raise ValueError(f"arch: {arch_problem(arch)}")
         self.plans: dict[PlanKey, SparseDecodePlan] = {}
         self.num_sms = num_sms
         self.arch = arch
         self.ctas_per_sm = ctas_per_sm
+        self.kernel = kernel
         self._lock = threading.Lock()
 
     def prepare(
@@ -221,17 +265,35 @@ class SparseDecodePlanner:
         T = batch * qlen
         G = hq // hkv
         num_sms = self.num_sms if self.num_sms is not None else _device_num_sms(device)
-        splits = choose_num_splits(T * hkv, topk_blocks, num_sms)
         arch = device_arch(device) if device.type == "cuda" else self.arch
+        kernel = self.kernel
+        if kernel is None:
+            kernel = choose_kernel(batch, qlen, hq, hkv, page, arch, num_sms,
+                                   env.enable_sm90_union() and self.ctas_per_sm is None)
+        elif kernel == "union":
+            problems = union_problems(num_q_heads=hq, num_kv_heads=hkv, page_size=page,
+                                      kv_dtype="float8_e4m3fn", arch=arch)
+            if problems:
+                raise ValueError(f"SparseDecodePlanner(kernel='union'): {'; '.join(problems)}")
+        # one split count serves both cache formats (an NVFP4 cache is always the token kernel's):
+        # the union's grid where it serves fp8, which splits only when pinned below one wave
+        grid = union_grid_ctas(batch, qlen, hq, hkv) if kernel == "union" else T * hkv
+        splits = choose_num_splits(grid, topk_blocks, num_sms)
         from .compiler import supported_ctas_per_sm
 
         supported = supported_ctas_per_sm(arch) if arch is not None else CTAS_PER_SM
-        ctas_per_sm = nvfp4_ctas_per_sm = self.ctas_per_sm  # a pin holds for both cache formats
-        if ctas_per_sm is None:
+        pin = self.ctas_per_sm
+        if kernel == "union":
+            ctas_per_sm = pin if pin is not None else choose_union_ctas_per_sm(grid * splits, num_sms)
+        elif pin is None:
             ctas_per_sm = choose_ctas_per_sm(T * hkv * splits, num_sms, supported)
-            nvfp4_ctas_per_sm = choose_ctas_per_sm(T * hkv * splits, num_sms, supported, "nvfp4")
-        elif ctas_per_sm not in supported:
-            raise ValueError(f"ctas_per_sm={ctas_per_sm}: the kernel for {arch} is built for {supported} only")
+        elif pin in supported:
+            ctas_per_sm = pin
+        else:
+            raise ValueError(f"ctas_per_sm={pin}: the kernel for {arch} is built for {supported} only")
+        # a token-kernel pin holds for both cache formats
+        nvfp4_ctas_per_sm = (pin if pin in supported else
+                             choose_ctas_per_sm(T * hkv * splits, num_sms, supported, "nvfp4"))
         check_workspace(T, hq, hkv, splits, device)
         f32 = dict(dtype=torch.float32, device=device)
         try:
@@ -264,6 +326,7 @@ class SparseDecodePlanner:
             arch=arch,
             ctas_per_sm=ctas_per_sm,
             nvfp4_ctas_per_sm=nvfp4_ctas_per_sm,
+            kernel=kernel,
             **tensors,
         )
         from .prologue import bind_refresh  # imports triton: only once a plan is built

@@ -3,8 +3,10 @@
 `correctness_grid()` checks the kernel this GPU gets (the dispatcher's choice: on 10.x the
 portable kernel unless MSA_JIT_ENABLE_SM100_UMMA=1) against the float64 reference on the full
 grid: every MiniMax-M3 geometry x qlen x query dtype x batch, plus forced split-KV factors,
-each on every occupancy the planner may pick (2 and 3 CTAs per SM for the portable kernel).
-`msa_jit.cli.selftest` runs it, then the benchmark grid.
+each on every occupancy the planner may pick (2 and 3 CTAs per SM for the portable kernel);
+with MSA_JIT_ENABLE_SM90_UNION=1 on sm_90a, also every qlen >= 2 case on the union kernel (the
+planner pinned to it) at its occupancies (1 and 2 CTAs per SM). `msa_jit.cli.selftest` runs it,
+then the benchmark grid.
 """
 
 from __future__ import annotations
@@ -12,37 +14,53 @@ from __future__ import annotations
 import itertools
 import zlib
 
-from .geometry import MINIMAX_M3_GEOMETRIES, Q_DTYPES
+from .geometry import MINIMAX_M3_GEOMETRIES, Q_DTYPES, UNION_ARCHES
 
 QLENS = [1, 2, 4, 8, 32]
 BATCHES = [1, 3, 16, 64]
 QUICK = dict(qlens=[1, 4], batches=[1, 16])
 
 
+def grid_cases(arch: str, *, quick: bool = False, union: bool = False) -> list[tuple]:
+    """The cases of `correctness_grid` on `arch`: ((Hq, Hkv), q dtype, qlen, batch, num_sms or None,
+    kernel, ctas_per_sm). Pure Python (no GPU)."""
+    from .compiler import supported_ctas_per_sm
+    from .geometry import union_problems
+
+    qlens = QUICK["qlens"] if quick else QLENS
+    batches = QUICK["batches"] if quick else BATCHES
+    cases = [c + (None,) for c in itertools.product(MINIMAX_M3_GEOMETRIES, Q_DTYPES, qlens, batches)]
+    cases += [((64, 4), "bfloat16", 4, 3, ns) for ns in (1, 100000)]  # force 1 and topk splits
+    # every case on every occupancy the planner may pick on this GPU (same inputs)
+    builds = [("token", n) for n in supported_ctas_per_sm(arch)]
+    if union and arch in UNION_ARCHES:
+        builds += [("union", n) for n in supported_ctas_per_sm(arch, "union")]
+
+    def serves(kernel: str, item: tuple) -> bool:
+        (hq, hkv), _, qlen = item[:3]
+        return kernel == "token" or (qlen >= 2 and not union_problems(
+            num_q_heads=hq, num_kv_heads=hkv, page_size=128, kv_dtype="float8_e4m3fn", arch=arch))
+
+    return [item + b for item in cases for b in builds if serves(b[0], item)]
+
+
 def correctness_grid(*, quick: bool = False, log=print) -> list[dict]:
     """Run every case; returns one row per case with its error and problems."""
     import torch
 
-    from . import SparseDecodePlanner, sparse_decode
-    from .compiler import supported_ctas_per_sm
+    from . import SparseDecodePlanner, env, sparse_decode
     from .geometry import device_arch
     from .testing import compare_with_reference, make_case
 
-    qlens = QUICK["qlens"] if quick else QLENS
-    batches = QUICK["batches"] if quick else BATCHES
     rows = []
-    cases = [c + (None,) for c in itertools.product(MINIMAX_M3_GEOMETRIES, Q_DTYPES, qlens, batches)]
-    cases += [((64, 4), "bfloat16", 4, 3, ns) for ns in (1, 100000)]  # force 1 and topk splits
-    # every case on every occupancy the planner may pick on this GPU (same inputs)
-    occupancies = supported_ctas_per_sm(device_arch(0))
-    cases = [item + (n,) for item in cases for n in occupancies]
+    cases = grid_cases(device_arch(0), quick=quick, union=env.enable_sm90_union())
     for item in cases:
-        (hq, hkv), qd, qlen, batch, num_sms, ctas_per_sm = item
+        (hq, hkv), qd, qlen, batch, num_sms, kernel, ctas_per_sm = item
         seed = zlib.crc32(f"{hq}/{hkv}/{qd}/{qlen}/{batch}/{num_sms}".encode())
         case = make_case(batch, qlen, hq, hkv, q_dtype=getattr(torch, qd), seed=seed, device="cuda",
                          transposed_topk=bool(seed % 2), padded=batch > 1 and seed % 3 == 0)
         out, lse = case.new_out(), case.new_lse()
-        planner = SparseDecodePlanner(num_sms=num_sms, ctas_per_sm=ctas_per_sm)
+        planner = SparseDecodePlanner(num_sms=num_sms, ctas_per_sm=ctas_per_sm, kernel=kernel)
         plan = planner.prepare(*case.prepare_args(), **case.prepare_kwargs())
         try:
             sparse_decode(case.query, case.kv_cache, case.topk, out, plan, lse=lse, backend="kernel", **case.scales())
@@ -51,9 +69,9 @@ def correctness_grid(*, quick: bool = False, log=print) -> list[dict]:
         except Exception as e:  # a launch or load failure is a failed case, not a crash
             err, problems = float("nan"), [f"{type(e).__name__}: {e}"]
         row = dict(geometry=f"{hq}/{hkv}", q_dtype=qd, qlen=qlen, batch=batch,
-                   num_splits=plan.num_splits, ctas_per_sm=ctas_per_sm, rel_l2=err, problems=problems)
+                   num_splits=plan.num_splits, ctas_per_sm=ctas_per_sm, kernel=kernel, rel_l2=err, problems=problems)
         rows.append(row)
         status = "ok" if not problems else "FAIL " + "; ".join(problems)
-        log(f"{row['geometry']:>5} {qd:<14} qlen={qlen:<2} B={batch:<3} splits={plan.num_splits:<2} {ctas_per_sm}/SM "
+        log(f"{row['geometry']:>5} {qd:<14} qlen={qlen:<2} B={batch:<3} splits={plan.num_splits:<2} {ctas_per_sm}/SM{' union' if kernel == 'union' else ''} "
             f"err={err:.2e} {status}")
     return rows

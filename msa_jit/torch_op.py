@@ -10,7 +10,7 @@ How the plan crosses the op boundary (why not a registry id):
 * A custom op's schema takes tensors, scalars, strings and lists of them, not a Python
   object, so the plan is unpacked: every tensor the op reads (`block_table`, `seq_lens`,
   `kv_lens`) or writes (`out`, `lse`, the plan's split-KV workspace) is an explicit argument,
-  and the plan's shape scalars (`ctas_per_sm`, the occupancy build the planner chose, among
+  and the plan's shape scalars (`ctas_per_sm`, the occupancy build the planner chose, and `kernel`, among
   them) are int arguments. The compiler then sees every data dependency: a `prepare` (its
   in-place refresh of `kv_lens`) or an engine op that writes `block_table` earlier in the
   same graph is ordered before the kernel, functionalization knows what is written, and
@@ -70,7 +70,7 @@ WORKSPACE_FIELDS: tuple[str, ...] = tuple(
     n for n in _tensor_fields(SparseDecodePlan) if n not in _INPUT_FIELDS + _NOT_PASSED
 )
 
-# (Hq, Hkv, page, topk_blocks, arch, ctas_per_sm, nvfp4_ctas_per_sm) -> {(q dtype, kv dtype): kernel},
+# (Hq, Hkv, page, topk_blocks, arch, ctas_per_sm, nvfp4_ctas_per_sm, kernel) -> {(q dtype, kv dtype): kernel},
 # shared by the rebuilt plans: every SparseDecodeConfig field but the two dtypes (the op keys those per
 # call), so a plan gets the build its config names.
 _KERNELS: dict[tuple[Any, ...], dict[torch.dtype, Callable[..., Any]]] = {}
@@ -94,13 +94,13 @@ def _rebuild_plan(
     unit_scale: torch.Tensor,
     lse: torch.Tensor,
     workspace: list[torch.Tensor],
-    ints: dict[str, int],
+    ints: dict[str, Any],
 ) -> SparseDecodePlan:
     """A SparseDecodePlan around the op's arguments (no allocation)."""
     device = seq_lens.device
     arch = _arch_of(device)
     kkey = (ints["num_q_heads"], ints["num_kv_heads"], ints["page_size"], ints["topk_blocks"], arch,
-            ints["ctas_per_sm"], ints["nvfp4_ctas_per_sm"])
+            ints["ctas_per_sm"], ints["nvfp4_ctas_per_sm"], ints["kernel"])
     values: dict[str, Any] = dict(
         ints,
         head_dim=HEAD_DIM,
@@ -145,6 +145,7 @@ def _sparse_decode_custom(
     num_splits: int,
     ctas_per_sm: int,
     nvfp4_ctas_per_sm: int,
+    kernel: str,
     sm_scale: float,
     q_scale: float,
     k_scale: float,
@@ -158,7 +159,7 @@ def _sparse_decode_custom(
         block_table, seq_lens, kv_lens, unit_scale, lse, workspace,
         dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, page_size=page_size,
              topk_blocks=topk_blocks, qlen=qlen, num_splits=num_splits, ctas_per_sm=ctas_per_sm,
-             nvfp4_ctas_per_sm=nvfp4_ctas_per_sm),
+             nvfp4_ctas_per_sm=nvfp4_ctas_per_sm, kernel=kernel),
     )
     sparse_decode(
         query, kv_cache, topk, out, plan,
@@ -189,6 +190,7 @@ def _sparse_decode_fake(
     num_splits: int,
     ctas_per_sm: int,
     nvfp4_ctas_per_sm: int,
+    kernel: str,
     sm_scale: float,
     q_scale: float,
     k_scale: float,
@@ -228,7 +230,7 @@ def op_args(
         plan.block_table, plan.seq_lens, plan.kv_lens, plan.unit_scale,
         [getattr(plan, n) for n in WORKSPACE_FIELDS],
         plan.num_q_heads, plan.num_kv_heads, plan.page_size, plan.topk_blocks, plan.qlen, plan.num_splits,
-        plan.ctas_per_sm, plan.nvfp4_ctas_per_sm, float(sm_scale), float(q_scale), 1.0 if k_t is not None else float(k_scale),
+        plan.ctas_per_sm, plan.nvfp4_ctas_per_sm, plan.kernel, float(sm_scale), float(q_scale), 1.0 if k_t is not None else float(k_scale),
         1.0 if v_t is not None else float(v_scale), k_t, v_t, backend,
     )
 

@@ -294,6 +294,7 @@ def test_doctor_without_gpu(warm, monkeypatch):
     rep = json.loads(out)
     assert rc == 0 and rep["gpu"]["available"] is False and rep["target_arches"] == ["sm_90a"]
     assert rep["kernel_selection"]["families"] == {"sm_90a": "portable"}
+    assert rep["kernel_selection"]["enable_sm90_union"] is False and "MSA_JIT_ENABLE_SM90_UNION" in out
     assert sum(r["ready"] for r in rep["presets"]) == 2 and rep["cache"]["entries"] == 2
 
 

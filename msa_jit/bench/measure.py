@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import json
+import os
 import platform
 import signal
 import statistics
@@ -29,6 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from .. import env
 from ..geometry import HEAD_DIM
 from .grid import (FLOOR_BATCHES, GRID_BATCHES, GRID_GEOMETRIES, GRID_KV_DTYPES, GRID_QLENS, NUM_LAYERS,
                    SHARED_BLOCKS, SHARED_POINTS, RowSpec, add_speedups, grid_rows)
@@ -115,7 +117,7 @@ def measure_row(spec: RowSpec, copy_bw: float, *, q_dtype: str = "bfloat16", ite
     row: dict[str, Any] = {
         "geometry": spec.geometry, "batch": spec.batch, "qlen": spec.qlen, "shared_blocks": spec.shared_blocks,
         "q_dtype": q_dtype, "kv_dtype": spec.kv_dtype, "layers": num_layers, "ctas_per_sm": plan.ctas_per_sm,
-        "num_splits": plan.num_splits, "kv_bytes": kv, "logical_bytes": logical,
+        "kernel": "token" if spec.kv_dtype == "nvfp4" else plan.kernel, "num_splits": plan.num_splits, "kv_bytes": kv, "logical_bytes": logical,
         "one_layer_us": round(t1, 2), "all_layers_us": round(t_all, 2), "marginal_us": round(marginal, 2),
         "marginal_tbps": round(kv / (marginal * 1e-6) / 1e12, 3),
         "one_layer_pct_of_copy": _pct(kv, t1, copy_bw), "marginal_pct_of_copy": _pct(kv, marginal, copy_bw),
@@ -281,6 +283,9 @@ def environment() -> dict[str, str]:
         "cutlass_dsl": dsl_version(),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": "msa-jit " + " ".join(sys.argv[1:]),
+        # the kernel choices that environment variables make (a row's "kernel" says which ran)
+        "msa_jit_env": {name: os.environ[name] for name in (env.ENABLE_SM90_UNION, env.ENABLE_SM100_UMMA)
+                        if name in os.environ},
     }
 
 
@@ -338,7 +343,7 @@ def _one_row(n: int, spec: RowSpec, specs: list[RowSpec], copy_bw: float, indice
     floor_txt = (f" | floor {row['floor_marginal_us']} us, x{row['ratio_to_floor']}" if "floor_marginal_us" in row
                  else "")
     log(f"{head} {spec.geometry:>5} {spec.kv_dtype[:5]:<5} q{spec.qlen} B{spec.batch:<4} sh{spec.shared_blocks:<2} "
-        f"S{row['num_splits']:<2} C{row['ctas_per_sm']} step {row['one_layer_us']:8.2f} us | per layer "
+        f"S{row['num_splits']:<2} C{row['ctas_per_sm']}{'U' if row.get('kernel') == 'union' else ' '} step {row['one_layer_us']:8.2f} us | per layer "
         f"{row['marginal_us']:8.2f} us {row['marginal_pct_of_copy']:5.1f}% of copy{floor_txt}")
 
 

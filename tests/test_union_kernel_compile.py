@@ -1,0 +1,110 @@
+"""The shipped sm_90a union kernel (kernels/sparse_decode_union_sm90.py) on the CPU: its builds compile
+through the union family (SparseDecodeConfig.kernel "union") to one decode kernel plus the shipped
+split merge, with fp8 and f16 warpgroup MMAs, TMA copies and no local memory; the constructor's
+constraints raise, and every geometry `geometry.union_problems` accepts fits. Session 16 checked
+that these builds' PTX equals the bench probes' (bench/union_fp8.py, docs/performance.md row 70)."""
+
+from __future__ import annotations
+
+import pytest
+
+from msa_jit import sass
+from msa_jit.compiler import compile_sparse_decode, kernel_family, kernels_package
+from msa_jit.geometry import SparseDecodeConfig
+
+
+def _cls():
+    kernels_package()
+    from msa_jit.kernels.sparse_decode_union_sm90 import SparseDecodeUnionSm90Kernel
+
+    return SparseDecodeUnionSm90Kernel
+
+
+# both query dtypes at both occupancies, over G 16 and 8 and a 3-D TMA view (Hkv 1)
+@pytest.mark.parametrize("heads,q_dtype,ctas", [
+    ((64, 4), "bfloat16", 1), ((64, 4), "float8_e4m3fn", 1), ((8, 1), "bfloat16", 2), ((8, 1), "float8_e4m3fn", 2),
+    ((16, 1), "bfloat16", 1), ((16, 1), "float8_e4m3fn", 2), ((64, 4), "bfloat16", 2), ((8, 1), "float8_e4m3fn", 1)])
+def test_union_build_compiles_to_fp8_warpgroup_mmas(tmp_path, heads, q_dtype, ctas):
+    cfg = SparseDecodeConfig(num_q_heads=heads[0], num_kv_heads=heads[1], q_dtype=q_dtype, arch="sm_90a",
+                             kernel="union", ctas_per_sm=ctas)
+    assert kernel_family(cfg) == "union_sm90"
+    compile_sparse_decode(cfg, tmp_path)
+    (cubin,) = sass.extract_cubins(tmp_path / "sparse_decode.so")
+    names = sorted(r.name for r in sass.kernel_resources(cubin))
+    assert len(names) == 2 and sum("merge" in n.lower() for n in names) == 1  # with splits: the shipped merge
+    text = "\n".join(body for name, body in sass.split_functions(sass.disassemble(cubin)).items()
+                     if "merge" not in name.lower())
+    counts = sass.opcode_counts(text)
+    chains = 2 if q_dtype == "bfloat16" else 1
+    wgs = 2 if ctas == 1 else 1
+    assert counts["QGMMA.64"] == 4 * chains * wgs and counts["HGMMA.64"] == 8 * wgs
+    assert sum(n for op, n in counts.items() if op.startswith("UTMALDG")) >= 2
+    # a TMA cute.copy elects its lane with a full-warp elect.sync (NVIDIA/cutlass#2365): no divergent paths
+    assert "BRA.DIV" not in text and "WARPSYNC" not in text
+    assert "LDL" not in text and "STL" not in text
+    assert "USETMAXREG" not in text
+    cls = _cls()
+    kernel = cls(num_q_heads=heads[0], num_kv_heads=heads[1], q_dtype=q_dtype,
+                 **cls.occupancy_options(ctas, q_dtype))
+    assert (kernel.ctas_per_sm, kernel.tile_tokens, kernel.threads) == (ctas, 64 // (heads[0] // heads[1]), 128 * wgs)
+    assert kernel.storage_type().size_in_bytes() + 1024 <= 228 * 1024 // ctas  # 1 KiB reserved per CTA
+
+
+@pytest.mark.parametrize("q_dtype", ["float8_e4m3fn"])
+def test_union_v_converter_moves_registers(tmp_path, q_dtype):
+    from msa_jit.compiler import _linker
+    from msa_jit.kernels.build import build, make_kernel
+
+    cfg = SparseDecodeConfig(num_q_heads=64, num_kv_heads=4, q_dtype=q_dtype, arch="sm_90a", kernel="union",
+                             ctas_per_sm=1)
+    build(make_kernel(_cls(), cfg, {"v_converter": True}), cfg, tmp_path, _linker())
+    (cubin,) = sass.extract_cubins(tmp_path / "sparse_decode.so")
+    assert "USETMAXREG" in sass.disassemble(cubin)
+
+
+def test_union_constraints_raise():
+    cls = _cls()
+    assert cls.occupancy_options(1, "bfloat16") == {} and cls.occupancy_options(2, "float8_e4m3fn") == {"warpgroups": 1}
+    assert cls.occupancy_options(2, "bfloat16") == {"warpgroups": 1, "v_halves": True}
+    with pytest.raises(ValueError, match="CTAs per SM"):
+        cls.occupancy_options(3, "bfloat16")
+    assert cls.arch_options("sm_90a", "float8_e4m3fn") == {}
+    with pytest.raises(ValueError, match="sm_90a"):
+        cls.arch_options("sm_100a", "float8_e4m3fn")
+    for options, match in (({"kv_dtype": "nvfp4"}, "fp8 cache"), ({"warpgroups": 1}, "fp8 query"),
+                           ({"v_halves": True}, "v_halves"), ({"stages": 3}, "even stage count"),
+                           ({"page_size": 64}, "page_size"), ({"warpgroups": 1, "q_dtype": "float8_e4m3fn",
+                                                               "v_converter": True}, "v_converter"),
+                           ({"warpgroups": 3}, "warpgroups")):
+        with pytest.raises(ValueError, match=match):
+            cls(num_q_heads=64, num_kv_heads=4, **options)
+    with pytest.raises(ValueError, match="divide 64"):
+        cls(num_q_heads=48, num_kv_heads=16)  # G = 3
+    with pytest.raises(ValueError, match="divide 64"):
+        cls(num_q_heads=8, num_kv_heads=8)  # G = 1: 64 tokens per tile, a 32-bit token mask
+    with pytest.raises(ValueError, match="shared memory"):
+        cls(num_q_heads=8, num_kv_heads=4, topk=32)  # G = 2: 32 tokens x 32 slots of union lists
+
+
+def test_every_geometry_the_planner_may_give_the_union_kernel_fits():
+    """geometry.union_problems (what the planner and check_config use, without the DSL) accepts only
+    geometries whose every union build the constructor takes, and G 4 shows why it stops there."""
+    from msa_jit.geometry import MAX_GROUP_SIZE, MAX_TOPK, UNION_CTAS_PER_SM, union_problems
+
+    cls = _cls()
+    for g in range(1, MAX_GROUP_SIZE + 1):
+        accepted = not union_problems(num_q_heads=4 * g, num_kv_heads=4, page_size=128,
+                                      kv_dtype="float8_e4m3fn", arch="sm_90a")
+        for topk in (1, 16, MAX_TOPK):
+            for q_dtype in ("bfloat16", "float8_e4m3fn"):
+                for ctas in UNION_CTAS_PER_SM:
+                    try:
+                        cls(num_q_heads=4 * g, num_kv_heads=4, topk=topk, q_dtype=q_dtype,
+                            **cls.occupancy_options(ctas, q_dtype))
+                        fits = True
+                    except ValueError:
+                        fits = False
+                    assert fits or not accepted, (g, topk, q_dtype, ctas)
+        assert accepted == (g in (8, 16)), g
+    with pytest.raises(ValueError, match="shared memory"):  # G 4: an fp8 query at 2 CTAs per SM, topk 32
+        cls(num_q_heads=16, num_kv_heads=4, topk=32, q_dtype="float8_e4m3fn", **cls.occupancy_options(2, "float8_e4m3fn"))

@@ -1,0 +1,167 @@
+"""The union kernel's place in planning: config rules, the planner's choice and pins, warmup's
+builds, and the op boundary (CPU; the kernel itself: tests/test_kernel_options.py, GPU tests in
+tests/test_kernel_gpu.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import make_case
+
+import msa_jit
+from msa_jit import SparseDecodePlanner, compiler
+from msa_jit.geometry import SparseDecodeConfig, check_config
+from msa_jit.planner import choose_kernel, choose_union_ctas_per_sm, union_grid_ctas
+from msa_jit.torch_op import sparse_decode_op
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+ENABLE = "MSA_JIT_ENABLE_SM90_UNION"
+
+
+def _tables(batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.zeros(batch, 16, dtype=torch.int32, device=DEV),
+            torch.full((batch,), 1000, dtype=torch.int32, device=DEV))
+
+
+def _prepare(planner: SparseDecodePlanner, batch: int, qlen: int, hq: int = 64, hkv: int = 4, page: int = 128):
+    bt, sl = _tables(batch)
+    return planner.prepare(bt, sl, None, qlen, num_q_heads=hq, num_kv_heads=hkv, page_size=page, topk_blocks=16)
+
+
+def test_union_grid_counts_token_tiles():
+    # a CTA serves 64 // G tokens of one request and KV head
+    assert union_grid_ctas(64, 4, 64, 4) == 64 * 4 * 1  # G 16: tiles of 4 tokens
+    assert union_grid_ctas(64, 8, 64, 4) == 64 * 4 * 2
+    assert union_grid_ctas(64, 4, 8, 1) == 64  # G 8: tiles of 8 tokens
+    assert union_grid_ctas(3, 9, 8, 1) == 3 * 2
+    assert union_grid_ctas(5, 1, 16, 1) == 5
+
+
+def test_choose_kernel_rule():
+    pick = lambda b, q, hq=64, hkv=4, page=128, arch="sm_90a", on=True: choose_kernel(b, q, hq, hkv, page, arch, 132, on)
+    assert pick(64, 4) == "union"  # the spec-decode point: 256 CTAs, no split for either kernel
+    assert pick(64, 4, on=False) == "token"  # opt-in
+    assert pick(64, 1) == "token"  # qlen 1: nothing to share
+    assert pick(16, 4) == "token"  # 64 CTAs: less than a wave, the token kernel splits
+    assert pick(33, 4) == "union" and pick(32, 4) == "token"  # 132 CTAs on 132 SMs
+    assert pick(64, 4, hq=8, hkv=1) == "token"  # 64 CTAs (8-token tiles)
+    assert pick(256, 4, hq=8, hkv=1) == "union"
+    assert pick(64, 4, page=64) == "token"  # no 64-token pages
+    assert pick(64, 4, arch="sm_100a") == "token" and pick(64, 4, arch=None) == "token"
+    assert pick(64, 4, hq=48, hkv=16) == "token" and pick(64, 4, hq=16, hkv=4) == "token"  # G 3, G 4
+
+
+def test_choose_union_ctas_per_sm():
+    # 2 per SM exactly where that makes one wave of what is two at 1 per SM
+    assert [choose_union_ctas_per_sm(g, 132) for g in (64, 132, 133, 256, 264, 265, 1024)] == [1, 1, 2, 2, 2, 1, 1]
+
+
+def test_check_config_union_rules():
+    ok = SparseDecodeConfig(64, 4, kernel="union", ctas_per_sm=1)
+    assert check_config(ok) is None and check_config(SparseDecodeConfig(8, 1, kernel="union", ctas_per_sm=2)) is None
+    assert "fp8 cache" in check_config(SparseDecodeConfig(64, 4, kernel="union", ctas_per_sm=1, kv_dtype="nvfp4"))
+    assert "sm_90a" in check_config(SparseDecodeConfig(64, 4, kernel="union", ctas_per_sm=1, arch="sm_100a"))
+    assert "page_size" in check_config(SparseDecodeConfig(64, 4, kernel="union", ctas_per_sm=1, page_size=64))
+    assert "group size" in check_config(SparseDecodeConfig(48, 16, kernel="union", ctas_per_sm=1))
+    assert "group size" in check_config(SparseDecodeConfig(16, 4, kernel="union", ctas_per_sm=1))
+    assert "(1, 2)" in check_config(SparseDecodeConfig(64, 4, kernel="union", ctas_per_sm=3))
+    assert "(2, 3)" in check_config(SparseDecodeConfig(64, 4, ctas_per_sm=1))  # the token kernel has no 1
+    assert "kernel must be" in check_config(SparseDecodeConfig(64, 4, kernel="tile"))
+    assert "kernel=union" in ok.describe() and "kernel=" not in SparseDecodeConfig(64, 4).describe()
+    # the kernel is in the cache key
+    assert compiler.cache_key(ok) != compiler.cache_key(SparseDecodeConfig(64, 4, ctas_per_sm=2, kernel="token"))
+    assert compiler.kernel_family(ok) == "union_sm90"
+    assert compiler.supported_ctas_per_sm("sm_90a", "union") == (1, 2)
+
+
+def test_planner_picks_union_only_when_enabled(monkeypatch):
+    monkeypatch.delenv(ENABLE, raising=False)
+    plan = _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 64, 4)
+    assert plan.kernel == "token" and plan.config(torch.bfloat16).kernel == "token"
+    monkeypatch.setenv(ENABLE, "1")
+    plan = _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 64, 4)
+    assert (plan.kernel, plan.num_splits, plan.ctas_per_sm) == ("union", 1, 2)  # 256 CTAs: one wave at 2 per SM
+    cfg = plan.config(torch.bfloat16)
+    assert (cfg.kernel, cfg.ctas_per_sm) == ("union", 2) and check_config(cfg) is None
+    nv = plan.config(torch.bfloat16, "nvfp4")  # an NVFP4 cache keeps the token kernel
+    assert nv.kernel == "token" and nv.ctas_per_sm == plan.nvfp4_ctas_per_sm and check_config(nv) is None
+    assert "kernel=union" in repr(plan)
+    # small grids and qlen 1 keep the token kernel; a pinned occupancy pins the token kernel's build
+    assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 4, 4).kernel == "token"
+    assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 256, 1).kernel == "token"
+    assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a", ctas_per_sm=2), 64, 4).kernel == "token"
+    assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 64, 4, page=64).kernel == "token"
+    assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 512, 4).ctas_per_sm == 1  # 2048 CTAs
+
+
+def test_union_pin_serves_every_step_shape(monkeypatch):
+    monkeypatch.delenv(ENABLE, raising=False)
+    pinned = SparseDecodePlanner(num_sms=132, arch="sm_90a", kernel="union")
+    plan = _prepare(pinned, 1, 1)  # 4 CTAs per split: the splits follow the union's grid
+    assert (plan.kernel, plan.num_splits, plan.ctas_per_sm) == ("union", 16, 1)
+    assert plan.partial_o.shape[0] == 1 * 4 * 16
+    plan = _prepare(pinned, 2, 8)  # 16 CTAs per split (two 4-token tiles)
+    assert plan.kernel == "union" and plan.num_splits == 16
+    plan = _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a", kernel="union", ctas_per_sm=2), 64, 4)
+    assert (plan.ctas_per_sm, plan.config(torch.bfloat16, "nvfp4").ctas_per_sm) == (2, 2)
+    plan = _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a", kernel="union", ctas_per_sm=1), 64, 4)
+    assert plan.ctas_per_sm == 1 and plan.nvfp4_ctas_per_sm in (2, 3)  # 1 is no token build: the planner's
+    with pytest.raises(ValueError, match="page_size"):
+        _prepare(pinned, 4, 2, page=64)
+    with pytest.raises(ValueError, match="group size"):
+        _prepare(pinned, 4, 2, hq=48, hkv=16)
+    with pytest.raises(ValueError, match="sm_90a"):
+        _prepare(SparseDecodePlanner(arch="sm_100a", kernel="union"), 4, 2)
+    with pytest.raises(ValueError, match="for the union kernel"):
+        SparseDecodePlanner(kernel="union", ctas_per_sm=3)
+    with pytest.raises(ValueError, match="kernel must be"):
+        SparseDecodePlanner(kernel="mma")
+    # the token pin ignores the environment
+    monkeypatch.setenv(ENABLE, "1")
+    assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a", kernel="token"), 64, 4).kernel == "token"
+
+
+def test_warmup_builds_union_only_where_the_planner_may_pick_it(monkeypatch):
+    base = SparseDecodeConfig(64, 4, arch="sm_90a")
+    monkeypatch.delenv(ENABLE, raising=False)
+    assert [c.kernel for c in compiler.plannable_configs(base)] == ["token", "token"]
+    monkeypatch.setenv(ENABLE, "1")
+    got = [(c.kernel, c.ctas_per_sm) for c in compiler.plannable_configs(base)]
+    assert got == [("token", 2), ("token", 3), ("union", 1), ("union", 2)]
+    for cfg in (SparseDecodeConfig(64, 4, arch="sm_100a"), SparseDecodeConfig(64, 4, kv_dtype="nvfp4"),
+                SparseDecodeConfig(64, 4, page_size=64)):
+        assert {c.kernel for c in compiler.plannable_configs(cfg)} == {"token"}
+
+
+def test_op_launches_the_union_build(monkeypatch):
+    """The plan's kernel crosses the op boundary (eager API and custom op) and picks the build."""
+    from msa_jit import op, torch_op
+
+    events = []
+    monkeypatch.setattr(compiler, "get_sparse_decode_kernel", lambda cfg: lambda *a: events.append(cfg))
+    monkeypatch.setattr(torch_op, "_arch_of", lambda device: "sm_90a")
+    monkeypatch.setattr(torch_op, "_KERNELS", {})
+    real_validate = op.validate_sparse_decode
+    monkeypatch.setattr(op, "validate_sparse_decode", lambda *a: ("kernel", real_validate(*a[:-1], "reference")[1]))
+    c = make_case(2, 4, 16, 1, q_dtype=torch.bfloat16, seed=3)
+    union = SparseDecodePlanner(arch="sm_90a", kernel="union").prepare(*c.prepare_args(), **c.prepare_kwargs())
+    token = SparseDecodePlanner(arch="sm_90a").prepare(*c.prepare_args(), **c.prepare_kwargs())
+    msa_jit.sparse_decode(c.query, c.kv_cache, c.topk, c.new_out(), union, backend="kernel", **c.scales())
+    sparse_decode_op(c.query, c.kv_cache, c.topk, c.new_out(), token, backend="kernel", **c.scales())
+    sparse_decode_op(c.query, c.kv_cache, c.topk, c.new_out(), union, backend="kernel", **c.scales())
+    assert [cfg.kernel for cfg in events] == ["union", "token", "union"]
+    assert events[0] == events[2] == union.config(torch.bfloat16)
+
+
+def test_selftest_grid_adds_union_cases_when_enabled():
+    from msa_jit.selftest import grid_cases
+
+    plain = grid_cases("sm_90a")
+    assert {c[5] for c in plain} == {"token"} and {c[6] for c in plain} == {2, 3}
+    both = grid_cases("sm_90a", union=True)
+    union = [c for c in both if c[5] == "union"]
+    assert set(plain) <= set(both)
+    assert union and all(c[2] >= 2 for c in union) and {c[6] for c in union} == {1, 2}
+    # every qlen >= 2 case of every geometry and query dtype, at both union builds
+    assert len(union) == 2 * sum(1 for c in plain if c[2] >= 2 and c[6] == 2)
+    assert grid_cases("sm_100a", union=True) == grid_cases("sm_100a")
