@@ -2,7 +2,8 @@
 # One device run on the lent H200 (docs/gpu-workflow.md): carry .gpu-bundle, .artifacts (warmed for
 # BOTH cache formats: python bench/warm_kv_formats.py), and .variants for variants / trace.
 #   bash bench/h200_run.sh tests memcheck racecheck selftest bench ceilings    # the round's full run
-#   any of: tests memcheck racecheck selftest bench bench_quick ceilings host_ab variants trace per_layer_ab union_k8 union_k8_small union_k8_trace
+#   any of: tests union_tests memcheck racecheck selftest bench bench_quick bench_union ceilings host_ab host_ab_union variants trace
+#           per_layer_ab union_k8 union_k8_small union_k8_trace
 #   VARIANTS="now lsu" bash bench/h200_run.sh variants   # time only these variants
 #   BASELINE=bench/results/bench-....json                # compare with (default: newest in bench/results)
 # Every step runs under a timeout that ends it by DEADLINE seconds after the start (default 570:
@@ -34,9 +35,15 @@ for step in "$@"; do
                 > $OUT/racecheck.log 2>&1; echo "racecheck rc=$?" | tee -a $OUT/racecheck.log; tail -n 3 $OUT/racecheck.log ;;
     selftest) timeout "$(limit 150)" python3 -m msa_jit selftest --no-bench --out $OUT > $OUT/selftest.log 2>&1
               echo "selftest rc=$?" | tee -a $OUT/selftest.log; tail -n 2 $OUT/selftest.log ;;
-    bench|bench_quick) BASELINE=${BASELINE:-$(python3 -c \
+    union_tests) # the union kernel, the planner pinned to it (tests/test_union_gpu.py); needs its builds in
+                 # .artifacts (bench/warm_kv_formats.py makes them)
+           (cd tests && timeout "$(limit 240)" python3 -m pytest test_union_gpu.py -m gpu -q -rA) > $OUT/union-tests.log 2>&1
+           tail -n 1 $OUT/union-tests.log ;;
+    bench|bench_quick|bench_union) BASELINE=${BASELINE:-$(python3 -c \
              'from msa_jit.bench import latest_result; print(latest_result("bench/results") or "none")')}
-           timeout "$(limit 330)" python3 -m msa_jit bench --out $OUT --baseline "$BASELINE" \
+           # bench_union: the planner may pick the union kernel (MSA_JIT_ENABLE_SM90_UNION=1; rows say "kernel")
+           UNION=$([ "$step" = bench_union ] && echo 1 || echo 0)
+           MSA_JIT_ENABLE_SM90_UNION=$UNION timeout "$(limit 330)" python3 -m msa_jit bench --out $OUT --baseline "$BASELINE" \
              $([ "$step" = bench_quick ] && echo --quick) > $OUT/bench.log 2>&1
            echo "bench rc=$?" | tee -a $OUT/bench.log; grep -E "^REGRESSION|FAILED" $OUT/bench.log | head -n 20
            sed -n '/^| issue | target/,$p' $OUT/bench.log ;;
@@ -44,7 +51,8 @@ for step in "$@"; do
     variants) python3 bench/variants.py run --dir .variants --out $OUT ${VARIANTS:+--variants $VARIANTS} 2>&1 | tee $OUT/variants.log | tail -n 40 ;;
     trace) python3 bench/trace_ctas.py --dir .variants --out $OUT ${TRACES:+--variants $TRACES} 2>&1 | tee $OUT/trace.log | tail -n 8 ;;
     per_layer_ab) python3 bench/per_layer_ab.py --out $OUT 2>&1 | tee $OUT/per-layer-ab.log | tail -n 26 ;;
-    host_ab) timeout "$(limit 60)" python3 bench/host_ab.py --out $OUT 2>&1 | tail -n 46 ;;
+    host_ab|host_ab_union) timeout "$(limit 60)" python3 bench/host_ab.py --out $OUT \
+               $([ "$step" = host_ab_union ] && echo --union) 2>&1 | tail -n 50 ;;
     union_k8) # bench/union_fp8.py (carry .kv-variants built by: python bench/kv_format_ab.py build --variants
               # f_c3 f_union_k8 f_union_k8_cv f_union_k8_w1 f_union_k8_noconv q8_f_c3 q8_union q8_union_cv q8_union_w1
               # q8_union_noconv). One union_check process per build, so a build that hangs or faults costs only

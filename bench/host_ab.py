@@ -14,6 +14,8 @@ Old paths: the op and the cached prepare as of commit ccbb811, frozen below (`ol
 `old_prepare`, the prologue launched with tensor arguments). New: msa_jit as it is. Also the
 floor (the exported function called with a prebuilt argument tuple), the prologue's launch
 three ways (pointers as ints, tensors, a CUDA graph of it replayed) and the fp8 views' cost.
+`--union`: also a plan pinned to the union kernel (`op_union`, `op_union_fp8q`), whose exported
+function encodes its two TMA descriptors on every call (the cache's page count is a runtime size).
 """
 
 from __future__ import annotations
@@ -95,9 +97,10 @@ def old_prepare(planner, refresh, block_table, seq_lens, seq_lens_cpu, decode_qu
 
 
 # ----------------------------------------------------------------------------- the steps
-def make_point(batch: int, fused_so: str | None = None):
+def make_point(batch: int, fused_so: str | None = None, union: bool = False):
     """A 64/4 decode step that costs the GPU little: every request one full block (page i); with
-    fused_so, a second plan that runs that artifact (op_fused)."""
+    fused_so, a second plan that runs that artifact (op_fused); with union, a plan pinned to the
+    union kernel (op_union: its exported function encodes two TMA descriptors per call)."""
     dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(batch)
     kv = (torch.randn(batch, HKV, PAGE, 256, generator=g, device=dev) * 0.5).to(torch.float8_e4m3fn)
@@ -123,6 +126,9 @@ def make_point(batch: int, fused_so: str | None = None):
 
         s["plan_fused"] = SparseDecodePlanner().prepare(s["block_table"], s["seq_lens"], s["seq_lens_cpu"], 1, **s["kw"])
         s["plan_fused"].kernels[(torch.bfloat16, "float8_e4m3fn")] = loader.load_artifact(fused_so)[0]
+    if union:
+        s["plan_union"] = SparseDecodePlanner(kernel="union").prepare(s["block_table"], s["seq_lens"],
+                                                                      s["seq_lens_cpu"], 1, **s["kw"])
     return s
 
 
@@ -143,6 +149,12 @@ def variants(s):
         pf = s["plan_fused"]
         sparse_decode(q, kv, tk, out, pf, sm_scale=sm)
         fused = {"op_fused": lambda: sparse_decode(q, kv, tk, out, pf, sm_scale=sm)}
+    if "plan_union" in s:
+        pu = s["plan_union"]
+        for qq in (q, q8):
+            sparse_decode(qq, kv, tk, out, pu, sm_scale=sm)
+        fused |= {"op_union": lambda: sparse_decode(q, kv, tk, out, pu, sm_scale=sm),
+                  "op_union_fp8q": lambda: sparse_decode(q8, kv, tk, out, pu, sm_scale=sm)}
     return fused | {
         "torch_add": lambda: x.add_(1),
         "ffi_floor": lambda: fn(*floor_args),
@@ -216,6 +228,12 @@ def check_results(s, fns) -> dict[str, bool]:
         torch.cuda.synchronize()
         ok["op_fused_close"] = bool(torch.allclose(s["out"].float(), bits["op_old"].view(torch.bfloat16).float(),
                                                    rtol=2e-2, atol=2e-3))
+    if "op_union" in fns:  # another kernel (S from fp8 Q halves): close, not the same bits
+        s["out"].fill_(math.nan)
+        fns["op_union"]()
+        torch.cuda.synchronize()
+        ok["op_union_close"] = bool(torch.allclose(s["out"].float(), bits["op_old"].view(torch.bfloat16).float(),
+                                                   rtol=2e-2, atol=5e-3))
     ok["op_out_finite"] = bool(torch.isfinite(bits["op_old"].view(torch.bfloat16).float()).all())
     return ok
 
@@ -249,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--fused-so", help="a fused-merge build (bench/kv_format_ab.py f_c2_fused, 64x4): op_fused")
+    ap.add_argument("--union", action="store_true", help="also the union kernel's call (op_union, op_union_fp8q)")
     a = ap.parse_args(argv)
     from msa_jit.bench import environment, issue_us
 
@@ -256,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"environment": environment(), "command": " ".join(sys.argv), "calls": a.calls,
               "rounds": a.rounds, "method": "issue_held_gpu", "points": {}}
     for batch in POINTS:
-        s = make_point(batch, a.fused_so)
+        s = make_point(batch, a.fused_so, a.union)
         fns = variants(s)
         checks = check_results(s, fns)
         rounds: dict[str, list[float]] = {k: [] for k in fns}
@@ -271,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
                 ratios[name].append(rounds[name][-1] / rounds["torch_add"][-1])
         gpu = gpu_us_per_op(fns["op_new"])
         gpu_fused = gpu_us_per_op(fns["op_fused"]) if "op_fused" in fns else None
+        gpu_union = gpu_us_per_op(fns["op_union"]) if "op_union" in fns else None
         med = {k: round(statistics.median(v), 2) for k, v in rounds.items()}
         point = {
             "batch": batch, "num_splits": s["plan"].num_splits, "ctas_per_sm": s["plan"].ctas_per_sm,
@@ -278,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
             "us_rounds": {k: [round(x, 2) for x in v] for k, v in rounds.items()},
             "ratio_to_torch_add": {k: round(statistics.median(v), 2) for k, v in ratios.items()},
             "gpu_us_op": round(gpu, 2), "gpu_us_op_fused": gpu_fused and round(gpu_fused, 2),
+            "gpu_us_op_union": gpu_union and round(gpu_union, 2),
             "targets": {"op_call_le_8us": med["op_new"] <= 8.0, "prepare_le_10us": med["prepare_new"] <= 10.0},
         }
         result["points"][f"64/4 B={batch}"] = point

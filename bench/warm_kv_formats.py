@@ -6,7 +6,8 @@
 `msa-jit warmup` builds the fp8-cache kernels; `msa-jit bench`, the GPU tests and the sanitizer
 runs also load the NVFP4 ones, and the device runs with MSA_JIT_NO_COMPILE=1 (a missing
 artifact fails the row). Every MiniMax-M3 geometry x query dtype x occupancy
-(`msa_jit.warmup.warmup_configs`), each with kv_dtype "float8_e4m3fn" and "nvfp4".
+(`msa_jit.warmup.warmup_configs`), each with kv_dtype "float8_e4m3fn" and "nvfp4", and the union
+kernel's two builds per geometry and query dtype.
 """
 
 from __future__ import annotations
@@ -20,13 +21,20 @@ if __name__ == "__main__":  # the checkout's msa_jit, also without PYTHONPATH
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from msa_jit import warmup  # noqa: E402
-from msa_jit.geometry import KV_DTYPES, MINIMAX_M3_GEOMETRIES, Q_DTYPES  # noqa: E402
+from msa_jit.geometry import KV_DTYPES, MINIMAX_M3_GEOMETRIES, Q_DTYPES, UNION_CTAS_PER_SM, union_problems  # noqa: E402
 
 
 def configs(arch: str) -> list:
-    """Every config of both cache formats for `arch`, fp8 first."""
-    base = warmup.warmup_configs(MINIMAX_M3_GEOMETRIES, Q_DTYPES, [arch])
-    return [replace(c, kv_dtype=kv) for kv in KV_DTYPES for c in base]
+    """Every config of both cache formats for `arch`, fp8 first, then the union kernel's builds
+    (fp8 cache; tests/test_union_gpu.py and the sanitizers pin it, whatever MSA_JIT_ENABLE_SM90_UNION)."""
+    base = [c for c in warmup.warmup_configs(MINIMAX_M3_GEOMETRIES, Q_DTYPES, [arch]) if c.kernel == "token"]
+    out = [replace(c, kv_dtype=kv) for kv in KV_DTYPES for c in base]
+    for c in base:
+        if union_problems(num_q_heads=c.num_q_heads, num_kv_heads=c.num_kv_heads, page_size=c.page_size,
+                          kv_dtype=c.kv_dtype, arch=c.arch):
+            continue
+        out += [u for u in (replace(c, kernel="union", ctas_per_sm=n) for n in UNION_CTAS_PER_SM) if u not in out]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     cfgs = configs(a.arch)
     if a.list:
         for c in cfgs:
-            print(f"{c.num_q_heads}/{c.num_kv_heads} q={c.q_dtype} kv={c.kv_dtype} {c.arch} {c.ctas_per_sm}/SM")
+            print(f"{c.num_q_heads}/{c.num_kv_heads} q={c.q_dtype} kv={c.kv_dtype} {c.arch} {c.ctas_per_sm}/SM {c.kernel}")
         return 0
     rows = warmup.run_warmup(cfgs, jobs=a.jobs, cache_dir=a.cache_dir)
     print(warmup.summary(rows))

@@ -3,7 +3,8 @@
 -1 in the middle of topk rows, indices past the request's blocks, duplicates, garbage past
 nvalid, and block-table entries past each request's blocks full of out-of-range pages; both
 the single-CTA and the split-KV (merge) paths, both query dtypes, both cache formats (NVFP4
-with its global scales as device tensors), both occupancy builds.
+with its global scales as device tensors), both occupancy builds; and the union kernel (fp8
+cache, planner pinned to it) at both of its occupancy builds, draft tokens sharing slots.
 """
 
 import sys
@@ -12,7 +13,8 @@ import torch
 
 import msa_jit
 from helpers import make_case
-from msa_jit.geometry import CTAS_PER_SM
+from msa_jit.geometry import CTAS_PER_SM, UNION_CTAS_PER_SM
+from msa_jit.testing import share_slots
 
 for kv_dtype in ("fp8", "nvfp4"):
     for q_dtype in (torch.bfloat16, torch.float8_e4m3fn):
@@ -28,4 +30,19 @@ for kv_dtype in ("fp8", "nvfp4"):
                 torch.cuda.synchronize()
                 assert not out.isnan().any() and not lse.isnan().any()
                 print(f"sanitizer case {kv_dtype} q={q_dtype} splits={plan.num_splits} {ctas_per_sm}/SM ok")
+for q_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+    for num_sms in (1, 100000):
+        for ctas_per_sm in UNION_CTAS_PER_SM:
+            for seed, shared in ((3, 0), (4, 12)):
+                case = make_case(3, 5, 16, 1, q_dtype=q_dtype, seed=seed, device="cuda", adversarial=True,
+                                 padded=True)
+                share_slots(case, shared)
+                out, lse = case.new_out(), case.new_lse()
+                planner = msa_jit.SparseDecodePlanner(num_sms=num_sms, ctas_per_sm=ctas_per_sm, kernel="union")
+                plan = planner.prepare(*case.prepare_args(), **case.prepare_kwargs())
+                msa_jit.sparse_decode(case.query, case.kv_cache, case.topk, out, plan, lse=lse, backend="kernel",
+                                      **case.scales())
+                torch.cuda.synchronize()
+                assert not out.isnan().any() and not lse.isnan().any()
+                print(f"sanitizer case union q={q_dtype} shared={shared} splits={plan.num_splits} {ctas_per_sm}/SM ok")
 sys.exit(0)
