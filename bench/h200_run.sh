@@ -37,8 +37,13 @@ for step in "$@"; do
               echo "selftest rc=$?" | tee -a $OUT/selftest.log; tail -n 2 $OUT/selftest.log ;;
     union_tests) # the union kernel, the planner pinned to it (tests/test_union_gpu.py); needs its builds in
                  # .artifacts (bench/warm_kv_formats.py makes them)
-           (cd tests && timeout "$(limit 240)" python3 -m pytest test_union_gpu.py -m gpu -q -rA) > $OUT/union-tests.log 2>&1
-           tail -n 1 $OUT/union-tests.log ;;
+           # after union_k8 in the same run: only if a probe build (the same PTX) passed its own check
+           if [[ -n ${UNION_RAN:-} && ${#UNION_OK[@]} -eq 0 ]]; then
+             echo "union_tests skipped: no union build passed union_check" | tee $OUT/union-tests.log
+           else
+             (cd tests && timeout "$(limit 240)" python3 -m pytest test_union_gpu.py -m gpu -q -rA) > $OUT/union-tests.log 2>&1
+             tail -n 1 $OUT/union-tests.log
+           fi ;;
     bench|bench_quick|bench_union) BASELINE=${BASELINE:-$(python3 -c \
              'from msa_jit.bench import latest_result; print(latest_result("bench/results") or "none")')}
            # bench_union: the planner may pick the union kernel (MSA_JIT_ENABLE_SM90_UNION=1; rows say "kernel")
