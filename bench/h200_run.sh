@@ -79,7 +79,7 @@ for step in "$@"; do
                   --points 64/4:64:4:12 64/4:64:4:0 64/4:64:2:12 64/4:64:8:12 8/1:256:4:12 2>&1 | grep -v "^{" | tail -n 12
               fi ;;
     union_k8_trace) # where the fp8-K kernel's MMA warpgroups wait, per block (built: f_union_k8_trace)
-              timeout "$(limit 90)" python3 bench/union_trace.py --events fp8 --out $OUT \
+              timeout "$(limit 90)" python3 bench/union_trace.py --out $OUT \
                 --so .kv-variants/f_union_k8_trace/64x4/sparse_decode.so 2>&1 | tail -n 11 ;;
     union_k8_small) # the same kernels at qlen 1: the split shapes (batch 1-16: a tile of one token, the plan's
               # splits over its blocks, then the split merge) and the T*Hkv = 256 points (one token per CTA,

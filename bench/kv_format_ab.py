@@ -73,33 +73,10 @@ VARIANTS = {  # name -> (kv dtype, kernel options)
     # one-block critical path of a split CTA)
     "f_w8": ("float8_e4m3fn", {"consumer_warps": 8, "ctas_per_sm": 1}),
     "n_w8": ("nvfp4", {"consumer_warps": 8, "ctas_per_sm": 1}),
-    # the speculative-decode union kernel (bench/union_kernel.py): a CTA per (request, KV head, 4
-    # tokens), each union block read once
-    "f_union": ("float8_e4m3fn", {"union": True}),
-    "n_union": ("nvfp4", {"union": True}),
-    # the union kernel on warpgroup MMAs (bench/union_wgmma.py): the tile's 64 // G tokens x G heads
-    # on M = 64, each block converted once (bf16 query, fp8 cache)
-    "f_union_wg": ("float8_e4m3fn", {"union_wgmma": True, "warpgroups": 1}),
-    "f_union_wg2": ("float8_e4m3fn", {"union_wgmma": True, "warpgroups": 2}),
-    "f_union_wg2_noconv": ("float8_e4m3fn", {"union_wgmma": True, "warpgroups": 2, "convert": False}),  # wrong results
-    "f_union_cv": ("float8_e4m3fn", {"union_wgmma": True, "warpgroups": 2, "converter": 1}),
-    "f_union_cv_noconv": ("float8_e4m3fn", {"union_wgmma": True, "warpgroups": 2, "converter": 1,
-                                            "convert": False}),  # wrong results
-    "f_union_cv2": ("float8_e4m3fn", {"union_wgmma": True, "warpgroups": 2, "converter": 2}),
-    # timing probes of f_union_cv2 (wrong results): the converters alone / the MMA side alone
-    "f_union_cv2_nomma": ("float8_e4m3fn", {"union_wgmma": True, "warpgroups": 2, "converter": 2, "mma": False}),
-    "f_union_cv2_noconv": ("float8_e4m3fn", {"union_wgmma": True, "warpgroups": 2, "converter": 2,
-                                             "convert": False}),
-    "f_union_ring": ("float8_e4m3fn", {"union_wgmma": True, "warpgroups": 2, "converter": 2, "ring": True}),
-    "f_union_ring_noconv": ("float8_e4m3fn", {"union_wgmma": True, "warpgroups": 2, "converter": 2, "ring": True,
-                                              "convert": False}),
-    "f_union_direct": ("float8_e4m3fn", {"union_wgmma": True, "warpgroups": 2, "converter": 2, "ring": True,
-                                         "direct": True, "stages": 1}),
-    "f_union_cv2_trace": ("float8_e4m3fn", {"union_wgmma": True, "warpgroups": 2, "converter": 2, "trace": True}),
-    "f_union_ring1": ("float8_e4m3fn", {"union_wgmma": True, "warpgroups": 2, "converter": 2, "ring": True,
-                                        "slots": 1, "stages": 4}),
-    "f_union_cv2_none": ("float8_e4m3fn", {"union_wgmma": True, "warpgroups": 2, "converter": 2,
-                                           "convert": False, "mma": False}),
+    # the union probes of rows 54-55 (bench/union_kernel.py on mma.sync: f_union / n_union;
+    # bench/union_wgmma.py and union_wgmma_ring.py on wgmma with converted K: f_union_wg*, f_union_cv*,
+    # f_union_ring*, f_union_direct) were retired in session 16, when the fp8-K union kernel shipped
+    # (kernels/sparse_decode_union_sm90.py): their sources and variants are at commit d3bf0ed
     # the staged build releasing a stage after its last MMA (kernel option late_release, only in
     # commit 6484cc9; T1702: no gain)
     "n_c3s3_late": ("nvfp4", dict(C3, stages=3, late_release=True)),

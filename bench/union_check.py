@@ -1,6 +1,6 @@
-"""GPU check of the union probe (bench/union_kernel.py) against the float64 reference.
+"""GPU check of the union kernel's probe builds (bench/union_fp8.py) against the float64 reference.
 
-    python3 bench/union_check.py --dir .kv-variants [--variants f_union n_union]
+    python3 bench/union_check.py --dir .kv-variants [--variants f_union_k8 q8_union]
 
 Cases beyond bench/variants.py's: qlen 1..8 (tiles of 4 tokens, a partial last tile), tokens of
 a request sharing 12 of their slots with the request's first token, padded rows (kv_len 0),
@@ -30,9 +30,7 @@ from kv_format_ab import _q_dtype as q_dtype_of  # noqa: E402
 
 # the union builds whose results are meant to be right; their cache and query dtypes are
 # bench/kv_format_ab.py's (one table of variants)
-UNION_VARIANTS = ("f_union", "n_union", "f_union_wg", "f_union_wg2", "f_union_cv", "f_union_cv2", "f_union_ring",
-                  "f_union_direct", "f_union_ring1", "f_union_k8", "f_union_k8_cv", "f_union_k8_w1", "q8_union",
-                  "q8_union_cv", "q8_union_w1")
+UNION_VARIANTS = ("f_union_k8", "f_union_k8_cv", "f_union_k8_w1", "q8_union", "q8_union_cv", "q8_union_w1")
 # (batch, qlen, padded, adversarial, shared slots)
 CASES = [(3, 1, False, False, 0), (4, 2, True, False, 12), (5, 3, False, True, 0), (8, 4, True, False, 12),
          (2, 8, False, False, 12), (6, 5, True, True, 8), (1, 4, False, False, 16), (16, 4, False, False, 0)]

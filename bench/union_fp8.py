@@ -1,8 +1,8 @@
 """The shipped sm_90a union kernel (kernels/sparse_decode_union_sm90.py) with its timing probes
 (issue #19's speculative decode; docs/performance.md row 66).
 
-History: bench/union_wgmma.py converts every union block's K and V to f16 tiles before its
-MMAs, and row 55 measured that conversion as what the design waits on. This kernel, first
+History: the retired bench/union_wgmma.py (commit d3bf0ed) converted every union block's K and V
+to f16 tiles before its MMAs, and row 55 measured that conversion as what the design waits on. This kernel, first
 built here as a probe and since shipped, never converts K: S runs on fp8 warpgroup MMAs
 straight from the K tile two TMA copies lay down, and only V is converted while S runs (see
 the shipped module's docstring for the design, the grid and the builds).

@@ -1,16 +1,13 @@
-"""Per-role timelines of the wgmma union probes (bench/union_wgmma.py, union_fp8.py: trace=True builds).
+"""Per-block timelines of the union kernel's MMA warpgroups (bench/union_fp8.py trace=True builds).
 
-    python3 bench/union_trace.py --so .kv-variants/f_union_cv2_trace/64x4/sparse_decode.so --out $OUT
-    python3 bench/union_trace.py --events fp8 --so .kv-variants/f_union_k8_trace/64x4/sparse_decode.so --out $OUT
+    python3 bench/union_trace.py --so .kv-variants/f_union_k8_trace/64x4/sparse_decode.so --out $OUT
 
---events fp8 (union_fp8.py): each MMA warpgroup's thread 0 stamps, per block, 0 stage full,
-1 S issued, 2 its V conversion done, 3 S done, 4 softmax done, 5 V tile complete, 6 P V done.
-
-One eager step of 64/4 B=64 qlen 4 with 12/16 shared blocks (the spec-decode point); every CTA's
-converter and MMA warpgroups stamp %globaltimer per union block (events 0-7: K tile free, K tile
-converted, V tile free, V tile converted, K tile arrived at the MMA warpgroup, S done, V tile
-arrived, P V done), over the plan's partial_o. Prints medians of each interval and writes
-union-trace-<date>.json (device, versions, command, the raw stamps of CTA 0 and the medians).
+Each MMA warpgroup's thread 0 stamps %globaltimer per union block: 0 stage full, 1 S issued, 2
+its V conversion done, 3 S done, 4 softmax done, 5 V tile complete, 6 P V done, over the plan's
+partial_o. One eager step of 64/4 B=64 qlen 4 with 12/16 shared blocks (the spec-decode point) by
+default. Prints medians of each interval and writes union-trace-<date>.json (device, versions,
+command, the raw stamps of CTA 0 and the medians). (The converter-warpgroup events of the retired
+bench/union_wgmma.py probes are at commit d3bf0ed.)
 """
 
 from __future__ import annotations
@@ -32,12 +29,11 @@ from msa_jit.bench import environment, make_step  # noqa: E402
 
 TRACE_BLOCKS = 64
 TRACE_WORDS = TRACE_BLOCKS * 8 + 4
-EVENTS = ("k_free", "k_full", "v_free", "v_full", "k_at_mma", "s_done", "v_at_mma", "pv_done")
-EVENTS_FP8 = ("full", "s_issued", "v_converted", "s_done", "softmax_done", "v_tile_ready", "pv_done")
+EVENTS = ("full", "s_issued", "v_converted", "s_done", "softmax_done", "v_tile_ready", "pv_done")
 
 
-def intervals_fp8(stamps: list[list[int]], n: int) -> dict[str, list[float]]:
-    """Microseconds of each interval of one CTA's n blocks under --events fp8 (a warpgroup takes
+def intervals(stamps: list[list[int]], n: int) -> dict[str, list[float]]:
+    """Microseconds of each interval of one CTA's n blocks (a warpgroup takes
     blocks i, i + 2, ...: its wait for block i's stage counts from its P V of block i - 2)."""
     out: dict[str, list[float]] = {k: [] for k in ("stage_wait", "barrier", "convert_v", "s_after_convert",
                                                    "softmax", "v_tile_wait", "pv", "block")}
@@ -51,33 +47,10 @@ def intervals_fp8(stamps: list[list[int]], n: int) -> dict[str, list[float]]:
     return out
 
 
-def intervals(stamps: list[list[int]], n: int) -> dict[str, list[float]]:
-    """Microseconds of each interval of one CTA's n blocks (stamps[i][event], ns from the CTA start)."""
-    out: dict[str, list[float]] = {k: [] for k in ("k_convert", "v_convert", "k_converter_idle", "v_converter_idle",
-                                                   "mma_wait_k", "s", "softmax_and_wait_v", "pv", "k_ready_to_s",
-                                                   "v_ready_to_pv")}
-    for i in range(min(n, TRACE_BLOCKS)):
-        s = stamps[i]
-        out["k_convert"].append((s[1] - s[0]) / 1e3)
-        out["v_convert"].append((s[3] - s[2]) / 1e3)
-        if i:
-            out["k_converter_idle"].append((s[0] - stamps[i - 1][1]) / 1e3)
-            out["v_converter_idle"].append((s[2] - stamps[i - 1][3]) / 1e3)
-        if i >= 2:
-            out["mma_wait_k"].append((s[4] - stamps[i - 2][7]) / 1e3)
-        out["s"].append((s[5] - s[4]) / 1e3)
-        out["softmax_and_wait_v"].append((s[6] - s[5]) / 1e3)
-        out["pv"].append((s[7] - s[6]) / 1e3)
-        out["k_ready_to_s"].append((s[4] - s[1]) / 1e3)
-        out["v_ready_to_pv"].append((s[6] - s[3]) / 1e3)
-    return out
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--so", required=True)
     ap.add_argument("--out", default=".")
-    ap.add_argument("--events", choices=("cv2", "fp8"), default="cv2", help="the probe's stamps (see above)")
     ap.add_argument("--point", default="64/4:64:4:12", help="GEOMETRY:BATCH:QLEN:SHARED_BLOCKS")
     ap.add_argument("--q-dtype", default="bfloat16", choices=("bfloat16", "float8_e4m3fn"))
     a = ap.parse_args()
@@ -91,9 +64,8 @@ def main() -> int:
         plan.partial_o.zero_()
         sparse_decode(step["query"], step["kv_cache"], step["topk"], step["out"], plan, sm_scale=1 / math.sqrt(128))
     torch.cuda.synchronize()
-    tiles = -(-qlen // (64 // (hq // hkv)))  # both probes: a CTA per (request, KV head, 64 // G tokens)
-    ctas = batch * hkv * tiles * (plan.num_splits if a.events == "fp8" else 1)  # only union_fp8 splits
-    interval_fn = intervals_fp8 if a.events == "fp8" else intervals
+    tiles = -(-qlen // (64 // (hq // hkv)))  # a CTA per (request, KV head, 64 // G tokens, split)
+    ctas = batch * hkv * tiles * plan.num_splits
     words = plan.partial_o.view(-1).view(torch.int32)[: ctas * TRACE_WORDS].view(ctas, TRACE_WORDS).cpu().tolist()
     agg: dict[str, list[float]] = {}
     spans = []
@@ -101,14 +73,14 @@ def main() -> int:
         n, t0 = w[TRACE_BLOCKS * 8], w[TRACE_BLOCKS * 8 + 2]
         stamps = [[(w[8 * i + e] - t0) & 0xFFFFFFFF for e in range(8)] for i in range(min(n, TRACE_BLOCKS))]
         spans.append(max(max(s) for s in stamps) / 1e3 if stamps else 0.0)
-        for k, v in interval_fn(stamps, n).items():
+        for k, v in intervals(stamps, n).items():
             agg.setdefault(k, []).extend(v)
     med = {k: round(statistics.median(v), 3) for k, v in agg.items() if v}
     mean = {k: round(statistics.fmean(v), 3) for k, v in agg.items() if v}
     result = {"environment": environment(), "command": " ".join(sys.argv),
               "date": time.strftime("%Y-%m-%dT%H%M", time.gmtime()),
               "point": a.point, "q_dtype": a.q_dtype, "ctas": ctas,
-              "events": EVENTS_FP8 if a.events == "fp8" else EVENTS,
+              "events": EVENTS,
               "median_us": med, "mean_us": mean, "cta_span_us_median": round(statistics.median(spans), 2),
               "cta_span_us_max": round(max(spans), 2), "cta0_n_union": words[0][TRACE_BLOCKS * 8],
               "cta0_stamps_ns": [[(words[0][8 * i + e] - words[0][TRACE_BLOCKS * 8 + 2]) & 0xFFFFFFFF

@@ -97,22 +97,10 @@ def _kernel_options(name: str) -> dict[str, Any]:
 def _kernel_class(options: dict[str, Any]):
     """The shipped kernel, or the bench's probe subclass when an option needs it (kernel_probes.py)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    if options.get("ring"):
-        from union_wgmma_ring import UnionWgmmaRingKernel
-
-        return UnionWgmmaRingKernel
     if options.get("union_fp8"):
         from union_fp8 import UnionFp8Kernel
 
         return UnionFp8Kernel
-    if options.get("union_wgmma"):
-        from union_wgmma import UnionWgmmaKernel
-
-        return UnionWgmmaKernel
-    if options.get("union"):
-        from union_kernel import UnionMmaKernel
-
-        return UnionMmaKernel
     if not set(options) & PROBE_OPTIONS:
         return None
     from kernel_probes import ProbeMmaKernel

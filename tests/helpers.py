@@ -1,3 +1,37 @@
 """The case builder lives in the package (msa_jit.testing) so `msa-jit selftest` can use it."""
 
+import torch
+
 from msa_jit.testing import FP8, HEAD_DIM, Case, error_vs_unquantized, make_case  # noqa: F401
+
+
+class GraphInputs:
+    """One set of step inputs that a CUDA graph captures, and the cases replayed through it.
+
+    kv: every case's cache concatenated (case i's pages shifted by the pages before it, in its
+    block table `block_tables[i]`); block_table / seq_lens / query / topk: the captured tensors,
+    holding cases[0]'s values until `load(i)` copies case i's in place."""
+
+    def __init__(self, cases: list[Case]):
+        self.cases = cases
+        self.kv = torch.cat([c.kv_cache for c in cases])
+        shift, self.block_tables = 0, []
+        for c in cases:
+            self.block_tables.append(c.block_table + shift)
+            shift += c.kv_cache.shape[0]
+        first = cases[0]
+        self.block_table = torch.zeros(first.batch, max(b.shape[1] for b in self.block_tables),
+                                       dtype=torch.int32, device=first.seq_lens.device)
+        self.seq_lens, self.query = first.seq_lens.clone(), first.query.clone()
+        self.topk = first.topk.contiguous().clone()
+        self.load(0)
+
+    def load(self, i: int) -> Case:
+        """Copy case i's block table, seq_lens, query and topk into the captured tensors; returns it."""
+        c, b = self.cases[i], self.block_tables[i]
+        self.block_table.zero_()
+        self.block_table[:, : b.shape[1]] = b
+        self.seq_lens.copy_(c.seq_lens)
+        self.query.copy_(c.query)
+        self.topk.copy_(c.topk)
+        return c

@@ -18,7 +18,7 @@ import zlib
 import pytest
 import torch
 
-from helpers import make_case
+from helpers import GraphInputs, make_case
 from msa_jit.geometry import MINIMAX_M3_GEOMETRIES as GEOMETRIES
 from msa_jit.geometry import CTAS_PER_SM  # every occupancy is pinned in turn, so both builds run at every shape
 from msa_jit.testing import compare_with_reference, rel_l2
@@ -126,16 +126,8 @@ def test_cuda_graph_replay_follows_inputs():
                        ctx_lens=[90 + 211 * i + 37 * s for i in range(7)] + [2000]) for s in range(3)]
     live = cases[0]
     out = live.new_out()
-    kv = torch.cat([c.kv_cache for c in cases])  # one cache; later cases index shifted pages
-    shift = 0
-    bts = []
-    for c in cases:
-        bts.append(c.block_table + shift)
-        shift += c.kv_cache.shape[0]
-    width = max(b.shape[1] for b in bts)
-    bt = torch.zeros(live.batch, width, dtype=torch.int32, device="cuda")
-    bt[:, : bts[0].shape[1]] = bts[0]
-    seq, q, tk = live.seq_lens.clone(), live.query.clone(), live.topk.contiguous().clone()
+    inputs = GraphInputs(cases)  # one cache; later cases index shifted pages
+    bt, seq, q, tk, kv = inputs.block_table, inputs.seq_lens, inputs.query, inputs.topk, inputs.kv
 
     def step():
         plan = planner.prepare(bt, seq, live.seq_lens_cpu, live.qlen, **live.prepare_kwargs())
@@ -150,12 +142,8 @@ def test_cuda_graph_replay_follows_inputs():
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         step()
-    for c, b in zip(cases, bts):
-        bt.zero_()
-        bt[:, : b.shape[1]] = b
-        seq.copy_(c.seq_lens)
-        q.copy_(c.query)
-        tk.copy_(c.topk)
+    for i in range(len(cases)):
+        c = inputs.load(i)
         out.fill_(float("nan"))
         g.replay()
         torch.cuda.synchronize()

@@ -200,46 +200,6 @@ def test_every_consumer_lane_releases_a_stage(tmp_path):
     assert sass.opcode_counts(text) != sass.opcode_counts(base)
 
 
-@pytest.mark.parametrize("kv_dtype", ["float8_e4m3fn", "nvfp4"])
-def test_union_probe_compiles_one_launch_without_spills(tmp_path, kv_dtype):
-    # bench/union_kernel.py (the speculative-decode union of a token tile's blocks, timed in
-    # bench/results/kv-format-ab-2026-12-04T1811.json): one kernel, no split merge, no local memory
-    sys.path.insert(0, str(BENCH))
-    from union_kernel import UnionMmaKernel
-
-    cfg = SparseDecodeConfig(num_q_heads=64, num_kv_heads=4, kv_dtype=kv_dtype, arch="sm_90a")
-    compile_sparse_decode(cfg, tmp_path, kernel_options={"union": True}, kernel_class=UnionMmaKernel)
-    (cubin,) = sass.extract_cubins(tmp_path / "sparse_decode.so")
-    resources = sass.kernel_resources(cubin)
-    assert len(resources) == 1 and "merge" not in resources[0].name.lower()
-    text = sass.disassemble(cubin)
-    assert "LDL" not in text and "STL" not in text
-    with pytest.raises(ValueError, match="smem_reads"):
-        UnionMmaKernel(num_q_heads=64, num_kv_heads=4, smem_reads="staged")
-
-
-@pytest.mark.parametrize("options", [{"warpgroups": 2}, {"warpgroups": 2, "converter": 2},
-                                     {"warpgroups": 2, "converter": 2, "ring": True, "slots": 1, "stages": 4}])
-def test_union_wgmma_probe_compiles_to_warpgroup_mmas(tmp_path, options):
-    # bench/union_wgmma.py, union_wgmma_ring.py (docs/performance.md row 55): S and O on HGMMA, one
-    # launch, no local memory; with converter warpgroups, setmaxnreg moves registers to the MMA ones
-    sys.path.insert(0, str(BENCH))
-    from union_wgmma import UnionWgmmaKernel
-    from union_wgmma_ring import UnionWgmmaRingKernel
-
-    cfg = SparseDecodeConfig(num_q_heads=64, num_kv_heads=4, arch="sm_90a")
-    compile_sparse_decode(cfg, tmp_path, kernel_options={"union_wgmma": True, **options},
-                          kernel_class=UnionWgmmaRingKernel if options.get("ring") else UnionWgmmaKernel)
-    (cubin,) = sass.extract_cubins(tmp_path / "sparse_decode.so")
-    text = sass.disassemble(cubin)
-    counts = sass.opcode_counts(text)
-    assert counts["HGMMA.64"] >= 16  # S and O of both MMA warpgroups (opcode_counts stops at the "x")
-    assert "LDL" not in text and "STL" not in text
-    assert ("USETMAXREG" in text) == bool(options.get("converter"))
-    with pytest.raises(ValueError, match="bfloat16 query"):
-        UnionWgmmaKernel(num_q_heads=64, num_kv_heads=4, kv_dtype="nvfp4")
-
-
 @pytest.mark.parametrize("options", [{"trace": True}, {"mma": False}, {"convert": False}])
 def test_union_fp8_probe_leaves_its_part_out(tmp_path, options):
     # bench/union_fp8.py: the shipped union kernel (tests/test_union_kernel_compile.py) with the bench's

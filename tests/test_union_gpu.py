@@ -15,7 +15,7 @@ import zlib
 import pytest
 import torch
 
-from helpers import make_case
+from helpers import GraphInputs, make_case
 from msa_jit.geometry import MINIMAX_M3_GEOMETRIES, UNION_CTAS_PER_SM
 from msa_jit.testing import compare_with_reference, share_slots
 
@@ -143,13 +143,8 @@ def test_union_cuda_graph_replay_follows_inputs():
         share_slots(c, 12)
     live = cases[0]
     out = live.new_out()
-    kv = torch.cat([c.kv_cache for c in cases])  # one cache; later cases index shifted pages
-    shift, bts = 0, []
-    for c in cases:
-        bts.append(c.block_table + shift)
-        shift += c.kv_cache.shape[0]
-    bt = torch.zeros(live.batch, max(b.shape[1] for b in bts), dtype=torch.int32, device="cuda")
-    seq, q, tk = live.seq_lens.clone(), live.query.clone(), live.topk.contiguous().clone()
+    inputs = GraphInputs(cases)  # one cache; later cases index shifted pages
+    bt, seq, q, tk, kv = inputs.block_table, inputs.seq_lens, inputs.query, inputs.topk, inputs.kv
 
     def step():
         plan = planner.prepare(bt, seq, live.seq_lens_cpu, live.qlen, **live.prepare_kwargs())
@@ -160,12 +155,8 @@ def test_union_cuda_graph_replay_follows_inputs():
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         step()
-    for c, b in zip(cases, bts):
-        bt.zero_()
-        bt[:, : b.shape[1]] = b
-        seq.copy_(c.seq_lens)
-        q.copy_(c.query)
-        tk.copy_(c.topk)
+    for i in range(len(cases)):
+        c = inputs.load(i)
         out.fill_(float("nan"))
         g.replay()
         torch.cuda.synchronize()
