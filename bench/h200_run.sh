@@ -83,9 +83,10 @@ for step in "$@"; do
                 --so .kv-variants/f_union_k8_trace/64x4/sparse_decode.so 2>&1 | tail -n 11 ;;
     union_k8_small) # the same kernels at qlen 1: the split shapes (batch 1-16: a tile of one token, the plan's
               # splits over its blocks, then the split merge) and the T*Hkv = 256 points (one token per CTA,
-              # two waves at 1 CTA per SM), against the planner's 2- and 3-CTA builds
-              small=(f_union_k8 f_union_k8_cv)  # after union_k8 in the same run: those of them that passed
-              [[ -n ${UNION_RAN:-} ]] && small=($(printf '%s\n' "${UNION_OK[@]}" | grep -x -e f_union_k8 -e f_union_k8_cv))
+              # two waves at 1 CTA per SM, one at 2: the _w1 builds), against the planner's 2- and 3-CTA builds
+              small=(f_union_k8 f_union_k8_cv f_union_k8_w1)  # after union_k8 in the same run: those that passed
+              [[ -n ${UNION_RAN:-} ]] && small=($(printf '%s\n' "${UNION_OK[@]}" | grep -x -e f_union_k8 -e f_union_k8_cv \
+                                                    -e f_union_k8_w1))
               timeout "$(limit 330)" python3 bench/kv_format_ab.py run --dir .kv-variants --out $OUT --rounds 5 \
                 --variants f_c2 f_c3 "${small[@]}" \
                 --points 64/4:1:1 8/1:1:1 64/4:4:1 8/1:4:1 64/4:16:1 8/1:16:1 64/4:64:1 8/1:256:1 2>&1 | grep -v "^{" | tail -n 8 ;;
