@@ -319,27 +319,42 @@ def rel_l2(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def share_slots(case: Case, shared: int) -> None:
-    """Speculative decode's draft tokens, in place: token j > 0 of each request takes the valid
-    blocks among token 0's first `shared` topk slots first, then its own blocks that are not among
-    them (no block twice in a row, as the contract promises), -1 after. Valid for token j: it sees
-    at least token 0's keys."""
+    """Speculative decode's draft tokens, in place: token j > 0 of each request selects its current
+    block, then the valid blocks among token 0's first `shared` topk slots, then its own other
+    blocks, at most its nvalid = min(topk, ceil(kv_len / page)) of them, ascending, -1 after (a row
+    as the contract has it: no block twice, the current one included). Every one is visible to
+    token j: it sees at least token 0's keys. Rows with kv_len 0 stay as they are."""
     if not shared:
         return
     rows = case.topk.cpu()
-    k = rows.shape[-1]
+    k, page = rows.shape[-1], case.page_size
+    seq = case.seq_lens_cpu.tolist()
     for r in range(case.batch):
         t0 = r * case.qlen
         for j in range(1, case.qlen):
+            pos = seq[r] - case.qlen + j
+            if pos < 0:
+                continue
+            nvalid = min(k, -(-(pos + 1) // page))
             for h in range(rows.shape[1]):
                 common = [b for b in rows[t0, h, :shared].tolist() if b >= 0]
-                own = [b for b in rows[t0 + j, h].tolist() if b >= 0 and b not in common]
-                row = (common + own)[:k]
+                own = [b for b in rows[t0 + j, h].tolist() if b >= 0]
+                row = sorted(list(dict.fromkeys([pos // page] + common + own))[:nvalid])
                 rows[t0 + j, h] = torch.tensor(row + [-1] * (k - len(row)), dtype=rows.dtype)
     case.topk.copy_(rows)
 
 
+# Largest |LSE - reference| a check accepts (natural log). The union kernel's S comes from fp8 warpgroup
+# MMAs, a bf16 query split into two e4m3 halves (~8 significant bits, as bf16 has, where the token
+# kernel takes Q exactly in f16): the error grows with the logits, up to 4.4e-3 on selftest's grid in
+# a float64 model of the split (session 16), against 2e-3 for the token kernel. Output rel L2 stays
+# <= 2e-3 either way (the contract's bound is 1e-2).
+LSE_ATOL = 2e-3
+UNION_LSE_ATOL = 1e-2
+
+
 def compare_with_reference(case: Case, out: torch.Tensor, lse: torch.Tensor | None,
-                           *, tol: float = 1e-2, lse_atol: float = 2e-3) -> tuple[float, list[str]]:
+                           *, tol: float = 1e-2, lse_atol: float = LSE_ATOL) -> tuple[float, list[str]]:
     """(relative L2 error of out, problems) against the float64 reference of `case`.
 
     Problems: NaN left from the poison (not fully written), error above `tol`, -inf LSE rows
