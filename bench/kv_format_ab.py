@@ -192,11 +192,14 @@ def random_nvfp4_like(kv):
     return c.view(pages, 2 * hkv, page, 72)
 
 
-def check(fn, hq: int, hkv: int, kv: str, qd: str = "bfloat16") -> tuple[float, list[str]]:
+def check(fn, hq: int, hkv: int, kv: str, qd: str = "bfloat16", union: bool = False) -> tuple[float, list[str]]:
     """(worst rel L2, problems) of one loaded variant against the float64 reference: the small
     cases of bench/variants.py's check (one split and split-KV, padded rows, qlen > 1, each
-    launched 3 times on one plan with fresh, poisoned outputs) in its cache format."""
-    rows = _variants()._check(fn, hq, hkv, qd, kv)
+    launched 3 times on one plan with fresh, poisoned outputs) in its cache format; a union
+    kernel's LSE to msa_jit.testing.UNION_LSE_ATOL."""
+    from msa_jit.testing import UNION_LSE_ATOL
+
+    rows = _variants()._check(fn, hq, hkv, qd, kv, UNION_LSE_ATOL if union else None)
     problems = [f"B={r['batch']} qlen={r['qlen']} splits={r['num_splits']}: {p}" for r in rows for p in r["problems"]]
     return max(r["rel_l2"] for r in rows), problems
 
@@ -222,7 +225,7 @@ def run(a: argparse.Namespace) -> int:
             fns[key] = _uint8_convention(fn)
     checks = {}
     for (n, g), fn in list(fns.items()):  # a variant that computes something else is not timed
-        worst, problems = check(fn, *g, VARIANTS[n][0], _q_dtype(n))
+        worst, problems = check(fn, *g, VARIANTS[n][0], _q_dtype(n), bool(VARIANTS[n][1].get("union_fp8")))
         checks[f"{n} {g[0]}/{g[1]}"] = {"worst_rel_l2": worst, "problems": problems}
         print(f"check {n} {g[0]}/{g[1]}: worst rel L2 {worst:.2e} {'FAIL ' + '; '.join(problems) if problems else 'ok'}",
               flush=True)

@@ -17,7 +17,7 @@ import torch
 
 from helpers import GraphInputs, make_case
 from msa_jit.geometry import MINIMAX_M3_GEOMETRIES, UNION_CTAS_PER_SM
-from msa_jit.testing import compare_with_reference, share_slots
+from msa_jit.testing import UNION_LSE_ATOL, compare_with_reference, share_slots
 
 pytestmark = pytest.mark.gpu
 
@@ -47,7 +47,7 @@ def _run(case, planner, *, lse=True, kernel="union"):
 
 
 def _check(case, out, lse, tag):
-    err, problems = compare_with_reference(case, out, lse, tol=TOL)
+    err, problems = compare_with_reference(case, out, lse, tol=TOL, lse_atol=UNION_LSE_ATOL)
     assert not problems, f"{tag}: {problems}"
     return err
 
@@ -71,13 +71,14 @@ def test_union_matches_reference(hq, hkv, q_dtype, qlen, batch, ctas_per_sm, rec
           f"{ctas_per_sm}/SM err={err:.3e}")
 
 
-@pytest.mark.parametrize("num_sms", [1, 132, 100000], ids=["splits1", "splits_auto", "splits_max"])
+@pytest.mark.parametrize("num_sms", [1, 24, 100000], ids=["splits1", "splits4", "splits16"])
 @pytest.mark.parametrize("q_dtype", Q_DTYPES, ids=["bf16", "fp8"])
 @pytest.mark.parametrize("ctas_per_sm", UNION_CTAS_PER_SM, ids=lambda n: f"{n}perSM")
 def test_union_split_paths_agree(num_sms, q_dtype, ctas_per_sm):
     case = make_case(3, 4, 64, 4, q_dtype=q_dtype, seed=7, device="cuda", padded=True)
     share_slots(case, 12)
     out, lse, plan = _run(case, _planner(num_sms=num_sms, ctas_per_sm=ctas_per_sm))
+    assert plan.num_splits == {1: 1, 24: 4, 100000: 16}[num_sms]
     _check(case, out, lse, f"union num_splits={plan.num_splits} {ctas_per_sm}/SM")
 
 
@@ -113,7 +114,7 @@ def test_union_and_token_kernels_agree():
     diff = float((u.double() - t.double()).norm() / t.double().norm())
     finite = ~torch.isinf(lt)
     assert diff < 5e-3, f"union vs token rel L2 {diff:.2e}"
-    assert torch.equal(torch.isinf(lu), torch.isinf(lt)) and (lu[finite] - lt[finite]).abs().max() < 2e-3
+    assert torch.equal(torch.isinf(lu), torch.isinf(lt)) and (lu[finite] - lt[finite]).abs().max() < UNION_LSE_ATOL
 
 
 def test_planner_picks_union_when_enabled(monkeypatch):
@@ -137,8 +138,9 @@ def test_union_cuda_graph_replay_follows_inputs():
     from msa_jit.testing import rel_l2
 
     planner = _planner()
+    # contexts past topk_blocks pages, so that each topk row is a choice (a stale topk would be wrong)
     cases = [make_case(8, 4, 64, 4, q_dtype=torch.bfloat16, seed=s, device="cuda",
-                       ctx_lens=[300 + 257 * i + 41 * s for i in range(7)] + [2000]) for s in range(3)]
+                       ctx_lens=[2100 + 257 * i + 41 * s for i in range(7)] + [4000]) for s in range(3)]
     for c in cases:
         share_slots(c, 12)
     live = cases[0]
