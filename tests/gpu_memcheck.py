@@ -33,8 +33,9 @@ for kv_dtype in ("fp8", "nvfp4"):
 for q_dtype in (torch.bfloat16, torch.float8_e4m3fn):
     for num_sms in (1, 100000):
         for ctas_per_sm in UNION_CTAS_PER_SM:
-            for seed, shared in ((3, 0), (4, 12)):
-                case = make_case(3, 5, 16, 1, q_dtype=q_dtype, seed=seed, device="cuda", adversarial=True,
+            # G 16 (4-token tiles) and G 8 (8-token tiles: two tokens per building warp, a partial tile)
+            for seed, shared, (hq, hkv), qlen in ((3, 0, (16, 1), 5), (4, 12, (16, 1), 5), (5, 12, (8, 1), 9)):
+                case = make_case(3, qlen, hq, hkv, q_dtype=q_dtype, seed=seed, device="cuda", adversarial=True,
                                  padded=True)
                 share_slots(case, shared)
                 out, lse = case.new_out(), case.new_lse()
@@ -44,5 +45,6 @@ for q_dtype in (torch.bfloat16, torch.float8_e4m3fn):
                                       **case.scales())
                 torch.cuda.synchronize()
                 assert not out.isnan().any() and not lse.isnan().any()
-                print(f"sanitizer case union q={q_dtype} shared={shared} splits={plan.num_splits} {ctas_per_sm}/SM ok")
+                print(f"sanitizer case union {hq}/{hkv} q={q_dtype} shared={shared} splits={plan.num_splits} "
+                      f"{ctas_per_sm}/SM ok")
 sys.exit(0)

@@ -122,8 +122,10 @@ def test_cuda_graph_replay_follows_inputs():
     import msa_jit
 
     planner = msa_jit.SparseDecodePlanner()
+    # short and long contexts: past topk_blocks pages each topk row is a choice (a stale topk is wrong)
     cases = [make_case(8, 2, 32, 2, q_dtype=torch.bfloat16, seed=s, device="cuda",
-                       ctx_lens=[90 + 211 * i + 37 * s for i in range(7)] + [2000]) for s in range(3)]
+                       ctx_lens=[90 + 211 * i + 37 * s for i in range(4)] + [2100 + 300 * i for i in range(3)]
+                       + [4000]) for s in range(3)]
     live = cases[0]
     out = live.new_out()
     inputs = GraphInputs(cases)  # one cache; later cases index shifted pages
