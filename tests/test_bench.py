@@ -416,6 +416,10 @@ def test_readme_table_shows_per_layer_first_then_shared_then_per_step():
             f"{r4['speedup_vs_fp8']:.2f}x) |") in text
     r = by[("8/1", NVFP4_KV, 8, 256)]
     assert f"{r['marginal_us']:.1f} µs ({r['marginal_pct_of_copy']:.0f}%, {r['speedup_vs_fp8']:.2f}x) |" in text
+    assert ", union)" not in text
+    r = by[("64/4", FP8_KV, 4, 64)]
+    r["kernel"] = "union"  # a row the union kernel ran (MSA_JIT_ENABLE_SM90_UNION=1)
+    assert f"| {r['marginal_us']:.1f} µs ({r['marginal_pct_of_copy']:.0f}%, union) |" in bench.readme_table(result)
 
 
 def test_readme_table_of_an_old_file_is_its_per_step_table():
@@ -468,6 +472,16 @@ def test_targets_statuses():
     assert no_base["T·Hkv >= 1024: no regression (fp8 and NVFP4, every qlen)"] == targets.NO_DATA
     empty = targets.check_targets({"per_layer": [], "points": []})
     assert {t["status"] for t in empty} == {targets.NO_DATA}
+    # a row the union kernel ran says so (MSA_JIT_ENABLE_SM90_UNION=1); older files have no "kernel"
+    spec = "spec decode 64/4 B=64 qlen 4, 12/16 shared (distinct bytes)"
+    assert "union" not in st[spec]["measured"]
+    for r in result["per_layer"]:
+        if (r["geometry"], r["batch"], r["shared_blocks"], r["kv_dtype"]) == ("64/4", 64, 12, FP8_KV):
+            r["kernel"] = "union"
+    tagged = {t["target"]: t["measured"] for t in targets.check_targets(result, baseline)}
+    assert tagged[spec].endswith("(union kernel)") and tagged[spec].startswith(st[spec]["measured"])
+    assert tagged["spec decode 64/4 B=64 qlen 8, 12/16 shared, fp8"].endswith("(union kernel)")
+    assert "union" not in tagged["spec decode 64/4 B=64 qlen 8, 12/16 shared, nvfp4"]
     text = targets.format_targets(rows)
     assert text.startswith("| issue | target | goal | measured | status |") and "targets: " in text.splitlines()[-1]
     assert len([t for t in rows if t["issue"] == "#18"]) == 8 and len(rows) == 29

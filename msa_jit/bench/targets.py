@@ -54,6 +54,11 @@ def _name(r: dict[str, Any]) -> str:
     return f"{r['geometry']} B={r['batch']} q{r.get('qlen', 1)}{shared}"
 
 
+def _kernel_tag(r: dict[str, Any]) -> str:
+    """' (union kernel)' for a row the union kernel ran (results before session 16 have no "kernel")."""
+    return " (union kernel)" if r.get("kernel") == "union" else ""
+
+
 def _row(issue: str, target: str, goal: str, measured: str, status: str) -> dict[str, str]:
     return {"issue": issue, "target": target, "goal": goal, "measured": measured, "status": status}
 
@@ -84,7 +89,7 @@ def _pct_target(issue: str, result: dict[str, Any], target: str, goal: float, ge
     if r is None:
         return _row(issue, target, f">= {goal:.0f}% of copy", "—", NO_DATA)
     pct = r["marginal_pct_of_copy"]
-    return _row(issue, target, f">= {goal:.0f}% of copy", f"{pct:.1f}% ({r['marginal_us']:.1f} µs)",
+    return _row(issue, target, f">= {goal:.0f}% of copy", f"{pct:.1f}% ({r['marginal_us']:.1f} µs){_kernel_tag(r)}",
                 MET if pct >= goal else NOT_MET)
 
 
@@ -151,7 +156,7 @@ def check_targets(result: dict[str, Any], baseline: dict[str, Any] | None = None
             r = find_row(result, geo, batch, q, SPEC_SHARED, kv)
             target = f"spec decode {geo} B={batch} qlen {q}, {SPEC_SHARED}/16 shared, {short_kv(kv)}"
             measured = ("—" if r is None else f"{r['marginal_pct_of_copy']:.1f}% distinct, "
-                        f"{r['marginal_logical_pct_of_copy']:.1f}% logical ({r['marginal_us']:.1f} µs)")
+                        f"{r['marginal_logical_pct_of_copy']:.1f}% logical ({r['marginal_us']:.1f} µs){_kernel_tag(r)}")
             out.append(_row("#19", target, "report", measured, REPORTED if r else NO_DATA))
     out.append(_host(result, "op_call_cpu_us", OP_CALL_US, "eager op call (64/4 B=1, CPU issue, GPU held busy)"))
     out.append(_host(result, "prepare_cpu_us", PREPARE_US, "cached prepare (64/4 B=1)"))
