@@ -419,7 +419,9 @@ def test_readme_table_shows_per_layer_first_then_shared_then_per_step():
     assert ", union)" not in text
     r = by[("64/4", FP8_KV, 4, 64)]
     r["kernel"] = "union"  # a row the union kernel ran (MSA_JIT_ENABLE_SM90_UNION=1)
-    assert f"| {r['marginal_us']:.1f} µs ({r['marginal_pct_of_copy']:.0f}%, union) |" in bench.readme_table(result)
+    union_text = bench.readme_table(result)
+    assert f"| {r['marginal_us']:.1f} µs ({r['marginal_pct_of_copy']:.0f}%, union) |" in union_text
+    assert "union: the union kernel ran" in union_text and "union: the union kernel ran" not in text
 
 
 def test_readme_table_of_an_old_file_is_its_per_step_table():

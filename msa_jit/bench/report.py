@@ -145,8 +145,8 @@ def readme_table(result: dict[str, Any], geometries=None, batches=None, qlens=No
     L = rows[0]["layers"] if rows else "L"
     out = [f"Per layer ({', '.join(sorted(q_dtypes))} query; one prologue, then {L} layers in one graph: "
            f"(t({L}) - t(1)) / {L - 1 if isinstance(L, int) else 'L - 1'}; % of copy on distinct KV bytes; "
-           "floor: the floor probe per layer, same run; NVFP4: speed-up over fp8; union: the union kernel "
-           "ran):", ""]
+           "floor: the floor probe per layer, same run; NVFP4: speed-up over fp8"
+           + ("; union: the union kernel ran" if any(r.get("kernel") == "union" for r in rows) else "") + "):", ""]
     out += _grid_table(layers, _layer_cell, geometries, kv_dtypes, qlens, batches)
     shared = [r for r in rows if r["shared_blocks"]]
     if shared:
