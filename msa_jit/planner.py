@@ -97,9 +97,9 @@ def choose_kernel(batch: int, qlen: int, num_q_heads: int, num_kv_heads: int, pa
     the union kernel serves the geometry on `arch`, qlen >= 2 and its grid fills the GPU at least
     once (>= num_sms CTAs, so neither kernel splits: T*Hkv >= that grid); else "token".
 
-    Prediction, not yet measured (docs/performance.md rows 66-67): 75-87% of copy at 64/4 B=64 qlen 4
-    with 12/16 blocks shared, where the token kernel reaches 58%. Smaller grids keep the token
-    kernel until the union's split shapes are measured."""
+    Measured on the H200 (docs/performance.md rows 66-70): 70% of copy at 64/4 B=64 qlen 4 with 12/16
+    blocks shared against the token kernel's 58%, but 1.1-1.4x slower with none shared (which a
+    plan cannot see: hence opt-in), and slower at every split shape (row 67)."""
     if not enabled or qlen < 2 or union_problems(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                                                   page_size=page_size, kv_dtype="float8_e4m3fn", arch=arch):
         return "token"
@@ -108,10 +108,10 @@ def choose_kernel(batch: int, qlen: int, num_q_heads: int, num_kv_heads: int, pa
 
 def choose_union_ctas_per_sm(grid_ctas: int, num_sms: int) -> int:
     """Occupancy of the union kernel for `grid_ctas` = its grid * num_splits: 2 (one MMA warpgroup and
-    2 stages per CTA) when the grid fits one wave at 2 per SM but not at 1, so each CTA's index chain
-    and first copies overlap another's stream; else 1 (two MMA warpgroups, 4 stages). The same stages
-    and MMA warpgroups per SM either way; a prediction (docs/performance.md row 66), not yet measured."""
-    return 2 if num_sms < grid_ctas <= 2 * num_sms else 1
+    2 stages per CTA) at every grid. Measured on the H200 (bench/results/kv-format-ab-2026-12-05T0205.json,
+    docs/performance.md row 70): the 2-CTA build beat the 1-CTA one (2 MMA warpgroups, 4 stages) at
+    every point, 256 to 1024 CTAs, 12/16 or 0/16 shared, both query dtypes: by 4-20%."""
+    return 2
 
 
 @functools.lru_cache(maxsize=None)

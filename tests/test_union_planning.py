@@ -52,8 +52,8 @@ def test_choose_kernel_rule():
 
 
 def test_choose_union_ctas_per_sm():
-    # 2 per SM exactly where that makes one wave of what is two at 1 per SM
-    assert [choose_union_ctas_per_sm(g, 132) for g in (64, 132, 133, 256, 264, 265, 1024)] == [1, 1, 2, 2, 2, 1, 1]
+    # the 2-CTA build won at every measured grid (H200, 2026-12-05 T0205)
+    assert [choose_union_ctas_per_sm(g, 132) for g in (64, 132, 133, 256, 264, 265, 1024)] == [2] * 7
 
 
 def test_check_config_union_rules():
@@ -80,7 +80,7 @@ def test_planner_picks_union_only_when_enabled(monkeypatch):
     assert plan.kernel == "token" and plan.config(torch.bfloat16).kernel == "token"
     monkeypatch.setenv(ENABLE, "1")
     plan = _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 64, 4)
-    assert (plan.kernel, plan.num_splits, plan.ctas_per_sm) == ("union", 1, 2)  # 256 CTAs: one wave at 2 per SM
+    assert (plan.kernel, plan.num_splits, plan.ctas_per_sm) == ("union", 1, 2)
     cfg = plan.config(torch.bfloat16)
     assert (cfg.kernel, cfg.ctas_per_sm) == ("union", 2) and check_config(cfg) is None
     nv = plan.config(torch.bfloat16, "nvfp4")  # an NVFP4 cache keeps the token kernel
@@ -91,14 +91,14 @@ def test_planner_picks_union_only_when_enabled(monkeypatch):
     assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 256, 1).kernel == "token"
     assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a", ctas_per_sm=2), 64, 4).kernel == "token"
     assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 64, 4, page=64).kernel == "token"
-    assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 512, 4).ctas_per_sm == 1  # 2048 CTAs
+    assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 512, 4).ctas_per_sm == 2  # 2048 CTAs
 
 
 def test_union_pin_serves_every_step_shape(monkeypatch):
     monkeypatch.delenv(ENABLE, raising=False)
     pinned = SparseDecodePlanner(num_sms=132, arch="sm_90a", kernel="union")
     plan = _prepare(pinned, 1, 1)  # 4 CTAs per split: the splits follow the union's grid
-    assert (plan.kernel, plan.num_splits, plan.ctas_per_sm) == ("union", 16, 1)
+    assert (plan.kernel, plan.num_splits, plan.ctas_per_sm) == ("union", 16, 2)
     assert plan.partial_o.shape[0] == 1 * 4 * 16
     plan = _prepare(pinned, 2, 8)  # 16 CTAs per split (two 4-token tiles)
     assert plan.kernel == "union" and plan.num_splits == 16
