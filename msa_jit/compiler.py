@@ -97,8 +97,8 @@ KERNEL_REGISTRY: dict[str, KernelFamily] = {
     # tcgen05 kernel: compiles and its SASS is checked in CI, never run on hardware yet, so
     # kernel_family() picks it only with MSA_JIT_ENABLE_SM100_UMMA=1 on sm_100*.
     "sm100": KernelFamily("sparse_decode_sm100", "SparseDecodeSm100Kernel", (2,)),
-    # SparseDecodeConfig.kernel == "union" (sm_90a, fp8 cache): compiles and its SASS is checked in CI,
-    # not yet run on hardware, so the planner picks it only with MSA_JIT_ENABLE_SM90_UNION=1
+    # SparseDecodeConfig.kernel == "union" (sm_90a, fp8 cache): verified on the H200; faster only where
+    # draft tokens share blocks, so the planner picks it only with MSA_JIT_ENABLE_SM90_UNION=1
     "union_sm90": KernelFamily("sparse_decode_union_sm90", "SparseDecodeUnionSm90Kernel", UNION_CTAS_PER_SM),
 }
 

@@ -100,7 +100,8 @@ VARIABLES: dict[str, str] = {
     ENABLE_SM90_UNION: (
         "Bool, default 0. Let the planner pick the sm_90a union kernel for fp8-cache steps with "
         "decode_query_len >= 2 and a grid of at least one wave (each block the tile's tokens share "
-        "read once); not yet run on a GPU, so opt-in. Warmups then build it too."
+        "read once): faster where draft tokens share most blocks (MTP), slower where they share none "
+        "(docs/performance.md row 70). Warmups then build it too."
     ),
     LOG_LEVEL: "Logging level of the msa_jit loggers: debug/info/warning/error/critical or an int. Default warning.",
     DSL_VERSION: (
