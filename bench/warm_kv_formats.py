@@ -20,8 +20,8 @@ from pathlib import Path
 if __name__ == "__main__":  # the checkout's msa_jit, also without PYTHONPATH
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from msa_jit import warmup  # noqa: E402
-from msa_jit.geometry import KV_DTYPES, MINIMAX_M3_GEOMETRIES, Q_DTYPES, UNION_CTAS_PER_SM, union_problems  # noqa: E402
+from msa_jit import compiler, warmup  # noqa: E402
+from msa_jit.geometry import KV_DTYPES, MINIMAX_M3_GEOMETRIES, Q_DTYPES  # noqa: E402
 
 
 def configs(arch: str) -> list:
@@ -30,10 +30,7 @@ def configs(arch: str) -> list:
     base = [c for c in warmup.warmup_configs(MINIMAX_M3_GEOMETRIES, Q_DTYPES, [arch]) if c.kernel == "token"]
     out = [replace(c, kv_dtype=kv) for kv in KV_DTYPES for c in base]
     for c in base:
-        if union_problems(num_q_heads=c.num_q_heads, num_kv_heads=c.num_kv_heads, page_size=c.page_size,
-                          kv_dtype=c.kv_dtype, arch=c.arch):
-            continue
-        out += [u for u in (replace(c, kernel="union", ctas_per_sm=n) for n in UNION_CTAS_PER_SM) if u not in out]
+        out += [u for u in compiler.union_configs(c) if u not in out]
     return out
 
 

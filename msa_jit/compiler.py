@@ -130,17 +130,21 @@ def accepted_local_ops(config: SparseDecodeConfig) -> int:
     return 0
 
 
+def union_configs(config: SparseDecodeConfig) -> list[SparseDecodeConfig]:
+    """The union kernel's builds of `config`'s geometry, query dtype and arch (every occupancy), or
+    none where it cannot serve it (geometry.union_problems: sm_90a, an fp8 cache, ...)."""
+    if union_problems(num_q_heads=config.num_q_heads, num_kv_heads=config.num_kv_heads,
+                      page_size=config.page_size, kv_dtype=config.kv_dtype, arch=config.arch):
+        return []
+    return [replace(config, kernel="union", ctas_per_sm=n) for n in supported_ctas_per_sm(config.arch, "union")]
+
+
 def plannable_configs(config: SparseDecodeConfig) -> list[SparseDecodeConfig]:
     """`config` at every occupancy the planner may pick for its arch (what a warmup builds), and
-    the union kernel's builds where the planner may pick it (MSA_JIT_ENABLE_SM90_UNION=1, an fp8
-    cache it serves)."""
+    the union kernel's builds where the planner may pick it (MSA_JIT_ENABLE_SM90_UNION=1)."""
     token = replace(config, kernel="token")
     out = [replace(token, ctas_per_sm=n) for n in supported_ctas_per_sm(config.arch)]
-    if env.enable_sm90_union() and not union_problems(
-            num_q_heads=config.num_q_heads, num_kv_heads=config.num_kv_heads, page_size=config.page_size,
-            kv_dtype=config.kv_dtype, arch=config.arch):
-        out += [replace(config, kernel="union", ctas_per_sm=n) for n in supported_ctas_per_sm(config.arch, "union")]
-    return out
+    return out + (union_configs(config) if env.enable_sm90_union() else [])
 
 
 def _dist_version(*names: str) -> str:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import zlib
 
-from .geometry import MINIMAX_M3_GEOMETRIES, Q_DTYPES, UNION_ARCHES
+from .geometry import DEFAULT_PAGE_SIZE, MINIMAX_M3_GEOMETRIES, Q_DTYPES
 
 QLENS = [1, 2, 4, 8, 32]
 BATCHES = [1, 3, 16, 64]
@@ -33,13 +33,13 @@ def grid_cases(arch: str, *, quick: bool = False, union: bool = False) -> list[t
     cases += [((64, 4), "bfloat16", 4, 3, ns) for ns in (1, 100000)]  # force 1 and topk splits
     # every case on every occupancy the planner may pick on this GPU (same inputs)
     builds = [("token", n) for n in supported_ctas_per_sm(arch)]
-    if union and arch in UNION_ARCHES:
+    if union:
         builds += [("union", n) for n in supported_ctas_per_sm(arch, "union")]
 
-    def serves(kernel: str, item: tuple) -> bool:
+    def serves(kernel: str, item: tuple) -> bool:  # make_case's default page size and cache format
         (hq, hkv), _, qlen = item[:3]
         return kernel == "token" or (qlen >= 2 and not union_problems(
-            num_q_heads=hq, num_kv_heads=hkv, page_size=128, kv_dtype="float8_e4m3fn", arch=arch))
+            num_q_heads=hq, num_kv_heads=hkv, page_size=DEFAULT_PAGE_SIZE, kv_dtype="float8_e4m3fn", arch=arch))
 
     return [item + b for item in cases for b in builds if serves(b[0], item)]
 
