@@ -3,7 +3,7 @@
 # BOTH cache formats: python bench/warm_kv_formats.py), and .variants for variants / trace.
 #   bash bench/h200_run.sh tests memcheck racecheck selftest bench ceilings    # the round's full run
 #   any of: tests union_tests memcheck racecheck selftest bench bench_quick bench_union ceilings host_ab host_ab_union variants trace
-#           per_layer_ab union_k8 union_k8_small union_k8_trace
+#           per_layer_ab union_k8 union_k8_small union_k8_trace union_skip
 #   VARIANTS="now lsu" bash bench/h200_run.sh variants   # time only these variants
 #   BASELINE=bench/results/bench-....json                # compare with (default: newest in bench/results)
 # Every step runs under a timeout that ends it by DEADLINE seconds after the start (default 570:
@@ -78,6 +78,26 @@ for step in "$@"; do
                   --variants f_c3 q8_f_c3 "${UNION_OK[@]}" "${probes[@]}" "${keep[@]}" \
                   --points 64/4:64:4:12 64/4:64:4:0 64/4:64:2:12 64/4:64:8:12 8/1:256:4:12 2>&1 | grep -v "^{" | tail -n 12
               fi ;;
+    union_skip) # row 71: the 2-CTA union builds whose warps skip the softmax of rows that did not select a
+              # block, against session 16's (s16_*, copied from a 7d847e8 build) and the stream-and-MMA probes
+              # (build: python bench/kv_format_ab.py build --variants f_c3 f_union_k8_w1 q8_union_w1
+              # f_union_k8_w1_noconv q8_union_w1_noconv f_union_k8_w1_trace q8_union_w1_trace)
+              ok=()
+              for v in f_union_k8_w1 q8_union_w1; do
+                timeout "$(limit 60)" python3 bench/union_check.py --dir .kv-variants --variants "$v" \
+                  >> $OUT/union-skip-check.log 2>&1
+                rc=$?; (( rc == 0 )) && ok+=("$v"); echo "union check $v: rc=$rc"
+              done
+              tail -n 2 $OUT/union-skip-check.log
+              timeout "$(limit 330)" python3 bench/kv_format_ab.py run --dir .kv-variants --out $OUT --rounds 5 \
+                --variants f_c3 s16_f_union_k8_w1 s16_q8_union_w1 "${ok[@]}" f_union_k8_w1_noconv q8_union_w1_noconv \
+                --keep f_union_k8_w1_noconv q8_union_w1_noconv \
+                --points 64/4:64:4:12 64/4:64:4:0 64/4:64:2:12 64/4:64:8:12 8/1:256:4:12 8/1:256:4:0 2>&1 \
+                | grep -v "^{" | tail -n 12
+              for v in f_union_k8_w1_trace:bfloat16 q8_union_w1_trace:float8_e4m3fn; do  # where a block's time goes
+                timeout "$(limit 60)" python3 bench/union_trace.py --out $OUT --warpgroups 1 --q-dtype ${v#*:} \
+                  --so .kv-variants/${v%:*}/64x4/sparse_decode.so > $OUT/${v%:*}.log 2>&1; tail -n 10 $OUT/${v%:*}.log
+              done ;;
     union_k8_trace) # where the fp8-K kernel's MMA warpgroups wait, per block (built: f_union_k8_trace)
               timeout "$(limit 90)" python3 bench/union_trace.py --out $OUT \
                 --so .kv-variants/f_union_k8_trace/64x4/sparse_decode.so 2>&1 | tail -n 11 ;;

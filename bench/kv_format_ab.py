@@ -125,12 +125,24 @@ VARIANTS = {  # name -> (kv dtype, kernel options)
     "f_union_k8_w1": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "v_halves": True}),
     # built for bench/union_trace.py --events fp8 only (its stamps overwrite the plan's partials)
     "f_union_k8_trace": ("float8_e4m3fn", {"union_fp8": True, "trace": True}),
+    # the 2-CTA builds traced (bench/union_trace.py --warpgroups 1)
+    "f_union_k8_w1_trace": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "v_halves": True, "trace": True}),
+    "q8_union_w1_trace": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "trace": True, "q_dtype": Q8}),
     "q8_f_c2": ("float8_e4m3fn", {"q_dtype": Q8}),
     "q8_f_c3": ("float8_e4m3fn", dict(C3, stages=2, q_dtype=Q8)),
     "q8_union": ("float8_e4m3fn", {"union_fp8": True, "q_dtype": Q8}),
     "q8_union_cv": ("float8_e4m3fn", {"union_fp8": True, "v_converter": True, "q_dtype": Q8}),
     # one MMA warpgroup and 2 stages per CTA, 2 CTAs per SM: one wave at the spec-decode point
     "q8_union_w1": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "q_dtype": Q8}),
+    # the 2-CTA union builds of session 16 (7d847e8), before a warp skipped the softmax of the rows
+    # whose token did not select the block (row 71), copied here from that checkout's build
+    "s16_f_union_k8_w1": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "v_halves": True,
+                                           "checkout": "7d847e8"}),
+    "s16_q8_union_w1": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "q_dtype": Q8, "checkout": "7d847e8"}),
+    # the 2-CTA builds with V left unconverted: the stream and MMA side alone (wrong results)
+    "f_union_k8_w1_noconv": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "v_halves": True,
+                                              "convert": False}),
+    "q8_union_w1_noconv": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "convert": False, "q_dtype": Q8}),
     "q8_union_noconv": ("float8_e4m3fn", {"union_fp8": True, "convert": False, "q_dtype": Q8}),  # wrong results
     "q8_union_nomma": ("float8_e4m3fn", {"union_fp8": True, "mma": False, "q_dtype": Q8}),  # wrong results
 }

@@ -5,7 +5,7 @@
 Each MMA warpgroup's thread 0 stamps %globaltimer per union block: 0 stage full, 1 S issued, 2
 its V conversion done, 3 S done, 4 softmax done, 5 V tile complete, 6 P V done, over the plan's
 partial_o. One eager step of 64/4 B=64 qlen 4 with 12/16 shared blocks (the spec-decode point) by
-default. Prints medians of each interval and writes union-trace-<date>.json (device, versions,
+default. Prints medians of each interval and writes union-trace-<date>-<query>-w<warpgroups>.json (device, versions,
 command, the raw stamps of CTA 0 and the medians). (The converter-warpgroup events of the retired
 bench/union_wgmma.py probes are at commit d3bf0ed.)
 """
@@ -32,15 +32,15 @@ TRACE_WORDS = TRACE_BLOCKS * 8 + 4
 EVENTS = ("full", "s_issued", "v_converted", "s_done", "softmax_done", "v_tile_ready", "pv_done")
 
 
-def intervals(stamps: list[list[int]], n: int) -> dict[str, list[float]]:
-    """Microseconds of each interval of one CTA's n blocks (a warpgroup takes
-    blocks i, i + 2, ...: its wait for block i's stage counts from its P V of block i - 2)."""
+def intervals(stamps: list[list[int]], n: int, warpgroups: int = 2) -> dict[str, list[float]]:
+    """Microseconds of each interval of one CTA's n blocks (a warpgroup takes blocks i, i + wgs, ...:
+    its wait for block i's stage counts from its P V of block i - wgs)."""
     out: dict[str, list[float]] = {k: [] for k in ("stage_wait", "barrier", "convert_v", "s_after_convert",
                                                    "softmax", "v_tile_wait", "pv", "block")}
     for i in range(min(n, TRACE_BLOCKS)):
         s = stamps[i]
-        if i >= 2:
-            out["stage_wait"].append((s[0] - stamps[i - 2][6]) / 1e3)
+        if i >= warpgroups:
+            out["stage_wait"].append((s[0] - stamps[i - warpgroups][6]) / 1e3)
         for name, a, b in (("barrier", 0, 1), ("convert_v", 1, 2), ("s_after_convert", 2, 3), ("softmax", 3, 4),
                            ("v_tile_wait", 4, 5), ("pv", 5, 6), ("block", 0, 6)):
             out[name].append((s[b] - s[a]) / 1e3)
@@ -53,6 +53,8 @@ def main() -> int:
     ap.add_argument("--out", default=".")
     ap.add_argument("--point", default="64/4:64:4:12", help="GEOMETRY:BATCH:QLEN:SHARED_BLOCKS")
     ap.add_argument("--q-dtype", default="bfloat16", choices=("bfloat16", "float8_e4m3fn"))
+    ap.add_argument("--warpgroups", type=int, default=2, choices=(1, 2),
+                    help="the build's MMA warpgroups (1: the 2-CTA _w1 builds)")
     a = ap.parse_args()
     geo, batch, qlen, shared = a.point.split(":")
     (hq, hkv), batch, qlen, shared = map(int, geo.split("/")), int(batch), int(qlen), int(shared)
@@ -72,14 +74,14 @@ def main() -> int:
     for w in words:
         n, t0 = w[TRACE_BLOCKS * 8], w[TRACE_BLOCKS * 8 + 2]
         stamps = [[(w[8 * i + e] - t0) & 0xFFFFFFFF for e in range(8)] for i in range(min(n, TRACE_BLOCKS))]
-        spans.append(max(max(s) for s in stamps) / 1e3 if stamps else 0.0)
-        for k, v in intervals(stamps, n).items():
+        spans.append(max(max(s[:len(EVENTS)]) for s in stamps) / 1e3 if stamps else 0.0)  # slot 7 unused
+        for k, v in intervals(stamps, n, a.warpgroups).items():
             agg.setdefault(k, []).extend(v)
     med = {k: round(statistics.median(v), 3) for k, v in agg.items() if v}
     mean = {k: round(statistics.fmean(v), 3) for k, v in agg.items() if v}
     result = {"environment": environment(), "command": " ".join(sys.argv),
               "date": time.strftime("%Y-%m-%dT%H%M", time.gmtime()),
-              "point": a.point, "q_dtype": a.q_dtype, "ctas": ctas,
+              "point": a.point, "q_dtype": a.q_dtype, "warpgroups": a.warpgroups, "ctas": ctas,
               "events": EVENTS,
               "median_us": med, "mean_us": mean, "cta_span_us_median": round(statistics.median(spans), 2),
               "cta_span_us_max": round(max(spans), 2), "cta0_n_union": words[0][TRACE_BLOCKS * 8],
@@ -88,7 +90,8 @@ def main() -> int:
     for k in med:
         print(f"{k:22s} median {med[k]:8.3f} us  mean {mean[k]:8.3f} us")
     print(f"CTA span median {result['cta_span_us_median']} us, max {result['cta_span_us_max']} us")
-    path = Path(a.out) / f"union-trace-{result['date']}.json"
+    q = "q8" if a.q_dtype == "float8_e4m3fn" else "bf16"
+    path = Path(a.out) / f"union-trace-{result['date']}-{q}-w{a.warpgroups}.json"
     path.write_text(json.dumps(result, indent=1))
     print("wrote", path)
     return 0

@@ -585,59 +585,69 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
 
     @cute.jit
     def softmax(self, acc_s, acc_o, p_words, row_max, row_sum, blk, mask, sKvLen, sQScale, qk_scale_log2, warp, g, c):
-        """S of the block into log2 units (qk_scale_log2, times the row's Q scale for a split bf16
-        query), then the online softmax (softmax_cols)."""
-        for hh in cutlass.range_constexpr(2):  # rows 16 warp + g + 8 hh
-            f = qk_scale_log2
-            if cutlass.const_expr(self.split_q):
-                f = f * sQScale[16 * warp + g + 8 * hh]
-            for jj in cutlass.range_constexpr(self.page // 8):
-                for e in cutlass.range_constexpr(2):
-                    acc_s[e + 2 * hh + 4 * jj] = acc_s[e + 2 * hh + 4 * jj] * f
-        self.softmax_cols(acc_s, acc_o, p_words, row_max, row_sum, blk, mask, sKvLen, warp, g, c)
+        """The online softmax of the thread's rows 16 warp + g + 8 hh over the block's keys (S into
+        log2 units first: qk_scale_log2, times the row's Q scale for a split bf16 query).
 
-    @cute.jit
-    def softmax_cols(self, acc_s, acc_o, p_words, row_max, row_sum, blk, mask, sKvLen, warp, g, c):
-        """Online softmax of rows 16w + g + 8hh of S (log2 units) over the block's keys, O rescaled;
-        P -> the A fragments of O = P V (k-step ks: keys 16ks + 2c (+1), (+8, +9))."""
+        A warp skips a row half hh whose rows all see none of the block's keys (their tokens did not
+        select it, or it lies past their kv_len): its P is zero and its (m, l, O) stay as they are.
+        With G >= 8 each half is one token's rows, so a union block selected by few of the tile's
+        tokens costs the other tokens' warps nothing but this test (the vote keeps it uniform for
+        any G)."""
         G = self.group
-        ncols = self.page
         for hh in cutlass.range_constexpr(2):
-            m_row = 16 * warp + g + 8 * hh
-            j_row = m_row // G
+            j_row = (16 * warp + g + 8 * hh) // G
             lim = sKvLen[j_row] - blk * self.page  # visible keys: col < lim
             if ((mask >> j_row) & 1) == 0:
                 lim = Int32(0)
-            if lim < ncols:
-                for jj in cutlass.range_constexpr(ncols // 8):
+            if cute.arch.vote_all_sync(lim <= 0):
+                for ks in cutlass.range_constexpr(self.page // 16):
+                    for kh in cutlass.range_constexpr(2):
+                        p_words[hh + 2 * kh + 4 * ks] = Int32(0)
+            else:
+                f = qk_scale_log2
+                if cutlass.const_expr(self.split_q):
+                    f = f * sQScale[16 * warp + g + 8 * hh]
+                for jj in cutlass.range_constexpr(self.page // 8):
                     for e in cutlass.range_constexpr(2):
-                        if 8 * jj + 2 * c + e >= lim:
-                            acc_s[e + 2 * hh + 4 * jj] = -Float32.inf
-            mx = -Float32.inf
+                        acc_s[e + 2 * hh + 4 * jj] = acc_s[e + 2 * hh + 4 * jj] * f
+                self.softmax_row(acc_s, acc_o, p_words, row_max, row_sum, hh, lim, c)
+
+    @cute.jit
+    def softmax_row(self, acc_s, acc_o, p_words, row_max, row_sum, hh: cutlass.Constexpr, lim, c):
+        """Online softmax of the thread's row half hh of S (log2 units) over the block's first lim
+        keys (the rest -inf), O rescaled; P -> the A fragments of O = P V (k-step ks: keys
+        16ks + 2c (+1), (+8, +9))."""
+        ncols = self.page
+        if lim < ncols:
             for jj in cutlass.range_constexpr(ncols // 8):
                 for e in cutlass.range_constexpr(2):
-                    mx = cute.arch.fmax(mx, acc_s[e + 2 * hh + 4 * jj])
-            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 1))
-            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 2))
-            m_new = cute.arch.fmax(row_max[hh], mx)
-            m_use = m_new
-            if m_new == -Float32.inf:
-                m_use = Float32(0.0)
-            a = ptx.ex2(row_max[hh] - m_use)
-            row_max[hh] = m_new
-            psum = Float32(0.0)
-            for jj in cutlass.range_constexpr(ncols // 8):
-                for e in cutlass.range_constexpr(2):
-                    p = ptx.ex2(acc_s[e + 2 * hh + 4 * jj] - m_use)
-                    acc_s[e + 2 * hh + 4 * jj] = p
-                    psum = psum + p
-            row_sum[hh] = row_sum[hh] * a + psum
-            for j in cutlass.range_constexpr(HEAD_DIM // 8):
-                for e in cutlass.range_constexpr(2):
-                    acc_o[e + 2 * hh + 4 * j] = acc_o[e + 2 * hh + 4 * j] * a
-            for jj in cutlass.range_constexpr(ncols // 8):  # jj = 2ks + kh
-                p_words[hh + 2 * (jj % 2) + 4 * (jj // 2)] = ptx.f32x2_to_f16x2(acc_s[2 * hh + 4 * jj],
-                                                                              acc_s[1 + 2 * hh + 4 * jj])
+                    if 8 * jj + 2 * c + e >= lim:
+                        acc_s[e + 2 * hh + 4 * jj] = -Float32.inf
+        mx = -Float32.inf
+        for jj in cutlass.range_constexpr(ncols // 8):
+            for e in cutlass.range_constexpr(2):
+                mx = cute.arch.fmax(mx, acc_s[e + 2 * hh + 4 * jj])
+        mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 1))
+        mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 2))
+        m_new = cute.arch.fmax(row_max[hh], mx)
+        m_use = m_new
+        if m_new == -Float32.inf:
+            m_use = Float32(0.0)
+        a = ptx.ex2(row_max[hh] - m_use)
+        row_max[hh] = m_new
+        psum = Float32(0.0)
+        for jj in cutlass.range_constexpr(ncols // 8):
+            for e in cutlass.range_constexpr(2):
+                p = ptx.ex2(acc_s[e + 2 * hh + 4 * jj] - m_use)
+                acc_s[e + 2 * hh + 4 * jj] = p
+                psum = psum + p
+        row_sum[hh] = row_sum[hh] * a + psum
+        for j in cutlass.range_constexpr(HEAD_DIM // 8):
+            for e in cutlass.range_constexpr(2):
+                acc_o[e + 2 * hh + 4 * j] = acc_o[e + 2 * hh + 4 * j] * a
+        for jj in cutlass.range_constexpr(ncols // 8):  # jj = 2ks + kh
+            p_words[hh + 2 * (jj % 2) + 4 * (jj // 2)] = ptx.f32x2_to_f16x2(acc_s[2 * hh + 4 * jj],
+                                                                          acc_s[1 + 2 * hh + 4 * jj])
 
     @cute.jit
     def pv_mma(self, mma_o, acc_o, tOrP, tOrV, p_step0: cutlass.Constexpr = 0):
