@@ -139,6 +139,10 @@ VARIANTS = {  # name -> (kv dtype, kernel options)
     "s16_f_union_k8_w1": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "v_halves": True,
                                            "checkout": "7d847e8"}),
     "s16_q8_union_w1": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "q_dtype": Q8, "checkout": "7d847e8"}),
+    # ... and with the warp skip of row 71 alone (59db2ff), before row 72's softmax
+    "s17a_f_union_k8_w1": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "v_halves": True,
+                                            "checkout": "59db2ff"}),
+    "s17a_q8_union_w1": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "q_dtype": Q8, "checkout": "59db2ff"}),
     # the 2-CTA builds with V left unconverted: the stream and MMA side alone (wrong results)
     "f_union_k8_w1_noconv": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "v_halves": True,
                                               "convert": False}),

@@ -43,6 +43,8 @@ not fit).
 
 # no `from __future__ import annotations`: the DSL reads evaluated annotations
 
+import operator
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90
@@ -60,6 +62,16 @@ WG_THREADS = 128  # threads of a warpgroup
 PAGE_SIZE = 128  # keys of a block: one TMA box of K and one of V per stage
 MAX_TILE_TOKENS = 32  # a union block's mask has one bit per tile token (Int32)
 SMEM_PER_SM = 228 * 1024  # H100 / H200; each resident CTA reserves 1 KiB of it
+
+
+RESCALE_LOG2 = 8.0  # the running max moves only when a row grows past it by more than this (log2 units)
+
+
+def tree(op, xs: list):
+    """op folded over xs as a balanced tree (depth log2 n, not a chain of n)."""
+    while len(xs) > 1:
+        xs = [op(xs[i], xs[i + 1]) for i in range(0, len(xs) - 1, 2)] + ([xs[-1]] if len(xs) % 2 else [])
+    return xs[0]
 
 
 class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
@@ -585,69 +597,105 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
 
     @cute.jit
     def softmax(self, acc_s, acc_o, p_words, row_max, row_sum, blk, mask, sKvLen, sQScale, qk_scale_log2, warp, g, c):
-        """The online softmax of the thread's rows 16 warp + g + 8 hh over the block's keys (S into
-        log2 units first: qk_scale_log2, times the row's Q scale for a split bf16 query).
+        """The online softmax of the thread's rows 16 warp + g + 8 hh (hh = 0, 1) over the block's keys.
 
-        A warp skips a row half hh whose rows all see none of the block's keys (their tokens did not
-        select it, or it lies past their kv_len): its P is zero and its (m, l, O) stay as they are.
-        With G >= 8 each half is one token's rows, so a union block selected by few of the tile's
-        tokens costs the other tokens' warps nothing but this test (the vote keeps it uniform for
-        any G)."""
+        A warp skips the rows of a token that did not select the block (or sees none of its keys):
+        their P is zero and their (m, l, O) stay. With G >= 16 the warp's 16 rows are one token,
+        with G = 8 each half hh is one; the vote keeps the branch warp-uniform for any G."""
         G = self.group
-        for hh in cutlass.range_constexpr(2):
-            j_row = (16 * warp + g + 8 * hh) // G
-            lim = sKvLen[j_row] - blk * self.page  # visible keys: col < lim
-            if ((mask >> j_row) & 1) == 0:
-                lim = Int32(0)
-            if cute.arch.vote_all_sync(lim <= 0):
-                for ks in cutlass.range_constexpr(self.page // 16):
-                    for kh in cutlass.range_constexpr(2):
-                        p_words[hh + 2 * kh + 4 * ks] = Int32(0)
+        lim0 = self.key_limit(blk, mask, sKvLen, (16 * warp + g) // G)
+        lim1 = self.key_limit(blk, mask, sKvLen, (16 * warp + g + 8) // G)
+        if cutlass.const_expr(G >= 16):  # one token: both halves in one pass (their chains interleave)
+            if cute.arch.vote_all_sync(lim0 <= 0):
+                self.zero_p(p_words, 0)
+                self.zero_p(p_words, 1)
             else:
-                f = qk_scale_log2
-                if cutlass.const_expr(self.split_q):
-                    f = f * sQScale[16 * warp + g + 8 * hh]
-                for jj in cutlass.range_constexpr(self.page // 8):
-                    for e in cutlass.range_constexpr(2):
-                        acc_s[e + 2 * hh + 4 * jj] = acc_s[e + 2 * hh + 4 * jj] * f
-                self.softmax_row(acc_s, acc_o, p_words, row_max, row_sum, hh, lim, c)
+                self.softmax_rows(acc_s, acc_o, p_words, row_max, row_sum, (0, 1), lim0, sQScale, qk_scale_log2,
+                                  warp, g, c)
+        else:
+            if cute.arch.vote_all_sync(lim0 <= 0):
+                self.zero_p(p_words, 0)
+            else:
+                self.softmax_rows(acc_s, acc_o, p_words, row_max, row_sum, (0,), lim0, sQScale, qk_scale_log2,
+                                  warp, g, c)
+            if cute.arch.vote_all_sync(lim1 <= 0):
+                self.zero_p(p_words, 1)
+            else:
+                self.softmax_rows(acc_s, acc_o, p_words, row_max, row_sum, (1,), lim1, sQScale, qk_scale_log2,
+                                  warp, g, c)
 
     @cute.jit
-    def softmax_row(self, acc_s, acc_o, p_words, row_max, row_sum, hh: cutlass.Constexpr, lim, c):
-        """Online softmax of the thread's row half hh of S (log2 units) over the block's first lim
-        keys (the rest -inf), O rescaled; P -> the A fragments of O = P V (k-step ks: keys
-        16ks + 2c (+1), (+8, +9))."""
+    def key_limit(self, blk, mask, sKvLen, j_row):
+        """Keys of union block blk that tile token j_row sees (col < limit; <= 0: none)."""
+        lim = sKvLen[j_row] - blk * self.page
+        if ((mask >> j_row) & 1) == 0:
+            lim = Int32(0)
+        return lim
+
+    def zero_p(self, p_words, hh: int):
+        """P of row half hh := 0 (a skipped token's rows add nothing to O = P V)."""
+        for ks in range(self.page // 16):  # traced inline
+            for kh in range(2):
+                p_words[hh + 2 * kh + 4 * ks] = Int32(0)
+
+    @cute.jit
+    def softmax_rows(self, acc_s, acc_o, p_words, row_max, row_sum, hhs: cutlass.Constexpr, lim, sQScale,
+                     qk_scale_log2, warp, g, c):
+        """Online softmax of the thread's row halves hhs of S over the block's first lim keys (the rest
+        -inf); P -> the A fragments of O = P V (k-step ks: keys 16ks + 2c (+1), (+8, +9)).
+
+        S is scaled into log2 units inside the exponent (one FFMA per element; the row max is taken on
+        the unscaled S, the scale being positive). Reductions are trees, not chains. The running max
+        moves only when some row of the warp grows by more than RESCALE_LOG2 (then O and l are
+        rescaled, warp-uniformly); otherwise P is taken against the old max, at most 2^RESCALE_LOG2,
+        which f16 P and the f32 sums hold exactly as well."""
         ncols = self.page
+        n = ncols // 8 * 2  # S elements of a row half per thread
         if lim < ncols:
-            for jj in cutlass.range_constexpr(ncols // 8):
-                for e in cutlass.range_constexpr(2):
-                    if 8 * jj + 2 * c + e >= lim:
-                        acc_s[e + 2 * hh + 4 * jj] = -Float32.inf
-        mx = -Float32.inf
-        for jj in cutlass.range_constexpr(ncols // 8):
-            for e in cutlass.range_constexpr(2):
-                mx = cute.arch.fmax(mx, acc_s[e + 2 * hh + 4 * jj])
-        mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 1))
-        mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 2))
-        m_new = cute.arch.fmax(row_max[hh], mx)
-        m_use = m_new
-        if m_new == -Float32.inf:
-            m_use = Float32(0.0)
-        a = ptx.ex2(row_max[hh] - m_use)
-        row_max[hh] = m_new
-        psum = Float32(0.0)
-        for jj in cutlass.range_constexpr(ncols // 8):
-            for e in cutlass.range_constexpr(2):
-                p = ptx.ex2(acc_s[e + 2 * hh + 4 * jj] - m_use)
-                acc_s[e + 2 * hh + 4 * jj] = p
-                psum = psum + p
-        row_sum[hh] = row_sum[hh] * a + psum
-        for j in cutlass.range_constexpr(HEAD_DIM // 8):
-            for e in cutlass.range_constexpr(2):
-                acc_o[e + 2 * hh + 4 * j] = acc_o[e + 2 * hh + 4 * j] * a
-        for jj in cutlass.range_constexpr(ncols // 8):  # jj = 2ks + kh
-            p_words[hh + 2 * (jj % 2) + 4 * (jj // 2)] = ptx.f32x2_to_f16x2(acc_s[2 * hh + 4 * jj],
-                                                                          acc_s[1 + 2 * hh + 4 * jj])
+            for hh in cutlass.range_constexpr(len(hhs)):
+                for jj in cutlass.range_constexpr(ncols // 8):
+                    for e in cutlass.range_constexpr(2):
+                        if 8 * jj + 2 * c + e >= lim:
+                            acc_s[e + 2 * hhs[hh] + 4 * jj] = -Float32.inf
+        f = [qk_scale_log2, qk_scale_log2]
+        m_new = [Float32(0.0), Float32(0.0)]
+        grow = Int32(0)
+        for hh in cutlass.range_constexpr(len(hhs)):
+            r = hhs[hh]
+            if cutlass.const_expr(self.split_q):
+                f[hh] = qk_scale_log2 * sQScale[16 * warp + g + 8 * r]
+            mx = tree(cute.arch.fmax, [acc_s[(k % 2) + 2 * r + 4 * (k // 2)] for k in range(n)])
+            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 1))
+            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 2))
+            m_new[hh] = cute.arch.fmax(row_max[r], mx * f[hh])
+            if m_new[hh] > row_max[r] + RESCALE_LOG2:
+                grow = Int32(1)
+        if cute.arch.vote_any_sync(grow != 0):
+            for hh in cutlass.range_constexpr(len(hhs)):
+                r = hhs[hh]
+                m_use = m_new[hh]
+                if m_use == -Float32.inf:  # no visible key yet (G < 8 rows of a non-skipped half)
+                    m_use = Float32(0.0)
+                a = ptx.ex2(row_max[r] - m_use)
+                row_max[r] = m_new[hh]
+                row_sum[r] = row_sum[r] * a
+                for j in cutlass.range_constexpr(HEAD_DIM // 8):
+                    for e in cutlass.range_constexpr(2):
+                        acc_o[e + 2 * r + 4 * j] = acc_o[e + 2 * r + 4 * j] * a
+        for hh in cutlass.range_constexpr(len(hhs)):
+            r = hhs[hh]
+            m_use = row_max[r]
+            if m_use == -Float32.inf:
+                m_use = Float32(0.0)
+            neg_m = -m_use
+            for k in cutlass.range_constexpr(n):
+                i = (k % 2) + 2 * r + 4 * (k // 2)
+                acc_s[i] = ptx.ex2(ptx.ffma(acc_s[i], f[hh], neg_m))
+            row_sum[r] = row_sum[r] + tree(operator.add, [acc_s[(k % 2) + 2 * r + 4 * (k // 2)]
+                                                                for k in range(n)])
+            for jj in cutlass.range_constexpr(ncols // 8):  # jj = 2ks + kh
+                p_words[r + 2 * (jj % 2) + 4 * (jj // 2)] = ptx.f32x2_to_f16x2(acc_s[2 * r + 4 * jj],
+                                                                             acc_s[1 + 2 * r + 4 * jj])
 
     @cute.jit
     def pv_mma(self, mma_o, acc_o, tOrP, tOrV, p_step0: cutlass.Constexpr = 0):
