@@ -78,9 +78,9 @@ for step in "$@"; do
                   --variants f_c3 q8_f_c3 "${UNION_OK[@]}" "${probes[@]}" "${keep[@]}" \
                   --points 64/4:64:4:12 64/4:64:4:0 64/4:64:2:12 64/4:64:8:12 8/1:256:4:12 2>&1 | grep -v "^{" | tail -n 12
               fi ;;
-    union_skip) # rows 71-72: the 2-CTA union builds (warps skip the softmax of rows that did not select a
-              # block; row 72's softmax) against session 16's (s16_*, from 7d847e8), row 71's alone (s17a_*, from
-              # 59db2ff) and the stream-and-MMA probes
+    union_skip) # rows 71-73: the 2-CTA union builds (warps skip the softmax of rows that did not select a
+              # block; row 72's softmax; row 73's V half) against session 16's (s16_*, from 7d847e8), row 71's alone
+              # (s17a_*, from 59db2ff), row 72's bf16 build (s17b_*, from ac1fc60) and the stream-and-MMA probes
               # (build: python bench/kv_format_ab.py build --variants f_c3 f_union_k8_w1 q8_union_w1
               # f_union_k8_w1_noconv q8_union_w1_noconv f_union_k8_w1_trace q8_union_w1_trace)
               ok=()
@@ -91,7 +91,7 @@ for step in "$@"; do
               done
               tail -n 2 $OUT/union-skip-check.log
               timeout "$(limit 330)" python3 bench/kv_format_ab.py run --dir .kv-variants --out $OUT --rounds 5 \
-                --variants f_c3 s16_f_union_k8_w1 s16_q8_union_w1 s17a_f_union_k8_w1 s17a_q8_union_w1 "${ok[@]}" f_union_k8_w1_noconv q8_union_w1_noconv \
+                --variants f_c3 s16_f_union_k8_w1 s16_q8_union_w1 s17a_f_union_k8_w1 s17a_q8_union_w1 s17b_f_union_k8_w1 "${ok[@]}" f_union_k8_w1_noconv q8_union_w1_noconv \
                 --keep f_union_k8_w1_noconv q8_union_w1_noconv \
                 --points 64/4:64:4:12 64/4:64:4:0 64/4:64:2:12 64/4:64:8:12 8/1:256:4:12 8/1:256:4:0 2>&1 \
                 | grep -v "^{" | tail -n 12

@@ -143,6 +143,9 @@ VARIANTS = {  # name -> (kv dtype, kernel options)
     "s17a_f_union_k8_w1": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "v_halves": True,
                                             "checkout": "59db2ff"}),
     "s17a_q8_union_w1": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "q_dtype": Q8, "checkout": "59db2ff"}),
+    # ... and with row 72's softmax (ac1fc60), before row 73's second V half in the K stage (bf16 query)
+    "s17b_f_union_k8_w1": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "v_halves": True,
+                                            "checkout": "ac1fc60"}),
     # the 2-CTA builds with V left unconverted: the stream and MMA side alone (wrong results)
     "f_union_k8_w1_noconv": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "v_halves": True,
                                               "convert": False}),

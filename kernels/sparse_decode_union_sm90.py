@@ -32,7 +32,9 @@ warpgroups merge their (m, l, O) through shared memory.
 Builds (occupancy_options): 1 CTA per SM = 2 MMA warpgroups and 4 stages (G = 16 or 8, topk
 16: 212-214 KiB of shared memory with a bf16 query, 204-206 KiB with an fp8 one); 2 CTAs per
 SM = 1 MMA warpgroup and 2 stages (108-110 KiB with an fp8 query; a bf16 query's two Q tiles
-fit only with v_halves=True: V converted and multiplied in two 64-key halves, 100-102 KiB).
+fit only with v_halves=True: V converted and multiplied in two 64-key halves, the first through
+a 16 KiB f16 tile while S runs, the second into the stage's K tile, dead once S is done, while
+P V of the first runs; 100-102 KiB).
 
 Constraints (ValueError in the constructor, or in arch_options): sm_90a only (wgmma, TMA);
 an fp8 cache with 128-token pages (256-byte key rows); G divides 64 and 64 // G <= 32 (the
@@ -155,9 +157,9 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
         # warpgroup that takes the block (i % 2), handed over by mbarriers; a stage is read by the
         # converter (V) and by one MMA warpgroup (K), whose warp 0 refills it
         self.v_converter = bool(v_converter)
-        # v_halves (warpgroups=1): V converted and multiplied in two 64-key halves through a 16 KiB
-        # f16 tile, so a bf16 query's two Q tiles fit 2 CTAs per SM too (the stage is held until its
-        # second half is converted)
+        # v_halves (warpgroups=1): V converted and multiplied in two 64-key halves, the first through a
+        # 16 KiB f16 tile, the second through the stage's K tile once S is done, so a bf16 query's two Q
+        # tiles fit 2 CTAs per SM too (the stage is held until the second half's P V is done)
         self.v_keys = self.page // 2 if v_halves else self.page
         self.tile_tokens = ROWS // self.group  # query tokens per CTA
         self.union_max = self.tile_tokens * self.topk  # union blocks of a tile, at most
@@ -459,10 +461,11 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
             cute.arch.mbarrier_arrive(tiles + 2 * b)
 
     # ---- the MMA warpgroups
-    def o_setup(self, sv_field, tidx):
+    def o_setup(self, storage, sv_field, tidx):
         """O = P V of one MMA warpgroup (thread tidx of its 128): the MMA (P from registers, the f16
-        V tile of v_keys keys in sv_field as an MN-major B), its fragments (P's for the whole
-        page) and the O accumulator."""
+        V tile of v_keys keys in sv_field as an MN-major B; with v_halves also the K stages as f16
+        tiles of V's second half, tOrVk), its fragments (P's for the whole page) and the O
+        accumulator."""
         f16 = cutlass.Float16
         sV_layout = f16_tile_layout(self.v_keys)
         sV = sv_field.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
@@ -472,8 +475,15 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
                                             Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(ROWS, HEAD_DIM),
                                             a_source=warpgroup.OperandSource.RMEM)
         thr_o = mma_o.get_slice(tidx)
+        tOrVk = None
+        if self.v_keys < self.page:  # V's second half goes to the stage's K tile, dead once S is done
+            sVk_layout = f16_tile_layout(self.v_keys, self.stages)
+            sVk = storage.bufk.get_tensor(sVk_layout.outer, swizzle=sVk_layout.inner, dtype=f16)
+            sVkt = cute.composition(sVk, cute.make_ordered_layout((HEAD_DIM, self.v_keys, self.stages),
+                                                                  order=(1, 0, 2)))
+            tOrVk = thr_o.make_fragment_B(thr_o.partition_B(sVkt))
         return dict(
-            mma_o=mma_o, v_smem=ptx.smem_addr(sv_field.data_ptr()),
+            mma_o=mma_o, v_smem=ptx.smem_addr(sv_field.data_ptr()), tOrVk=tOrVk,
             tOrV=thr_o.make_fragment_B(thr_o.partition_B(sVt)),
             tOrP=thr_o.make_fragment_A(thr_o.partition_shape_A((ROWS, self.page))),
             acc_o=cute.make_rmem_tensor(thr_o.partition_shape_C((ROWS, HEAD_DIM)), Float32),
@@ -492,7 +502,7 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
                                             Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(ROWS, self.page))
         thr_s = mma_s.get_slice(tidx)
         return dict(
-            self.o_setup(storage.sv0 if wg == 0 else storage.sv1, tidx),
+            self.o_setup(storage, storage.sv0 if wg == 0 else storage.sv1, tidx),
             mma_s=mma_s, thr_s=thr_s,
             tSrQ=thr_s.make_fragment_A(thr_s.partition_A(sQ)), tSrQlo=thr_s.make_fragment_A(thr_s.partition_A(sQlo)),
             tSrK=thr_s.make_fragment_B(thr_s.partition_B(sK)),
@@ -561,13 +571,17 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
                 # the converter has released the stage's V: warp 0's refill waits for this warpgroup only
                 self.release_stage_and_refill(tma, sPages, first, i, n_union, full_ptr, empty_ptr, tidx)
             self.mark(i, 5, tidx)  # the V tile is complete
-            self.pv_mma(m["mma_o"], acc_o, tOrP, tOrV)
-            if cutlass.const_expr(self.v_keys < self.page):  # ---- the second half of V, then of P V
-                cute.arch.barrier(barrier_id=bar, number_of_threads=WG_THREADS)  # every warp's first half is done
-                self.convert_v(bufv + s * self.tile_bytes, m["v_smem"], tidx, half=1)
+            if cutlass.const_expr(self.v_keys == self.page):
+                self.pv_mma(m["mma_o"], acc_o, tOrP, tOrV)
+            else:  # ---- V's second half -> the stage's K tile (S is done in every warp) while P V's first half runs
+                self.pv_mma(m["mma_o"], acc_o, tOrP, tOrV, wait=False)
+                self.convert_v(bufv + s * self.tile_bytes, bufk + s * self.tile_bytes, tidx, fence=False, half=1)
+                # the fence after the wait: ptxas 12.9 segfaults on one between a wgmma commit and its wait
+                warpgroup.wait_group(0)
+                cute.arch.fence_view_async_shared()
+                cute.arch.barrier(barrier_id=bar, number_of_threads=WG_THREADS)  # every thread's half is in
+                self.pv_mma(m["mma_o"], acc_o, tOrP, m["tOrVk"], cute.size(tOrV.shape[2]), stage=s)
                 self.release_stage_and_refill(tma, sPages, first, i, n_union, full_ptr, empty_ptr, tidx)
-                cute.arch.barrier(barrier_id=bar, number_of_threads=WG_THREADS)
-                self.pv_mma(m["mma_o"], acc_o, tOrP, tOrV, cute.size(tOrV.shape[2]))
             self.mark(i, 6, tidx)  # P V done
             if cutlass.const_expr(self.v_converter):
                 cute.arch.mbarrier_arrive(storage.tiles.data_ptr() + 2 * wg + 1)  # V tile read
@@ -698,16 +712,21 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
                                                                              acc_s[1 + 2 * r + 4 * jj])
 
     @cute.jit
-    def pv_mma(self, mma_o, acc_o, tOrP, tOrV, p_step0: cutlass.Constexpr = 0):
-        """O += P V on the warpgroup's tensor cores, over tOrV's k-steps (P's from p_step0); returns
-        when it is done."""
+    def pv_mma(self, mma_o, acc_o, tOrP, tOrV, p_step0: cutlass.Constexpr = 0, stage=None,
+               wait: cutlass.Constexpr = True):
+        """O += P V on the warpgroup's tensor cores, over tOrV's k-steps (P's from p_step0; tOrV's
+        stage `stage` when it has a stage mode); returns when it is done (wait=False: once issued)."""
         warpgroup.fence()
         atom_o = cute.make_mma_atom(mma_o.op)
         atom_o.set(warpgroup.Field.ACCUMULATE, True)
         for k in cutlass.range_constexpr(cute.size(tOrV.shape[2])):
-            cute.gemm(atom_o, acc_o, tOrP[None, None, p_step0 + k], tOrV[None, None, k], acc_o)
+            if cutlass.const_expr(stage is None):
+                cute.gemm(atom_o, acc_o, tOrP[None, None, p_step0 + k], tOrV[None, None, k], acc_o)
+            else:
+                cute.gemm(atom_o, acc_o, tOrP[None, None, p_step0 + k], tOrV[None, None, k, stage], acc_o)
         warpgroup.commit_group()
-        warpgroup.wait_group(0)
+        if cutlass.const_expr(wait):
+            warpgroup.wait_group(0)
 
     # ---- the epilogue
     @cute.jit
