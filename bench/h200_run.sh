@@ -3,7 +3,7 @@
 # BOTH cache formats: python bench/warm_kv_formats.py), and .variants for variants / trace.
 #   bash bench/h200_run.sh tests memcheck racecheck selftest bench ceilings    # the round's full run
 #   any of: tests union_tests memcheck racecheck selftest bench bench_quick bench_union ceilings host_ab host_ab_union variants trace
-#           per_layer_ab union_k8 union_k8_small union_k8_trace union_skip
+#           per_layer_ab union_k8 union_k8_small union_k8_trace union_skip union_qreg
 #   VARIANTS="now lsu" bash bench/h200_run.sh variants   # time only these variants
 #   BASELINE=bench/results/bench-....json                # compare with (default: newest in bench/results)
 # Every step runs under a timeout that ends it by DEADLINE seconds after the start (default 570:
@@ -99,6 +99,16 @@ for step in "$@"; do
                 timeout "$(limit 60)" python3 bench/union_trace.py --out $OUT --warpgroups 1 --q-dtype ${v#*:} \
                   --so .kv-variants/${v%:*}/64x4/sparse_decode.so > $OUT/${v%:*}.log 2>&1; tail -n 10 $OUT/${v%:*}.log
               done ;;
+    union_qreg) # row 74: the bf16 2-CTA build with Q's lo tile in registers and a whole V tile against row 73's
+              # (v_halves) and the fp8 query's (build: python bench/kv_format_ab.py build --variants f_c3
+              # f_union_k8_w1 q8_union_w1 f_union_k8_w1_qreg f_union_k8_w1_qreg_noconv)
+              timeout "$(limit 60)" python3 bench/union_check.py --dir .kv-variants --variants f_union_k8_w1_qreg \
+                > $OUT/union-qreg-check.log 2>&1; echo "union check f_union_k8_w1_qreg: rc=$?"; tail -n 1 $OUT/union-qreg-check.log
+              timeout "$(limit 200)" python3 bench/kv_format_ab.py run --dir .kv-variants --out $OUT --rounds 5 \
+                --variants f_c3 f_union_k8_w1 q8_union_w1 f_union_k8_w1_qreg f_union_k8_w1_qreg_noconv \
+                --keep f_union_k8_w1_qreg_noconv \
+                --points 64/4:64:4:12 64/4:64:4:0 64/4:64:2:12 64/4:64:8:12 8/1:256:4:12 8/1:256:4:0 2>&1 \
+                | grep -v "^{" | tail -n 3 ;;
     union_k8_trace) # where the fp8-K kernel's MMA warpgroups wait, per block (built: f_union_k8_trace)
               timeout "$(limit 90)" python3 bench/union_trace.py --out $OUT \
                 --so .kv-variants/f_union_k8_trace/64x4/sparse_decode.so 2>&1 | tail -n 11 ;;

@@ -31,10 +31,10 @@ warpgroups merge their (m, l, O) through shared memory.
 
 Builds (occupancy_options): 1 CTA per SM = 2 MMA warpgroups and 4 stages (G = 16 or 8, topk
 16: 212-214 KiB of shared memory with a bf16 query, 204-206 KiB with an fp8 one); 2 CTAs per
-SM = 1 MMA warpgroup and 2 stages (108-110 KiB with an fp8 query; a bf16 query's two Q tiles
-fit only with v_halves=True: V converted and multiplied in two 64-key halves, the first through
-a 16 KiB f16 tile while S runs, the second into the stage's K tile, dead once S is done, while
-P V of the first runs; 100-102 KiB).
+SM = 1 MMA warpgroup and 2 stages, 108-110 KiB: a bf16 query's lo tile is then the A operand of
+its QGMMAs from registers (q_lo_regs=True), so the CTA holds one Q tile as with an fp8 query.
+(v_halves=True, the build before, fits the two Q tiles by converting and multiplying V in two
+64-key halves, 100-102 KiB; row 74 of docs/performance.md compares the two.)
 
 Constraints (ValueError in the constructor, or in arch_options): sm_90a only (wgmma, TMA);
 an fp8 cache with 128-token pages (256-byte key rows); G divides 64 and 64 // G <= 32 (the
@@ -97,7 +97,7 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
         if ctas_per_sm == 1:
             return {}
         if ctas_per_sm == 2:
-            return {"warpgroups": 1} if q_dtype == "float8_e4m3fn" else {"warpgroups": 1, "v_halves": True}
+            return {"warpgroups": 1} if q_dtype == "float8_e4m3fn" else {"warpgroups": 1, "q_lo_regs": True}
         raise ValueError(f"no union build for {ctas_per_sm} CTAs per SM (1 or 2)")
 
     @staticmethod
@@ -120,6 +120,7 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
         stages: int | None = None,
         v_converter: bool = False,
         v_halves: bool = False,
+        q_lo_regs: bool = False,
     ):
         super().__init__(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, page_size=page_size,
                          topk=topk, q_dtype=q_dtype, kv_dtype=kv_dtype)
@@ -151,8 +152,18 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
         # a bf16 query: each row as s * (hi + lo), hi and lo e4m3 tiles, s = amax / 448 per row; S is
         # two QGMMA chains into one accumulator, then scaled per row (~8 significant bits of Q, as bf16)
         self.split_q = not self.q_fp8
-        if warpgroups == 1 and self.split_q and not v_halves:  # its two Q tiles leave the CTA 1.6 KiB over
-            raise ValueError("warpgroups=1 (2 CTAs per SM) takes an fp8 query, or a bf16 one with v_halves")
+        # q_lo_regs (a bf16 query): Q's lo tile is the A operand of its QGMMAs from registers (16 per
+        # thread), staged once through the f16 V tile, so the CTA holds one Q tile, as with an fp8 query
+        if q_lo_regs and not self.split_q:
+            raise ValueError("q_lo_regs takes a bf16 query (an fp8 one has no lo tile)")
+        if q_lo_regs and warpgroups != 1:  # staged through warpgroup 0's V tile, which only it may overwrite
+            raise ValueError("q_lo_regs needs warpgroups=1")
+        if q_lo_regs and v_halves:
+            raise ValueError("q_lo_regs and v_halves are two ways to one end: take one")
+        self.q_lo_regs = bool(q_lo_regs)
+        if warpgroups == 1 and self.split_q and not (v_halves or q_lo_regs):  # two Q tiles: 1.6 KiB over
+            raise ValueError("warpgroups=1 (2 CTAs per SM) takes an fp8 query, or a bf16 one with v_halves "
+                             "or q_lo_regs")
         # v_converter: a third warpgroup (0) converts every block's V into the f16 tile of the MMA
         # warpgroup that takes the block (i % 2), handed over by mbarriers; a stage is read by the
         # converter (V) and by one MMA warpgroup (K), whose warp 0 refills it
@@ -188,7 +199,8 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
             bufk: cute.struct.Align[cute.struct.MemRange[f8, stage_tiles], 1024]
             bufv: cute.struct.Align[cute.struct.MemRange[f8, stage_tiles], 1024]
             sq: cute.struct.Align[cute.struct.MemRange[f8, ROWS * HEAD_DIM], 1024]
-            sq_lo: cute.struct.Align[cute.struct.MemRange[f8, ROWS * HEAD_DIM if self.split_q else 16], 1024]
+            sq_lo: cute.struct.Align[cute.struct.MemRange[f8, ROWS * HEAD_DIM if self.split_q and not self.q_lo_regs
+                                                          else 16], 1024]
             qscale: cute.struct.MemRange[Float32, ROWS]
             sv0: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, v16], 1024]
             sv1: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, v16 if self.wgs > 1 else 8], 1024]
@@ -308,7 +320,7 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
                 for j in range(cutlass.min(n_split, Int32(self.stages))):
                     self.issue_block(tma, sPages, first, j, full_ptr)
             if cutlass.const_expr(self.split_q):
-                self.stage_q_split(mQ, ptx.smem_addr(storage.sq.data_ptr()), ptx.smem_addr(storage.sq_lo.data_ptr()),
+                self.stage_q_split(mQ, ptx.smem_addr(storage.sq.data_ptr()), ptx.smem_addr(self.q_lo_field(storage).data_ptr()),
                                    storage.qscale.get_tensor(cute.make_layout(ROWS)), req, h, tile, qlen, n_tok, tidx)
             else:
                 self.stage_q_fp8(mQ, ptx.smem_addr(storage.sq.data_ptr()), req, h, tile, qlen, n_tok, tidx)
@@ -489,6 +501,11 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
             acc_o=cute.make_rmem_tensor(thr_o.partition_shape_C((ROWS, HEAD_DIM)), Float32),
         )
 
+    def q_lo_field(self, storage):
+        """Where Q's lo tile is staged: its own tile, or (q_lo_regs) the f16 V tile, free until the
+        first block's V is converted."""
+        return storage.sv0 if self.q_lo_regs else storage.sq_lo
+
     def mma_setup(self, storage, wg: int, tidx):
         """The MMAs, fragments and accumulators of MMA warpgroup wg (thread tidx of its 128): S on
         QGMMA from sQ (and sQ_lo) and the staged K tiles, O = P V from o_setup."""
@@ -496,15 +513,25 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
         sQ_layout = fp8_tile_layout(ROWS)
         staged = fp8_tile_layout(self.page, self.stages)
         sQ = storage.sq.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sQlo = storage.sq_lo.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner) if self.split_q else sQ
+        sQlo = self.q_lo_field(storage).get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner, dtype=f8) \
+            if self.split_q else sQ
         sK = storage.bufk.get_tensor(staged.outer, swizzle=staged.inner)
         mma_s = sm90.make_trivial_tiled_mma(f8, f8, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
                                             Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(ROWS, self.page))
         thr_s = mma_s.get_slice(tidx)
+        tSrQlo = thr_s.make_fragment_A(thr_s.partition_A(sQlo))
+        mma_s_lo = mma_s
+        if self.q_lo_regs:  # the lo tile -> registers (A from RMEM); the caller fences the tile's reuse
+            mma_s_lo = sm90.make_trivial_tiled_mma(f8, f8, cute.nvgpu.OperandMajorMode.K,
+                                                   cute.nvgpu.OperandMajorMode.K, Float32, atom_layout_mnk=(1, 1, 1),
+                                                   tiler_mn=(ROWS, self.page), a_source=warpgroup.OperandSource.RMEM)
+            thr_lo = mma_s_lo.get_slice(tidx)
+            tSrQlo = thr_lo.make_fragment_A(thr_lo.partition_shape_A((ROWS, HEAD_DIM)))
+            cute.autovec_copy(thr_lo.partition_A(sQlo), tSrQlo)
         return dict(
             self.o_setup(storage, storage.sv0 if wg == 0 else storage.sv1, tidx),
-            mma_s=mma_s, thr_s=thr_s,
-            tSrQ=thr_s.make_fragment_A(thr_s.partition_A(sQ)), tSrQlo=thr_s.make_fragment_A(thr_s.partition_A(sQlo)),
+            mma_s=mma_s, thr_s=thr_s, mma_s_lo=mma_s_lo,
+            tSrQ=thr_s.make_fragment_A(thr_s.partition_A(sQ)), tSrQlo=tSrQlo,
             tSrK=thr_s.make_fragment_B(thr_s.partition_B(sK)),
         )
 
@@ -601,8 +628,12 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
             cute.gemm(atom_s, acc_s, tSrQ[None, None, k], tSrK[None, None, k, s], acc_s)
             atom_s.set(warpgroup.Field.ACCUMULATE, True)
         if cutlass.const_expr(self.split_q):
+            atom_lo = atom_s
+            if cutlass.const_expr(self.q_lo_regs):
+                atom_lo = cute.make_mma_atom(m["mma_s_lo"].op)
+                atom_lo.set(warpgroup.Field.ACCUMULATE, True)
             for k in cutlass.range_constexpr(cute.size(tSrQ.shape[2])):
-                cute.gemm(atom_s, acc_s, m["tSrQlo"][None, None, k], tSrK[None, None, k, s], acc_s)
+                cute.gemm(atom_lo, acc_s, m["tSrQlo"][None, None, k], tSrK[None, None, k, s], acc_s)
         warpgroup.commit_group()
 
     def s_mma_wait(self):

@@ -65,7 +65,7 @@ def test_union_v_converter_moves_registers(tmp_path, q_dtype):
 def test_union_constraints_raise():
     cls = _cls()
     assert cls.occupancy_options(1, "bfloat16") == {} and cls.occupancy_options(2, "float8_e4m3fn") == {"warpgroups": 1}
-    assert cls.occupancy_options(2, "bfloat16") == {"warpgroups": 1, "v_halves": True}
+    assert cls.occupancy_options(2, "bfloat16") == {"warpgroups": 1, "q_lo_regs": True}
     with pytest.raises(ValueError, match="CTAs per SM"):
         cls.occupancy_options(3, "bfloat16")
     assert cls.arch_options("sm_90a", "float8_e4m3fn") == {}
@@ -73,6 +73,9 @@ def test_union_constraints_raise():
         cls.arch_options("sm_100a", "float8_e4m3fn")
     for options, match in (({"kv_dtype": "nvfp4"}, "fp8 cache"), ({"warpgroups": 1}, "fp8 query"),
                            ({"v_halves": True}, "v_halves"), ({"stages": 3}, "even stage count"),
+                           ({"q_lo_regs": True, "q_dtype": "float8_e4m3fn"}, "bf16 query"),
+                           ({"q_lo_regs": True}, "warpgroups=1"),
+                           ({"q_lo_regs": True, "v_halves": True, "warpgroups": 1}, "two ways"),
                            ({"page_size": 64}, "page_size"), ({"warpgroups": 1, "q_dtype": "float8_e4m3fn",
                                                                "v_converter": True}, "v_converter"),
                            ({"warpgroups": 3}, "warpgroups")):
