@@ -44,8 +44,15 @@ for step in "$@"; do
              (cd tests && timeout "$(limit 240)" python3 -m pytest test_union_gpu.py -m gpu -q -rA) > $OUT/union-tests.log 2>&1
              tail -n 1 $OUT/union-tests.log
            fi ;;
-    bench|bench_quick|bench_union) BASELINE=${BASELINE:-$(python3 -c \
-             'from msa_jit.bench import latest_result; print(latest_result("bench/results") or "none")')}
+    bench|bench_quick|bench_union) # the baseline: the newest token-kernel bench (a union run's file is named *-union*),
+           # so bench_union's regression rows compare the union kernel with the token kernel
+           BASELINE=${BASELINE:-$(python3 -c 'import shutil, tempfile, glob
+from msa_jit.bench import latest_result
+d = tempfile.mkdtemp()
+for f in glob.glob("bench/results/bench-*.json"):
+    "-union" in f or shutil.copy(f, d)
+b = latest_result(d)
+print("bench/results/" + b.name if b else "none")')}
            # bench_union: the planner may pick the union kernel (MSA_JIT_ENABLE_SM90_UNION=1; rows say "kernel")
            UNION=$([ "$step" = bench_union ] && echo 1 || echo 0)
            MSA_JIT_ENABLE_SM90_UNION=$UNION timeout "$(limit 330)" python3 -m msa_jit bench --out $OUT --baseline "$BASELINE" \
