@@ -122,11 +122,13 @@ VARIANTS = {  # name -> (kv dtype, kernel options)
     # ... with V converted by a third warpgroup (setmaxnreg) instead of each MMA warpgroup
     "f_union_k8_cv": ("float8_e4m3fn", {"union_fp8": True, "v_converter": True}),
     # one MMA warpgroup, 2 stages and V in two 64-key halves per CTA: 2 CTAs per SM with a bf16 query
-    "f_union_k8_w1": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "v_halves": True}),
+    # (its V in two 64-key halves: the kernel option v_halves, retired in session 17, its builds at ffc4ff4)
+    "f_union_k8_w1": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "v_halves": True, "checkout": "ffc4ff4"}),
     # built for bench/union_trace.py --events fp8 only (its stamps overwrite the plan's partials)
     "f_union_k8_trace": ("float8_e4m3fn", {"union_fp8": True, "trace": True}),
     # the 2-CTA builds traced (bench/union_trace.py --warpgroups 1)
-    "f_union_k8_w1_trace": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "v_halves": True, "trace": True}),
+    "f_union_k8_w1_trace": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "v_halves": True, "trace": True,
+                                             "checkout": "ffc4ff4"}),
     "q8_union_w1_trace": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "trace": True, "q_dtype": Q8}),
     "q8_f_c2": ("float8_e4m3fn", {"q_dtype": Q8}),
     "q8_f_c3": ("float8_e4m3fn", dict(C3, stages=2, q_dtype=Q8)),
@@ -152,7 +154,7 @@ VARIANTS = {  # name -> (kv dtype, kernel options)
                                                    "convert": False}),
     # the 2-CTA builds with V left unconverted: the stream and MMA side alone (wrong results)
     "f_union_k8_w1_noconv": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "v_halves": True,
-                                              "convert": False}),
+                                              "convert": False, "checkout": "ffc4ff4"}),
     "q8_union_w1_noconv": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "convert": False, "q_dtype": Q8}),
     "q8_union_noconv": ("float8_e4m3fn", {"union_fp8": True, "convert": False, "q_dtype": Q8}),  # wrong results
     "q8_union_nomma": ("float8_e4m3fn", {"union_fp8": True, "mma": False, "q_dtype": Q8}),  # wrong results

@@ -15,7 +15,7 @@ the shipped module's docstring for the design, the grid and the builds).
 * convert=False leaves V unconverted, mma=False skips the MMAs and the softmax (timing only,
   results wrong).
 
-Its constructor takes the shipped class's options (warpgroups, stages, v_converter, v_halves)
+Its constructor takes the shipped class's options (warpgroups, stages, v_converter, q_lo_regs)
 as given: occupancy_options adds none (bench/kv_format_ab.py's VARIANTS name every build's).
 """
 
@@ -84,9 +84,9 @@ class UnionFp8Kernel(SparseDecodeUnionSm90Kernel):
         st_global_b32(self.trace_po.iterator.toint() + (Int64(cta) * TRACE_WORDS + slot) * 4, value)
 
     # ---- convert=False: the V tiles stay as they are (only the fence)
-    def convert_v(self, v_stage, dst_smem, tidx, fence=True, half=0):
+    def convert_v(self, v_stage, dst_smem, tidx, fence=True):
         if self.convert:
-            return super().convert_v(v_stage, dst_smem, tidx, fence, half)
+            return super().convert_v(v_stage, dst_smem, tidx, fence)
         if fence:
             cute.arch.fence_view_async_shared()
 

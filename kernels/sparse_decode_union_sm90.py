@@ -33,8 +33,8 @@ Builds (occupancy_options): 1 CTA per SM = 2 MMA warpgroups and 4 stages (G = 16
 16: 212-214 KiB of shared memory with a bf16 query, 204-206 KiB with an fp8 one); 2 CTAs per
 SM = 1 MMA warpgroup and 2 stages, 108-110 KiB: a bf16 query's lo tile is then the A operand of
 its QGMMAs from registers (q_lo_regs=True), so the CTA holds one Q tile as with an fp8 query.
-(v_halves=True, the build before, fits the two Q tiles by converting and multiplying V in two
-64-key halves, 100-102 KiB; row 74 of docs/performance.md compares the two.)
+(The build before, V converted and multiplied in two 64-key halves, is at commit ffc4ff4;
+docs/performance.md rows 73-74 compare the two.)
 
 Constraints (ValueError in the constructor, or in arch_options): sm_90a only (wgmma, TMA);
 an fp8 cache with 128-token pages (256-byte key rows); G divides 64 and 64 // G <= 32 (the
@@ -119,7 +119,6 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
         warpgroups: int = 2,
         stages: int | None = None,
         v_converter: bool = False,
-        v_halves: bool = False,
         q_lo_regs: bool = False,
     ):
         super().__init__(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, page_size=page_size,
@@ -147,8 +146,6 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
             raise ValueError(f"stages={self.stages}: two MMA warpgroups need an even stage count")
         if v_converter and warpgroups != 2:
             raise ValueError("v_converter needs warpgroups=2")
-        if v_halves and (warpgroups != 1 or v_converter):
-            raise ValueError("v_halves needs warpgroups=1 and no V converter")
         # a bf16 query: each row as s * (hi + lo), hi and lo e4m3 tiles, s = amax / 448 per row; S is
         # two QGMMA chains into one accumulator, then scaled per row (~8 significant bits of Q, as bf16)
         self.split_q = not self.q_fp8
@@ -158,20 +155,13 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
             raise ValueError("q_lo_regs takes a bf16 query (an fp8 one has no lo tile)")
         if q_lo_regs and warpgroups != 1:  # staged through warpgroup 0's V tile, which only it may overwrite
             raise ValueError("q_lo_regs needs warpgroups=1")
-        if q_lo_regs and v_halves:
-            raise ValueError("q_lo_regs and v_halves are two ways to one end: take one")
         self.q_lo_regs = bool(q_lo_regs)
-        if warpgroups == 1 and self.split_q and not (v_halves or q_lo_regs):  # two Q tiles: 1.6 KiB over
-            raise ValueError("warpgroups=1 (2 CTAs per SM) takes an fp8 query, or a bf16 one with v_halves "
-                             "or q_lo_regs")
+        if warpgroups == 1 and self.split_q and not q_lo_regs:  # two Q tiles: 1.6 KiB over
+            raise ValueError("warpgroups=1 (2 CTAs per SM) takes an fp8 query, or a bf16 one with q_lo_regs")
         # v_converter: a third warpgroup (0) converts every block's V into the f16 tile of the MMA
         # warpgroup that takes the block (i % 2), handed over by mbarriers; a stage is read by the
         # converter (V) and by one MMA warpgroup (K), whose warp 0 refills it
         self.v_converter = bool(v_converter)
-        # v_halves (warpgroups=1): V converted and multiplied in two 64-key halves, the first through a
-        # 16 KiB f16 tile, the second through the stage's K tile once S is done, so a bf16 query's two Q
-        # tiles fit 2 CTAs per SM too (the stage is held until the second half's P V is done)
-        self.v_keys = self.page // 2 if v_halves else self.page
         self.tile_tokens = ROWS // self.group  # query tokens per CTA
         self.union_max = self.tile_tokens * self.topk  # union blocks of a tile, at most
         self.stage_bytes = self.page * ROW_BYTES  # K and V of a (page, KV head)
@@ -192,7 +182,7 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
         union lists and the cross-warpgroup (m, l)."""
         f8 = cutlass.Float8E4M3FN
         stage_tiles = self.stages * self.tile_bytes
-        v16 = self.v_keys * HEAD_DIM
+        v16 = self.page * HEAD_DIM
 
         @cute.struct
         class Storage:
@@ -440,15 +430,15 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
 
     # ---- V: fp8 stage -> f16 tile
     @cute.jit
-    def convert_v(self, v_stage, dst_smem, tidx, fence: cutlass.Constexpr = True, half: cutlass.Constexpr = 0):
-        """The stage's fp8 V tile (TMA-swizzled key rows; with v_halves its keys 64 half ..) -> an
-        f16 tile of v_keys rows (f16_tile_layout), by 128 threads: thread = 16 dims of keys
-        tidx // 8 + 16 r; fenced for the MMAs that read it (fence=False: the caller fences)."""
+    def convert_v(self, v_stage, dst_smem, tidx, fence: cutlass.Constexpr = True):
+        """The stage's fp8 V tile (TMA-swizzled key rows) -> an f16 tile (f16_tile_layout), by 128
+        threads: thread = 16 dims of keys tidx // 8 + 16 r; fenced for the MMAs that read it
+        (fence=False: the caller fences)."""
         c8 = tidx % 8
-        for r in cutlass.range_constexpr(self.v_keys // 16):
+        for r in cutlass.range_constexpr(self.page // 16):
             key = tidx // 8 + 16 * r
-            w = ptx.ld_shared_v4(v_stage + swizzled_fp8(key + self.v_keys * half, 16 * c8))
-            store_f16_chunks(dst_smem + swizzled_f16(self.v_keys, key, 16 * c8), w, c8)
+            w = ptx.ld_shared_v4(v_stage + swizzled_fp8(key, 16 * c8))
+            store_f16_chunks(dst_smem + swizzled_f16(self.page, key, 16 * c8), w, c8)
         if cutlass.const_expr(fence):
             cute.arch.fence_view_async_shared()
 
@@ -473,29 +463,21 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
             cute.arch.mbarrier_arrive(tiles + 2 * b)
 
     # ---- the MMA warpgroups
-    def o_setup(self, storage, sv_field, tidx):
+    def o_setup(self, sv_field, tidx):
         """O = P V of one MMA warpgroup (thread tidx of its 128): the MMA (P from registers, the f16
-        V tile of v_keys keys in sv_field as an MN-major B; with v_halves also the K stages as f16
-        tiles of V's second half, tOrVk), its fragments (P's for the whole page) and the O
+        V tile in sv_field as an MN-major B), its fragments (P's for the whole page) and the O
         accumulator."""
         f16 = cutlass.Float16
-        sV_layout = f16_tile_layout(self.v_keys)
+        sV_layout = f16_tile_layout(self.page)
         sV = sv_field.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         # V as the B operand of O = P V: (N = head dims, K = keys), head dims contiguous (MN-major)
-        sVt = cute.composition(sV, cute.make_ordered_layout((HEAD_DIM, self.v_keys), order=(1, 0)))
+        sVt = cute.composition(sV, cute.make_ordered_layout((HEAD_DIM, self.page), order=(1, 0)))
         mma_o = sm90.make_trivial_tiled_mma(f16, f16, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
                                             Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(ROWS, HEAD_DIM),
                                             a_source=warpgroup.OperandSource.RMEM)
         thr_o = mma_o.get_slice(tidx)
-        tOrVk = None
-        if self.v_keys < self.page:  # V's second half goes to the stage's K tile, dead once S is done
-            sVk_layout = f16_tile_layout(self.v_keys, self.stages)
-            sVk = storage.bufk.get_tensor(sVk_layout.outer, swizzle=sVk_layout.inner, dtype=f16)
-            sVkt = cute.composition(sVk, cute.make_ordered_layout((HEAD_DIM, self.v_keys, self.stages),
-                                                                  order=(1, 0, 2)))
-            tOrVk = thr_o.make_fragment_B(thr_o.partition_B(sVkt))
         return dict(
-            mma_o=mma_o, v_smem=ptx.smem_addr(sv_field.data_ptr()), tOrVk=tOrVk,
+            mma_o=mma_o, v_smem=ptx.smem_addr(sv_field.data_ptr()),
             tOrV=thr_o.make_fragment_B(thr_o.partition_B(sVt)),
             tOrP=thr_o.make_fragment_A(thr_o.partition_shape_A((ROWS, self.page))),
             acc_o=cute.make_rmem_tensor(thr_o.partition_shape_C((ROWS, HEAD_DIM)), Float32),
@@ -529,7 +511,7 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
             tSrQlo = thr_lo.make_fragment_A(thr_lo.partition_shape_A((ROWS, HEAD_DIM)))
             cute.autovec_copy(thr_lo.partition_A(sQlo), tSrQlo)
         return dict(
-            self.o_setup(storage, storage.sv0 if wg == 0 else storage.sv1, tidx),
+            self.o_setup(storage.sv0 if wg == 0 else storage.sv1, tidx),
             mma_s=mma_s, thr_s=thr_s, mma_s_lo=mma_s_lo,
             tSrQ=thr_s.make_fragment_A(thr_s.partition_A(sQ)), tSrQlo=tSrQlo,
             tSrK=thr_s.make_fragment_B(thr_s.partition_B(sK)),
@@ -585,8 +567,7 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
             self.mark(i, 3, tidx)  # S done
             if cutlass.const_expr(not self.v_converter):
                 cute.arch.fence_view_async_shared()
-                if cutlass.const_expr(self.v_keys == self.page):
-                    self.release_stage_and_refill(tma, sPages, first, i, n_union, full_ptr, empty_ptr, tidx)
+                self.release_stage_and_refill(tma, sPages, first, i, n_union, full_ptr, empty_ptr, tidx)
             self.softmax(acc_s, acc_o, p_words, row_max, row_sum, blk, mask, sKvLen, sQScale, qk_scale_log2,
                          warp, g, c)
             self.mark(i, 4, tidx)  # softmax done (and warp 0's refill issued)
@@ -598,17 +579,7 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
                 # the converter has released the stage's V: warp 0's refill waits for this warpgroup only
                 self.release_stage_and_refill(tma, sPages, first, i, n_union, full_ptr, empty_ptr, tidx)
             self.mark(i, 5, tidx)  # the V tile is complete
-            if cutlass.const_expr(self.v_keys == self.page):
-                self.pv_mma(m["mma_o"], acc_o, tOrP, tOrV)
-            else:  # ---- V's second half -> the stage's K tile (S is done in every warp) while P V's first half runs
-                self.pv_mma(m["mma_o"], acc_o, tOrP, tOrV, wait=False)
-                self.convert_v(bufv + s * self.tile_bytes, bufk + s * self.tile_bytes, tidx, fence=False, half=1)
-                # the fence after the wait: ptxas 12.9 segfaults on one between a wgmma commit and its wait
-                warpgroup.wait_group(0)
-                cute.arch.fence_view_async_shared()
-                cute.arch.barrier(barrier_id=bar, number_of_threads=WG_THREADS)  # every thread's half is in
-                self.pv_mma(m["mma_o"], acc_o, tOrP, m["tOrVk"], cute.size(tOrV.shape[2]), stage=s)
-                self.release_stage_and_refill(tma, sPages, first, i, n_union, full_ptr, empty_ptr, tidx)
+            self.pv_mma(m["mma_o"], acc_o, tOrP, tOrV)
             self.mark(i, 6, tidx)  # P V done
             if cutlass.const_expr(self.v_converter):
                 cute.arch.mbarrier_arrive(storage.tiles.data_ptr() + 2 * wg + 1)  # V tile read
@@ -743,21 +714,15 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
                                                                              acc_s[1 + 2 * r + 4 * jj])
 
     @cute.jit
-    def pv_mma(self, mma_o, acc_o, tOrP, tOrV, p_step0: cutlass.Constexpr = 0, stage=None,
-               wait: cutlass.Constexpr = True):
-        """O += P V on the warpgroup's tensor cores, over tOrV's k-steps (P's from p_step0; tOrV's
-        stage `stage` when it has a stage mode); returns when it is done (wait=False: once issued)."""
+    def pv_mma(self, mma_o, acc_o, tOrP, tOrV):
+        """O += P V on the warpgroup's tensor cores; returns when it is done."""
         warpgroup.fence()
         atom_o = cute.make_mma_atom(mma_o.op)
         atom_o.set(warpgroup.Field.ACCUMULATE, True)
         for k in cutlass.range_constexpr(cute.size(tOrV.shape[2])):
-            if cutlass.const_expr(stage is None):
-                cute.gemm(atom_o, acc_o, tOrP[None, None, p_step0 + k], tOrV[None, None, k], acc_o)
-            else:
-                cute.gemm(atom_o, acc_o, tOrP[None, None, p_step0 + k], tOrV[None, None, k, stage], acc_o)
+            cute.gemm(atom_o, acc_o, tOrP[None, None, k], tOrV[None, None, k], acc_o)
         warpgroup.commit_group()
-        if cutlass.const_expr(wait):
-            warpgroup.wait_group(0)
+        warpgroup.wait_group(0)
 
     # ---- the epilogue
     @cute.jit

@@ -103,13 +103,10 @@ def fp8_tile_layout(rows: int, stages: int = 0):
     return cute.tile_to_shape(atom, (rows, HEAD_DIM), order=(0, 1))
 
 
-def f16_tile_layout(rows: int, stages: int = 0):
-    """The 128B-swizzled K-major f16 layout of a (rows, 128) tile (two 64-column halves), with a
-    stage mode when `stages`."""
+def f16_tile_layout(rows: int):
+    """The 128B-swizzled K-major f16 layout of a (rows, 128) tile (two 64-column halves)."""
     atom = warpgroup.make_smem_layout_atom(sm90.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, cutlass.Float16, HEAD_DIM),
                                            cutlass.Float16)
-    if stages:
-        return cute.tile_to_shape(atom, (rows, HEAD_DIM, stages), order=(0, 1, 2))
     return cute.tile_to_shape(atom, (rows, HEAD_DIM), order=(0, 1))
 
 

@@ -72,10 +72,9 @@ def test_union_constraints_raise():
     with pytest.raises(ValueError, match="sm_90a"):
         cls.arch_options("sm_100a", "float8_e4m3fn")
     for options, match in (({"kv_dtype": "nvfp4"}, "fp8 cache"), ({"warpgroups": 1}, "fp8 query"),
-                           ({"v_halves": True}, "v_halves"), ({"stages": 3}, "even stage count"),
+                           ({"stages": 3}, "even stage count"),
                            ({"q_lo_regs": True, "q_dtype": "float8_e4m3fn"}, "bf16 query"),
                            ({"q_lo_regs": True}, "warpgroups=1"),
-                           ({"q_lo_regs": True, "v_halves": True, "warpgroups": 1}, "two ways"),
                            ({"page_size": 64}, "page_size"), ({"warpgroups": 1, "q_dtype": "float8_e4m3fn",
                                                                "v_converter": True}, "v_converter"),
                            ({"warpgroups": 3}, "warpgroups")):
