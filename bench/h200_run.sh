@@ -3,7 +3,7 @@
 # BOTH cache formats: python bench/warm_kv_formats.py), and .variants for variants / trace.
 #   bash bench/h200_run.sh tests memcheck racecheck selftest bench ceilings    # the round's full run
 #   any of: tests union_tests memcheck racecheck selftest bench bench_quick bench_union ceilings host_ab host_ab_union variants trace
-#           per_layer_ab union_k8 union_k8_small union_k8_trace union_skip union_qreg
+#           per_layer_ab union_k8 union_k8_small union_k8_trace union_skip union_qreg union_qreg_trace
 #   VARIANTS="now lsu" bash bench/h200_run.sh variants   # time only these variants
 #   BASELINE=bench/results/bench-....json                # compare with (default: newest in bench/results)
 # Every step runs under a timeout that ends it by DEADLINE seconds after the start (default 570:
@@ -102,7 +102,7 @@ print("bench/results/" + b.name if b else "none")')}
                 --keep f_union_k8_w1_noconv q8_union_w1_noconv \
                 --points 64/4:64:4:12 64/4:64:4:0 64/4:64:2:12 64/4:64:8:12 8/1:256:4:12 8/1:256:4:0 2>&1 \
                 | grep -v "^{" | tail -n 12
-              for v in f_union_k8_w1_trace:bfloat16 q8_union_w1_trace:float8_e4m3fn; do  # where a block's time goes
+              for v in ${TRACES:-f_union_k8_w1_trace:bfloat16 q8_union_w1_trace:float8_e4m3fn}; do  # where a block's time goes
                 timeout "$(limit 60)" python3 bench/union_trace.py --out $OUT --warpgroups 1 --q-dtype ${v#*:} \
                   --so .kv-variants/${v%:*}/64x4/sparse_decode.so > $OUT/${v%:*}.log 2>&1; tail -n 10 $OUT/${v%:*}.log
               done ;;
@@ -116,6 +116,12 @@ print("bench/results/" + b.name if b else "none")')}
                 --keep f_union_k8_w1_qreg_noconv \
                 --points 64/4:64:4:12 64/4:64:4:0 64/4:64:2:12 64/4:64:8:12 8/1:256:4:12 8/1:256:4:0 2>&1 \
                 | grep -v "^{" | tail -n 3 ;;
+    union_qreg_trace) # row 74's build traced beside the fp8 query's (why its V conversion costs 4.6 us per
+              # layer against 1.3; build: f_union_k8_w1_qreg_trace q8_union_w1_trace)
+              for v in f_union_k8_w1_qreg_trace:bfloat16 q8_union_w1_trace:float8_e4m3fn; do
+                timeout "$(limit 60)" python3 bench/union_trace.py --out $OUT --warpgroups 1 --q-dtype ${v#*:} \
+                  --so .kv-variants/${v%:*}/64x4/sparse_decode.so > $OUT/${v%:*}.log 2>&1; tail -n 10 $OUT/${v%:*}.log
+              done ;;
     union_k8_trace) # where the fp8-K kernel's MMA warpgroups wait, per block (built: f_union_k8_trace)
               timeout "$(limit 90)" python3 bench/union_trace.py --out $OUT \
                 --so .kv-variants/f_union_k8_trace/64x4/sparse_decode.so 2>&1 | tail -n 11 ;;

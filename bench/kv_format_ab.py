@@ -150,6 +150,8 @@ VARIANTS = {  # name -> (kv dtype, kernel options)
                                             "checkout": "ac1fc60"}),
     # the bf16 2-CTA build with Q's lo tile in registers and a whole V tile (row 74), and its V-unconverted probe
     "f_union_k8_w1_qreg": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "q_lo_regs": True}),
+    "f_union_k8_w1_qreg_trace": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "q_lo_regs": True,
+                                                  "trace": True}),
     "f_union_k8_w1_qreg_noconv": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "q_lo_regs": True,
                                                    "convert": False}),
     # the 2-CTA builds with V left unconverted: the stream and MMA side alone (wrong results)
