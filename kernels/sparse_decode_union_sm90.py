@@ -310,7 +310,8 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
                 for j in range(cutlass.min(n_split, Int32(self.stages))):
                     self.issue_block(tma, sPages, first, j, full_ptr)
             if cutlass.const_expr(self.split_q):
-                self.stage_q_split(mQ, ptx.smem_addr(storage.sq.data_ptr()), ptx.smem_addr(self.q_lo_field(storage).data_ptr()),
+                self.stage_q_split(mQ, ptx.smem_addr(storage.sq.data_ptr()),
+                                   ptx.smem_addr(self.q_lo_field(storage).data_ptr()),
                                    storage.qscale.get_tensor(cute.make_layout(ROWS)), req, h, tile, qlen, n_tok, tidx)
             else:
                 self.stage_q_fp8(mQ, ptx.smem_addr(storage.sq.data_ptr()), req, h, tile, qlen, n_tok, tidx)
@@ -501,15 +502,16 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
         mma_s = sm90.make_trivial_tiled_mma(f8, f8, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
                                             Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(ROWS, self.page))
         thr_s = mma_s.get_slice(tidx)
-        tSrQlo = thr_s.make_fragment_A(thr_s.partition_A(sQlo))
-        mma_s_lo = mma_s
-        if self.q_lo_regs:  # the lo tile -> registers (A from RMEM); the caller fences the tile's reuse
+        if self.q_lo_regs:  # the lo tile -> registers (A from RMEM), before the first V overwrites it
             mma_s_lo = sm90.make_trivial_tiled_mma(f8, f8, cute.nvgpu.OperandMajorMode.K,
                                                    cute.nvgpu.OperandMajorMode.K, Float32, atom_layout_mnk=(1, 1, 1),
                                                    tiler_mn=(ROWS, self.page), a_source=warpgroup.OperandSource.RMEM)
             thr_lo = mma_s_lo.get_slice(tidx)
             tSrQlo = thr_lo.make_fragment_A(thr_lo.partition_shape_A((ROWS, HEAD_DIM)))
             cute.autovec_copy(thr_lo.partition_A(sQlo), tSrQlo)
+        else:
+            mma_s_lo = mma_s
+            tSrQlo = thr_s.make_fragment_A(thr_s.partition_A(sQlo))
         return dict(
             self.o_setup(storage.sv0 if wg == 0 else storage.sv1, tidx),
             mma_s=mma_s, thr_s=thr_s, mma_s_lo=mma_s_lo,
