@@ -32,9 +32,8 @@ warpgroups merge their (m, l, O) through shared memory.
 Builds (occupancy_options): 1 CTA per SM = 2 MMA warpgroups and 4 stages (G = 16 or 8, topk
 16: 212-214 KiB of shared memory with a bf16 query, 204-206 KiB with an fp8 one); 2 CTAs per
 SM = 1 MMA warpgroup and 2 stages, 108-110 KiB: a bf16 query's lo tile is then the A operand of
-its QGMMAs from registers (q_lo_regs=True), so the CTA holds one Q tile as with an fp8 query.
-(The build before, V converted and multiplied in two 64-key halves, is at commit ffc4ff4;
-docs/performance.md rows 73-74 compare the two.)
+its QGMMAs from registers (q_lo_regs=True), so the CTA holds one Q tile as with an fp8 query
+(the build before, V in two 64-key halves, is at ffc4ff4: docs/performance.md rows 73-74).
 
 Constraints (ValueError in the constructor, or in arch_options): sm_90a only (wgmma, TMA);
 an fp8 cache with 128-token pages (256-byte key rows); G divides 64 and 64 // G <= 32 (the
@@ -56,24 +55,15 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from . import common, ptx
 from .base import SparseDecodeKernelBase
 from .sparse_decode_mma import HEAD_DIM, LN2, ROW_BYTES
-from .union_sm90_ops import (AMAX_MIN, BAR_ALL, BAR_WG, E4M3_MAX, ROWS, bf16x2_absmax, bf16x4_to_e4m3_hi_lo,
-                             build_union, f16_tile_layout, fp8_tile_layout, ld_shared_f32, st_global_b32,
-                             st_global_v2_f32, st_shared_f32, store_f16_chunks, swizzled_f16, swizzled_fp8)
+from .union_sm90_ops import (AMAX_MIN, BAR_ALL, BAR_WG, E4M3_MAX, RESCALE_LOG2, ROWS, bf16x2_absmax,
+                             bf16x4_to_e4m3_hi_lo, build_union, f16_tile_layout, fp8_tile_layout, ld_shared_f32,
+                             row_state, st_global_b32, st_global_v2_f32, st_shared_f32, store_f16_chunks, swizzled_f16,
+                             swizzled_fp8, tree)
 
 WG_THREADS = 128  # threads of a warpgroup
 PAGE_SIZE = 128  # keys of a block: one TMA box of K and one of V per stage
 MAX_TILE_TOKENS = 32  # a union block's mask has one bit per tile token (Int32)
 SMEM_PER_SM = 228 * 1024  # H100 / H200; each resident CTA reserves 1 KiB of it
-
-
-RESCALE_LOG2 = 8.0  # the running max moves only when a row grows past it by more than this (log2 units)
-
-
-def tree(op, xs: list):
-    """op folded over xs as a balanced tree (depth log2 n, not a chain of n)."""
-    while len(xs) > 1:
-        xs = [op(xs[i], xs[i + 1]) for i in range(0, len(xs) - 1, 2)] + ([xs[-1]] if len(xs) % 2 else [])
-    return xs[0]
 
 
 class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
@@ -519,16 +509,6 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
             tSrK=thr_s.make_fragment_B(thr_s.partition_B(sK)),
         )
 
-    @staticmethod
-    def row_state():
-        """(row max, row sum) of a thread's two accumulator rows: -inf, 0."""
-        row_max = cute.make_rmem_tensor(2, Float32)
-        row_sum = cute.make_rmem_tensor(2, Float32)
-        for hh in range(2):  # traced inline (not a @cute.jit function)
-            row_max[hh] = -Float32.inf
-            row_sum[hh] = Float32(0.0)
-        return row_max, row_sum
-
     @cute.jit
     def mma_loop(self, mOut, mLse, mPO, mPL, storage, sPages, sBlocks, sMasks, sKvLen, full_ptr, empty_ptr, tma,
                  req, h, tile, split, num_splits, qlen, n_tok, first, n_union, qk_scale_log2, v_scale,
@@ -548,7 +528,7 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
         sQScale = storage.qscale.get_tensor(cute.make_layout(ROWS))
         for i in cutlass.range_constexpr(cute.size(acc_o)):  # O, rows 16w + g + 8hh, dims 8j + 2c + e: [e + 2hh + 4j]
             acc_o[i] = Float32(0.0)
-        row_max, row_sum = self.row_state()
+        row_max, row_sum = row_state()
         for i in range(wg, n_union, self.wgs):
             s = i % self.stages
             blk = sBlocks[first + i]
@@ -660,13 +640,11 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
     def softmax_rows(self, acc_s, acc_o, p_words, row_max, row_sum, hhs: cutlass.Constexpr, lim, sQScale,
                      qk_scale_log2, warp, g, c):
         """Online softmax of the thread's row halves hhs of S over the block's first lim keys (the rest
-        -inf); P -> the A fragments of O = P V (k-step ks: keys 16ks + 2c (+1), (+8, +9)).
-
-        S is scaled into log2 units inside the exponent (one FFMA per element; the row max is taken on
-        the unscaled S, the scale being positive). Reductions are trees, not chains. The running max
-        moves only when some row of the warp grows by more than RESCALE_LOG2 (then O and l are
-        rescaled, warp-uniformly); otherwise P is taken against the old max, at most 2^RESCALE_LOG2,
-        which f16 P and the f32 sums hold exactly as well."""
+        -inf); P -> the A fragments of O = P V (k-step ks: keys 16ks + 2c (+1), (+8, +9)). S takes its
+        log2 scale inside the exponent's FFMA (the max is taken on unscaled S: the scale is positive);
+        reductions are trees. The running max moves only when a row of the warp grows by more than
+        RESCALE_LOG2 (O and l rescaled, warp-uniformly); else P is taken against the old max, at most
+        2^RESCALE_LOG2, which f16 P and the f32 sums hold as well."""
         ncols = self.page
         n = ncols // 8 * 2  # S elements of a row half per thread
         if lim < ncols:

@@ -1,6 +1,7 @@
 """Device helpers of the sm_90a union kernel (kernels/sparse_decode_union_sm90.py): the union
 of a tile's blocks (`build_union`), its tile layouts and swizzles, the query split into e4m3
-halves, the fp8 -> f16 V chunk store, and the scalar shared / global accesses of its epilogue.
+halves, the fp8 -> f16 V chunk store, the online softmax's row state and tree reductions, and the
+scalar shared / global accesses of its epilogue.
 
 Two shared-memory tile kinds, both 128B-swizzled (the 16-byte chunk index of a byte address
 xor its bits 7-9; every tile 1024-byte aligned):
@@ -30,6 +31,24 @@ BAR_WG = 1  # named barriers 1, 2: the 128 threads of MMA warpgroup 0, 1
 BAR_ALL = 3  # both MMA warpgroups
 E4M3_MAX = 448.0
 AMAX_MIN = 2.0 ** -100  # a row below it is zero in e4m3 (its S is ~0 in the reference too)
+RESCALE_LOG2 = 8.0  # the running max moves only when a row grows past it by more than this (log2 units)
+
+
+def tree(op, xs: list):
+    """op folded over xs as a balanced tree (depth log2 n, not a chain of n)."""
+    while len(xs) > 1:
+        xs = [op(xs[i], xs[i + 1]) for i in range(0, len(xs) - 1, 2)] + ([xs[-1]] if len(xs) % 2 else [])
+    return xs[0]
+
+
+def row_state():
+    """(row max, row sum) of a thread's two accumulator rows: -inf, 0 (traced inline)."""
+    row_max = cute.make_rmem_tensor(2, Float32)
+    row_sum = cute.make_rmem_tensor(2, Float32)
+    for hh in range(2):
+        row_max[hh] = -Float32.inf
+        row_sum[hh] = Float32(0.0)
+    return row_max, row_sum
 
 
 @dsl_user_op
