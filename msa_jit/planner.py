@@ -97,9 +97,10 @@ def choose_kernel(batch: int, qlen: int, num_q_heads: int, num_kv_heads: int, pa
     the union kernel serves the geometry on `arch`, qlen >= 2 and its grid fills the GPU at least
     once (>= num_sms CTAs, so neither kernel splits: T*Hkv >= that grid); else "token".
 
-    Measured on the H200 (docs/performance.md rows 66-70): 70% of copy at 64/4 B=64 qlen 4 with 12/16
-    blocks shared against the token kernel's 58%, but 1.1-1.4x slower with none shared (which a
-    plan cannot see: hence opt-in), and slower at every split shape (row 67)."""
+    Measured on the H200 (docs/performance.md rows 66-74): 78% of copy at 64/4 B=64 qlen 4 with 12/16
+    blocks shared against the token kernel's 58% (bf16 query; 84% with an fp8 one), but up to 1.35x
+    slower with none shared at G = 16 (which a plan cannot see: hence opt-in), and slower at every
+    split shape (row 67)."""
     if not enabled or qlen < 2 or union_problems(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                                                   page_size=page_size, kv_dtype="float8_e4m3fn", arch=arch):
         return "token"
