@@ -103,6 +103,6 @@ class UnionFp8Kernel(SparseDecodeUnionSm90Kernel):
         if self.mma:
             super().softmax(*args)
 
-    def pv_mma(self, *args, **kwargs):
+    def pv_mma(self, *args):
         if self.mma:
-            super().pv_mma(*args, **kwargs)
+            super().pv_mma(*args)
