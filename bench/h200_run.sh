@@ -4,6 +4,7 @@
 #   bash bench/h200_run.sh tests memcheck racecheck selftest bench ceilings    # the round's full run
 #   any of: tests union_tests memcheck racecheck selftest bench bench_quick bench_union ceilings host_ab host_ab_union variants trace
 #           per_layer_ab union_k8 union_k8_small union_k8_trace union_skip union_qreg union_qreg_trace
+#           union_lo union_ncu
 #   VARIANTS="now lsu" bash bench/h200_run.sh variants   # time only these variants
 #   BASELINE=bench/results/bench-....json                # compare with (default: newest in bench/results)
 # Every step runs under a timeout that ends it by DEADLINE seconds after the start (default 570:
@@ -121,6 +122,28 @@ print("bench/results/" + b.name if b else "none")')}
               for v in f_union_k8_w1_qreg_trace:bfloat16 q8_union_w1_trace:float8_e4m3fn; do
                 timeout "$(limit 60)" python3 bench/union_trace.py --out $OUT --warpgroups 1 --q-dtype ${v#*:} \
                   --so .kv-variants/${v%:*}/64x4/sparse_decode.so > $OUT/${v%:*}.log 2>&1; tail -n 10 $OUT/${v%:*}.log
+              done ;;
+    union_lo) # what the bf16 build's second K read (the lo tile's QGMMA chain) costs beside V's conversion
+              # (timing probes, wrong results; build: f_c3 f_union_k8_w1_qreg f_union_k8_w1_qreg_noconv
+              # f_union_k8_w1_qreg_nolo f_union_k8_w1_qreg_nolo_noconv q8_union_w1 q8_union_w1_noconv)
+              timeout "$(limit 150)" python3 bench/kv_format_ab.py run --dir .kv-variants --out $OUT --rounds 5 \
+                --variants f_c3 f_union_k8_w1_qreg f_union_k8_w1_qreg_noconv f_union_k8_w1_qreg_nolo \
+                f_union_k8_w1_qreg_nolo_noconv q8_union_w1 q8_union_w1_noconv \
+                --keep f_union_k8_w1_qreg_noconv f_union_k8_w1_qreg_nolo f_union_k8_w1_qreg_nolo_noconv q8_union_w1_noconv \
+                --points 64/4:64:4:12 64/4:64:4:0 2>&1 | grep -v "^{" | tail -n 3 ;;
+    union_ncu) # Nsight Compute of the bf16 (q_lo_regs) and fp8-query 2-CTA union builds at the spec-decode point:
+              # pipes, shared-memory wavefronts and bank conflicts, stall reasons, per-instruction samples
+              for v in f_union_k8_w1_qreg:bfloat16 q8_union_w1:float8_e4m3fn; do
+                n=ncu-${v%:*}
+                PROFILE_Q=${v#*:} timeout "$(limit 120)" ncu --clock-control none -k regex:kernel_cutlass_kernel -c 1 \
+                  --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
+                  --section WarpStateStats --section SchedulerStats --section SourceCounters \
+                  --metrics "regex:sm__pipe_.*_cycles_active.avg.pct_of_peak_sustained_active,regex:sm__inst_executed_pipe_.*.avg.pct_of_peak_sustained_active" \
+                  -o $OUT/$n python3 bench/profile_point.py 64/4 64 4 12 .kv-variants/${v%:*}/64x4/sparse_decode.so \
+                  > $OUT/$n.log 2>&1; echo "ncu ${v%:*}: rc=$?"; tail -n 2 $OUT/$n.log
+                ncu -i $OUT/$n.ncu-rep --page details > $OUT/$n-details.txt 2>&1
+                ncu -i $OUT/$n.ncu-rep --page source --csv --print-source sass > $OUT/$n-source.csv 2>&1
+                gzip -f $OUT/$n-source.csv; ls -la $OUT/$n*
               done ;;
     union_k8_trace) # where the fp8-K kernel's MMA warpgroups wait, per block (built: f_union_k8_trace)
               timeout "$(limit 90)" python3 bench/union_trace.py --out $OUT \

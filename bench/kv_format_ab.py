@@ -154,6 +154,11 @@ VARIANTS = {  # name -> (kv dtype, kernel options)
                                                   "trace": True}),
     "f_union_k8_w1_qreg_noconv": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "q_lo_regs": True,
                                                    "convert": False}),
+    # without the lo tile's QGMMA chain (wrong results): what the second K read costs beside V's conversion
+    "f_union_k8_w1_qreg_nolo": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "q_lo_regs": True,
+                                                 "lo_chain": False}),
+    "f_union_k8_w1_qreg_nolo_noconv": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "q_lo_regs": True,
+                                                        "lo_chain": False, "convert": False}),
     # the 2-CTA builds with V left unconverted: the stream and MMA side alone (wrong results)
     "f_union_k8_w1_noconv": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "v_halves": True,
                                               "convert": False, "checkout": "ffc4ff4"}),

@@ -5,7 +5,7 @@
 
 Arguments: geometry batch qlen [shared_blocks (consecutive tokens share that many blocks)]
 [artifact .so (e.g. .variants/scalar_out/64x4-bfloat16/sparse_decode.so) instead of the cache's,
-or "-" for the cache's]. PROFILE_KV=nvfp4: the same pages as random NVFP4 bytes (the timing does
+or "-" for the cache's]. PROFILE_Q=float8_e4m3fn: an fp8 query (default bfloat16). PROFILE_KV=nvfp4: the same pages as random NVFP4 bytes (the timing does
 not depend on the values; bench/kv_format_ab.py), global scales as device tensors.
 """
 
@@ -23,7 +23,7 @@ shared = int(sys.argv[4]) if len(sys.argv) > 4 else 0
 artifact = sys.argv[5] if len(sys.argv) > 5 and sys.argv[5] != "-" else None
 kv_format = os.environ.get("PROFILE_KV", "float8_e4m3fn")
 hq, hkv = GEOMETRIES[geo]
-step = make_step(hq, hkv, batch, qlen, "bfloat16", shared_blocks=shared)
+step = make_step(hq, hkv, batch, qlen, os.environ.get("PROFILE_Q", "bfloat16"), shared_blocks=shared)
 scales = {}
 if kv_format == "nvfp4":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

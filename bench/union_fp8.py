@@ -12,8 +12,8 @@ the shipped module's docstring for the design, the grid and the builds).
 * trace=True: thread 0 of each MMA warpgroup stamps %globaltimer at 7 events of each block,
   and thread 0 of the CTA its block count, SM and start, over the plan's partial_o
   (bench/union_trace.py --events fp8; the stamps overwrite the partials: results wrong);
-* convert=False leaves V unconverted, mma=False skips the MMAs and the softmax (timing only,
-  results wrong).
+* convert=False leaves V unconverted, mma=False skips the MMAs and the softmax, lo_chain=False
+  (a bf16 query) skips the QGMMA chain of Q's lo tile (timing only, results wrong).
 
 Its constructor takes the shipped class's options (warpgroups, stages, v_converter, q_lo_regs)
 as given: occupancy_options adds none (bench/kv_format_ab.py's VARIANTS name every build's).
@@ -23,6 +23,7 @@ as given: occupancy_options adds none (bench/kv_format_ab.py's VARIANTS name eve
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int64
+from cutlass.cute.nvgpu import warpgroup
 
 from kernel_probes import globaltimer_lo, smid
 from msa_jit.compiler import kernels_package
@@ -44,12 +45,13 @@ class UnionFp8Kernel(SparseDecodeUnionSm90Kernel):
         return {}
 
     def __init__(self, *, union_fp8: bool = True, trace: bool = False, convert: bool = True, mma: bool = True,
-                 **options):
+                 lo_chain: bool = True, **options):
         super().__init__(**options)
         # trace=True: TRACE_WORDS int32 per CTA over the plan's partial_o (bench/union_trace.py reads them)
         self.trace = trace
         self.convert = convert
         self.mma = mma
+        self.lo_chain = lo_chain
 
     # ---- trace=True
     def mark_cta(self, mPO, n_blocks, tidx):
@@ -93,7 +95,22 @@ class UnionFp8Kernel(SparseDecodeUnionSm90Kernel):
     # ---- mma=False: no S, no softmax, no P V
     def s_mma_issue(self, m, acc_s, s):
         if self.mma:
-            super().s_mma_issue(m, acc_s, s)
+            if self.lo_chain:
+                super().s_mma_issue(m, acc_s, s)
+            else:
+                self.s_mma_issue_hi(m, acc_s, s)
+
+    @cute.jit
+    def s_mma_issue_hi(self, m, acc_s, s):
+        """lo_chain=False: S from Q's hi tile only (the shipped s_mma_issue's first chain)."""
+        tSrQ, tSrK = m["tSrQ"], m["tSrK"]
+        warpgroup.fence()
+        atom_s = cute.make_mma_atom(m["mma_s"].op)
+        atom_s.set(warpgroup.Field.ACCUMULATE, False)
+        for k in cutlass.range_constexpr(cute.size(tSrQ.shape[2])):
+            cute.gemm(atom_s, acc_s, tSrQ[None, None, k], tSrK[None, None, k, s], acc_s)
+            atom_s.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
 
     def s_mma_wait(self):
         if self.mma:
