@@ -124,11 +124,13 @@ print("bench/results/" + b.name if b else "none")')}
                   --so .kv-variants/${v%:*}/64x4/sparse_decode.so > $OUT/${v%:*}.log 2>&1; tail -n 10 $OUT/${v%:*}.log
               done ;;
     union_lo) # what the bf16 build's second K read (the lo tile's QGMMA chain) costs beside V's conversion
-              # (timing probes, wrong results; build: f_c3 f_union_k8_w1_qreg f_union_k8_w1_qreg_noconv
-              # f_union_k8_w1_qreg_nolo f_union_k8_w1_qreg_nolo_noconv q8_union_w1 q8_union_w1_noconv)
-              timeout "$(limit 150)" python3 bench/kv_format_ab.py run --dir .kv-variants --out $OUT --rounds 5 \
+              # (timing probes, wrong results), and V's conversion by the bit trick / half each way (exact; build:
+              # f_c3 f_union_k8_w1_qreg f_union_k8_w1_qreg_noconv f_union_k8_w1_qreg_nolo f_union_k8_w1_qreg_nolo_noconv
+              # f_union_k8_w1_qreg_trick f_union_k8_w1_qreg_mixed q8_union_w1 q8_union_w1_noconv q8_union_w1_mixed)
+              timeout "$(limit 220)" python3 bench/kv_format_ab.py run --dir .kv-variants --out $OUT --rounds 5 \
                 --variants f_c3 f_union_k8_w1_qreg f_union_k8_w1_qreg_noconv f_union_k8_w1_qreg_nolo \
-                f_union_k8_w1_qreg_nolo_noconv q8_union_w1 q8_union_w1_noconv \
+                f_union_k8_w1_qreg_nolo_noconv f_union_k8_w1_qreg_trick f_union_k8_w1_qreg_mixed \
+                q8_union_w1 q8_union_w1_noconv q8_union_w1_mixed \
                 --keep f_union_k8_w1_qreg_noconv f_union_k8_w1_qreg_nolo f_union_k8_w1_qreg_nolo_noconv q8_union_w1_noconv \
                 --points 64/4:64:4:12 64/4:64:4:0 2>&1 | grep -v "^{" | tail -n 3 ;;
     union_ncu) # Nsight Compute of the bf16 (q_lo_regs) and fp8-query 2-CTA union builds at the spec-decode point:

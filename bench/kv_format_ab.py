@@ -154,6 +154,12 @@ VARIANTS = {  # name -> (kv dtype, kernel options)
                                                   "trace": True}),
     "f_union_k8_w1_qreg_noconv": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "q_lo_regs": True,
                                                    "convert": False}),
+    # V's conversion by the integer bit trick, or half each way (union_fp8.py v_cvt; exact)
+    "f_union_k8_w1_qreg_trick": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "q_lo_regs": True,
+                                                  "v_cvt": "trick"}),
+    "f_union_k8_w1_qreg_mixed": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "q_lo_regs": True,
+                                                  "v_cvt": "mixed"}),
+    "q8_union_w1_mixed": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "q_dtype": Q8, "v_cvt": "mixed"}),
     # without the lo tile's QGMMA chain (wrong results): what the second K read costs beside V's conversion
     "f_union_k8_w1_qreg_nolo": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "q_lo_regs": True,
                                                  "lo_chain": False}),
