@@ -154,6 +154,15 @@ VARIANTS = {  # name -> (kv dtype, kernel options)
                                                   "trace": True}),
     "f_union_k8_w1_qreg_noconv": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "q_lo_regs": True,
                                                    "convert": False}),
+    # session 18: the 2-CTA union builds before Q's loads moved ahead of the union build (58c756b)
+    "s18a_f_union_k8_w1_qreg": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "q_lo_regs": True,
+                                                 "checkout": "58c756b"}),
+    "s18a_q8_union_w1": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "q_dtype": Q8, "checkout": "58c756b"}),
+    # V's shared loads issued rows ahead of their conversion (union_fp8.py v_ahead; exact)
+    **{f"f_union_k8_w1_qreg_ahead{n}": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "q_lo_regs": True,
+                                                          "v_ahead": n}) for n in (1, 2, 8)},
+    **{f"q8_union_w1_ahead{n}": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "q_dtype": Q8, "v_ahead": n})
+       for n in (2, 8)},
     # V's conversion by the integer bit trick, or half each way (union_fp8.py v_cvt; exact)
     "f_union_k8_w1_qreg_trick": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "q_lo_regs": True,
                                                   "v_cvt": "trick"}),

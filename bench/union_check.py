@@ -33,7 +33,7 @@ from kv_format_ab import _q_dtype as q_dtype_of  # noqa: E402
 UNION_VARIANTS = ("f_union_k8", "f_union_k8_cv", "f_union_k8_w1", "q8_union", "q8_union_cv", "q8_union_w1")
 # any union build kv_format_ab names may be checked, except the timing probes (results wrong by design)
 CHECKABLE = sorted(n for n, (_, o) in VARIANTS.items() if o.get("union_fp8") and not o.get("trace")
-                   and o.get("convert", True) and o.get("mma", True))
+                   and o.get("convert", True) and o.get("mma", True) and o.get("lo_chain", True))
 # (batch, qlen, padded, adversarial, shared slots)
 CASES = [(3, 1, False, False, 0), (4, 2, True, False, 12), (5, 3, False, True, 0), (8, 4, True, False, 12),
          (2, 8, False, False, 12), (6, 5, True, True, 8), (1, 4, False, False, 16), (16, 4, False, False, 0)]

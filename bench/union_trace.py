@@ -71,10 +71,13 @@ def main() -> int:
     words = plan.partial_o.view(-1).view(torch.int32)[: ctas * TRACE_WORDS].view(ctas, TRACE_WORDS).cpu().tolist()
     agg: dict[str, list[float]] = {}
     spans = []
+    firsts: list[float] = []
     for w in words:
         n, t0 = w[TRACE_BLOCKS * 8], w[TRACE_BLOCKS * 8 + 2]
         stamps = [[(w[8 * i + e] - t0) & 0xFFFFFFFF for e in range(8)] for i in range(min(n, TRACE_BLOCKS))]
         spans.append(max(max(s[:len(EVENTS)]) for s in stamps) / 1e3 if stamps else 0.0)  # slot 7 unused
+        if stamps:
+            firsts.append(stamps[0][0] / 1e3)  # CTA start -> its first block's stage full
         for k, v in intervals(stamps, n, a.warpgroups).items():
             agg.setdefault(k, []).extend(v)
     med = {k: round(statistics.median(v), 3) for k, v in agg.items() if v}
@@ -84,12 +87,15 @@ def main() -> int:
               "point": a.point, "q_dtype": a.q_dtype, "warpgroups": a.warpgroups, "ctas": ctas,
               "events": EVENTS,
               "median_us": med, "mean_us": mean, "cta_span_us_median": round(statistics.median(spans), 2),
-              "cta_span_us_max": round(max(spans), 2), "cta0_n_union": words[0][TRACE_BLOCKS * 8],
+              "cta_span_us_max": round(max(spans), 2),
+              "first_full_us_median": round(statistics.median(firsts), 3),
+              "first_full_us_max": round(max(firsts), 3), "cta0_n_union": words[0][TRACE_BLOCKS * 8],
               "cta0_stamps_ns": [[(words[0][8 * i + e] - words[0][TRACE_BLOCKS * 8 + 2]) & 0xFFFFFFFF
                                   for e in range(8)] for i in range(min(words[0][TRACE_BLOCKS * 8], TRACE_BLOCKS))]}
     for k in med:
         print(f"{k:22s} median {med[k]:8.3f} us  mean {mean[k]:8.3f} us")
-    print(f"CTA span median {result['cta_span_us_median']} us, max {result['cta_span_us_max']} us")
+    print(f"CTA span median {result['cta_span_us_median']} us, max {result['cta_span_us_max']} us; first stage full "
+          f"median {result['first_full_us_median']} us, max {result['first_full_us_max']} us after the CTA's start")
     q = "q8" if a.q_dtype == "float8_e4m3fn" else "bf16"
     path = Path(a.out) / f"union-trace-{result['date']}-{q}-w{a.warpgroups}.json"
     path.write_text(json.dumps(result, indent=1))
