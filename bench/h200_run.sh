@@ -137,20 +137,23 @@ print("bench/results/" + b.name if b else "none")')}
               # conversion (v_ahead probes), against the builds before (s18a_*, 58c756b). Build: f_c3
               # s18a_f_union_k8_w1_qreg s18a_q8_union_w1 (in a checkout of 58c756b) f_union_k8_w1_qreg q8_union_w1
               # f_union_k8_w1_qreg_ahead2 f_union_k8_w1_qreg_ahead8 q8_union_w1_ahead2 q8_union_w1_ahead8
-              # f_union_k8_w1_qreg_noconv f_union_k8_w1_qreg_trace q8_union_w1_trace. Traces and checks in one tarball
+              # f_union_k8_w1_qreg_trace q8_union_w1_trace, and the s18c_* builds of wip/pv-overlap (0f5e99e: P V
+              # left running under the next block's S). Traces and checks in one tarball
               # (at most 8 files come back)
               mkdir -p $OUT/qfirst
-              for v in f_union_k8_w1_qreg q8_union_w1 f_union_k8_w1_qreg_ahead8 q8_union_w1_ahead8; do
+              for v in f_union_k8_w1_qreg q8_union_w1 f_union_k8_w1_qreg_ahead8 q8_union_w1_ahead8 s18c_f_union_k8_w1_qreg \
+                       s18c_q8_union_w1 s18c_f_union_k8_w1_qreg_ahead8 s18c_q8_union_w1_ahead8; do
                 timeout "$(limit 60)" python3 bench/union_check.py --dir .kv-variants --variants "$v" \
                   >> $OUT/qfirst/union-check.log 2>&1; echo "union check $v: rc=$?"
               done
               timeout "$(limit 240)" python3 bench/kv_format_ab.py run --dir .kv-variants --out $OUT --rounds 5 \
                 --variants f_c3 s18a_f_union_k8_w1_qreg s18a_q8_union_w1 f_union_k8_w1_qreg q8_union_w1 \
-                f_union_k8_w1_qreg_ahead2 f_union_k8_w1_qreg_ahead8 q8_union_w1_ahead2 q8_union_w1_ahead8 \
-                f_union_k8_w1_qreg_noconv --keep f_union_k8_w1_qreg_noconv \
-                --points 64/4:64:4:12 64/4:64:4:0 64/4:64:2:12 64/4:64:8:12 8/1:256:4:12 8/1:256:4:0 2>&1 \
+                f_union_k8_w1_qreg_ahead2 f_union_k8_w1_qreg_ahead8 q8_union_w1_ahead8 s18c_f_union_k8_w1_qreg \
+                s18c_q8_union_w1 s18c_f_union_k8_w1_qreg_ahead8 s18c_q8_union_w1_ahead8 \
+                --points 64/4:64:4:12 64/4:64:4:0 64/4:64:8:12 8/1:256:4:12 2>&1 \
                 | grep -v "^{" | tail -n 3
-              for v in f_union_k8_w1_qreg_trace:bfloat16 q8_union_w1_trace:float8_e4m3fn; do
+              for v in f_union_k8_w1_qreg_trace:bfloat16 q8_union_w1_trace:float8_e4m3fn s18c_f_union_k8_w1_qreg_trace:bfloat16 \
+                       s18c_q8_union_w1_trace:float8_e4m3fn; do
                 timeout "$(limit 60)" python3 bench/union_trace.py --out $OUT/qfirst --warpgroups 1 --q-dtype ${v#*:} \
                   --so .kv-variants/${v%:*}/64x4/sparse_decode.so > $OUT/qfirst/${v%:*}.log 2>&1; tail -n 10 $OUT/qfirst/${v%:*}.log
               done

@@ -28,6 +28,13 @@ from pathlib import Path
 
 Q8 = "float8_e4m3fn"  # an option "q_dtype": Q8 marks a variant built and timed with an fp8 query
 C3 = {"q_frags": "smem", "smem_reads": "staged", "ctas_per_sm": 3, "softmax": "lean"}
+# the 2-CTA union builds' options, for the checkout variants of later sessions
+VARIANTS_QREG_BASE = {
+    "f_union_k8_w1_qreg": {"union_fp8": True, "warpgroups": 1, "q_lo_regs": True},
+    "q8_union_w1": {"union_fp8": True, "warpgroups": 1, "q_dtype": "float8_e4m3fn"},
+    "f_union_k8_w1_qreg_ahead8": {"union_fp8": True, "warpgroups": 1, "q_lo_regs": True, "v_ahead": 8},
+    "q8_union_w1_ahead8": {"union_fp8": True, "warpgroups": 1, "q_dtype": "float8_e4m3fn", "v_ahead": 8},
+}
 VARIANTS = {  # name -> (kv dtype, kernel options)
     "n_c2": ("nvfp4", {}),
     "n_c2_sc2": ("nvfp4", {"s_chains": 2}),
@@ -158,6 +165,14 @@ VARIANTS = {  # name -> (kv dtype, kernel options)
     "s18a_f_union_k8_w1_qreg": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "q_lo_regs": True,
                                                  "checkout": "58c756b"}),
     "s18a_q8_union_w1": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "q_dtype": Q8, "checkout": "58c756b"}),
+    # ... and with P V left running while the next block's stage is waited for and its S issued (branch
+    # wip/pv-overlap, 0f5e99e; built there, copied here)
+    **{f"s18c_{n}": ("float8_e4m3fn", dict(VARIANTS_QREG_BASE[n], checkout="0f5e99e"))
+       for n in ("f_union_k8_w1_qreg", "q8_union_w1", "f_union_k8_w1_qreg_ahead8", "q8_union_w1_ahead8")},
+    "s18c_f_union_k8_w1_qreg_trace": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "q_lo_regs": True,
+                                                       "trace": True, "checkout": "0f5e99e"}),
+    "s18c_q8_union_w1_trace": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "trace": True, "q_dtype": Q8,
+                                                "checkout": "0f5e99e"}),
     # V's shared loads issued rows ahead of their conversion (union_fp8.py v_ahead; exact)
     **{f"f_union_k8_w1_qreg_ahead{n}": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "q_lo_regs": True,
                                                           "v_ahead": n}) for n in (1, 2, 8)},
