@@ -23,7 +23,7 @@ the shipped module's docstring for the design, the grid and the builds).
   shipped loop loads a row only after storing the one before, so each row waits out a load's
   latency: ptxas cannot hoist a load above stores that may alias it).
 
-Its constructor takes the shipped class's options (warpgroups, stages, v_converter, q_lo_regs)
+Its constructor takes the shipped class's options (warpgroups, stages, q_lo_regs)
 as given: occupancy_options adds none (bench/kv_format_ab.py's VARIANTS name every build's).
 """
 
@@ -178,9 +178,9 @@ class UnionFp8Kernel(SparseDecodeUnionSm90Kernel):
             atom_s.set(warpgroup.Field.ACCUMULATE, True)
         warpgroup.commit_group()
 
-    def s_mma_wait(self):
+    def mma_wait(self):
         if self.mma:
-            super().s_mma_wait()
+            super().mma_wait()
 
     def softmax(self, *args):
         if self.mma:

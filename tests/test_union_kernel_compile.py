@@ -50,18 +50,6 @@ def test_union_build_compiles_to_fp8_warpgroup_mmas(tmp_path, heads, q_dtype, ct
     assert kernel.storage_type().size_in_bytes() + 1024 <= 228 * 1024 // ctas  # 1 KiB reserved per CTA
 
 
-@pytest.mark.parametrize("q_dtype", ["float8_e4m3fn"])
-def test_union_v_converter_moves_registers(tmp_path, q_dtype):
-    from msa_jit.compiler import _linker
-    from msa_jit.kernels.build import build, make_kernel
-
-    cfg = SparseDecodeConfig(num_q_heads=64, num_kv_heads=4, q_dtype=q_dtype, arch="sm_90a", kernel="union",
-                             ctas_per_sm=1)
-    build(make_kernel(_cls(), cfg, {"v_converter": True}), cfg, tmp_path, _linker())
-    (cubin,) = sass.extract_cubins(tmp_path / "sparse_decode.so")
-    assert "USETMAXREG" in sass.disassemble(cubin)
-
-
 def test_union_constraints_raise():
     cls = _cls()
     assert cls.occupancy_options(1, "bfloat16") == {} and cls.occupancy_options(2, "float8_e4m3fn") == {"warpgroups": 1}
@@ -75,9 +63,7 @@ def test_union_constraints_raise():
                            ({"stages": 3}, "even stage count"),
                            ({"q_lo_regs": True, "q_dtype": "float8_e4m3fn"}, "bf16 query"),
                            ({"q_lo_regs": True}, "warpgroups=1"),
-                           ({"page_size": 64}, "page_size"), ({"warpgroups": 1, "q_dtype": "float8_e4m3fn",
-                                                               "v_converter": True}, "v_converter"),
-                           ({"warpgroups": 3}, "warpgroups")):
+                           ({"page_size": 64}, "page_size"), ({"warpgroups": 3}, "warpgroups")):
         with pytest.raises(ValueError, match=match):
             cls(num_q_heads=64, num_kv_heads=4, **options)
     with pytest.raises(ValueError, match="divide 64"):
