@@ -74,6 +74,9 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
     calls, named by role."""
 
     arch_family = "union_sm90"
+    # V's conversion: 16-key rows whose shared loads are in flight before a row's stores (all 8: 252-255
+    # registers, no local memory)
+    v_loads_ahead = 8
     # programmatic dependent launch, as the portable kernel: each kernel of the launch waits
     # (griddepcontrol.wait) before its first global-memory access
     pdl = True
@@ -404,12 +407,17 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
     def convert_v(self, v_stage, dst_smem, tidx, fence: cutlass.Constexpr = True):
         """The stage's fp8 V tile (TMA-swizzled key rows) -> an f16 tile (f16_tile_layout), by 128
         threads: thread = 16 dims of keys tidx // 8 + 16 r; fenced for the MMAs that read it
-        (fence=False: the caller fences)."""
+        (fence=False: the caller fences). Row r's loads are issued v_loads_ahead rows before its
+        stores: ptxas cannot hoist a load above stores that may alias it, so a load per row in
+        series would wait out each one's latency (ncu, session 18)."""
         c8 = tidx % 8
-        for r in cutlass.range_constexpr(self.page // 16):
-            key = tidx // 8 + 16 * r
-            w = ptx.ld_shared_v4(v_stage + swizzled_fp8(key, 16 * c8))
-            store_f16_chunks(dst_smem + swizzled_f16(self.page, key, 16 * c8), w, c8)
+        rows = self.page // 16
+        ahead = min(self.v_loads_ahead, rows)
+        words = [ptx.ld_shared_v4(v_stage + swizzled_fp8(tidx // 8 + 16 * r, 16 * c8)) for r in range(ahead)]
+        for r in cutlass.range_constexpr(rows):
+            if cutlass.const_expr(r + ahead < rows):
+                words.append(ptx.ld_shared_v4(v_stage + swizzled_fp8(tidx // 8 + 16 * (r + ahead), 16 * c8)))
+            store_f16_chunks(dst_smem + swizzled_f16(self.page, tidx // 8 + 16 * r, 16 * c8), words[r], c8)
         if cutlass.const_expr(fence):
             cute.arch.fence_view_async_shared()
 
