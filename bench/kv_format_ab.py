@@ -165,6 +165,8 @@ VARIANTS = {  # name -> (kv dtype, kernel options)
     "s18a_f_union_k8_w1_qreg": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "q_lo_regs": True,
                                                  "checkout": "58c756b"}),
     "s18a_q8_union_w1": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "q_dtype": Q8, "checkout": "58c756b"}),
+    # session 18: Q's loads ahead of the union build, without and with V's loads 8 rows ahead (c8f3b16's probe)
+    **{f"s18b_{n}": ("float8_e4m3fn", dict(VARIANTS_QREG_BASE[n], checkout="c8f3b16")) for n in VARIANTS_QREG_BASE},
     # ... and with P V left running while the next block's stage is waited for and its S issued (branch
     # wip/pv-overlap, 0f5e99e; built there, copied here)
     **{f"s18c_{n}": ("float8_e4m3fn", dict(VARIANTS_QREG_BASE[n], checkout="0f5e99e"))
