@@ -19,11 +19,11 @@ the shipped module's docstring for the design, the grid and the builds).
   instead of one `cvt.rn.f16x2.e4m3x2` (F2FP) per f16x2; v_cvt="mixed": half of each thread's pairs
   each way (the cvt ones times 2**-8 by one HMUL2), so the F2FP, integer and f16 pipes share it.
   Both exact (results right);
-* v_ahead=n: V's shared loads issued n 16-key rows ahead of their conversion and stores (the
-  shipped loop loads a row only after storing the one before, so each row waits out a load's
-  latency: ptxas cannot hoist a load above stores that may alias it).
+* v_ahead=n: V's shared loads issued n 16-key rows ahead of their conversion and stores instead of
+  the shipped kernel's v_loads_ahead (0: each row's load after the row before is stored, as
+  before session 18).
 
-Its constructor takes the shipped class's options (warpgroups, stages, v_converter, q_lo_regs)
+Its constructor takes the shipped class's options (warpgroups, stages, q_lo_regs)
 as given: occupancy_options adds none (bench/kv_format_ab.py's VARIANTS name every build's).
 """
 
@@ -39,7 +39,7 @@ from msa_jit.compiler import kernels_package
 kernels_package()
 from msa_jit.kernels.sparse_decode_union_sm90 import SparseDecodeUnionSm90Kernel  # noqa: E402
 from msa_jit.kernels import ptx  # noqa: E402
-from msa_jit.kernels.union_sm90_ops import st_global_b32, store_f16_chunks, swizzled_f16, swizzled_fp8  # noqa: E402
+from msa_jit.kernels.union_sm90_ops import st_global_b32, swizzled_f16, swizzled_fp8  # noqa: E402
 
 TRACE_BLOCKS = 64  # trace=True: 8 stamps for each of the first 64 blocks, then n_blocks, smid, start
 TRACE_WORDS = TRACE_BLOCKS * 8 + 4
@@ -55,7 +55,7 @@ class UnionFp8Kernel(SparseDecodeUnionSm90Kernel):
         return {}
 
     def __init__(self, *, union_fp8: bool = True, trace: bool = False, convert: bool = True, mma: bool = True,
-                 lo_chain: bool = True, v_cvt: str = "cvt", v_ahead: int = 0, **options):
+                 lo_chain: bool = True, v_cvt: str = "cvt", v_ahead: int | None = None, **options):
         super().__init__(**options)
         # trace=True: TRACE_WORDS int32 per CTA over the plan's partial_o (bench/union_trace.py reads them)
         self.trace = trace
@@ -65,7 +65,8 @@ class UnionFp8Kernel(SparseDecodeUnionSm90Kernel):
         if v_cvt not in ("cvt", "trick", "mixed"):
             raise ValueError(f"v_cvt {v_cvt!r}")
         self.v_cvt = v_cvt
-        self.v_ahead = v_ahead
+        if v_ahead is not None:
+            self.v_loads_ahead = v_ahead
 
     # ---- trace=True
     def mark_cta(self, mPO, n_blocks, tidx):
@@ -101,31 +102,12 @@ class UnionFp8Kernel(SparseDecodeUnionSm90Kernel):
 
     # ---- convert=False: the V tiles stay as they are (only the fence); v_cvt: how V's bytes become f16
     def convert_v(self, v_stage, dst_smem, tidx, fence=True):
-        if self.convert and self.v_cvt == "cvt" and self.v_ahead:
-            self.convert_v_ahead(v_stage, dst_smem, tidx)
-            if fence:
-                cute.arch.fence_view_async_shared()
-            return None
         if self.convert and self.v_cvt == "cvt":
             return super().convert_v(v_stage, dst_smem, tidx, fence)
         if self.convert:
             self.convert_v_scaled(v_stage, dst_smem, tidx)
         if fence:
             cute.arch.fence_view_async_shared()
-
-    @cute.jit
-    def convert_v_ahead(self, v_stage, dst_smem, tidx):
-        """The shipped convert_v with each row's loads issued v_ahead rows before its stores."""
-        c8 = tidx % 8
-        rows = self.page // 16
-        words = [None] * rows
-        for r in cutlass.range_constexpr(min(self.v_ahead, rows)):
-            words[r] = ptx.ld_shared_v4(v_stage + swizzled_fp8(tidx // 8 + 16 * r, 16 * c8))
-        for r in cutlass.range_constexpr(rows):
-            if cutlass.const_expr(r + self.v_ahead < rows):
-                words[r + self.v_ahead] = ptx.ld_shared_v4(v_stage + swizzled_fp8(tidx // 8 + 16 * (r + self.v_ahead),
-                                                                                  16 * c8))
-            store_f16_chunks(dst_smem + swizzled_f16(self.page, tidx // 8 + 16 * r, 16 * c8), words[r], c8)
 
     @cute.jit
     def convert_v_scaled(self, v_stage, dst_smem, tidx):
@@ -178,9 +160,9 @@ class UnionFp8Kernel(SparseDecodeUnionSm90Kernel):
             atom_s.set(warpgroup.Field.ACCUMULATE, True)
         warpgroup.commit_group()
 
-    def s_mma_wait(self):
+    def mma_wait(self):
         if self.mma:
-            super().s_mma_wait()
+            super().mma_wait()
 
     def softmax(self, *args):
         if self.mma:
