@@ -158,20 +158,21 @@ print("bench/results/" + b.name if b else "none")')}
                   --so .kv-variants/${v%:*}/64x4/sparse_decode.so > $OUT/qfirst/${v%:*}.log 2>&1; tail -n 10 $OUT/qfirst/${v%:*}.log
               done
               tar czf $OUT/union-qfirst.tgz -C $OUT qfirst && rm -rf $OUT/qfirst ;;
-    union_final) # session 18's shipped union build (Q's loads first, P V under the next S, V's loads 8 rows
-              # ahead) checked and timed against each step before it: s18a (58c756b), s18b (+ Q first, c8f3b16;
-              # _ahead8: + V's loads ahead), s18c (+ P V overlap, 0f5e99e). Build: f_c3 f_union_k8_w1_qreg
-              # q8_union_w1 f_union_k8_w1_qreg_trace q8_union_w1_trace (the s18* builds from their checkouts)
+    union_final) # session 18's candidate (branch wip/union-s18, b251ec4: Q's loads first, P V under the next S,
+              # V's loads 8 rows ahead; s18d) checked and timed against each step before it: s18a (58c756b, main's
+              # build), s18b (+ Q first, c8f3b16; _ahead8: + V's loads ahead), s18c (+ P V overlap, 0f5e99e).
+              # Build: f_c3, then each s18* in a checkout of its commit (docs/gpu-workflow.md "The next run")
               mkdir -p $OUT/final
-              for v in f_union_k8_w1_qreg q8_union_w1 s18b_f_union_k8_w1_qreg_ahead8 s18c_f_union_k8_w1_qreg; do
+              for v in s18d_f_union_k8_w1_qreg s18d_q8_union_w1 s18b_f_union_k8_w1_qreg_ahead8 s18c_f_union_k8_w1_qreg; do
                 timeout "$(limit 60)" python3 bench/union_check.py --dir .kv-variants --variants "$v" \
                   >> $OUT/final/union-check.log 2>&1; echo "union check $v: rc=$?"
               done
               timeout "$(limit 150)" python3 bench/kv_format_ab.py run --dir .kv-variants --out $OUT --rounds 5 \
                 --variants f_c3 s18a_f_union_k8_w1_qreg s18a_q8_union_w1 s18b_f_union_k8_w1_qreg s18b_q8_union_w1 \
                 s18b_f_union_k8_w1_qreg_ahead8 s18b_q8_union_w1_ahead8 s18c_f_union_k8_w1_qreg s18c_q8_union_w1 \
-                f_union_k8_w1_qreg q8_union_w1 --points 64/4:64:4:12 64/4:64:4:0 8/1:256:4:12 2>&1 | grep -v "^{" | tail -n 3
-              for v in f_union_k8_w1_qreg_trace:bfloat16 q8_union_w1_trace:float8_e4m3fn; do
+                s18d_f_union_k8_w1_qreg s18d_q8_union_w1 --points 64/4:64:4:12 64/4:64:4:0 8/1:256:4:12 2>&1 \
+                | grep -v "^{" | tail -n 3
+              for v in s18d_f_union_k8_w1_qreg_trace:bfloat16 s18d_q8_union_w1_trace:float8_e4m3fn; do
                 timeout "$(limit 60)" python3 bench/union_trace.py --out $OUT/final --warpgroups 1 --q-dtype ${v#*:} \
                   --so .kv-variants/${v%:*}/64x4/sparse_decode.so > $OUT/final/${v%:*}.log 2>&1; tail -n 10 $OUT/final/${v%:*}.log
               done
