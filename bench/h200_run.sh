@@ -4,7 +4,7 @@
 #   bash bench/h200_run.sh tests memcheck racecheck selftest bench ceilings    # the round's full run
 #   any of: tests union_tests memcheck racecheck selftest bench bench_quick bench_union ceilings host_ab host_ab_union variants trace
 #           per_layer_ab union_k8 union_k8_small union_k8_trace union_skip union_qreg union_qreg_trace
-#           union_lo union_ncu union_qfirst union_final
+#           union_lo union_ncu union_final
 #   VARIANTS="now lsu" bash bench/h200_run.sh variants   # time only these variants
 #   BASELINE=bench/results/bench-....json                # compare with (default: newest in bench/results)
 # Every step runs under a timeout that ends it by DEADLINE seconds after the start (default 570:
@@ -133,45 +133,21 @@ print("bench/results/" + b.name if b else "none")')}
                 q8_union_w1 q8_union_w1_noconv q8_union_w1_mixed \
                 --keep f_union_k8_w1_qreg_noconv f_union_k8_w1_qreg_nolo f_union_k8_w1_qreg_nolo_noconv q8_union_w1_noconv \
                 --points 64/4:64:4:12 64/4:64:4:0 2>&1 | grep -v "^{" | tail -n 3 ;;
-    union_qfirst) # Q's loads ahead of the union build (the shipped kernel now) and V's loads rows ahead of their
-              # conversion (v_ahead probes), against the builds before (s18a_*, 58c756b). Build: f_c3
-              # s18a_f_union_k8_w1_qreg s18a_q8_union_w1 (in a checkout of 58c756b) f_union_k8_w1_qreg q8_union_w1
-              # f_union_k8_w1_qreg_ahead2 f_union_k8_w1_qreg_ahead8 q8_union_w1_ahead2 q8_union_w1_ahead8
-              # f_union_k8_w1_qreg_trace q8_union_w1_trace, and the s18c_* builds of wip/pv-overlap (0f5e99e: P V
-              # left running under the next block's S). Traces and checks in one tarball
-              # (at most 8 files come back)
-              mkdir -p $OUT/qfirst
-              for v in f_union_k8_w1_qreg q8_union_w1 f_union_k8_w1_qreg_ahead8 q8_union_w1_ahead8 s18c_f_union_k8_w1_qreg \
-                       s18c_q8_union_w1 s18c_f_union_k8_w1_qreg_ahead8 s18c_q8_union_w1_ahead8; do
-                timeout "$(limit 60)" python3 bench/union_check.py --dir .kv-variants --variants "$v" \
-                  >> $OUT/qfirst/union-check.log 2>&1; echo "union check $v: rc=$?"
-              done
-              timeout "$(limit 240)" python3 bench/kv_format_ab.py run --dir .kv-variants --out $OUT --rounds 5 \
-                --variants f_c3 s18a_f_union_k8_w1_qreg s18a_q8_union_w1 f_union_k8_w1_qreg q8_union_w1 \
-                f_union_k8_w1_qreg_ahead2 f_union_k8_w1_qreg_ahead8 q8_union_w1_ahead8 s18c_f_union_k8_w1_qreg \
-                s18c_q8_union_w1 s18c_f_union_k8_w1_qreg_ahead8 s18c_q8_union_w1_ahead8 \
-                --points 64/4:64:4:12 64/4:64:4:0 64/4:64:8:12 8/1:256:4:12 2>&1 \
-                | grep -v "^{" | tail -n 3
-              for v in f_union_k8_w1_qreg_trace:bfloat16 q8_union_w1_trace:float8_e4m3fn s18c_f_union_k8_w1_qreg_trace:bfloat16 \
-                       s18c_q8_union_w1_trace:float8_e4m3fn; do
-                timeout "$(limit 60)" python3 bench/union_trace.py --out $OUT/qfirst --warpgroups 1 --q-dtype ${v#*:} \
-                  --so .kv-variants/${v%:*}/64x4/sparse_decode.so > $OUT/qfirst/${v%:*}.log 2>&1; tail -n 10 $OUT/qfirst/${v%:*}.log
-              done
-              tar czf $OUT/union-qfirst.tgz -C $OUT qfirst && rm -rf $OUT/qfirst ;;
-    union_final) # session 18's shipped union build (Q's loads first, P V under the next S, V's loads 8 rows
-              # ahead) checked and timed against each step before it: s18a (58c756b), s18b (+ Q first, c8f3b16;
-              # _ahead8: + V's loads ahead), s18c (+ P V overlap, 0f5e99e). Build: f_c3 f_union_k8_w1_qreg
-              # q8_union_w1 f_union_k8_w1_qreg_trace q8_union_w1_trace (the s18* builds from their checkouts)
+    union_final) # session 18's candidate (branch wip/union-s18, b251ec4: Q's loads first, P V under the next S,
+              # V's loads 8 rows ahead; s18d) checked and timed against each step before it: s18a (58c756b, main's
+              # build), s18b (+ Q first, c8f3b16; _ahead8: + V's loads ahead), s18c (+ P V overlap, 0f5e99e).
+              # Build: f_c3, then each s18* in a checkout of its commit (docs/gpu-workflow.md "The next run")
               mkdir -p $OUT/final
-              for v in f_union_k8_w1_qreg q8_union_w1 s18b_f_union_k8_w1_qreg_ahead8 s18c_f_union_k8_w1_qreg; do
+              for v in s18d_f_union_k8_w1_qreg s18d_q8_union_w1 s18b_f_union_k8_w1_qreg_ahead8 s18c_f_union_k8_w1_qreg; do
                 timeout "$(limit 60)" python3 bench/union_check.py --dir .kv-variants --variants "$v" \
                   >> $OUT/final/union-check.log 2>&1; echo "union check $v: rc=$?"
               done
               timeout "$(limit 150)" python3 bench/kv_format_ab.py run --dir .kv-variants --out $OUT --rounds 5 \
                 --variants f_c3 s18a_f_union_k8_w1_qreg s18a_q8_union_w1 s18b_f_union_k8_w1_qreg s18b_q8_union_w1 \
                 s18b_f_union_k8_w1_qreg_ahead8 s18b_q8_union_w1_ahead8 s18c_f_union_k8_w1_qreg s18c_q8_union_w1 \
-                f_union_k8_w1_qreg q8_union_w1 --points 64/4:64:4:12 64/4:64:4:0 8/1:256:4:12 2>&1 | grep -v "^{" | tail -n 3
-              for v in f_union_k8_w1_qreg_trace:bfloat16 q8_union_w1_trace:float8_e4m3fn; do
+                s18d_f_union_k8_w1_qreg s18d_q8_union_w1 --points 64/4:64:4:12 64/4:64:4:0 8/1:256:4:12 2>&1 \
+                | grep -v "^{" | tail -n 3
+              for v in s18d_f_union_k8_w1_qreg_trace:bfloat16 s18d_q8_union_w1_trace:float8_e4m3fn; do
                 timeout "$(limit 60)" python3 bench/union_trace.py --out $OUT/final --warpgroups 1 --q-dtype ${v#*:} \
                   --so .kv-variants/${v%:*}/64x4/sparse_decode.so > $OUT/final/${v%:*}.log 2>&1; tail -n 10 $OUT/final/${v%:*}.log
               done

@@ -175,6 +175,13 @@ VARIANTS = {  # name -> (kv dtype, kernel options)
                                                        "trace": True, "checkout": "0f5e99e"}),
     "s18c_q8_union_w1_trace": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "trace": True, "q_dtype": Q8,
                                                 "checkout": "0f5e99e"}),
+    # the whole of session 18's candidate (branch wip/union-s18, b251ec4): Q first, P V overlap, V's loads ahead
+    **{f"s18d_{n}": ("float8_e4m3fn", dict(VARIANTS_QREG_BASE[n], checkout="b251ec4"))
+       for n in ("f_union_k8_w1_qreg", "q8_union_w1")},
+    "s18d_f_union_k8_w1_qreg_trace": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "q_lo_regs": True,
+                                                       "trace": True, "checkout": "b251ec4"}),
+    "s18d_q8_union_w1_trace": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "trace": True, "q_dtype": Q8,
+                                                "checkout": "b251ec4"}),
     # V's shared loads issued rows ahead of their conversion (union_fp8.py v_ahead; exact)
     **{f"f_union_k8_w1_qreg_ahead{n}": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "q_lo_regs": True,
                                                           "v_ahead": n}) for n in (1, 2, 8)},

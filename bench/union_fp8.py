@@ -31,7 +31,6 @@ as given: occupancy_options adds none (bench/kv_format_ab.py's VARIANTS name eve
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
-from cutlass.cute.nvgpu import warpgroup
 
 from kernel_probes import globaltimer_lo, smid
 from msa_jit.compiler import kernels_package
@@ -140,25 +139,14 @@ class UnionFp8Kernel(SparseDecodeUnionSm90Kernel):
         super().finish(mOut, mLse, mPO, mPL, storage, acc_o, row_max, row_sum, o_other, req, h, tile, split,
                        num_splits, qlen, n_tok, v_scale, *rest)
 
-    # ---- mma=False: no S, no softmax, no P V
+    # ---- mma=False: no S, no softmax, no P V; lo_chain=False: S from Q's hi tile only
     def s_mma_issue(self, m, acc_s, s):
         if self.mma:
-            if self.lo_chain:
-                super().s_mma_issue(m, acc_s, s)
-            else:
-                self.s_mma_issue_hi(m, acc_s, s)
-
-    @cute.jit
-    def s_mma_issue_hi(self, m, acc_s, s):
-        """lo_chain=False: S from Q's hi tile only (the shipped s_mma_issue's first chain)."""
-        tSrQ, tSrK = m["tSrQ"], m["tSrK"]
-        warpgroup.fence()
-        atom_s = cute.make_mma_atom(m["mma_s"].op)
-        atom_s.set(warpgroup.Field.ACCUMULATE, False)
-        for k in cutlass.range_constexpr(cute.size(tSrQ.shape[2])):
-            cute.gemm(atom_s, acc_s, tSrQ[None, None, k], tSrK[None, None, k, s], acc_s)
-            atom_s.set(warpgroup.Field.ACCUMULATE, True)
-        warpgroup.commit_group()
+            # the shipped s_mma_issue reads split_q at trace time to add the lo chain: hide it while tracing
+            split_q = self.split_q
+            self.split_q = split_q and self.lo_chain
+            super().s_mma_issue(m, acc_s, s)
+            self.split_q = split_q
 
     def mma_wait(self):
         if self.mma:
