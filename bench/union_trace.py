@@ -4,7 +4,9 @@
 
 Each MMA warpgroup's thread 0 stamps %globaltimer per union block: 0 stage full, 1 S issued, 2
 its V conversion done, 3 S done, 4 softmax done, 5 V tile complete, 6 P V done, over the plan's
-partial_o. One eager step of 64/4 B=64 qlen 4 with 12/16 shared blocks (the spec-decode point) by
+partial_o (the builds of branch wip/union-s18, s18c / s18d: 1 is "S issued, the previous P V done"
+and 6 "P V issued", its wait falling in the next block's 0 -> 1). One eager step of 64/4 B=64 qlen 4
+with 12/16 shared blocks (the spec-decode point) by
 default. Prints medians of each interval and writes union-trace-<date>-<query>-w<warpgroups>.json
 (device, versions, command, the raw stamps of CTA 0 and the medians). (The converter-warpgroup
 events of the retired bench/union_wgmma.py probes are at commit d3bf0ed.)
