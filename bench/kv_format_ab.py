@@ -187,12 +187,13 @@ VARIANTS = {  # name -> (kv dtype, kernel options)
                                                           "v_ahead": n}) for n in (1, 2, 8)},
     **{f"q8_union_w1_ahead{n}": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "q_dtype": Q8, "v_ahead": n})
        for n in (2, 8)},
-    # V's conversion by the integer bit trick, or half each way (union_fp8.py v_cvt; exact)
+    # V's conversion by the integer bit trick, or half each way (union_fp8.py v_cvt, retired: row 75; exact)
     "f_union_k8_w1_qreg_trick": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "q_lo_regs": True,
-                                                  "v_cvt": "trick"}),
+                                                  "v_cvt": "trick", "checkout": "34bf61e"}),
     "f_union_k8_w1_qreg_mixed": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "q_lo_regs": True,
-                                                  "v_cvt": "mixed"}),
-    "q8_union_w1_mixed": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "q_dtype": Q8, "v_cvt": "mixed"}),
+                                                  "v_cvt": "mixed", "checkout": "34bf61e"}),
+    "q8_union_w1_mixed": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "q_dtype": Q8, "v_cvt": "mixed",
+                                           "checkout": "34bf61e"}),
     # without the lo tile's QGMMA chain (wrong results): what the second K read costs beside V's conversion
     "f_union_k8_w1_qreg_nolo": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "q_lo_regs": True,
                                                  "lo_chain": False}),

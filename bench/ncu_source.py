@@ -64,7 +64,7 @@ def main() -> None:
         top = sorted(((s[6:], int(_num(r[s]))) for s in stalls if _num(r[s]) > 0), key=lambda kv: -kv[1])[:3]
         return f"  {r['Address'][-5:]} {int(_num(r[SAMPLES])):5d}  {r['Source'].strip()[:64]:64s} {dict(top)}"
 
-    print(f"instructions with the most samples (address, samples, SASS, top reasons):")
+    print("instructions with the most samples (address, samples, SASS, top reasons):")
     for r in sorted(data, key=lambda r: -_num(r[SAMPLES]))[:a.top]:
         print(line(r))
     print("samples between landmarks (first .. last address, samples, share, first instruction):")

@@ -5,8 +5,9 @@
 
 Arguments: geometry batch qlen [shared_blocks (consecutive tokens share that many blocks)]
 [artifact .so (e.g. .variants/scalar_out/64x4-bfloat16/sparse_decode.so) instead of the cache's,
-or "-" for the cache's]. PROFILE_Q=float8_e4m3fn: an fp8 query (default bfloat16). PROFILE_KV=nvfp4: the same pages as random NVFP4 bytes (the timing does
-not depend on the values; bench/kv_format_ab.py), global scales as device tensors.
+or "-" for the cache's]. PROFILE_Q=float8_e4m3fn: an fp8 query (default bfloat16).
+PROFILE_KV=nvfp4: the same pages as random NVFP4 bytes (the timing does not depend on the values;
+bench/kv_format_ab.py), global scales as device tensors.
 """
 
 import math

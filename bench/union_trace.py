@@ -4,8 +4,9 @@
 
 Each MMA warpgroup's thread 0 stamps %globaltimer per union block: 0 stage full, 1 S issued, 2
 its V conversion done, 3 S done, 4 softmax done, 5 V tile complete, 6 P V done, over the plan's
-partial_o. One eager step of 64/4 B=64 qlen 4 with 12/16 shared blocks (the spec-decode point) by
-default. Prints medians of each interval and writes union-trace-<date>-<query>-w<warpgroups>.json
+partial_o (the builds of branch wip/union-s18, s18c / s18d: 1 is "S issued, the previous P V done"
+and 6 "P V issued", its wait falling in the next block's 0 -> 1). One eager step of 64/4 B=64 qlen 4
+with 12/16 shared blocks (the spec-decode point) by default. Prints medians of each interval and writes union-trace-<date>-<query>-w<warpgroups>.json
 (device, versions, command, the raw stamps of CTA 0 and the medians). (The converter-warpgroup
 events of the retired bench/union_wgmma.py probes are at commit d3bf0ed.)
 """
@@ -77,7 +78,7 @@ def main() -> int:
         stamps = [[(w[8 * i + e] - t0) & 0xFFFFFFFF for e in range(8)] for i in range(min(n, TRACE_BLOCKS))]
         spans.append(max(max(s[:len(EVENTS)]) for s in stamps) / 1e3 if stamps else 0.0)  # slot 7 unused
         if stamps:
-            firsts.append(stamps[0][0] / 1e3)  # CTA start -> its first block's stage full
+            firsts.append(stamps[0][0] / 1e3)  # the CTA's start stamp (after its union build) -> first stage full
         for k, v in intervals(stamps, n, a.warpgroups).items():
             agg.setdefault(k, []).extend(v)
     med = {k: round(statistics.median(v), 3) for k, v in agg.items() if v}
@@ -95,7 +96,7 @@ def main() -> int:
     for k in med:
         print(f"{k:22s} median {med[k]:8.3f} us  mean {mean[k]:8.3f} us")
     print(f"CTA span median {result['cta_span_us_median']} us, max {result['cta_span_us_max']} us; first stage full "
-          f"median {result['first_full_us_median']} us, max {result['first_full_us_max']} us after the CTA's start")
+          f"median {result['first_full_us_median']} us, max {result['first_full_us_max']} us after the union build")
     q = "q8" if a.q_dtype == "float8_e4m3fn" else "bf16"
     path = Path(a.out) / f"union-trace-{result['date']}-{q}-w{a.warpgroups}.json"
     path.write_text(json.dumps(result, indent=1))
