@@ -152,7 +152,7 @@ print("bench/results/" + b.name if b else "none")')}
                   --so .kv-variants/${v%:*}/64x4/sparse_decode.so > $OUT/final/${v%:*}.log 2>&1; tail -n 10 $OUT/final/${v%:*}.log
               done
               tar czf $OUT/union-final.tgz -C $OUT final && rm -rf $OUT/final ;;
-    push_merge) # row 79: the split merge inside the decode launch (branch wip/push-merge, d934318: s19p_*, built there
+    push_merge) # row 79: the split merge inside the decode launch (branch wip/push-merge, acaabd9: s19p_*, built there
               # as f_c2_cm / n_c2_cm / q8_c2_cm), checked at every split factor beside the merge kernel's build, timed
               # against the 2-CTA builds at the split shapes (64/4 B=64: one split, the same path), and the op call's
               # CPU with it (host_ab's op_fused, its GPU time gpu_us_op_fused)
