@@ -100,6 +100,8 @@ class ProbeMmaKernel(SparseDecodeMmaKernel):
                  prefetch_bt: bool = False, release: str = "lanes", merge_trigger: bool | None = None,
                  convert: str = "full", **options):
         super().__init__(**options)
+        if self.cluster_merge is not None:
+            raise ValueError("the probes' kernel() has no cluster merge: split_merge='cluster' is the shipped kernel's")
         for name, value, allowed in (("probe", probe, PROBES), ("v_loads", v_loads, ("rotated", "v4")),
                                      ("release", release, RELEASES), ("convert", convert, CONVERTS)):
             if value not in allowed:
@@ -312,5 +314,6 @@ class ProbeMmaKernel(SparseDecodeMmaKernel):
             )
         if cutlass.const_expr(self.trace):
             tr[6] = globaltimer_lo()
-        self.epilogue(mOut, mLse, mPO, mPL, sML, buf_addr, acc, row_max, row_sum,
+        # recv 0: the probes' kernel() sets up no cluster merge (rejected in __init__)
+        self.epilogue(mOut, mLse, mPO, mPL, sML, buf_addr, Int32(0), acc, row_max, row_sum,
                       t, h, split, warp, lane, num_splits, v_scale)
