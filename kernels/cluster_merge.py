@@ -45,10 +45,17 @@ class ClusterMerge:
         self.max_splits = min(max_splits, RECV_SLOTS)
 
     def fits(self, num_splits):
-        """Does a launch of `num_splits` (a runtime Int32) merge in a cluster? 2..16 splits whose
-        receive slots fit RECV_SLOTS (more than 16 splits need more slots, so they never fit);
-        otherwise the partials go through global memory to the merge kernel."""
+        """Host side: does a launch of `num_splits` > 1 (a runtime Int32) merge in a cluster? Yes when
+        its receive slots fit RECV_SLOTS (more than 16 splits need more slots, so they never fit);
+        otherwise the partials go through global memory to the merge kernel. The device side asks
+        `in_cluster` instead, so it follows whatever the launch did."""
         return (self.group + num_splits - 1) // num_splits * num_splits <= RECV_SLOTS
+
+    @cute.jit
+    def in_cluster(self):
+        """Device side: was this CTA launched in a cluster of more than one CTA (then of num_splits,
+        rank == split)? st.async and the cluster barrier need one."""
+        return cute.arch.cluster_size() > 1
 
     def route(self, row, split, num_splits):
         """(cluster rank that merges `row`, its receive slot for split `split`'s partial row):
@@ -59,6 +66,16 @@ class ClusterMerge:
         """How many group rows cluster rank `rank` merges: rank, rank + num_splits, ... < G."""
         return (self.group - rank + num_splits - 1) // num_splits
 
+    def merge_slot(self, j, split, num_splits):
+        """The receive slot merge() reads for split `split` of the j-th row it merges (row
+        rank + j * num_splits): route()'s slot for that row."""
+        return j * num_splits + split
+
+    def peer_bytes(self, rows, num_splits):
+        """The bytes a rank merging `rows` rows receives by st.async: each row's partial (PART_BYTES)
+        and log2-LSE (4) from every split but itself."""
+        return rows * (num_splits - 1) * (PART_BYTES + 4)
+
     @cute.jit
     def init(self, recv: Int32):
         """One thread, before the CTA's mbarrier_init_fence: the receive mbarrier, one arrival
@@ -68,13 +85,13 @@ class ClusterMerge:
     @cute.jit
     def arrive(self, num_splits: Int32):
         """Every thread, after the CTA's mbarrier_init_fence: this CTA's receive mbarrier is set up."""
-        if num_splits > 1 and self.fits(num_splits):
+        if self.in_cluster():
             cute.arch.cluster_arrive_relaxed()
 
     @cute.jit
     def wait(self, num_splits: Int32):
         """Every pushing thread, before its push: every CTA of the cluster has arrived."""
-        if num_splits > 1 and self.fits(num_splits):
+        if self.in_cluster():
             cute.arch.cluster_wait()
 
     @cute.jit
@@ -107,27 +124,27 @@ class ClusterMerge:
         the `threads` pushing threads calls it, after its push; nothing when the launch does not
         merge in a cluster."""
         n_rows = Int32(0)
-        if num_splits > 1 and self.fits(num_splits) and split < self.group:
+        if self.in_cluster() and split < self.group:
             n_rows = self.rows_merged(split, num_splits)
         if n_rows > 0:
             # this CTA's own partial rows (plain stores in push) are visible to every merging thread
             cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
             bar = recv + RECV_BAR_OFFSET
             if d == 0:  # the peers' bytes: n_rows rows of num_splits - 1 partials each
-                ptx.mbarrier_arrive_expect_tx(bar, n_rows * (num_splits - 1) * (PART_BYTES + 4))
+                ptx.mbarrier_arrive_expect_tx(bar, self.peer_bytes(n_rows, num_splits))
             done = ptx.mbarrier_try_wait_cluster(bar, Int32(0))
             while done == 0:
                 done = ptx.mbarrier_try_wait_cluster(bar, Int32(0))
             if d < HEAD_DIM:
                 for j in range(n_rows):
-                    row = split + j * num_splits  # route(row, s, num_splits) == (split, j * num_splits + s)
+                    row = split + j * num_splits
                     lse = cute.make_rmem_tensor(self.max_splits, Float32)
                     part = cute.make_rmem_tensor(self.max_splits, Float32)
                     for s in cutlass.range_constexpr(self.max_splits):
                         lse[s] = -Float32.inf
                         part[s] = Float32(0.0)
                         if s < num_splits:
-                            slot = j * num_splits + s
+                            slot = self.merge_slot(j, s, num_splits)
                             lse[s] = ptx.ld_shared_f32(recv + RECV_SLOTS * PART_BYTES + 4 * slot)
                             part[s] = ptx.ld_shared_f32(recv + slot * PART_BYTES + 4 * d)
                     out, lse_nat = combine_splits(lse, part, self.max_splits)

@@ -782,7 +782,7 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
                     mLse[t, hq] = lse2 * LN2
             elif cutlass.const_expr(self.cluster_merge is None):
                 self.store_partial(mPO, mPL, vals, lse2, t, h, split, row, d0, num_splits)
-            elif self.cluster_merge.fits(num_splits):  # into the merging CTA's shared memory
+            elif self.cluster_merge.in_cluster():  # into the merging CTA's shared memory
                 self.cluster_merge.push(recv, split, num_splits, row, d0, vals, lse2, self.out_elems)
             else:
                 self.store_partial(mPO, mPL, vals, lse2, t, h, split, row, d0, num_splits)

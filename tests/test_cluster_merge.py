@@ -49,9 +49,12 @@ def test_every_partial_row_has_one_slot_at_its_merging_rank(group):
         for rank in range(splits):
             rows = m.rows_merged(rank, splits) if rank < group else 0
             assert rows == len(range(rank, group, splits))
-            # merge() reads slot j * splits + s for its j-th row split + j * splits and split s
-            assert taken[rank] == {j * splits + s for j in range(rows) for s in range(splits)}
-            assert pushed[rank] == rows * (splits - 1) * (PART_BYTES + 4)  # merge()'s expect_tx
+            # merge()'s slot of split s for its j-th row (rank + j * splits) is where push() put it
+            for j in range(rows):
+                for s in range(splits):
+                    assert m.merge_slot(j, s, splits) == m.route(rank + j * splits, s, splits)[1]
+            assert taken[rank] == {m.merge_slot(j, s, splits) for j in range(rows) for s in range(splits)}
+            assert pushed[rank] == m.peer_bytes(rows, splits)  # merge()'s expect_tx
 
 
 def test_every_split_factor_of_a_2_cta_grid_merges_in_a_cluster():
