@@ -138,16 +138,11 @@ class ClusterMerge:
             if d < HEAD_DIM:
                 for j in range(n_rows):
                     row = split + j * num_splits
-                    lse = cute.make_rmem_tensor(self.max_splits, Float32)
-                    part = cute.make_rmem_tensor(self.max_splits, Float32)
-                    for s in cutlass.range_constexpr(self.max_splits):
-                        lse[s] = -Float32.inf
-                        part[s] = Float32(0.0)
-                        if s < num_splits:
-                            slot = self.merge_slot(j, s, num_splits)
-                            lse[s] = ptx.ld_shared_f32(recv + RECV_SLOTS * PART_BYTES + 4 * slot)
-                            part[s] = ptx.ld_shared_f32(recv + slot * PART_BYTES + 4 * d)
-                    out, lse_nat = combine_splits(lse, part, self.max_splits)
+                    lse_at = recv + RECV_SLOTS * PART_BYTES
+                    out, lse_nat = combine_splits(
+                        self.max_splits, num_splits,
+                        lambda s: ptx.ld_shared_f32(lse_at + 4 * self.merge_slot(j, s, num_splits)),
+                        lambda s: ptx.ld_shared_f32(recv + self.merge_slot(j, s, num_splits) * PART_BYTES + 4 * d))
                     mOut[t, hq0 + row, d] = out.to(cutlass.BFloat16)
                     if d == 0:
                         mLse[t, hq0 + row] = lse_nat
