@@ -4,7 +4,7 @@
 #   bash bench/h200_run.sh tests memcheck racecheck selftest bench ceilings    # the round's full run
 #   any of: tests union_tests memcheck racecheck selftest bench bench_quick bench_union ceilings host_ab host_ab_union variants trace
 #           per_layer_ab union_k8 union_k8_small union_k8_trace union_skip union_qreg union_qreg_trace
-#           union_lo union_ncu union_final
+#           union_lo union_ncu union_final push_merge
 #   VARIANTS="now lsu" bash bench/h200_run.sh variants   # time only these variants
 #   BASELINE=bench/results/bench-....json                # compare with (default: newest in bench/results)
 # Every step runs under a timeout that ends it by DEADLINE seconds after the start (default 570:
@@ -152,6 +152,21 @@ print("bench/results/" + b.name if b else "none")')}
                   --so .kv-variants/${v%:*}/64x4/sparse_decode.so > $OUT/final/${v%:*}.log 2>&1; tail -n 10 $OUT/final/${v%:*}.log
               done
               tar czf $OUT/union-final.tgz -C $OUT final && rm -rf $OUT/final ;;
+    push_merge) # row 79: the split merge inside the decode launch (branch wip/push-merge, acaabd9: s19p_*, built there
+              # as f_c2_cm / n_c2_cm / q8_c2_cm), checked at every split factor beside the merge kernel's build, timed
+              # against the 2-CTA builds at the split shapes (64/4 B=64: one split, the same path), and the op call's
+              # CPU with it (host_ab's op_fused, its GPU time gpu_us_op_fused)
+              mkdir -p $OUT/push
+              timeout "$(limit 90)" python3 bench/split_check.py --dir .kv-variants --out $OUT/push \
+                --variants s19p_f_c2_cm s19p_q8_c2_cm s19p_n_c2_cm f_c2 > $OUT/push/split-check.log 2>&1
+              echo "split check: rc=$?"; tail -n 1 $OUT/push/split-check.log
+              timeout "$(limit 200)" python3 bench/kv_format_ab.py run --dir .kv-variants --out $OUT --rounds 5 \
+                --variants f_c2 s19p_f_c2_cm q8_c2 s19p_q8_c2_cm n_c2 s19p_n_c2_cm \
+                --points 64/4:1:1 8/1:1:1 8/1:4:1 64/4:4:1 64/4:1:4 64/4:16:1 64/4:64:1 2>&1 | grep -v "^{" | tail -n 3
+              timeout "$(limit 120)" python3 bench/host_ab.py --out $OUT/push --rounds 9 \
+                --fused-so .kv-variants/s19p_f_c2_cm/64x4/sparse_decode.so > $OUT/push/host-ab.log 2>&1
+              echo "host_ab: rc=$?"; grep -E "^64/4|op_new |op_fused|torch_add|ffi_floor" $OUT/push/host-ab.log
+              tar czf $OUT/push-merge.tgz -C $OUT push && rm -rf $OUT/push ;;
     union_ncu) # Nsight Compute of the bf16 (q_lo_regs) and fp8-query 2-CTA union builds at the spec-decode point:
               # pipes, shared-memory wavefronts and bank conflicts, stall reasons, per-instruction samples
               for v in f_union_k8_w1_qreg:bfloat16 q8_union_w1:float8_e4m3fn; do

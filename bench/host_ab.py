@@ -266,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=15)
-    ap.add_argument("--fused-so", help="a fused-merge build (bench/kv_format_ab.py f_c2_fused, 64x4): op_fused")
+    ap.add_argument("--fused-so", help="a one-launch build, 64x4 (the merge inside the decode launch: "
+                    "kv_format_ab.py's f_c2_fused of row 53, s19p_f_c2_cm of row 79): op_fused")
     ap.add_argument("--union", action="store_true", help="also the union kernel's call (op_union, op_union_fp8q)")
     a = ap.parse_args(argv)
     from msa_jit.bench import environment, issue_us

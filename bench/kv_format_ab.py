@@ -41,6 +41,7 @@ VARIANTS = {  # name -> (kv dtype, kernel options)
     "n_c3s3": ("nvfp4", dict(C3, stages=3)),  # the NVFP4 3-CTA build since e4513cb
     "n_c3s3_sc2": ("nvfp4", dict(C3, stages=3, s_chains=2)),
     "f_c2": ("float8_e4m3fn", {}),
+    "q8_c2": ("float8_e4m3fn", {"q_dtype": Q8}),  # the 2-CTA build with an fp8 query (vLLM's call)
     # the split merge inside the decode launch (split_merge="cluster", kernels/cluster_merge.py; row 79)
     "f_c2_cm": ("float8_e4m3fn", {"split_merge": "cluster"}),
     "n_c2_cm": ("nvfp4", {"split_merge": "cluster"}),
@@ -209,6 +210,11 @@ VARIANTS = {  # name -> (kv dtype, kernel options)
     "q8_union_w1_noconv": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "convert": False, "q_dtype": Q8}),
     "q8_union_noconv": ("float8_e4m3fn", {"union_fp8": True, "convert": False, "q_dtype": Q8}),  # wrong results
     "q8_union_nomma": ("float8_e4m3fn", {"union_fp8": True, "mma": False, "q_dtype": Q8}),  # wrong results
+    # the split merge inside the decode launch (branch wip/push-merge, acaabd9: split_merge="cluster",
+    # kernels/cluster_merge.py; row 79), built there as f_c2_cm / n_c2_cm / q8_c2_cm
+    "s19p_f_c2_cm": ("float8_e4m3fn", {"split_merge": "cluster", "checkout": "acaabd9"}),
+    "s19p_n_c2_cm": ("nvfp4", {"split_merge": "cluster", "checkout": "acaabd9"}),
+    "s19p_q8_c2_cm": ("float8_e4m3fn", {"split_merge": "cluster", "q_dtype": Q8, "checkout": "acaabd9"}),
 }
 GEOMS = [(64, 4), (8, 1)]
 POINTS = [("64/4", 256, 1), ("64/4", 64, 1), ("8/1", 256, 1), ("64/4", 16, 1), ("64/4", 1, 1), ("64/4", 64, 4),
