@@ -23,7 +23,8 @@ from typing import Any, Callable, Mapping
 
 from . import cache as _cache
 from . import env
-from .geometry import KV_DTYPE_SHORT, Q_DTYPE_SHORT, UNION_CTAS_PER_SM, SparseDecodeConfig, union_problems
+from .geometry import (KV_DTYPE_SHORT, Q_DTYPE_SHORT, UNION_CTAS_PER_SM, SparseDecodeConfig, cluster_merge_problems,
+                       union_problems)
 from .loader import load_artifact
 
 log = logging.getLogger("msa_jit")
@@ -136,15 +137,29 @@ def union_configs(config: SparseDecodeConfig) -> list[SparseDecodeConfig]:
     if union_problems(num_q_heads=config.num_q_heads, num_kv_heads=config.num_kv_heads,
                       page_size=config.page_size, kv_dtype=config.kv_dtype, arch=config.arch):
         return []
-    return [replace(config, kernel="union", ctas_per_sm=n) for n in supported_ctas_per_sm(config.arch, "union")]
+    return [replace(config, kernel="union", split_merge="kernel", ctas_per_sm=n)
+            for n in supported_ctas_per_sm(config.arch, "union")]
+
+
+def cluster_merge_configs(config: SparseDecodeConfig) -> list[SparseDecodeConfig]:
+    """The token kernel's builds of `config`'s geometry, dtypes and arch that merge the KV splits in a
+    cluster (geometry.cluster_merge_problems), or none where that cannot be built."""
+    token = replace(config, kernel="token", split_merge="cluster")
+    return [replace(token, ctas_per_sm=n) for n in supported_ctas_per_sm(config.arch)
+            if not cluster_merge_problems(kernel="token", ctas_per_sm=n, arch=config.arch)]
 
 
 def plannable_configs(config: SparseDecodeConfig) -> list[SparseDecodeConfig]:
     """`config` at every occupancy the planner may pick for its arch (what a warmup builds), and
-    the union kernel's builds where the planner may pick it (MSA_JIT_ENABLE_SM90_UNION=1)."""
-    token = replace(config, kernel="token")
+    the union kernel's builds where the planner may pick it (MSA_JIT_ENABLE_SM90_UNION=1), and the
+    cluster split merge's where it may (MSA_JIT_ENABLE_CLUSTER_MERGE=1)."""
+    token = replace(config, kernel="token", split_merge="kernel")
     out = [replace(token, ctas_per_sm=n) for n in supported_ctas_per_sm(config.arch)]
-    return out + (union_configs(config) if env.enable_sm90_union() else [])
+    if env.enable_sm90_union():
+        out += union_configs(config)
+    if env.enable_cluster_merge():
+        out += cluster_merge_configs(config)
+    return out
 
 
 def _dist_version(*names: str) -> str:

@@ -55,6 +55,9 @@ class SparseDecodePlan:
     # SparseDecodeConfig.kernel for an fp8 cache ("token" or "union", planner.choose_kernel); an
     # NVFP4 cache is always served by the token kernel
     kernel: str = "token"
+    # SparseDecodeConfig.split_merge for an fp8 / an NVFP4 cache (planner.choose_split_merge)
+    split_merge: str = "kernel"
+    nvfp4_split_merge: str = "kernel"
     # (query dtype, kv dtype) -> compiled kernel
     kernels: dict[tuple[torch.dtype, str], Callable[..., Any]] = field(default_factory=dict)
     # refresh(seq_lens): the per-step prologue launch bound to this plan's tensors (planner sets it)
@@ -77,7 +80,7 @@ class SparseDecodePlan:
         built = ", ".join(f"{dtype_name(q)}/{kv}" for q, kv in self.kernels) or "none"
         return (f"SparseDecodePlan(batch={self.batch}, qlen={self.qlen}, heads={self.num_q_heads}/{self.num_kv_heads}, "
                 f"page_size={self.page_size}, topk_blocks={self.topk_blocks}, num_splits={self.num_splits}, "
-                f"ctas_per_sm={self.ctas_per_sm}, kernel={self.kernel}, arch={self.arch}, device={self.device}, "
+                f"ctas_per_sm={self.ctas_per_sm}, kernel={self.kernel}, split_merge={self.split_merge}, arch={self.arch}, device={self.device}, "
                 f"workspace={work} bytes, kernels: {built})")
 
     @property
@@ -105,6 +108,7 @@ class SparseDecodePlan:
             arch=self.arch,
             ctas_per_sm=self.nvfp4_ctas_per_sm if kv_dtype == "nvfp4" else self.ctas_per_sm,
             kernel="token" if kv_dtype == "nvfp4" else self.kernel,
+            split_merge=self.nvfp4_split_merge if kv_dtype == "nvfp4" else self.split_merge,
         )
 
     def kernel_tensors(self) -> tuple[Any, ...]:

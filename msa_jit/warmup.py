@@ -135,11 +135,11 @@ class WarmupRow:
 
     @property
     def label(self) -> str:
-        """'8/1 q bf16 kv fp8 sm_90a 2/SM' (' union' after a union build): the row in progress lines
-        and failure messages."""
+        """'8/1 q bf16 kv fp8 sm_90a 2/SM' (' union' after a union build, ' cluster merge' after one
+        that merges its splits in a cluster): the row in progress lines and failure messages."""
         c = self.config
         return f"{self.geometry} q {self.q} kv {self.kv} {c.arch} {c.ctas_per_sm}/SM" + (
-            " union" if c.kernel == "union" else "")
+            " union" if c.kernel == "union" else "") + (" cluster merge" if c.split_merge == "cluster" else "")
 
     def to_json(self) -> dict[str, Any]:
         c = self.config
@@ -147,7 +147,7 @@ class WarmupRow:
             "geometry": self.geometry, "num_q_heads": c.num_q_heads, "num_kv_heads": c.num_kv_heads,
             "page_size": c.page_size, "topk_blocks": c.topk_blocks, "q_dtype": c.q_dtype,
             "kv_dtype": c.kv_dtype, "arch": c.arch,
-            "ctas_per_sm": c.ctas_per_sm, "kernel": c.kernel, "status": self.status, "seconds": round(self.seconds, 3), "artifact": self.artifact,
+            "ctas_per_sm": c.ctas_per_sm, "kernel": c.kernel, "split_merge": c.split_merge, "status": self.status, "seconds": round(self.seconds, 3), "artifact": self.artifact,
             "key": self.key, "error": self.error,
         }
 
