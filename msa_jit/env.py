@@ -110,7 +110,8 @@ VARIABLES: dict[str, str] = {
         "Bool, default 0. Let the planner pick the token kernel build that merges a step's KV "
         "splits inside the decode launch, through the shared memory of a thread-block cluster "
         "(one launch per op call instead of two), for split steps served at 2 CTAs per SM on "
-        "sm_90a (docs/performance.md row 79: not yet measured). Warmups then build it too."
+        "sm_90a (on an H200: T*Hkv <= 8, clusters of 16 CTAs; docs/performance.md row 79: not yet "
+        "measured). Warmups then build it too."
     ),
     LOG_LEVEL: "Logging level of the msa_jit loggers: debug/info/warning/error/critical or an int. Default warning.",
     DSL_VERSION: (

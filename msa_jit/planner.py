@@ -121,6 +121,9 @@ def choose_split_merge(num_splits: int, ctas_per_sm: int, kernel: str, arch: str
     (MSA_JIT_ENABLE_CLUSTER_MERGE, or a planner pin), the step splits (num_splits > 1) and the build
     can merge inside the decode launch (geometry.cluster_merge_problems: the token kernel at 2 CTAs
     per SM on sm_90a); else "kernel". One-split steps keep the plain build: nothing to merge.
+    With 16 topk blocks on an H200 (132 SMs) a split step runs at 2 CTAs per SM only when
+    T*Hkv <= 8, i.e. with 16 splits, so the clusters the planner launches have 16 CTAs (a
+    non-portable size: the DSL allows it on every kernel; Hopper schedules it within one GPC).
 
     Not yet measured on a GPU (docs/performance.md row 79: built, predicted -0.4..-0.8 us per layer
     at batch 1 and one launch per op call instead of two), hence opt-in."""

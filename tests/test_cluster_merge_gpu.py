@@ -31,6 +31,16 @@ SHAPES = [(1, 1), (3, 2)]  # (batch, qlen)
 TOL = 1e-2
 
 
+@pytest.fixture(autouse=True)
+def _sm90a_only():
+    """The build exists for CLUSTER_MERGE_ARCHES only: elsewhere a pin keeps the merge kernel."""
+    from msa_jit.geometry import CLUSTER_MERGE_ARCHES, device_arch
+
+    arch = device_arch(torch.device("cuda", torch.cuda.current_device()))
+    if arch not in CLUSTER_MERGE_ARCHES:
+        pytest.skip(f"the cluster split merge is built for {CLUSTER_MERGE_ARCHES}, this GPU is {arch}")
+
+
 def _num_sms_for(splits: int, rows_heads: int) -> int:
     """An SM count for which the planner splits a grid of `rows_heads` (token, KV head) rows in
     `splits`; skips the case where none does (one row never splits in 3)."""

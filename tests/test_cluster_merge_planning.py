@@ -108,16 +108,10 @@ def test_warmup_builds_cluster_only_where_the_planner_may_pick_it(monkeypatch):
     assert all(check_config(c) is None for c in got)
 
 
-def test_op_launches_the_cluster_build(monkeypatch):
+def test_op_launches_the_cluster_build(launched_configs, monkeypatch):
     """The plan's split_merge crosses the op boundary (eager API and custom op) and picks the build."""
-    from msa_jit import op, torch_op
-
-    events = []
-    monkeypatch.setattr(compiler, "get_sparse_decode_kernel", lambda cfg: lambda *a: events.append(cfg))
-    monkeypatch.setattr(torch_op, "_arch_of", lambda device: "sm_90a")
-    monkeypatch.setattr(torch_op, "_KERNELS", {})
-    real_validate = op.validate_sparse_decode
-    monkeypatch.setattr(op, "validate_sparse_decode", lambda *a: ("kernel", real_validate(*a[:-1], "reference")[1]))
+    monkeypatch.delenv(ENABLE, raising=False)
+    events = launched_configs
     c = make_case(1, 1, 16, 1, q_dtype=torch.bfloat16, seed=3)
     cluster = SparseDecodePlanner(num_sms=132, arch="sm_90a", split_merge="cluster").prepare(
         *c.prepare_args(), **c.prepare_kwargs())

@@ -164,6 +164,7 @@ def readme_table(result: dict[str, Any], geometries=None, batches=None, qlens=No
             p = step_of.get((r["geometry"], kv_dtype_of(r), r["qlen"], r["batch"], r["shared_blocks"]))
             sp = f", {r['speedup_vs_fp8']:.2f}x" if r.get("speedup_vs_fp8") is not None else ""
             sp += ", union" if r.get("kernel") == "union" else ""
+            sp += ", cluster merge" if r.get("split_merge") == "cluster" else ""
             out.append(f"| {r['geometry']} | {short_kv(kv_dtype_of(r))} | {r['qlen']} | {r['batch']} | "
                        f"{r['marginal_us']:.1f} µs{sp} | {r['marginal_pct_of_copy']:.0f}% | "
                        f"{r['marginal_logical_pct_of_copy']:.0f}% | {_step_cell(p)} |")
