@@ -53,6 +53,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # per-CTA timeline (bench/trace_ctas.py): the full kernel plus a few timer stores
     "trace": {"probe": "trace"},
     "trace_pbt": {"probe": "trace", "prefetch_bt": True},  # does the block-table prefetch shorten the chain?
+    # the split merge inside the decode launch (row 79): where a batch-1 CTA's time goes with it
+    "trace_cm": {"probe": "trace", "split_merge": "cluster"},
     # #12 / #11 again on the current kernel (16-byte stores, prologue trigger): 3 CTAs/SM with
     # the lean softmax was 1.5-3.9% faster at T*Hkv = 256 in T1511 (and 11% slower at 1.3 waves);
     # since T1342 the same options as the planner's 3-per-SM build (occupancy_options(3), #29)
