@@ -5,7 +5,7 @@
 #   any of: tests union_tests cluster_tests memcheck racecheck selftest bench bench_quick bench_union bench_cluster
 #           ceilings host_ab host_ab_union variants trace
 #           per_layer_ab union_k8 union_k8_small union_k8_trace union_skip union_qreg union_qreg_trace
-#           union_lo union_ncu union_final push_merge
+#           union_lo union_ncu union_final push_merge push_trace
 #   VARIANTS="now lsu" bash bench/h200_run.sh variants   # time only these variants
 #   BASELINE=bench/results/bench-....json                # compare with (default: newest in bench/results)
 # Every step runs under a timeout that ends it by DEADLINE seconds after the start (default 570:
@@ -176,6 +176,13 @@ print("bench/results/" + b.name if b else "none")')}
                 --fused-so .kv-variants/s19p_f_c2_cm/64x4/sparse_decode.so > $OUT/push/host-ab.log 2>&1
               echo "host_ab: rc=$?"; grep -E "^64/4|op_new |op_fused|torch_add|ffi_floor" $OUT/push/host-ab.log
               tar czf $OUT/push-merge.tgz -C $OUT push && rm -rf $OUT/push ;;
+    push_trace) # row 79's per-CTA timelines: the cluster-merge build (s20_trace_cm, variants.py trace_cm built on
+              # wip/push-merge 872d03b) against the 2-CTA build with the merge kernel (trace, built on main) at the
+              # split shapes the planner gives 2 CTAs per SM (and 64/4 B=4 pinned there): when the CTAs of a
+              # cluster enter, how long the merging ranks wait for their peers (epilogue_by_rank_us)
+              timeout "$(limit 150)" python3 bench/trace_ctas.py --dir .kv-variants --out $OUT --replays 9 \
+                --variants s20_trace_cm trace --points 64/4:1:1 8/1:1:1 8/1:4:1 64/4:4:1 2>&1 \
+                | tee $OUT/push-trace.log | cut -c1-400 | tail -n 9 ;;
     union_ncu) # Nsight Compute of the bf16 (q_lo_regs) and fp8-query 2-CTA union builds at the spec-decode point:
               # pipes, shared-memory wavefronts and bank conflicts, stall reasons, per-instruction samples
               for v in f_union_k8_w1_qreg:bfloat16 q8_union_w1:float8_e4m3fn; do

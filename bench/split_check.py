@@ -6,8 +6,9 @@ bench/kv_format_ab.py's check forces 1 split and the planner's many; this one fo
 3, 4, 6, 8 and 16 splits (every factor `choose_num_splits` gives for 16 top-k blocks: never 2)
 at both geometries, so a merge that takes some factors one way and the rest another (the cluster
 merge of docs/performance.md row 79: 4, 8 and 16 in the launch at G = 16, 3 and 6 through the
-merge kernel; all five in the launch at G = 8) is checked both ways. Each case: padded rows (kv_len 0) or adversarial top-k / block
-tables, launched 3 times on one plan with fresh, poisoned outputs; the 3 outputs bitwise identical.
+merge kernel; all five in the launch at G = 8) is checked both ways. Each case: padded rows
+(kv_len 0) or adversarial top-k / block tables, launched 3 times on one plan with fresh, poisoned
+outputs (bench/variants.py's `_launch_checked`); the 3 outputs bitwise identical.
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kv_format_ab import GEOMS, VARIANTS, _so  # noqa: E402
 from kv_format_ab import _q_dtype as q_dtype_of  # noqa: E402
-from variants import _planner_for_splits  # noqa: E402
+from variants import _launch_checked, _planner_for_splits  # noqa: E402
 
-from msa_jit import loader, sparse_decode  # noqa: E402
-from msa_jit.testing import LSE_ATOL, compare_with_reference, make_case  # noqa: E402
+from msa_jit import loader  # noqa: E402
+from msa_jit.testing import LSE_ATOL, make_case  # noqa: E402
 
 SPLITS = (3, 4, 6, 8, 16)
 CASES = ((1, 1, False, False), (2, 4, True, False), (5, 1, False, True), (3, 2, True, True))  # batch, qlen, padded, adversarial
@@ -45,17 +46,8 @@ def check(fn, name: str, hq: int, hkv: int) -> list[dict]:
                              padded=padded, adversarial=adversarial, transposed_topk=i % 2 == 1,
                              kv_dtype="nvfp4" if kv == "nvfp4" else "fp8")
             plan = planner.prepare(*case.prepare_args(), **case.prepare_kwargs())
-            plan.kernels[(case.query.dtype, kv)] = fn
-            outs, worst, problems = [], 0.0, []
-            for _ in range(3):
-                out, lse = case.new_out(), case.new_lse()
-                sparse_decode(case.query, case.kv_cache, case.topk, out, plan, lse=lse, backend="kernel",
-                              **case.scales(scale_tensors=kv == "nvfp4"))
-                torch.cuda.synchronize()
-                err, probs = compare_with_reference(case, out, lse, lse_atol=LSE_ATOL)
-                worst, problems = max(worst, err), problems or probs
-                outs.append(out.view(torch.int16).clone())
-            if not all(torch.equal(outs[0], o) for o in outs[1:]):
+            worst, problems, same = _launch_checked(fn, case, plan, kv, LSE_ATOL)
+            if not same:
                 problems = problems + ["the 3 launches differ"]
             rows.append(dict(variant=name, geometry=f"{hq}/{hkv}", splits=plan.num_splits, batch=batch, qlen=qlen,
                              padded=padded, adversarial=adversarial, rel_l2=worst, problems=problems))

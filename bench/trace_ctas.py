@@ -3,6 +3,7 @@
     python bench/variants.py build --variants trace          # here: the probe="trace" kernel
     python3 bench/trace_ctas.py --dir .variants --out $OUT    # GPU host: JSON + PNG
         [--variants trace trace_pbt]                          # several trace variants, same points
+        [--points 64/4:1:1 8/1:4:1]                           # geometry:batch:qlen (default POINTS)
 
 The `trace` variant is the full kernel plus a few stores: thread 0 of every CTA writes its SM
 and %globaltimer at entry, after the PDL wait, after the slot compaction (the topk -> block
@@ -14,7 +15,11 @@ replay's trace is read back.
 Per point the JSON has, as medians over the replays: the step time (events), the kernel's span
 (first CTA entry to last CTA end), each phase's median / p90 over CTAs, the spread of CTA end
 times, and how much of span x SMs the SMs held no CTA ("SM idle"); plus the last replay's raw
-trace. The PNG draws that replay's CTAs on a time axis, grouped by SM.
+trace. The PNG draws that replay's CTAs on a time axis, grouped by SM. At a split point the
+epilogue is also given apart for split ranks below G and the others (`epilogue_by_rank_us`): in
+a build that merges the splits in a cluster (split_merge="cluster", its `trace` probe) ranks
+below G push, wait for their peers and merge, the others only push; in the merge kernel's build
+both store partials (a control).
 """
 
 from __future__ import annotations
@@ -53,6 +58,18 @@ def decode(trace: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return sm[keep], n_iter[keep], relative_ns(trace[keep, 1:8]) / 1e3
 
 
+def epilogue_by_rank(trace: np.ndarray, num_splits: int, group: int) -> dict[str, float | None]:
+    """Median epilogue (us) of the CTAs whose split rank is below `group` (in a cluster-merge build:
+    the ones that merge rows) and of the others; trace rows are ordered (token, KV head, split)."""
+    trace = np.asarray(trace, dtype=np.int64)
+    rank = np.arange(len(trace)) % max(num_splits, 1)
+    keep = (trace[:, 0] >> 16) > 0
+    ts = relative_ns(trace[keep, 1:8]) / 1e3
+    epi, low = ts[:, 6] - ts[:, 5], rank[keep] < group
+    return {"rank_below_g": round(float(np.median(epi[low])), 2) if low.any() else None,
+            "rank_from_g": round(float(np.median(epi[~low])), 2) if (~low).any() else None}
+
+
 def summarize(trace: np.ndarray) -> dict[str, Any]:
     """Summary of one replay's trace (see decode)."""
     sm, n_iter, ts = decode(trace)
@@ -81,6 +98,7 @@ def trace_point(fn, geom: str, batch: int, qlen: int, replays: int) -> dict[str,
     from msa_jit.bench import GEOMETRIES, make_step, prepare_args, time_graph
 
     hq, hkv = GEOMETRIES[geom]
+    group = hq // hkv
     step = make_step(hq, hkv, batch, qlen, "bfloat16")
     planner = SparseDecodePlanner()
     args, kw = prepare_args(step, hq, hkv, qlen)
@@ -99,6 +117,7 @@ def trace_point(fn, geom: str, batch: int, qlen: int, replays: int) -> dict[str,
 
     times = time_graph(run, iters=replays, after_replay=read)
     sums = [summarize(t) for t in traces]
+    by_rank = [epilogue_by_rank(t, plan.num_splits, group) for t in traces] if plan.num_splits > 1 else []
 
     def med(get):
         return round(statistics.median(get(s) for s in sums), 2)
@@ -112,6 +131,8 @@ def trace_point(fn, geom: str, batch: int, qlen: int, replays: int) -> dict[str,
         "cta_end_us": {q: med(lambda s, q=q: s["cta_end_us"][q]) for q in ("min", "p10", "median", "max")},
         "first_entry_to_last_entry_us": med(lambda s: s["first_entry_to_last_entry_us"]),
         "stream_us_per_block": med(lambda s: s["stream_us_per_block"]),
+        "epilogue_by_rank_us": {k: (round(statistics.median(v), 2) if (v := [b[k] for b in by_rank if b[k] is not None])
+                                    else None) for k in ("rank_below_g", "rank_from_g")} if by_rank else None,
         "ctas": sums[-1]["ctas"], "sms": sums[-1]["sms"],
         "last_trace": traces[-1].tolist(),
     }
@@ -142,6 +163,12 @@ def plot(points: list[dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=90)
 
 
+def _point(text: str) -> tuple[str, int, int]:
+    """'64/4:1:1' -> ("64/4", 1, 1)."""
+    geom, batch, qlen = text.split(":")
+    return geom, int(batch), int(qlen)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default=".variants", help="bench/variants.py build folder (variant 'trace')")
@@ -149,7 +176,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replays", type=int, default=7)
     ap.add_argument("--variants", nargs="+", default=["trace"],
                     help="probe='trace' variants built by bench/variants.py (the first one is plotted)")
+    ap.add_argument("--points", nargs="+", default=None, metavar="GEOM:BATCH:QLEN",
+                    help=f"the points to trace (default: {' '.join(f'{g}:{b}:{q}' for g, b, q in POINTS)})")
     a = ap.parse_args(argv)
+    points = POINTS if a.points is None else [_point(p) for p in a.points]
     from msa_jit.bench import environment
     from msa_jit.loader import load_artifact
 
@@ -158,11 +188,11 @@ def main(argv: list[str] | None = None) -> int:
                               "trace_layout": TRACE_LAYOUT, "points": []}
     for variant in a.variants:
         fns = {}
-        for geom, batch, qlen in POINTS:
+        for geom, batch, qlen in points:
             if geom not in fns:
                 hq, hkv = (int(x) for x in geom.split("/"))
                 fns[geom] = load_artifact(Path(a.dir) / variant / f"{hq}x{hkv}-bfloat16" / "sparse_decode.so")[0]
-        for geom, batch, qlen in POINTS:
+        for geom, batch, qlen in points:
             p = {"variant": variant, **trace_point(fns[geom], geom, batch, qlen, a.replays)}
             result["points"].append(p)
             print(json.dumps({k: v for k, v in p.items() if k != "last_trace"}), flush=True)

@@ -55,6 +55,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "trace_pbt": {"probe": "trace", "prefetch_bt": True},  # does the block-table prefetch shorten the chain?
     # the split merge inside the decode launch (row 79): where a batch-1 CTA's time goes with it
     "trace_cm": {"probe": "trace", "split_merge": "cluster"},
+    # the same, built in a checkout of 872d03b (the one main's h200_run.sh push_trace loads)
+    "s20_trace_cm": {"probe": "trace", "split_merge": "cluster", "checkout": "872d03b"},
     # #12 / #11 again on the current kernel (16-byte stores, prologue trigger): 3 CTAs/SM with
     # the lean softmax was 1.5-3.9% faster at T*Hkv = 256 in T1511 (and 11% slower at 1.3 waves);
     # since T1342 the same options as the planner's 3-per-SM build (occupancy_options(3), #29)
@@ -154,8 +156,8 @@ def _check(fn, hq: int, hkv: int, qd: str, kv_dtype: str = FP8, lse_atol: float 
     the LSE bound (None: msa_jit.testing.LSE_ATOL; the union kernel's is UNION_LSE_ATOL)."""
     import torch
 
-    from msa_jit import SparseDecodePlanner, sparse_decode
-    from msa_jit.testing import LSE_ATOL, compare_with_reference, make_case
+    from msa_jit import SparseDecodePlanner
+    from msa_jit.testing import LSE_ATOL, make_case
 
     rows = []
     # num_sms=1: one split; padded: items of unequal length (CTAs end at different times). Each
@@ -167,17 +169,31 @@ def _check(fn, hq: int, hkv: int, qd: str, kv_dtype: str = FP8, lse_atol: float 
                          device="cuda", padded=padded, transposed_topk=batch % 2 == 1,
                          kv_dtype="nvfp4" if kv_dtype == "nvfp4" else "fp8")
         plan = SparseDecodePlanner(num_sms=num_sms).prepare(*case.prepare_args(), **case.prepare_kwargs())
-        plan.kernels[(case.query.dtype, kv_dtype)] = fn
-        worst = (-1.0, [])
-        for _ in range(3):
-            out, lse = case.new_out(), case.new_lse()
-            sparse_decode(case.query, case.kv_cache, case.topk, out, plan, lse=lse, backend="kernel",
-                          **case.scales(scale_tensors=kv_dtype == "nvfp4"))
-            torch.cuda.synchronize()
-            err, problems = compare_with_reference(case, out, lse, lse_atol=lse_atol or LSE_ATOL)
-            worst = max(worst, (err, problems), key=lambda x: (bool(x[1]), x[0]))
-        rows.append(dict(batch=batch, qlen=qlen, num_splits=plan.num_splits, rel_l2=worst[0], problems=worst[1]))
+        err, problems, _ = _launch_checked(fn, case, plan, kv_dtype, lse_atol or LSE_ATOL)
+        rows.append(dict(batch=batch, qlen=qlen, num_splits=plan.num_splits, rel_l2=err, problems=problems))
     return rows
+
+
+def _launch_checked(fn, case, plan, kv_dtype: str, lse_atol: float) -> tuple[float, list[str], bool]:
+    """`fn` as `plan`'s kernel for `case` (msa_jit.testing.make_case), launched 3 times with fresh,
+    poisoned outputs, each compared with the float64 reference: (the worst launch's rel L2 and
+    problems, a failing launch first; whether the 3 outputs are bitwise identical)."""
+    import torch
+
+    from msa_jit import sparse_decode
+    from msa_jit.testing import compare_with_reference
+
+    plan.kernels[(case.query.dtype, kv_dtype)] = fn
+    worst, outs = (-1.0, []), []
+    for _ in range(3):
+        out, lse = case.new_out(), case.new_lse()
+        sparse_decode(case.query, case.kv_cache, case.topk, out, plan, lse=lse, backend="kernel",
+                      **case.scales(scale_tensors=kv_dtype == "nvfp4"))
+        torch.cuda.synchronize()
+        err, problems = compare_with_reference(case, out, lse, lse_atol=lse_atol)
+        worst = max(worst, (err, problems), key=lambda x: (bool(x[1]), x[0]))
+        outs.append(out.view(torch.int16).clone())
+    return worst[0], worst[1], all(torch.equal(outs[0], o) for o in outs[1:])
 
 
 def _planner_for_splits(rows: int, topk: int, want: int | None):
