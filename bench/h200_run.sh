@@ -169,9 +169,12 @@ print("bench/results/" + b.name if b else "none")')}
               timeout "$(limit 90)" python3 bench/split_check.py --dir .kv-variants --out $OUT/push \
                 --variants s19p_f_c2_cm s19p_q8_c2_cm s19p_n_c2_cm f_c2 > $OUT/push/split-check.log 2>&1
               echo "split check: rc=$?"; tail -n 1 $OUT/push/split-check.log
-              timeout "$(limit 200)" python3 bench/kv_format_ab.py run --dir .kv-variants --out $OUT --rounds 5 \
-                --variants f_c2 s19p_f_c2_cm q8_c2 s19p_q8_c2_cm n_c2 s19p_n_c2_cm \
-                --points 64/4:1:1 8/1:1:1 8/1:4:1 64/4:4:1 64/4:1:4 64/4:16:1 64/4:64:1 2>&1 | grep -v "^{" | tail -n 3
+              # f_c3: the build the planner gives the split grids above T*Hkv = 8 (does a 2-CTA cluster build beat it?);
+              # the rows also go to the tarball as they come, so a timeout keeps the points done
+              timeout "$(limit 260)" python3 bench/kv_format_ab.py run --dir .kv-variants --out $OUT --rounds 5 \
+                --variants f_c2 s19p_f_c2_cm f_c3 q8_c2 s19p_q8_c2_cm n_c2 s19p_n_c2_cm \
+                --points 64/4:1:1 8/1:1:1 8/1:4:1 64/4:4:1 64/4:1:4 8/1:16:1 64/4:16:1 64/4:64:1 2>&1 \
+                | tee $OUT/push/kv-format-ab.log | grep -v "^{" | tail -n 3
               timeout "$(limit 120)" python3 bench/host_ab.py --out $OUT/push --rounds 9 \
                 --fused-so .kv-variants/s19p_f_c2_cm/64x4/sparse_decode.so > $OUT/push/host-ab.log 2>&1
               echo "host_ab: rc=$?"; grep -E "^64/4|op_new |op_fused|torch_add|ffi_floor" $OUT/push/host-ab.log

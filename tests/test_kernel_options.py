@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from msa_jit import sass
-from msa_jit.compiler import compile_sparse_decode, kernels_dir
+from msa_jit.compiler import compile_sparse_decode, kernels_dir, kernels_package
 from msa_jit.geometry import SparseDecodeConfig
 
 pytestmark = pytest.mark.slow
@@ -24,6 +24,7 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
 def _kernel_class():
+    kernels_package()  # registers msa_jit.kernels (this checkout's kernels/), also when this file runs alone
     from msa_jit.kernels.sparse_decode_mma import SparseDecodeMmaKernel
 
     return SparseDecodeMmaKernel
