@@ -7,7 +7,8 @@ geometry x query dtype x cache format x split factor (3, 4, 6, 8, 16: those whos
 receive buffer merge in the cluster, 3 and 6 at G = 16 fall back to the merge kernel of the same
 build) x two step shapes (batch 1, and 3 padded requests of 2 tokens); outputs poisoned with NaN
 before each run and checked fully written; three launches bitwise equal; the same step through
-the merge kernel's build agrees.
+the merge kernel's build agrees; a CUDA graph of the step (prepare + op, one launch per layer)
+follows its inputs between replays.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import zlib
 import pytest
 import torch
 
-from helpers import make_case
+from helpers import GraphInputs, make_case
 from msa_jit.geometry import MINIMAX_M3_GEOMETRIES
 from msa_jit.planner import choose_num_splits
 from msa_jit.testing import compare_with_reference, rel_l2
@@ -108,3 +109,42 @@ def test_cluster_merge_agrees_with_the_merge_kernel(hq, hkv, kv_dtype):
         assert (c_lse[finite] - k_lse[finite]).abs().max() < 1e-4
         print(f"cluster vs merge kernel {hq}/{hkv} {kv_dtype} splits={splits}: "
               f"bitwise {'equal' if torch.equal(c_out, k_out) else 'different'}")
+
+
+@pytest.mark.parametrize("hq,hkv", [(64, 4), (8, 1)], ids=lambda v: str(v))
+def test_cluster_merge_graph_replay_follows_inputs(hq, hkv):
+    """Captured once at batch 1 (16 splits: one cluster of 16 CTAs per KV head); seq_lens, topk and
+    query change in place between replays."""
+    import msa_jit
+
+    planner = msa_jit.SparseDecodePlanner(ctas_per_sm=2, split_merge="cluster")
+    cases = [make_case(1, 1, hq, hkv, q_dtype=torch.bfloat16, seed=40 + s, device="cuda", ctx_lens=[ctx])
+             for s, ctx in enumerate((300, 2100 + 128 * 7, 5000))]
+    live = cases[0]
+    out = live.new_out()
+    inputs = GraphInputs(cases)
+    bt, seq, q, tk, kv = inputs.block_table, inputs.seq_lens, inputs.query, inputs.topk, inputs.kv
+
+    def step():
+        plan = planner.prepare(bt, seq, live.seq_lens_cpu, live.qlen, **live.prepare_kwargs())
+        assert plan.split_merge == "cluster" and plan.num_splits == 16
+        msa_jit.sparse_decode(q, kv, tk, out, plan, **live.scales())
+
+    step()  # compile + plan outside capture
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for i in range(len(cases)):
+        c = inputs.load(i)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        cpu = [t.cpu() if isinstance(t, torch.Tensor) else t for t in c.reference_args()]
+        ref_out, _ = msa_jit.sparse_decode_reference(*cpu, **live.scales())  # scales baked into the launch
+        err = rel_l2(out, ref_out)
+        assert not out.isnan().any() and err <= TOL, f"graph replay {i}: rel L2 {err:.3e}"
