@@ -35,3 +35,19 @@ class GraphInputs:
         self.query.copy_(c.query)
         self.topk.copy_(c.topk)
         return c
+
+
+def capture(step) -> torch.cuda.CUDAGraph:
+    """`step` run once eagerly (kernels compiled and plans built outside capture), once on a side
+    stream (torch's warm-up before a capture), then captured: the CUDA graph to replay."""
+    step()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+

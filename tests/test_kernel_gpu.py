@@ -18,7 +18,7 @@ import zlib
 import pytest
 import torch
 
-from helpers import GraphInputs, make_case
+from helpers import GraphInputs, capture, make_case
 from msa_jit.geometry import MINIMAX_M3_GEOMETRIES as GEOMETRIES
 from msa_jit.geometry import CTAS_PER_SM  # every occupancy is pinned in turn, so both builds run at every shape
 from msa_jit.testing import compare_with_reference, rel_l2
@@ -135,15 +135,7 @@ def test_cuda_graph_replay_follows_inputs():
         plan = planner.prepare(bt, seq, live.seq_lens_cpu, live.qlen, **live.prepare_kwargs())
         msa_jit.sparse_decode(q, kv, tk, out, plan, **live.scales())
 
-    step()  # compile + plan outside capture
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
+    g = capture(step)
     for i in range(len(cases)):
         c = inputs.load(i)
         out.fill_(float("nan"))
@@ -169,15 +161,7 @@ def test_device_scales_are_read_at_replay(q_dtype):
         plan = planner.prepare(*case.prepare_args(), **case.prepare_kwargs())
         msa_jit.sparse_decode(case.query, case.kv_cache, case.topk, out, plan, **sc)
 
-    step()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
+    g = capture(step)
     k0, v0 = case.k_scale, case.v_scale
     for fk, fv in ((1.0, 1.0), (0.5, 3.0), (2.0, 0.25)):
         ks.fill_(k0 * fk)

@@ -15,7 +15,7 @@ import zlib
 import pytest
 import torch
 
-from helpers import GraphInputs, make_case
+from helpers import GraphInputs, capture, make_case
 from msa_jit.geometry import MINIMAX_M3_GEOMETRIES, UNION_CTAS_PER_SM
 from msa_jit.testing import UNION_LSE_ATOL, compare_with_reference, share_slots
 
@@ -153,10 +153,7 @@ def test_union_cuda_graph_replay_follows_inputs():
         assert plan.kernel == "union"
         msa_jit.sparse_decode(q, kv, tk, out, plan, **live.scales())
 
-    step()  # load + plan outside capture
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
+    g = capture(step)
     for i in range(len(cases)):
         c = inputs.load(i)
         out.fill_(float("nan"))
