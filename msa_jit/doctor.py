@@ -38,8 +38,9 @@ CLUSTER_MERGE_POLICY = (
 
 def _build_suffix(row: dict[str, Any]) -> str:
     """' union' / ' cluster merge' after a preset row of a non-default build ('' for older reports)."""
-    return ((" union" if row.get("kernel") == "union" else "")
-            + (" cluster merge" if row.get("split_merge") == "cluster" else ""))
+    from .geometry import build_suffix
+
+    return build_suffix(row.get("kernel", "token"), row.get("split_merge", "kernel"))
 
 
 def _probe(fn: Callable[[], Any]) -> Any:

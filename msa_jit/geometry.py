@@ -274,6 +274,13 @@ def check_config(cfg: SparseDecodeConfig) -> str | None:
     return "; ".join(reasons) if reasons else None
 
 
+def build_suffix(kernel: str = "token", split_merge: str = "kernel") -> str:
+    """What a label adds after a build's occupancy: '' for the default build, ' union' for the union
+    kernel's, ' cluster merge' for one that merges its splits in a cluster (warmup, doctor, selftest,
+    `cache list`, `inspect`)."""
+    return (" union" if kernel == "union" else "") + (" cluster merge" if split_merge == "cluster" else "")
+
+
 def cluster_merge_problems(*, kernel: str, ctas_per_sm: int, arch: str | None) -> list[str]:
     """Why split_merge="cluster" cannot serve a build (empty when it can): the token kernel only, at
     CLUSTER_MERGE_CTAS_PER_SM, on CLUSTER_MERGE_ARCHES."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import zlib
 
-from .geometry import DEFAULT_PAGE_SIZE, MINIMAX_M3_GEOMETRIES, Q_DTYPES
+from .geometry import DEFAULT_PAGE_SIZE, MINIMAX_M3_GEOMETRIES, Q_DTYPES, build_suffix
 
 QLENS = [1, 2, 4, 8, 32]
 BATCHES = [1, 3, 16, 64]
@@ -75,7 +75,7 @@ def correctness_grid(*, quick: bool = False, log=print) -> list[dict]:
                    rel_l2=err, problems=problems)
         rows.append(row)
         status = "ok" if not problems else "FAIL " + "; ".join(problems)
-        log(f"{row['geometry']:>5} {qd:<14} qlen={qlen:<2} B={batch:<3} splits={plan.num_splits:<2} {ctas_per_sm}/SM{' union' if kernel == 'union' else ''}"
-            f"{' cluster merge' if plan.split_merge == 'cluster' else ''} "
+        log(f"{row['geometry']:>5} {qd:<14} qlen={qlen:<2} B={batch:<3} splits={plan.num_splits:<2} {ctas_per_sm}/SM"
+            f"{build_suffix(kernel, plan.split_merge)} "
             f"err={err:.2e} {status}")
     return rows

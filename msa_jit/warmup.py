@@ -33,7 +33,7 @@ from . import cache, compiler, env
 from .cache.entry import tree_size
 from .geometry import (
     DEFAULT_ARCHES, DEFAULT_PAGE_SIZE, DEFAULT_TOPK_BLOCKS, KV_DTYPE_SHORT, KV_DTYPES, MINIMAX_M3_GEOMETRIES,
-    Q_DTYPE_SHORT, Q_DTYPES, SparseDecodeConfig, check_config,
+    Q_DTYPE_SHORT, Q_DTYPES, SparseDecodeConfig, build_suffix, check_config,
 )
 
 log = logging.getLogger("msa_jit")
@@ -138,8 +138,7 @@ class WarmupRow:
         """'8/1 q bf16 kv fp8 sm_90a 2/SM' (' union' after a union build, ' cluster merge' after one
         that merges its splits in a cluster): the row in progress lines and failure messages."""
         c = self.config
-        return f"{self.geometry} q {self.q} kv {self.kv} {c.arch} {c.ctas_per_sm}/SM" + (
-            " union" if c.kernel == "union" else "") + (" cluster merge" if c.split_merge == "cluster" else "")
+        return f"{self.geometry} q {self.q} kv {self.kv} {c.arch} {c.ctas_per_sm}/SM" + build_suffix(c.kernel, c.split_merge)
 
     def to_json(self) -> dict[str, Any]:
         c = self.config

@@ -18,7 +18,7 @@ import zlib
 import pytest
 import torch
 
-from helpers import GraphInputs, make_case
+from helpers import GraphInputs, capture, make_case
 from msa_jit.geometry import MINIMAX_M3_GEOMETRIES
 from msa_jit.planner import choose_num_splits
 from msa_jit.testing import compare_with_reference, rel_l2
@@ -130,15 +130,7 @@ def test_cluster_merge_graph_replay_follows_inputs(hq, hkv):
         assert plan.split_merge == "cluster" and plan.num_splits == 16
         msa_jit.sparse_decode(q, kv, tk, out, plan, **live.scales())
 
-    step()  # compile + plan outside capture
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture(step)
     for i in range(len(cases)):
         c = inputs.load(i)
         out.fill_(float("nan"))

@@ -17,6 +17,7 @@ import sys
 from typing import Any
 
 from .. import compiler, sass, warmup
+from ..geometry import build_suffix
 from .common import add_geometry_arguments, add_json_argument, check_output_path, emit_json, format_table, \
     interrupted, warm_geometry_flags
 
@@ -60,8 +61,7 @@ def _first_line(error: str | None) -> str:
 
 def _occupancy(o: dict[str, Any]) -> str:
     """The CTAs/SM cell: '2', '2 union', '2 cluster merge'."""
-    return (f"{o['ctas_per_sm']}{' union' if o['config_kernel'] == 'union' else ''}"
-            f"{' cluster merge' if o['split_merge'] == 'cluster' else ''}")
+    return f"{o['ctas_per_sm']}{build_suffix(o['config_kernel'], o['split_merge'])}"
 
 
 def _smem(o: dict[str, Any]) -> str:
