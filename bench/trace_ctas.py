@@ -61,11 +61,10 @@ def decode(trace: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 def epilogue_by_rank(trace: np.ndarray, num_splits: int, group: int) -> dict[str, float | None]:
     """Median epilogue (us) of the CTAs whose split rank is below `group` (in a cluster-merge build:
     the ones that merge rows) and of the others; trace rows are ordered (token, KV head, split)."""
-    trace = np.asarray(trace, dtype=np.int64)
-    rank = np.arange(len(trace)) % max(num_splits, 1)
-    keep = (trace[:, 0] >> 16) > 0
-    ts = relative_ns(trace[keep, 1:8]) / 1e3
-    epi, low = ts[:, 6] - ts[:, 5], rank[keep] < group
+    _, _, ts = decode(trace)  # the CTAs that had blocks, in trace order
+    had_blocks = (np.asarray(trace, dtype=np.int64)[:, 0] >> 16) > 0
+    rank = (np.arange(len(had_blocks)) % max(num_splits, 1))[had_blocks]
+    epi, low = ts[:, 6] - ts[:, 5], rank < group
     return {"rank_below_g": round(float(np.median(epi[low])), 2) if low.any() else None,
             "rank_from_g": round(float(np.median(epi[~low])), 2) if (~low).any() else None}
 
