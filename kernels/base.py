@@ -16,6 +16,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from ..geometry import MAX_GROUP_SIZE, MAX_TOPK
+from .cluster_merge import RECV_BYTES
 from .split_merge import SplitMergeKernel
 
 
@@ -124,6 +125,14 @@ class SparseDecodeKernelBase:
     def storage_type(self):
         """The shared-memory struct of the decode kernel (a cute.struct class)."""
         raise NotImplementedError
+
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory the decode kernel is launched with: its storage struct, then, with a
+        cluster merge, the receive buffer its kernel() allocates after it at 16-byte alignment."""
+        size = int(self.storage_type().size_in_bytes())
+        if self.cluster_merge is not None:
+            size = -(-size // 16) * 16 + RECV_BYTES
+        return size
 
     def launch_options(self) -> dict:
         """Extra launch options of the decode kernel."""

@@ -308,15 +308,15 @@ def make_kernel(config: SparseDecodeConfig, kernel_options: dict[str, Any] | Non
 
 
 def dynamic_smem_bytes(config: SparseDecodeConfig) -> int:
-    """Dynamic shared memory the decode kernel of `config` is launched with: the size of its
-    shared-storage struct (kernel.storage_type(), what the launch allocates). Imports the DSL;
-    the split merge kernel takes none."""
+    """Dynamic shared memory the decode kernel of `config` is launched with (kernel.smem_bytes():
+    its shared-storage struct, and a cluster merge's receive buffer). Imports the DSL; the split
+    merge kernel takes none."""
     from .geometry import check_config
 
     reason = check_config(config)
     if reason:
         raise ValueError(f"unsupported sparse decode config: {reason}")
-    return int(make_kernel(config).storage_type().size_in_bytes())
+    return make_kernel(config).smem_bytes()
 
 
 def ensure_compiled(config: SparseDecodeConfig, cache: _cache.ArtifactCache | None = None) -> tuple[_cache.CacheEntry, bool]:

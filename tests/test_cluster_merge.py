@@ -124,3 +124,23 @@ def test_default_build_has_no_cluster_code(tmp_path):
     assert len(decode) == 1
     ops = _base_opcodes(decode[0])
     assert ops["STAS"] == 0 and ops["UCGABAR_ARV"] == 0 and ops["UCGABAR_WAIT"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("split_merge", ["kernel", "cluster"])
+def test_dynamic_smem_is_what_the_launch_asks_for(split_merge):
+    """compiler.dynamic_smem_bytes (`msa-jit inspect`'s smem) counts the cluster merge's receive
+    buffer: the traced host code launches the decode kernel with exactly that many bytes."""
+    import re
+
+    import cutlass.cute as cute
+
+    from msa_jit.compiler import convention, dynamic_smem_bytes, make_kernel
+
+    cfg = SparseDecodeConfig(64, 4, arch="sm_90a", split_merge=split_merge)
+    conv = convention()
+    compiled = cute.compile(make_kernel(cfg), *conv.fake_arguments(cfg),
+                            options=f"{conv.COMPILE_OPTIONS} --gpu-arch {cfg.arch}")
+    n = dynamic_smem_bytes(cfg)
+    assert re.search(rf"llvm\.mlir\.constant\({n} : i64\)", str(compiled.ir_module)), n
+    assert (n > 107_000) == (split_merge == "cluster")  # 99328 + 8264 bytes of receive buffer at 64/4
