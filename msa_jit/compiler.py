@@ -289,8 +289,10 @@ def compile_sparse_decode(config: SparseDecodeConfig, out_dir: str | os.PathLike
     # the caller publishes out_dir (a temporary build dir) into the cache: ensure_compiled logs the path
     return {
         "artifacts": [convention().ARTIFACT_NAME],
+        # the decode kernel's launch figures, for cluster_launch_fits on hosts without the compiler
         "extra": {"kernel_family": family, "compile_s": round(seconds["compile_s"], 3),
-                  "total_s": round(seconds["total_s"], 3)},
+                  "total_s": round(seconds["total_s"], 3), "smem_bytes": kernel.smem_bytes(),
+                  "threads": kernel.threads},
     }
 
 
@@ -350,6 +352,33 @@ def warmup_command(config: SparseDecodeConfig) -> str:
         cmd += (f"\n    (this host has no CuTe DSL package metadata: set {env.DSL_VERSION} to the "
                 "DSL version the cache was warmed with, e.g. 4.8.1)")
     return cmd
+
+
+_CLUSTER_FITS: dict[tuple[str, int, int], bool] = {}
+
+
+def cluster_launch_fits(config: SparseDecodeConfig, num_splits: int, device_index: int) -> bool:
+    """Can GPU `device_index` hold a (1, 1, num_splits) cluster of `config`'s decode kernel
+    (`cluster_fit.max_active_clusters` > 0)? Cached per artifact, split count and device. True where
+    it cannot tell (no cuda-python driver bindings, an artifact without its launch figures, a driver
+    error: logged), so the launch itself decides, as without the check."""
+    entry, _ = ensure_compiled(config)
+    key = (entry.key, num_splits, device_index)
+    if key not in _CLUSTER_FITS:
+        extra = entry.meta.get("extra") or {}
+        try:
+            from .cluster_fit import max_active_clusters
+
+            n = max_active_clusters(entry.artifact_path(convention().ARTIFACT_NAME), num_splits,
+                                    int(extra["threads"]), int(extra["smem_bytes"]), device_index)
+            log.debug("msa-jit: %d clusters of %d CTAs of %s fit on device %d", n, num_splits, config.describe(),
+                      device_index)
+            _CLUSTER_FITS[key] = n > 0
+        except Exception as e:  # noqa: BLE001 - cannot tell: keep the cluster build
+            log.info("msa-jit: cannot ask whether clusters of %d CTAs of %s fit (%s: %s); launching them",
+                     num_splits, config.describe(), type(e).__name__, e)
+            _CLUSTER_FITS[key] = True
+    return _CLUSTER_FITS[key]
 
 
 def get_sparse_decode_kernel(config: SparseDecodeConfig) -> Callable:

@@ -6,6 +6,7 @@ plan's first kernel resolution). The planner builds plans, validation and the op
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -141,8 +142,29 @@ class SparseDecodePlan:
         fn = self.kernels.get((dt, kv_dtype))
         if fn is None:
             cfg = self.config(dt, kv_dtype).validate()
-            from .compiler import get_sparse_decode_kernel
+            from .compiler import cluster_launch_fits, get_sparse_decode_kernel
 
+            if cfg.split_merge == "cluster" and not cluster_launch_fits(cfg, self.num_splits, self._device_index()):
+                self._merge_by_kernel(kv_dtype)
+                cfg = self.config(dt, kv_dtype)
             fn = get_sparse_decode_kernel(cfg)
             self.kernels[(dt, kv_dtype)] = fn
         return fn
+
+    def _device_index(self) -> int:
+        if self.device.index is not None or self.device.type != "cuda":
+            return self.device.index or 0
+        return torch.cuda.current_device()
+
+    def _merge_by_kernel(self, kv_dtype: str) -> None:
+        """This GPU cannot hold a cluster of the plan's splits: the cache format's splits are merged by
+        the merge kernel from now on (its kernels resolved again)."""
+        logging.getLogger("msa_jit").warning(
+            "msa-jit: device %s cannot hold a cluster of %d CTAs of the %s decode kernel: its splits are "
+            "merged by the split merge kernel instead", self.device, self.num_splits, kv_dtype)
+        if kv_dtype == "nvfp4":
+            self.nvfp4_split_merge = "kernel"
+        else:
+            self.split_merge = "kernel"
+        for key in [k for k in self.kernels if k[1] == kv_dtype]:
+            del self.kernels[key]

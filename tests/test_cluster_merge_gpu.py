@@ -67,6 +67,8 @@ def _run(case, split_merge: str, splits: int, *, scale_tensors: bool = False):
                               **case.scales(scale_tensors=scale_tensors))
         torch.cuda.synchronize()
         outs.append((out, lse))
+    # the H200 holds these clusters: the plan did not fall back to the merge kernel (plan.resolve_kernel)
+    assert plan.config(case.query.dtype, fmt).split_merge == split_merge
     return outs
 
 
@@ -140,3 +142,21 @@ def test_cluster_merge_graph_replay_follows_inputs(hq, hkv):
         ref_out, _ = msa_jit.sparse_decode_reference(*cpu, **live.scales())  # scales baked into the launch
         err = rel_l2(out, ref_out)
         assert not out.isnan().any() and err <= TOL, f"graph replay {i}: rel L2 {err:.3e}"
+
+
+@pytest.mark.parametrize("hq,hkv", MINIMAX_M3_GEOMETRIES, ids=lambda v: str(v))
+def test_the_h200_holds_16_cta_clusters(hq, hkv):
+    """cuOccupancyMaxActiveClusters on the artifact's decode kernel (msa_jit.cluster_fit): batch 1's
+    (1, 1, 16) clusters fit, at least one per KV head at once."""
+    from msa_jit import compiler
+    from msa_jit.cluster_fit import max_active_clusters
+    from msa_jit.geometry import SparseDecodeConfig
+
+    cfg = SparseDecodeConfig(hq, hkv, arch="sm_90a", split_merge="cluster")
+    entry, _ = compiler.ensure_compiled(cfg)
+    extra = entry.meta["extra"]
+    n = max_active_clusters(entry.artifact_path(compiler.convention().ARTIFACT_NAME), 16, extra["threads"],
+                            extra["smem_bytes"], torch.cuda.current_device())
+    print(f"MAX_ACTIVE_CLUSTERS {hq}/{hkv} 16 CTAs x {extra['smem_bytes']} B: {n}")
+    assert n >= hkv and compiler.cluster_launch_fits(cfg, 16, torch.cuda.current_device())
+

@@ -131,3 +131,154 @@ def test_config_maps_to_the_kernel_option():
     assert compiler.make_kernel(SparseDecodeConfig(64, 4, split_merge="cluster")).cluster_merge is not None
     assert compiler.make_kernel(SparseDecodeConfig(64, 4)).cluster_merge is None
     assert compiler.make_kernel(SparseDecodeConfig(8, 1, kv_dtype="nvfp4", split_merge="cluster")).cluster_merge is not None
+
+
+class _FakeDriver:
+    """A stand-in for cuda.bindings.driver (infrastructure only): records the calls of
+    cluster_fit.max_active_clusters and answers `clusters` (or an error code from the query)."""
+
+    class CUfunction_attribute:
+        CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = "max_dynamic_smem"
+        CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = "non_portable"
+
+    class CUlaunchAttributeID:
+        CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = "cluster_dimension"
+
+    class CUlaunchConfig:
+        pass
+
+    class CUlaunchAttribute:
+        pass
+
+    class CUlaunchAttributeValue:
+        def __init__(self):
+            from types import SimpleNamespace
+
+            self.clusterDim = SimpleNamespace(x=0, y=0, z=0)
+
+    def __init__(self, clusters: int, query_error: int = 0):
+        self.clusters, self.query_error, self.calls, self.attrs, self.config = clusters, query_error, [], {}, None
+
+    def _call(self, name, *value):
+        self.calls.append(name)
+        return (0, *value)
+
+    def cuDeviceGet(self, index):
+        return self._call("cuDeviceGet", f"dev{index}")
+
+    def cuDevicePrimaryCtxRetain(self, dev):
+        return self._call("retain", "ctx")
+
+    def cuCtxPushCurrent(self, ctx):
+        return self._call("push")
+
+    def cuCtxPopCurrent(self):
+        return self._call("pop", "ctx")
+
+    def cuDevicePrimaryCtxRelease(self, dev):
+        return self._call("release")
+
+    def cuModuleLoadData(self, address):
+        return self._call("load", "module")
+
+    def cuModuleGetFunction(self, module, name):
+        return self._call("function", name)
+
+    def cuFuncSetAttribute(self, fn, attr, value):
+        self.attrs[attr] = value
+        return self._call("attr")
+
+    def cuOccupancyMaxActiveClusters(self, fn, config):
+        self.config = config
+        self.calls.append("query")
+        return (self.query_error, self.clusters)
+
+    def cuModuleUnload(self, module):
+        return self._call("unload")
+
+
+def test_max_active_clusters_asks_the_driver_with_the_kernels_launch(monkeypatch):
+    from msa_jit import cluster_fit
+
+    monkeypatch.setattr(cluster_fit.sass, "extract_cubins", lambda path: [b"cubin"])
+    monkeypatch.setattr(cluster_fit, "decode_kernel_name", lambda cubin: "decode")
+    drv = _FakeDriver(clusters=12)
+    assert cluster_fit.max_active_clusters("x.so", 16, 160, 107592, 3, driver=drv) == 12
+    assert drv.attrs == {"max_dynamic_smem": 107592, "non_portable": 1}
+    c = drv.config
+    assert (c.gridDimX, c.gridDimY, c.gridDimZ, c.blockDimX, c.sharedMemBytes, c.numAttrs) == (1, 1, 16, 160, 107592, 1)
+    (attr,) = c.attrs
+    assert attr.id == "cluster_dimension" and (attr.value.clusterDim.x, attr.value.clusterDim.y,
+                                               attr.value.clusterDim.z) == (1, 1, 16)
+    assert drv.calls[-3:] == ["unload", "pop", "release"] and "function" in drv.calls
+    # a failing query raises, and the module and the context are still given back
+    drv = _FakeDriver(clusters=0, query_error=1)
+    with pytest.raises(RuntimeError, match="CUDA driver error 1"):
+        cluster_fit.max_active_clusters("x.so", 16, 160, 107592, 0, driver=drv)
+    assert drv.calls[-3:] == ["unload", "pop", "release"]
+
+
+def test_cluster_launch_fits_asks_once_and_keeps_the_cluster_when_it_cannot_tell(monkeypatch):
+    from types import SimpleNamespace
+
+    from msa_jit import cluster_fit
+
+    asked = []
+    answer = {"n": 0}
+
+    def fake_max(path, size, threads, smem, device):
+        asked.append((size, threads, smem, device))
+        if answer["n"] is None:
+            raise RuntimeError("no driver")
+        return answer["n"]
+
+    extra = {"threads": 160, "smem_bytes": 107592}
+    entry = SimpleNamespace(key="k1", meta={"extra": extra}, artifact_path=lambda name: f"/a/{name}")
+    monkeypatch.setattr(compiler, "ensure_compiled", lambda cfg: (entry, False))
+    monkeypatch.setattr(cluster_fit, "max_active_clusters", fake_max)
+    monkeypatch.setattr(compiler, "_CLUSTER_FITS", {})
+    cfg = SparseDecodeConfig(64, 4, split_merge="cluster")
+    assert compiler.cluster_launch_fits(cfg, 16, 0) is False  # the driver says none fit
+    assert compiler.cluster_launch_fits(cfg, 16, 0) is False and asked == [(16, 160, 107592, 0)]  # cached
+    answer["n"] = 9
+    assert compiler.cluster_launch_fits(cfg, 8, 0) is True and compiler.cluster_launch_fits(cfg, 16, 1) is True
+    answer["n"] = None  # cannot tell (no driver bindings, a driver error): the launch decides, as before
+    assert compiler.cluster_launch_fits(cfg, 4, 0) is True
+    entry.key, entry.meta = "k2", {"extra": {}}  # an artifact without its launch figures
+    assert compiler.cluster_launch_fits(cfg, 16, 0) is True
+
+
+def test_plan_merges_by_kernel_where_the_gpu_cannot_hold_the_cluster(launched_configs, monkeypatch, caplog):
+    events = launched_configs
+    fits = {"answer": False}
+    monkeypatch.setattr(compiler, "cluster_launch_fits", lambda cfg, splits, device: fits["answer"])
+    c = make_case(1, 1, 16, 1, q_dtype=torch.bfloat16, seed=5)
+    plan = SparseDecodePlanner(num_sms=132, arch="sm_90a", split_merge="cluster").prepare(
+        *c.prepare_args(), **c.prepare_kwargs())
+    assert plan.split_merge == "cluster"
+    with caplog.at_level("WARNING", logger="msa_jit"):
+        msa_jit.sparse_decode(c.query, c.kv_cache, c.topk, c.new_out(), plan, backend="kernel", **c.scales())
+    assert [cfg.split_merge for cfg in events] == ["kernel"] and plan.split_merge == "kernel"
+    assert "cannot hold a cluster of 16 CTAs" in caplog.text
+    # where it fits, the cluster build is launched
+    fits["answer"] = True
+    plan = SparseDecodePlanner(num_sms=132, arch="sm_90a", split_merge="cluster").prepare(
+        *c.prepare_args(), **c.prepare_kwargs())
+    msa_jit.sparse_decode(c.query, c.kv_cache, c.topk, c.new_out(), plan, backend="kernel", **c.scales())
+    assert events[-1].split_merge == "cluster" and plan.split_merge == "cluster"
+
+
+@pytest.mark.slow
+def test_cluster_artifact_carries_its_launch_figures(tmp_path):
+    """What cluster_launch_fits reads on a host without the compiler: the artifact's decode kernel
+    by name, its block size and its dynamic shared memory (the cache entry's `extra`)."""
+    pytest.importorskip("cutlass")
+    from msa_jit import sass
+    from msa_jit.cluster_fit import decode_kernel_name
+
+    cfg = SparseDecodeConfig(64, 4, arch="sm_90a", split_merge="cluster")
+    extra = compiler.compile_sparse_decode(cfg, tmp_path)["extra"]
+    assert extra["threads"] == 160 and extra["smem_bytes"] == compiler.dynamic_smem_bytes(cfg) == 107592
+    (cubin,) = sass.extract_cubins(tmp_path / "sparse_decode.so")
+    name = decode_kernel_name(cubin)
+    assert "merge" not in name.lower() and "SparseDecodeMmaKernel" in name
