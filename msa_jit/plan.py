@@ -142,11 +142,14 @@ class SparseDecodePlan:
         fn = self.kernels.get((dt, kv_dtype))
         if fn is None:
             cfg = self.config(dt, kv_dtype).validate()
-            from .compiler import cluster_launch_fits, get_sparse_decode_kernel
+            from .compiler import get_sparse_decode_kernel
 
-            if cfg.split_merge == "cluster" and not cluster_launch_fits(cfg, self.num_splits, self._device_index()):
-                self._merge_by_kernel(kv_dtype)
-                cfg = self.config(dt, kv_dtype)
+            if cfg.split_merge == "cluster":
+                from .compiler import cluster_launch_fits
+
+                if not cluster_launch_fits(cfg, self.num_splits, self._device_index()):
+                    self._merge_by_kernel(kv_dtype)
+                    cfg = self.config(dt, kv_dtype)
             fn = get_sparse_decode_kernel(cfg)
             self.kernels[(dt, kv_dtype)] = fn
         return fn

@@ -114,8 +114,8 @@ def run(args: argparse.Namespace) -> int:
     )
     text = sys.stderr if args.json == "-" else sys.stdout  # stdout is the JSON then
     print(table, file=text)
-    print("smem: bytes of shared memory per CTA, the launch's dynamic part (the kernel's storage struct, and a "
-          "cluster merge's receive buffer) plus the static one", file=text)
+    print("smem: bytes of shared memory per CTA, the launch's dynamic part (the kernel's storage struct,\n"
+          "and a cluster merge's receive buffer) plus the static one", file=text)
     if not with_sass:
         print(f"LDL/STL and MMA need the SASS, and nvdisasm was not found: {sass.NVDISASM_HINT}; "
               "spills were not checked", file=text)
