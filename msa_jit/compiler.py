@@ -360,7 +360,7 @@ _CLUSTER_FITS: dict[tuple[str, int, int], bool] = {}
 def cluster_launch_fits(config: SparseDecodeConfig, num_splits: int, device_index: int) -> bool:
     """Can GPU `device_index` hold a (1, 1, num_splits) cluster of `config`'s decode kernel
     (`cluster_fit.max_active_clusters` > 0)? Cached per artifact, split count and device. True where
-    it cannot tell (no cuda-python driver bindings, an artifact without its launch figures, a driver
+    it cannot tell (no driver library, an artifact without its launch figures, a driver
     error: logged), so the launch itself decides, as without the check."""
     entry, _ = ensure_compiled(config)
     key = (entry.key, num_splits, device_index)

@@ -133,65 +133,56 @@ def test_config_maps_to_the_kernel_option():
     assert compiler.make_kernel(SparseDecodeConfig(8, 1, kv_dtype="nvfp4", split_merge="cluster")).cluster_merge is not None
 
 
-class _FakeDriver:
-    """A stand-in for cuda.bindings.driver (infrastructure only): records the calls of
+class _FakeDriverLib:
+    """A stand-in for libcuda (infrastructure only): records the calls of
     cluster_fit.max_active_clusters and answers `clusters` (or an error code from the query)."""
-
-    class CUfunction_attribute:
-        CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = "max_dynamic_smem"
-        CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = "non_portable"
-
-    class CUlaunchAttributeID:
-        CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = "cluster_dimension"
-
-    class CUlaunchConfig:
-        pass
-
-    class CUlaunchAttribute:
-        pass
-
-    class CUlaunchAttributeValue:
-        def __init__(self):
-            from types import SimpleNamespace
-
-            self.clusterDim = SimpleNamespace(x=0, y=0, z=0)
 
     def __init__(self, clusters: int, query_error: int = 0):
         self.clusters, self.query_error, self.calls, self.attrs, self.config = clusters, query_error, [], {}, None
 
-    def _call(self, name, *value):
+    def _call(self, name, out=None, value=None):
         self.calls.append(name)
-        return (0, *value)
+        if out is not None:
+            out._obj.value = value
+        return 0
 
-    def cuDeviceGet(self, index):
-        return self._call("cuDeviceGet", f"dev{index}")
+    def cuInit(self, flags):
+        return self._call("init")
 
-    def cuDevicePrimaryCtxRetain(self, dev):
-        return self._call("retain", "ctx")
+    def cuDeviceGet(self, dev, index):
+        return self._call("device", dev, index)
 
-    def cuCtxPushCurrent(self, ctx):
+    def cuDevicePrimaryCtxRetain(self, ctx, dev):
+        return self._call("retain", ctx, 0x1000)
+
+    def cuCtxPushCurrent_v2(self, ctx):
         return self._call("push")
 
-    def cuCtxPopCurrent(self):
-        return self._call("pop", "ctx")
+    def cuCtxPopCurrent_v2(self, ctx):
+        return self._call("pop")
 
-    def cuDevicePrimaryCtxRelease(self, dev):
+    def cuDevicePrimaryCtxRelease_v2(self, dev):
         return self._call("release")
 
-    def cuModuleLoadData(self, address):
-        return self._call("load", "module")
+    def cuModuleLoadData(self, module, image):
+        return self._call("load", module, 0x2000)
 
-    def cuModuleGetFunction(self, module, name):
-        return self._call("function", name)
+    def cuModuleGetFunction(self, fn, module, name):
+        self.name = name
+        return self._call("function", fn, 0x3000)
 
     def cuFuncSetAttribute(self, fn, attr, value):
         self.attrs[attr] = value
         return self._call("attr")
 
-    def cuOccupancyMaxActiveClusters(self, fn, config):
-        self.config = config
+    def cuOccupancyMaxActiveClusters(self, count, fn, config):
         self.calls.append("query")
-        return (self.query_error, self.clusters)
+        c = config._obj
+        a = c.attrs[0]
+        self.config = (c.gridDimX, c.gridDimY, c.gridDimZ, c.blockDimX, c.sharedMemBytes, c.numAttrs, a.id,
+                       a.value.clusterDim.x, a.value.clusterDim.y, a.value.clusterDim.z)
+        count._obj.value = self.clusters
+        return self.query_error
 
     def cuModuleUnload(self, module):
         return self._call("unload")
@@ -202,20 +193,28 @@ def test_max_active_clusters_asks_the_driver_with_the_kernels_launch(monkeypatch
 
     monkeypatch.setattr(cluster_fit.sass, "extract_cubins", lambda path: [b"cubin"])
     monkeypatch.setattr(cluster_fit, "decode_kernel_name", lambda cubin: "decode")
-    drv = _FakeDriver(clusters=12)
-    assert cluster_fit.max_active_clusters("x.so", 16, 160, 107592, 3, driver=drv) == 12
-    assert drv.attrs == {"max_dynamic_smem": 107592, "non_portable": 1}
-    c = drv.config
-    assert (c.gridDimX, c.gridDimY, c.gridDimZ, c.blockDimX, c.sharedMemBytes, c.numAttrs) == (1, 1, 16, 160, 107592, 1)
-    (attr,) = c.attrs
-    assert attr.id == "cluster_dimension" and (attr.value.clusterDim.x, attr.value.clusterDim.y,
-                                               attr.value.clusterDim.z) == (1, 1, 16)
-    assert drv.calls[-3:] == ["unload", "pop", "release"] and "function" in drv.calls
+    lib = _FakeDriverLib(clusters=12)
+    assert cluster_fit.max_active_clusters("x.so", 16, 160, 107592, 3, lib=lib) == 12
+    # cuda.h: 8 = MAX_DYNAMIC_SHARED_SIZE_BYTES, 14 = NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 4 = CLUSTER_DIMENSION
+    assert lib.attrs == {8: 107592, 14: 1} and lib.name == b"decode"
+    assert lib.config == (1, 1, 16, 160, 107592, 1, 4, 1, 1, 16)
+    assert lib.calls[-3:] == ["unload", "pop", "release"] and lib.calls[:2] == ["init", "device"]
     # a failing query raises, and the module and the context are still given back
-    drv = _FakeDriver(clusters=0, query_error=1)
-    with pytest.raises(RuntimeError, match="CUDA driver error 1"):
-        cluster_fit.max_active_clusters("x.so", 16, 160, 107592, 0, driver=drv)
-    assert drv.calls[-3:] == ["unload", "pop", "release"]
+    lib = _FakeDriverLib(clusters=0, query_error=1)
+    with pytest.raises(RuntimeError, match="cuOccupancyMaxActiveClusters failed: CUDA driver error 1"):
+        cluster_fit.max_active_clusters("x.so", 16, 160, 107592, 0, lib=lib)
+    assert lib.calls[-3:] == ["unload", "pop", "release"]
+
+
+def test_launch_structs_match_cuda_h():
+    import ctypes
+
+    from msa_jit.cluster_fit import LaunchAttribute, LaunchConfig
+
+    # cuda.h: CUlaunchAttribute {id; pad to 8; 64-byte value union}, CUlaunchConfig {7 x uint, stream, attrs, numAttrs}
+    assert (ctypes.sizeof(LaunchAttribute), LaunchAttribute.value.offset) == (72, 8)
+    assert (ctypes.sizeof(LaunchConfig), LaunchConfig.hStream.offset, LaunchConfig.attrs.offset,
+            LaunchConfig.numAttrs.offset) == (56, 32, 40, 48)
 
 
 def test_cluster_launch_fits_asks_once_and_keeps_the_cluster_when_it_cannot_tell(monkeypatch):
