@@ -12,7 +12,9 @@ Options (besides the shipped kernel's):
                     start of the CTA's partial_o slot (unused when num_splits == 1;
                     bench/trace_ctas.py reads them): smid | n_iter << 16, then %globaltimer_lo at
                     entry, after the PDL wait, after the slots are compacted, at the first and the
-                    last full stage, after warp 0's last block, after the epilogue
+                    last full stage, after warp 0's last block, after the epilogue. With
+                    split_merge="cluster" the slot is unused at every split count, and the
+                    epilogue's end is after the push (and, on a merging CTA, after its merge)
   pdl=False         no programmatic dependent launch (the default until 2026-12-02 T1511)
   v_loads="v4"      V read with 16-byte shared loads (4-way bank conflicts; "rotated" since T1425)
   prefetch_bt=True  L2 prefetch of the request's block-table row before the topk-dependent lookup
@@ -50,6 +52,7 @@ from msa_jit.compiler import kernels_package
 
 kernels_package()
 from msa_jit.kernels import common, ptx  # noqa: E402
+from msa_jit.kernels.cluster_merge import RECV_BYTES  # noqa: E402
 from msa_jit.kernels.sparse_decode_mma import ROW_BYTES, SparseDecodeMmaKernel  # noqa: E402
 
 TRACE_WORDS = 8
@@ -212,6 +215,9 @@ class ProbeMmaKernel(SparseDecodeMmaKernel):
         sNvalid = storage.nvalid.get_tensor(cute.make_layout(4))
         sML = storage.ml.get_tensor(cute.make_layout(self.warps * 32))
         q_addr = ptx.smem_addr(storage.q.data_ptr())
+        recv = Int32(0)  # the cluster merge's receive buffer, as the shipped kernel() sets it up
+        if cutlass.const_expr(self.cluster_merge is not None):
+            recv = ptx.smem_addr(smem.allocate_array(cutlass.Uint8, RECV_BYTES, byte_alignment=16))
         tr = cute.make_rmem_tensor(TRACE_WORDS, Int32)
         if cutlass.const_expr(self.trace):
             tr[0] = smid()
@@ -223,6 +229,8 @@ class ProbeMmaKernel(SparseDecodeMmaKernel):
                 for s in cutlass.range_constexpr(self.stages):
                     cute.arch.mbarrier_init(full_ptr + s, 1)
                     cute.arch.mbarrier_init(empty_ptr + s, self.empty_arrivals)
+                if cutlass.const_expr(self.cluster_merge is not None):
+                    self.cluster_merge.init(recv)
         if cutlass.const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()
             if cutlass.const_expr(self.ctas_per_sm < 3):
@@ -255,6 +263,8 @@ class ProbeMmaKernel(SparseDecodeMmaKernel):
                 self.stage_q(mQ, q_addr, t, h, lane, qk_scale_log2)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
+        if cutlass.const_expr(self.cluster_merge is not None):
+            self.cluster_merge.arrive(num_splits)
 
         n_valid = sNvalid[0]
         first, n_iter = common.split_range(n_valid, num_splits, split)
@@ -267,7 +277,7 @@ class ProbeMmaKernel(SparseDecodeMmaKernel):
                 self.produce(mKV, sPages, h, first, n_iter, buf_addr, full_ptr, empty_ptr)
         else:
             self.consume_traced(
-                mQ, mOut, mLse, mPO, mPL, sBlocks, sML, buf_addr, q_addr, full_ptr, empty_ptr,
+                mQ, mOut, mLse, mPO, mPL, sBlocks, sML, buf_addr, q_addr, recv, full_ptr, empty_ptr,
                 t, h, split, warp, lane, kv_len, first, n_iter, num_splits, qk_scale_log2, v_scale, tr,
             )
             if cutlass.const_expr(self.trace):
@@ -279,7 +289,7 @@ class ProbeMmaKernel(SparseDecodeMmaKernel):
                     ptx.st_global_v4(slot + 16, tr[4], tr[5], tr[6], tr[7])
 
     @cute.jit
-    def consume_traced(self, mQ, mOut, mLse, mPO, mPL, sBlocks, sML, buf_addr, q_addr, full_ptr, empty_ptr,
+    def consume_traced(self, mQ, mOut, mLse, mPO, mPL, sBlocks, sML, buf_addr, q_addr, recv, full_ptr, empty_ptr,
                        t, h, split, warp, lane, kv_len, first, n_iter, num_splits, qk_scale_log2, v_scale, tr):
         g = lane // 4
         c = lane % 4
@@ -312,5 +322,5 @@ class ProbeMmaKernel(SparseDecodeMmaKernel):
             )
         if cutlass.const_expr(self.trace):
             tr[6] = globaltimer_lo()
-        self.epilogue(mOut, mLse, mPO, mPL, sML, buf_addr, acc, row_max, row_sum,
+        self.epilogue(mOut, mLse, mPO, mPL, sML, buf_addr, recv, acc, row_max, row_sum,
                       t, h, split, warp, lane, num_splits, v_scale)

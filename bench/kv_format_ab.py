@@ -42,6 +42,10 @@ VARIANTS = {  # name -> (kv dtype, kernel options)
     "n_c3s3_sc2": ("nvfp4", dict(C3, stages=3, s_chains=2)),
     "f_c2": ("float8_e4m3fn", {}),
     "q8_c2": ("float8_e4m3fn", {"q_dtype": Q8}),  # the 2-CTA build with an fp8 query (vLLM's call)
+    # the split merge inside the decode launch (split_merge="cluster", kernels/cluster_merge.py; row 79)
+    "f_c2_cm": ("float8_e4m3fn", {"split_merge": "cluster"}),
+    "n_c2_cm": ("nvfp4", {"split_merge": "cluster"}),
+    "q8_c2_cm": ("float8_e4m3fn", {"split_merge": "cluster", "q_dtype": Q8}),
     "f_c2_sc2": ("float8_e4m3fn", {"s_chains": 2}),
     "f_c3": ("float8_e4m3fn", dict(C3, stages=2)),  # the fp8 3-CTA build
     # no producer warp (lane 0 of consumer warp 0 issues each copy), its registers for fatter or more

@@ -47,10 +47,16 @@ def check(fn, name: str, hq: int, hkv: int) -> list[dict]:
                              kv_dtype="nvfp4" if kv == "nvfp4" else "fp8")
             plan = planner.prepare(*case.prepare_args(), **case.prepare_kwargs())
             worst, problems, same = _launch_checked(fn, case, plan, kv, LSE_ATOL)
+            # a topk row listing a block twice is outside the contract (the reference counts it once, a
+            # kernel may count it twice: msa_jit.testing.Case.has_duplicates): only the launches' agreement
+            # counts there (2026-12-05 T0900 compared them: 72 "failures", the shipped build's as well)
+            if case.has_duplicates:
+                problems = []
             if not same:
                 problems = problems + ["the 3 launches differ"]
             rows.append(dict(variant=name, geometry=f"{hq}/{hkv}", splits=plan.num_splits, batch=batch, qlen=qlen,
-                             padded=padded, adversarial=adversarial, rel_l2=worst, problems=problems))
+                             padded=padded, adversarial=adversarial, duplicates=case.has_duplicates, rel_l2=worst,
+                             problems=problems))
             print(json.dumps(rows[-1]), flush=True)
     return rows
 

@@ -53,7 +53,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # per-CTA timeline (bench/trace_ctas.py): the full kernel plus a few timer stores
     "trace": {"probe": "trace"},
     "trace_pbt": {"probe": "trace", "prefetch_bt": True},  # does the block-table prefetch shorten the chain?
-    # the split merge inside the decode launch (row 79, branch wip/push-merge): built there as trace_cm
+    # the split merge inside the decode launch (row 79): where a batch-1 CTA's time goes with it
+    "trace_cm": {"probe": "trace", "split_merge": "cluster"},
+    # the same, built in a checkout of 872d03b (the one main's h200_run.sh push_trace loads)
     "s20_trace_cm": {"probe": "trace", "split_merge": "cluster", "checkout": "872d03b"},
     # #12 / #11 again on the current kernel (16-byte stores, prologue trigger): 3 CTAs/SM with
     # the lean softmax was 1.5-3.9% faster at T*Hkv = 256 in T1511 (and 11% slower at 1.3 waves);

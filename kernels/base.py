@@ -11,10 +11,12 @@ shared-memory struct), `storage_type`, `threads`, and may override `grid`, `kern
 
 # no `from __future__ import annotations`: the DSL reads evaluated annotations
 import cuda.bindings.driver as cuda
+import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from ..geometry import MAX_GROUP_SIZE, MAX_TOPK
+from .cluster_merge import RECV_BYTES
 from .split_merge import SplitMergeKernel
 
 
@@ -27,6 +29,8 @@ class SparseDecodeKernelBase:
     pdl = False
     # with pdl: does the split merge let the next kernel be scheduled once its own wait returned?
     merge_trigger = True
+    # a kernels/cluster_merge.ClusterMerge when the splits merge inside the decode launch
+    cluster_merge = None
 
     @staticmethod
     def occupancy_options(ctas_per_sm: int, q_dtype: str, kv_dtype: str = "float8_e4m3fn") -> dict:
@@ -79,11 +83,10 @@ class SparseDecodeKernelBase:
     ):
         """The exported function: kernels/convention.py ARGUMENTS, in order, then the stream."""
         num_tokens = query.shape[0]
-        self.kernel(
-            query, kv_cache, topk, block_table, kv_lens, out, lse, partial_o, partial_lse, k_scale_tensor,
-            v_scale_tensor, qlen, num_splits, qk_scale_log2, v_scale, *self.kernel_operands(kv_cache),
-            self.storage_type(),
-        ).launch(
+        args = (query, kv_cache, topk, block_table, kv_lens, out, lse, partial_o, partial_lse, k_scale_tensor,
+                v_scale_tensor, qlen, num_splits, qk_scale_log2, v_scale, *self.kernel_operands(kv_cache),
+                self.storage_type())
+        options = dict(
             grid=self.grid(num_tokens, qlen, num_splits),
             block=(self.threads, 1, 1),
             stream=stream,
@@ -92,9 +95,23 @@ class SparseDecodeKernelBase:
             use_pdl=self.pdl,
             **self.launch_options(),
         )
-        if num_splits > 1:
-            SplitMergeKernel(num_kv_heads=self.hkv, group_size=self.group, max_splits=self.topk,
-                             pdl=self.pdl, trigger=self.merge_trigger).launch(out, lse, partial_o, partial_lse, num_splits, num_tokens, stream)
+        if cutlass.const_expr(self.cluster_merge is None):
+            self.kernel(*args).launch(**options)
+            if num_splits > 1:
+                self.launch_merge(out, lse, partial_o, partial_lse, num_splits, num_tokens, stream)
+        elif num_splits > 1 and self.cluster_merge.fits(num_splits):
+            # the splits merge inside the decode launch (kernels/cluster_merge.py): one launch
+            self.kernel(*args).launch(cluster=[1, 1, num_splits], **options)
+        else:
+            self.kernel(*args).launch(**options)
+            if num_splits > 1:
+                self.launch_merge(out, lse, partial_o, partial_lse, num_splits, num_tokens, stream)
+
+    def launch_merge(self, out, lse, partial_o, partial_lse, num_splits, num_tokens, stream) -> None:
+        """The split merge kernel after the decode kernel (traced in __call__)."""
+        SplitMergeKernel(num_kv_heads=self.hkv, group_size=self.group, max_splits=self.topk,
+                         pdl=self.pdl, trigger=self.merge_trigger).launch(out, lse, partial_o, partial_lse, num_splits,
+                                                                          num_tokens, stream)
 
     def grid(self, num_tokens, qlen, num_splits) -> tuple:
         """The decode kernel's grid (traced in __call__): one CTA per (token, KV head, split)."""
@@ -108,6 +125,14 @@ class SparseDecodeKernelBase:
     def storage_type(self):
         """The shared-memory struct of the decode kernel (a cute.struct class)."""
         raise NotImplementedError
+
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory the decode kernel is launched with: its storage struct, then, with a
+        cluster merge, the receive buffer its kernel() allocates after it at 16-byte alignment."""
+        size = int(self.storage_type().size_in_bytes())
+        if self.cluster_merge is not None:
+            size = -(-size // 16) * 16 + RECV_BYTES
+        return size
 
     def launch_options(self) -> dict:
         """Extra launch options of the decode kernel."""

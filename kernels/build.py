@@ -26,7 +26,9 @@ from . import convention
 def make_kernel(cls: type, config: Any, kernel_options: dict[str, Any] | None = None) -> Any:
     """`cls` constructed for `config` at its occupancy (`cls.occupancy_options`) and arch
     (`cls.arch_options`), plus `kernel_options` (experiments only). The one place the config's
-    `topk_blocks` becomes the kernel classes' `topk`."""
+    `topk_blocks` becomes the kernel classes' `topk`. A config's split_merge other than the
+    default goes to the class as its `split_merge` option (the token kernel's)."""
+    merge = {} if config.split_merge == "kernel" else {"split_merge": config.split_merge}
     return cls(
         num_q_heads=config.num_q_heads,
         num_kv_heads=config.num_kv_heads,
@@ -35,7 +37,7 @@ def make_kernel(cls: type, config: Any, kernel_options: dict[str, Any] | None = 
         q_dtype=config.q_dtype,
         kv_dtype=config.kv_dtype,
         **{**cls.occupancy_options(config.ctas_per_sm, config.q_dtype, config.kv_dtype),
-           **cls.arch_options(config.arch, config.kv_dtype), **(kernel_options or {})},
+           **cls.arch_options(config.arch, config.kv_dtype), **merge, **(kernel_options or {})},
     )
 
 

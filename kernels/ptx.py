@@ -376,3 +376,68 @@ def ex2(x: Float32, *, loc=None, ip=None) -> Float32:
 @dsl_user_op
 def lg2(x: Float32, *, loc=None, ip=None) -> Float32:
     return Float32(_asm(T.f32(), [_f32(x, loc, ip)], "lg2.approx.ftz.f32 $0, $1;", "=f,f"))
+
+
+@dsl_user_op
+def mapa_shared(addr: Int32, rank: Int32, *, loc=None, ip=None) -> Int32:
+    """The shared::cluster address of `addr` (this CTA's shared window) in cluster CTA `rank`."""
+    return Int32(_asm(T.i32(), [_i32(addr, loc, ip), _i32(rank, loc, ip)],
+                      "mapa.shared::cluster.u32 $0, $1, $2;", "=r,r,r"))
+
+
+@dsl_user_op
+def st_async_v4_f32(addr: Int32, mbar: Int32, v0, v1, v2, v3, *, loc=None, ip=None) -> None:
+    """st.async of 4 fp32 to a shared::cluster address (mapa_shared), 16 bytes of tx completed on
+    the mbarrier at shared::cluster address `mbar` (of the same CTA)."""
+    _asm(
+        None,
+        [_i32(addr, loc, ip), _i32(mbar, loc, ip)] + [_f32(v, loc, ip) for v in (v0, v1, v2, v3)],
+        "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [$0], {$2, $3, $4, $5}, [$1];",
+        "r,r,f,f,f,f",
+        side_effects=True,
+    )
+
+
+@dsl_user_op
+def st_async_f32(addr: Int32, mbar: Int32, v, *, loc=None, ip=None) -> None:
+    """st.async of one fp32 (4 bytes of tx), as st_async_v4_f32."""
+    _asm(None, [_i32(addr, loc, ip), _i32(mbar, loc, ip), _f32(v, loc, ip)],
+         "st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [$0], $2, [$1];", "r,r,f", side_effects=True)
+
+
+@dsl_user_op
+def mbarrier_try_wait_cluster(mbar: Int32, parity: Int32, *, loc=None, ip=None) -> Int32:
+    """1 once the phase of parity `parity` of this CTA's mbarrier has completed, else 0, with
+    acquire semantics at cluster scope (the bytes other CTAs' st.async delivered are visible)."""
+    return Int32(_asm(
+        T.i32(),
+        [_i32(mbar, loc, ip), _i32(parity, loc, ip)],
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [$1], $2;\n"
+        "selp.u32 $0, 1, 0, p;\n}",
+        "=r,r,r",
+        side_effects=True,
+    ))
+
+
+@dsl_user_op
+def ld_shared_f32(addr: Int32, *, loc=None, ip=None) -> Float32:
+    return Float32(_asm(T.f32(), [_i32(addr, loc, ip)], "ld.shared.f32 $0, [$1];", "=f,r", side_effects=True))
+
+
+@dsl_user_op
+def mbarrier_arrive_expect_tx(mbar: Int32, nbytes: Int32, *, loc=None, ip=None) -> None:
+    """This thread's arrival on this CTA's mbarrier, raising its phase's expected tx by `nbytes`."""
+    _asm(None, [_i32(mbar, loc, ip), _i32(nbytes, loc, ip)],
+         "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;", "r,r", side_effects=True)
+
+
+@dsl_user_op
+def mbarrier_init(mbar: Int32, count: int, *, loc=None, ip=None) -> None:
+    """mbarrier.init of this CTA's mbarrier at shared address `mbar` for `count` arrivals."""
+    _asm(None, [_i32(mbar, loc, ip), _i32(count, loc, ip)], "mbarrier.init.shared::cta.b64 [$0], $1;", "r,r",
+         side_effects=True)
+
+
+@dsl_user_op
+def st_shared_f32(addr: Int32, v, *, loc=None, ip=None) -> None:
+    _asm(None, [_i32(addr, loc, ip), _f32(v, loc, ip)], "st.shared.f32 [$0], $1;", "r,f", side_effects=True)

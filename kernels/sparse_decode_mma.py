@@ -18,7 +18,8 @@ page_size * 256 bytes, K in bytes [0,128) and V in [128,256) of every token row)
     ld_v_rotated);
   * at the end the warps' partial (m, l, O) are merged through shared memory; with
     num_splits > 1 the CTA writes a normalized partial O and its log2-LSE, and the split
-    merge (kernels/split_merge.py) combines them in the same launch sequence.
+    merge (kernels/split_merge.py) combines them in the same launch sequence, or (option
+    split_merge="cluster") pushes them to the CTA of its cluster that merges them (cluster_merge.py).
 
 Timing probes and retired variants (the fp8 bit trick, 16-byte V loads, scalar stores, the
 block-table prefetch, no-math / no-copy / trace builds) live with the bench
@@ -35,6 +36,7 @@ from cutlass import Float32, Int32, Int64
 
 from . import common, ptx
 from .base import SparseDecodeKernelBase
+from .cluster_merge import RECV_BYTES, ClusterMerge
 
 HEAD_DIM = 128
 Q_FRAG_BYTES = 8 * 32 * 16  # 8 k-steps x 32 lanes x one 16-byte A fragment
@@ -110,6 +112,7 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
         smem_reads: str = "block",
         ctas_per_sm: int = 2,
         e2m1_cvt: bool = False,
+        split_merge: str = "kernel",
     ):
         super().__init__(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, page_size=page_size,
                          topk=topk, q_dtype=q_dtype, kv_dtype=kv_dtype)
@@ -144,6 +147,7 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
         for name, value, allowed in (
             ("q_frags", q_frags, ("regs", "smem")), ("softmax", softmax, ("plain", "lean")),
             ("smem_reads", smem_reads, ("block", "staged")), ("ctas_per_sm", ctas_per_sm, (1, 2, 3)),
+            ("split_merge", split_merge, ("kernel", "cluster")),
         ):
             if value not in allowed:
                 raise ValueError(f"{name} {value!r} not in {allowed}")
@@ -178,6 +182,11 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
         # its CTAs then took the slots unevenly (64/4 B=16 +1.4..+1.7 us), as the decode kernel's
         # own early trigger did (#29)
         self.merge_trigger = ctas_per_sm < 3
+        # "cluster": the splits of a (t, h) merge inside the launch (kernels/cluster_merge.py); its
+        # 8 KiB receive buffer fits beside 3 stages at 2 CTAs per SM, not at 3
+        if split_merge == "cluster" and (ctas_per_sm > 2 or self.consumer_threads < HEAD_DIM):
+            raise ValueError("split_merge='cluster' needs ctas_per_sm <= 2 and >= 4 consumer warps")
+        self.cluster_merge = ClusterMerge(group_size=self.group, max_splits=topk, threads=self.consumer_threads) if split_merge == "cluster" else None
 
     # ------------------------------------------------------------------ host side
     def storage_type(self):
@@ -237,12 +246,17 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
         sNvalid = storage.nvalid.get_tensor(cute.make_layout(4))
         sML = storage.ml.get_tensor(cute.make_layout(self.warps * 32))
         q_addr = ptx.smem_addr(storage.q.data_ptr())
+        recv = Int32(0)  # the cluster merge's receive buffer and mbarrier (kernels/cluster_merge.py)
+        if cutlass.const_expr(self.cluster_merge is not None):
+            recv = ptx.smem_addr(smem.allocate_array(cutlass.Uint8, RECV_BYTES, byte_alignment=16))
         # the barriers touch no global memory: set them up while the previous kernel may still run
         if warp == 0:
             if lane == 0:
                 for s in cutlass.range_constexpr(self.stages):
                     cute.arch.mbarrier_init(full_ptr + s, 1)
                     cute.arch.mbarrier_init(empty_ptr + s, self.empty_arrivals)
+                if cutlass.const_expr(self.cluster_merge is not None):
+                    self.cluster_merge.init(recv)
         # every write of the previous kernel (the prologue's kv_lens, or a caller's q / topk)
         # is visible after this; nothing above reads global memory
         cute.arch.griddepcontrol_wait()
@@ -274,6 +288,8 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
                 self.stage_q(mQ, q_addr, t, h, lane, qk_scale_log2)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
+        if cutlass.const_expr(self.cluster_merge is not None):
+            self.cluster_merge.arrive(num_splits)  # waited for before the first push (epilogue)
 
         n_valid = sNvalid[0]
         first, n_iter = common.split_range(n_valid, num_splits, split)
@@ -285,7 +301,7 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
         else:
             # ---- 2b. consumer warps
             self.consume(
-                mQ, mOut, mLse, mPO, mPL, sBlocks, sML, buf_addr, q_addr, full_ptr, empty_ptr,
+                mQ, mOut, mLse, mPO, mPL, sBlocks, sML, buf_addr, q_addr, recv, full_ptr, empty_ptr,
                 t, h, split, warp, lane, kv_len, first, n_iter, num_splits, qk_scale_log2, v_scale,
             )
 
@@ -306,7 +322,7 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
 
     @cute.jit
     def consume(
-        self, mQ, mOut, mLse, mPO, mPL, sBlocks, sML, buf_addr, q_addr, full_ptr, empty_ptr,
+        self, mQ, mOut, mLse, mPO, mPL, sBlocks, sML, buf_addr, q_addr, recv, full_ptr, empty_ptr,
         t, h, split, warp, lane, kv_len, first, n_iter, num_splits, qk_scale_log2, v_scale,
     ):
         g = lane // 4
@@ -337,7 +353,7 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
                 warp * self.keys_per_warp, g, c, lane,
             )
 
-        self.epilogue(mOut, mLse, mPO, mPL, sML, buf_addr, acc, row_max, row_sum,
+        self.epilogue(mOut, mLse, mPO, mPL, sML, buf_addr, recv, acc, row_max, row_sum,
                       t, h, split, warp, lane, num_splits, v_scale)
 
     @cute.jit
@@ -682,7 +698,7 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
                 qa[4 * ks + 2 + r] = hi
 
     @cute.jit
-    def epilogue(self, mOut, mLse, mPO, mPL, sML, buf_addr, acc, row_max, row_sum,
+    def epilogue(self, mOut, mLse, mPO, mPL, sML, buf_addr, recv, acc, row_max, row_sum,
                  t, h, split, warp, lane, num_splits, v_scale):
         G = self.group
         g = lane // 4
@@ -726,6 +742,8 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
         per_row = HEAD_DIM // self.out_elems
         row = tid // per_row
         d0 = (tid % per_row) * self.out_elems
+        if cutlass.const_expr(self.cluster_merge is not None):
+            self.cluster_merge.wait(num_splits)
         if row < G:
             m_all = -Float32.inf
             for w in cutlass.range_constexpr(self.warps):
@@ -762,10 +780,21 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
                     ptx.st_global_v4(dst + 16 * q, w[0], w[1], w[2], w[3])
                 if d0 == 0:
                     mLse[t, hq] = lse2 * LN2
-            else:  # the split's partial: 4 fp32 per store
-                idx = (t * self.hkv + h) * num_splits + split
-                dst = mPO.iterator.toint() + (Int64(idx) * Int64(mPO.stride[0]) + Int64(row * HEAD_DIM + d0)) * 4
-                for q in cutlass.range_constexpr(self.out_elems // 4):
-                    ptx.st_global_v4_f32(dst + 16 * q, vals[4 * q], vals[4 * q + 1], vals[4 * q + 2], vals[4 * q + 3])
-                if d0 == 0:
-                    mPL[idx, row] = lse2
+            elif cutlass.const_expr(self.cluster_merge is None):
+                self.store_partial(mPO, mPL, vals, lse2, t, h, split, row, d0, num_splits)
+            elif self.cluster_merge.in_cluster():  # into the merging CTA's shared memory
+                self.cluster_merge.push(recv, split, num_splits, row, d0, vals, lse2, self.out_elems)
+            else:
+                self.store_partial(mPO, mPL, vals, lse2, t, h, split, row, d0, num_splits)
+        if cutlass.const_expr(self.cluster_merge is not None):
+            self.cluster_merge.merge(mOut, mLse, recv, t, h * G, split, num_splits, tid)
+
+    @cute.jit
+    def store_partial(self, mPO, mPL, vals, lse2, t, h, split, row, d0, num_splits):
+        """The split's normalized partial row (4 fp32 per store) and log2-LSE, for the merge kernel."""
+        idx = (t * self.hkv + h) * num_splits + split
+        dst = mPO.iterator.toint() + (Int64(idx) * Int64(mPO.stride[0]) + Int64(row * HEAD_DIM + d0)) * 4
+        for q in cutlass.range_constexpr(self.out_elems // 4):
+            ptx.st_global_v4_f32(dst + 16 * q, vals[4 * q], vals[4 * q + 1], vals[4 * q + 2], vals[4 * q + 3])
+        if d0 == 0:
+            mPL[idx, row] = lse2

@@ -235,10 +235,6 @@ class SparseDecodeSm100Kernel(SparseDecodeKernelBase):
 
         return Storage
 
-    def smem_bytes(self) -> int:
-        """Dynamic shared memory of the main kernel: the Storage struct's size."""
-        return int(self.storage_type().size_in_bytes())
-
     def launch_options(self) -> dict:
         """One CTA per SM (shared memory), nothing to ask of the compiler."""
         return {}

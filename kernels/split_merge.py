@@ -55,28 +55,40 @@ class SplitMergeKernel:
             # take slots this small grid leaves free while their launch latency overlaps the merge
             cute.arch.griddepcontrol_launch_dependents()
         idx0 = (t * self.hkv + h) * num_splits
-        lse = cute.make_rmem_tensor(self.max_splits, Float32)
-        part = cute.make_rmem_tensor(self.max_splits, Float32)
-        m_all = -Float32.inf
-        for s in cutlass.range_constexpr(self.max_splits):
-            lse[s] = -Float32.inf
-            part[s] = Float32(0.0)
-            if s < num_splits:
-                lse[s] = mPL[idx0 + s, row]
-                part[s] = mPO[idx0 + s, row, d]
-            m_all = cute.arch.fmax(m_all, lse[s])
-        num = Float32(0.0)
-        den = Float32(0.0)
-        if m_all != -Float32.inf:
-            for s in cutlass.range_constexpr(self.max_splits):
-                w = ptx.ex2(lse[s] - m_all)
-                num = num + w * part[s]
-                den = den + w
-        out = Float32(0.0)
-        lse_nat = -Float32.inf
-        if den > Float32(0.0):
-            out = num / den
-            lse_nat = (m_all + ptx.lg2(den)) * LN2
+        out, lse_nat = combine_splits(self.max_splits, num_splits, lambda s: mPL[idx0 + s, row],
+                                      lambda s: mPO[idx0 + s, row, d])
         mOut[t, h * self.group + row, d] = out.to(cutlass.BFloat16)
         if d == 0:
             mLse[t, h * self.group + row] = lse_nat
+
+
+@cute.jit
+def combine_splits(n: cutlass.Constexpr, num_splits: Int32, lse_of, part_of):
+    """(out, natural-log LSE) of one output element from the first num_splits of n splits, split s
+    giving its log2-LSE lse_of(s) and normalized partial part_of(s) (loads, all issued before any
+    math): sum_s w_s part_s / sum_s w_s with w_s = 2**(lse_s - max lse); (0, -inf) when no split
+    saw a key."""
+    lse = cute.make_rmem_tensor(n, Float32)
+    part = cute.make_rmem_tensor(n, Float32)
+    for s in cutlass.range_constexpr(n):
+        lse[s] = -Float32.inf
+        part[s] = Float32(0.0)
+        if s < num_splits:
+            lse[s] = lse_of(s)
+            part[s] = part_of(s)
+    m_all = -Float32.inf
+    for s in cutlass.range_constexpr(n):
+        m_all = cute.arch.fmax(m_all, lse[s])
+    num = Float32(0.0)
+    den = Float32(0.0)
+    if m_all != -Float32.inf:
+        for s in cutlass.range_constexpr(n):
+            w = ptx.ex2(lse[s] - m_all)
+            num = num + w * part[s]
+            den = den + w
+    out = Float32(0.0)
+    lse_nat = -Float32.inf
+    if den > Float32(0.0):
+        out = num / den
+        lse_nat = (m_all + ptx.lg2(den)) * LN2
+    return out, lse_nat

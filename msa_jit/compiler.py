@@ -23,7 +23,8 @@ from typing import Any, Callable, Mapping
 
 from . import cache as _cache
 from . import env
-from .geometry import KV_DTYPE_SHORT, Q_DTYPE_SHORT, UNION_CTAS_PER_SM, SparseDecodeConfig, union_problems
+from .geometry import (KV_DTYPE_SHORT, Q_DTYPE_SHORT, UNION_CTAS_PER_SM, SparseDecodeConfig, cluster_merge_problems,
+                       union_problems)
 from .loader import load_artifact
 
 log = logging.getLogger("msa_jit")
@@ -136,15 +137,29 @@ def union_configs(config: SparseDecodeConfig) -> list[SparseDecodeConfig]:
     if union_problems(num_q_heads=config.num_q_heads, num_kv_heads=config.num_kv_heads,
                       page_size=config.page_size, kv_dtype=config.kv_dtype, arch=config.arch):
         return []
-    return [replace(config, kernel="union", ctas_per_sm=n) for n in supported_ctas_per_sm(config.arch, "union")]
+    return [replace(config, kernel="union", split_merge="kernel", ctas_per_sm=n)
+            for n in supported_ctas_per_sm(config.arch, "union")]
+
+
+def cluster_merge_configs(config: SparseDecodeConfig) -> list[SparseDecodeConfig]:
+    """The token kernel's builds of `config`'s geometry, dtypes and arch that merge the KV splits in a
+    cluster (geometry.cluster_merge_problems), or none where that cannot be built."""
+    token = replace(config, kernel="token", split_merge="cluster")
+    return [replace(token, ctas_per_sm=n) for n in supported_ctas_per_sm(config.arch)
+            if not cluster_merge_problems(kernel="token", ctas_per_sm=n, arch=config.arch)]
 
 
 def plannable_configs(config: SparseDecodeConfig) -> list[SparseDecodeConfig]:
     """`config` at every occupancy the planner may pick for its arch (what a warmup builds), and
-    the union kernel's builds where the planner may pick it (MSA_JIT_ENABLE_SM90_UNION=1)."""
-    token = replace(config, kernel="token")
+    the union kernel's builds where the planner may pick it (MSA_JIT_ENABLE_SM90_UNION=1), and the
+    cluster split merge's where it may (MSA_JIT_ENABLE_CLUSTER_MERGE=1)."""
+    token = replace(config, kernel="token", split_merge="kernel")
     out = [replace(token, ctas_per_sm=n) for n in supported_ctas_per_sm(config.arch)]
-    return out + (union_configs(config) if env.enable_sm90_union() else [])
+    if env.enable_sm90_union():
+        out += union_configs(config)
+    if env.enable_cluster_merge():
+        out += cluster_merge_configs(config)
+    return out
 
 
 def _dist_version(*names: str) -> str:
@@ -274,8 +289,10 @@ def compile_sparse_decode(config: SparseDecodeConfig, out_dir: str | os.PathLike
     # the caller publishes out_dir (a temporary build dir) into the cache: ensure_compiled logs the path
     return {
         "artifacts": [convention().ARTIFACT_NAME],
+        # the decode kernel's launch figures, for cluster_launch_fits on hosts without the compiler
         "extra": {"kernel_family": family, "compile_s": round(seconds["compile_s"], 3),
-                  "total_s": round(seconds["total_s"], 3)},
+                  "total_s": round(seconds["total_s"], 3), "smem_bytes": kernel.smem_bytes(),
+                  "threads": kernel.threads},
     }
 
 
@@ -293,15 +310,15 @@ def make_kernel(config: SparseDecodeConfig, kernel_options: dict[str, Any] | Non
 
 
 def dynamic_smem_bytes(config: SparseDecodeConfig) -> int:
-    """Dynamic shared memory the decode kernel of `config` is launched with: the size of its
-    shared-storage struct (kernel.storage_type(), what the launch allocates). Imports the DSL;
-    the split merge kernel takes none."""
+    """Dynamic shared memory the decode kernel of `config` is launched with (kernel.smem_bytes():
+    its shared-storage struct, and a cluster merge's receive buffer). Imports the DSL; the split
+    merge kernel takes none."""
     from .geometry import check_config
 
     reason = check_config(config)
     if reason:
         raise ValueError(f"unsupported sparse decode config: {reason}")
-    return int(make_kernel(config).storage_type().size_in_bytes())
+    return make_kernel(config).smem_bytes()
 
 
 def ensure_compiled(config: SparseDecodeConfig, cache: _cache.ArtifactCache | None = None) -> tuple[_cache.CacheEntry, bool]:
@@ -323,15 +340,45 @@ def ensure_compiled(config: SparseDecodeConfig, cache: _cache.ArtifactCache | No
 
 
 def warmup_command(config: SparseDecodeConfig) -> str:
-    """The `msa-jit warmup` line that builds exactly this config (used in error messages)."""
+    """The `msa-jit warmup` line that builds exactly this config (used in error messages): a union or
+    cluster-merge build behind the environment variable that makes a warmup build it."""
     q = Q_DTYPE_SHORT.get(config.q_dtype, config.q_dtype)
     kv = KV_DTYPE_SHORT.get(config.kv_dtype, config.kv_dtype)
-    cmd = (f"msa-jit warmup --heads {config.num_q_heads}/{config.num_kv_heads} --q-dtype {q} --kv-dtype {kv} "
+    flags = ((f"{env.ENABLE_SM90_UNION}=1 " if config.kernel == "union" else "")
+             + (f"{env.ENABLE_CLUSTER_MERGE}=1 " if config.split_merge == "cluster" else ""))
+    cmd = (f"{flags}msa-jit warmup --heads {config.num_q_heads}/{config.num_kv_heads} --q-dtype {q} --kv-dtype {kv} "
            f"--arch {config.arch} --page-size {config.page_size} --topk-blocks {config.topk_blocks}")
     if dsl_version() == "unknown":
         cmd += (f"\n    (this host has no CuTe DSL package metadata: set {env.DSL_VERSION} to the "
                 "DSL version the cache was warmed with, e.g. 4.8.1)")
     return cmd
+
+
+_CLUSTER_FITS: dict[tuple[str, int, int], bool] = {}
+
+
+def cluster_launch_fits(config: SparseDecodeConfig, num_splits: int, device_index: int) -> bool:
+    """Can GPU `device_index` hold a (1, 1, num_splits) cluster of `config`'s decode kernel
+    (`cluster_fit.max_active_clusters` > 0)? Cached per artifact, split count and device. True where
+    it cannot tell (no driver library, an artifact without its launch figures, a driver
+    error: logged), so the launch itself decides, as without the check."""
+    entry, _ = ensure_compiled(config)
+    key = (entry.key, num_splits, device_index)
+    if key not in _CLUSTER_FITS:
+        extra = entry.meta.get("extra") or {}
+        try:
+            from .cluster_fit import max_active_clusters
+
+            n = max_active_clusters(entry.artifact_path(convention().ARTIFACT_NAME), num_splits,
+                                    int(extra["threads"]), int(extra["smem_bytes"]), device_index)
+            log.debug("msa-jit: %d clusters of %d CTAs of %s fit on device %d", n, num_splits, config.describe(),
+                      device_index)
+            _CLUSTER_FITS[key] = n > 0
+        except Exception as e:  # noqa: BLE001 - cannot tell: keep the cluster build
+            log.info("msa-jit: cannot ask whether clusters of %d CTAs of %s fit (%s: %s); launching them",
+                     num_splits, config.describe(), type(e).__name__, e)
+            _CLUSTER_FITS[key] = True
+    return _CLUSTER_FITS[key]
 
 
 def get_sparse_decode_kernel(config: SparseDecodeConfig) -> Callable:

@@ -29,6 +29,18 @@ UNION_POLICY = (
     "MSA_JIT_ENABLE_SM90_UNION=1 (or a planner pins kernel='union'): faster where draft tokens share "
     "most blocks, slower where they share none."
 )
+CLUSTER_MERGE_POLICY = (
+    "On sm_90a a step whose KV splits are served at 2 CTAs per SM merges them inside the decode "
+    "launch (one thread-block cluster per token and KV head, no merge kernel) only when "
+    "MSA_JIT_ENABLE_CLUSTER_MERGE=1 (or a planner pins split_merge='cluster'): not yet measured on a GPU."
+)
+
+
+def _build_suffix(row: dict[str, Any]) -> str:
+    """' union' / ' cluster merge' after a preset row of a non-default build ('' for older reports)."""
+    from .geometry import build_suffix
+
+    return build_suffix(row.get("kernel", "token"), row.get("split_merge", "kernel"))
 
 
 def _probe(fn: Callable[[], Any]) -> Any:
@@ -172,7 +184,8 @@ def probe_presets(arches: list[str], cache_dir: str | None = None) -> list[dict[
                     for cfg in compiler.plannable_configs(base):
                         row: dict[str, Any] = {"geometry": f"{hq}/{hkv}", "q_dtype": Q_DTYPE_SHORT[q],
                                                "kv_dtype": KV_DTYPE_SHORT[kv], "arch": arch,
-                                               "ctas_per_sm": cfg.ctas_per_sm}
+                                               "ctas_per_sm": cfg.ctas_per_sm, "kernel": cfg.kernel,
+                                               "split_merge": cfg.split_merge}
                         try:
                             entry = c.lookup(compiler.cache_key(cfg))
                             row["ready"] = entry is not None
@@ -190,12 +203,13 @@ def probe_policy(arches: list[str]) -> dict[str, Any]:
 
     families = {a: compiler.kernel_family(SparseDecodeConfig(16, 1, arch=a)) for a in arches}
     flags = {}
-    for name, read in (("enable_sm100_umma", env.enable_sm100_umma), ("enable_sm90_union", env.enable_sm90_union)):
+    for name, read in (("enable_sm100_umma", env.enable_sm100_umma), ("enable_sm90_union", env.enable_sm90_union),
+                       ("enable_cluster_merge", env.enable_cluster_merge)):
         try:
             flags[name] = read()
         except ValueError as e:
             flags[name] = f"invalid ({e})"
-    return {"policy": SM100_POLICY, "union_policy": UNION_POLICY, **flags,
+    return {"policy": SM100_POLICY, "union_policy": UNION_POLICY, "cluster_merge_policy": CLUSTER_MERGE_POLICY, **flags,
             "registered": sorted(compiler.KERNEL_REGISTRY), "families": families}
 
 
@@ -282,7 +296,7 @@ def render(r: dict[str, Any]) -> str:
         for row in p:
             state = "ready" if row["ready"] else ("error: " + row["error"] if "error" in row else "missing")
             add(f"  {row['geometry']:<5} q {row['q_dtype']:<4} kv {row['kv_dtype']:<5} {row['arch']:<8} "
-                f"{row['ctas_per_sm']}/SM {state}")
+                f"{row['ctas_per_sm']}/SM{_build_suffix(row)} {state}")
         missing = sum(not row["ready"] for row in p)
         add(f"  {len(p) - missing}/{len(p)} ready" + ("; warm the rest with: msa-jit warmup --preset minimax-m3 --arch "
                                                        + ",".join(r["target_arches"]) if missing else ""))
@@ -295,6 +309,8 @@ def render(r: dict[str, Any]) -> str:
         add(f"  MSA_JIT_ENABLE_SM100_UMMA -> {k['enable_sm100_umma']}; registered kernels: {', '.join(k['registered'])}")
         add(f"  {k['union_policy']}")
         add(f"  MSA_JIT_ENABLE_SM90_UNION -> {k['enable_sm90_union']}")
+        add(f"  {k['cluster_merge_policy']}")
+        add(f"  MSA_JIT_ENABLE_CLUSTER_MERGE -> {k['enable_cluster_merge']}")
         for arch, fam in k["families"].items():
             add(f"  {arch}: {fam} kernel" + (" (portable mma.sync)" if fam == "portable" else ""))
     return "\n".join(out)

@@ -30,6 +30,7 @@ __all__ = [
     "ARCH",
     "ENABLE_SM100_UMMA",
     "ENABLE_SM90_UNION",
+    "ENABLE_CLUSTER_MERGE",
     "LOG_LEVEL",
     "DSL_VERSION",
     "DSL_RUNTIME",
@@ -45,6 +46,7 @@ __all__ = [
     "target_arch",
     "enable_sm100_umma",
     "enable_sm90_union",
+    "enable_cluster_merge",
     "log_level",
     "dsl_version_override",
     "dsl_runtime",
@@ -64,6 +66,7 @@ LOCK_TIMEOUT = "MSA_JIT_LOCK_TIMEOUT"
 ARCH = "MSA_JIT_ARCH"
 ENABLE_SM100_UMMA = "MSA_JIT_ENABLE_SM100_UMMA"
 ENABLE_SM90_UNION = "MSA_JIT_ENABLE_SM90_UNION"
+ENABLE_CLUSTER_MERGE = "MSA_JIT_ENABLE_CLUSTER_MERGE"
 LOG_LEVEL = "MSA_JIT_LOG_LEVEL"
 DSL_VERSION = "MSA_JIT_DSL_VERSION"
 DSL_RUNTIME = "MSA_JIT_DSL_RUNTIME"
@@ -102,6 +105,13 @@ VARIABLES: dict[str, str] = {
         "decode_query_len >= 2 and a grid of at least one wave (each block the tile's tokens share "
         "read once): faster where draft tokens share most blocks (MTP), slower where they share none "
         "(docs/performance.md row 70). Warmups then build it too."
+    ),
+    ENABLE_CLUSTER_MERGE: (
+        "Bool, default 0. Let the planner pick the token kernel build that merges a step's KV "
+        "splits inside the decode launch, through the shared memory of a thread-block cluster "
+        "(one launch per op call instead of two), for split steps served at 2 CTAs per SM on "
+        "sm_90a (on an H200: T*Hkv <= 8, clusters of 16 CTAs; docs/performance.md row 79: not yet "
+        "measured). Warmups then build it too."
     ),
     LOG_LEVEL: "Logging level of the msa_jit loggers: debug/info/warning/error/critical or an int. Default warning.",
     DSL_VERSION: (
@@ -286,6 +296,11 @@ def enable_sm90_union() -> bool:
     return _bool(ENABLE_SM90_UNION)
 
 
+def enable_cluster_merge() -> bool:
+    """``MSA_JIT_ENABLE_CLUSTER_MERGE``: let the planner pick the cluster split merge (default False)."""
+    return _bool(ENABLE_CLUSTER_MERGE)
+
+
 _LEVELS = {
     "debug": logging.DEBUG,
     "info": logging.INFO,
@@ -320,7 +335,7 @@ def log_level() -> int:
 PARSERS: dict[str, str] = {
     CACHE_DIR: "cache_dir", NO_COMPILE: "no_compile", CACHE_MAX_BYTES: "cache_max_bytes",
     LOCK_TIMEOUT: "lock_timeout_s", ARCH: "target_arch", ENABLE_SM100_UMMA: "enable_sm100_umma",
-    ENABLE_SM90_UNION: "enable_sm90_union",
+    ENABLE_SM90_UNION: "enable_sm90_union", ENABLE_CLUSTER_MERGE: "enable_cluster_merge",
     LOG_LEVEL: "log_level", DSL_VERSION: "dsl_version_override", DSL_RUNTIME: "dsl_runtime",
     VLLM_PLUGIN: "vllm_plugin_enabled", VLLM_SM100: "vllm_sm100",
 }

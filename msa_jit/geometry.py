@@ -55,6 +55,15 @@ UNION_PAGE_SIZES = (128,)  # a stage is one 128-key TMA box of K and one of V
 # G 1's 64-token tiles overflow the kernel's 32-bit token masks
 UNION_GROUP_SIZES = (8, 16)
 UNION_CTAS_PER_SM = (1, 2)  # 2 MMA warpgroups and 4 stages per CTA, or 1 warpgroup and 2 stages
+# SparseDecodeConfig.split_merge: how a step's KV splits are merged. "kernel": by the split merge
+# kernel launched after the decode kernel (kernels/split_merge.py), every build. "cluster": inside
+# the decode launch, the split CTAs of a (token, KV head) being one thread-block cluster
+# (kernels/cluster_merge.py; a split factor whose rows do not fit its receive buffer still
+# launches the merge kernel): the token kernel's 2-CTA build on CLUSTER_MERGE_ARCHES; opt-in with
+# MSA_JIT_ENABLE_CLUSTER_MERGE=1 until measured on a GPU (planner.choose_split_merge)
+SPLIT_MERGES = ("kernel", "cluster")
+CLUSTER_MERGE_ARCHES = ("sm_90a",)
+CLUSTER_MERGE_CTAS_PER_SM = 2  # its 8 KiB receive buffer fits beside 3 stages at 2 CTAs per SM, not at 3
 _ARCH_RE = re.compile(r"sm_(\d+)([af]?)")
 
 
@@ -130,7 +139,9 @@ class SparseDecodeConfig:
     Runtime sizes (T, P, B, max_blocks, qlen, num_splits) are not part of it. ctas_per_sm:
     the occupancy the kernel is built for (one of CTAS_PER_SM, or of UNION_CTAS_PER_SM for the
     union kernel; the planner picks it per step shape, and the compiler maps it to the kernel
-    class's options). kernel: one of KERNELS, how the work is cut into CTAs.
+    class's options). kernel: one of KERNELS, how the work is cut into CTAs. split_merge: one of
+    SPLIT_MERGES, how a step's KV splits are merged ("cluster": the token kernel's 2-CTA build on
+    CLUSTER_MERGE_ARCHES only).
     """
 
     num_q_heads: int
@@ -144,6 +155,7 @@ class SparseDecodeConfig:
     arch: str = DEFAULT_ARCH
     ctas_per_sm: int = 2
     kernel: str = "token"
+    split_merge: str = "kernel"
 
     @property
     def group_size(self) -> int:
@@ -161,6 +173,7 @@ class SparseDecodeConfig:
             f"D={self.head_dim} page={self.page_size} topk_blocks={self.topk_blocks} q={self.q_dtype} "
             f"kv={self.kv_dtype} out={self.out_dtype} ctas/SM={self.ctas_per_sm}"
             + (f" kernel={self.kernel}" if self.kernel != "token" else "")
+            + (f" split_merge={self.split_merge}" if self.split_merge != "kernel" else "")
         )
 
     def validate(self) -> "SparseDecodeConfig":
@@ -254,7 +267,32 @@ def check_config(cfg: SparseDecodeConfig) -> str | None:
     elif cfg.kernel == "union" and not reasons:
         reasons.extend(union_problems(num_q_heads=cfg.num_q_heads, num_kv_heads=cfg.num_kv_heads,
                                       page_size=cfg.page_size, kv_dtype=cfg.kv_dtype, arch=cfg.arch))
+    if cfg.split_merge not in SPLIT_MERGES:
+        reasons.append(f"split_merge must be one of {SPLIT_MERGES}, got {cfg.split_merge!r}")
+    elif cfg.split_merge == "cluster":
+        reasons.extend(cluster_merge_problems(kernel=cfg.kernel, ctas_per_sm=cfg.ctas_per_sm, arch=cfg.arch))
     return "; ".join(reasons) if reasons else None
+
+
+def build_suffix(kernel: str = "token", split_merge: str = "kernel") -> str:
+    """What a label adds after a build's occupancy: '' for the default build, ' union' for the union
+    kernel's, ' cluster merge' for one that merges its splits in a cluster (warmup, doctor, selftest,
+    `cache list`, `inspect`)."""
+    return (" union" if kernel == "union" else "") + (" cluster merge" if split_merge == "cluster" else "")
+
+
+def cluster_merge_problems(*, kernel: str, ctas_per_sm: int, arch: str | None) -> list[str]:
+    """Why split_merge="cluster" cannot serve a build (empty when it can): the token kernel only, at
+    CLUSTER_MERGE_CTAS_PER_SM, on CLUSTER_MERGE_ARCHES."""
+    out = []
+    if kernel != "token":
+        out.append(f"split_merge='cluster' is built into the token kernel only, not {kernel!r}")
+    if ctas_per_sm != CLUSTER_MERGE_CTAS_PER_SM:
+        out.append(f"split_merge='cluster' needs ctas_per_sm={CLUSTER_MERGE_CTAS_PER_SM} (its receive buffer), "
+                   f"not {ctas_per_sm!r}")
+    if arch not in CLUSTER_MERGE_ARCHES:
+        out.append(f"split_merge='cluster' is built for {CLUSTER_MERGE_ARCHES} only, not {arch!r}")
+    return out
 
 
 def union_problems(*, num_q_heads: int, num_kv_heads: int, page_size: int, kv_dtype: str,

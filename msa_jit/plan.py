@@ -6,6 +6,7 @@ plan's first kernel resolution). The planner builds plans, validation and the op
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -55,6 +56,9 @@ class SparseDecodePlan:
     # SparseDecodeConfig.kernel for an fp8 cache ("token" or "union", planner.choose_kernel); an
     # NVFP4 cache is always served by the token kernel
     kernel: str = "token"
+    # SparseDecodeConfig.split_merge for an fp8 / an NVFP4 cache (planner.choose_split_merge)
+    split_merge: str = "kernel"
+    nvfp4_split_merge: str = "kernel"
     # (query dtype, kv dtype) -> compiled kernel
     kernels: dict[tuple[torch.dtype, str], Callable[..., Any]] = field(default_factory=dict)
     # refresh(seq_lens): the per-step prologue launch bound to this plan's tensors (planner sets it)
@@ -77,7 +81,7 @@ class SparseDecodePlan:
         built = ", ".join(f"{dtype_name(q)}/{kv}" for q, kv in self.kernels) or "none"
         return (f"SparseDecodePlan(batch={self.batch}, qlen={self.qlen}, heads={self.num_q_heads}/{self.num_kv_heads}, "
                 f"page_size={self.page_size}, topk_blocks={self.topk_blocks}, num_splits={self.num_splits}, "
-                f"ctas_per_sm={self.ctas_per_sm}, kernel={self.kernel}, arch={self.arch}, device={self.device}, "
+                f"ctas_per_sm={self.ctas_per_sm}, kernel={self.kernel}, split_merge={self.split_merge}, arch={self.arch}, device={self.device}, "
                 f"workspace={work} bytes, kernels: {built})")
 
     @property
@@ -105,6 +109,7 @@ class SparseDecodePlan:
             arch=self.arch,
             ctas_per_sm=self.nvfp4_ctas_per_sm if kv_dtype == "nvfp4" else self.ctas_per_sm,
             kernel="token" if kv_dtype == "nvfp4" else self.kernel,
+            split_merge=self.nvfp4_split_merge if kv_dtype == "nvfp4" else self.split_merge,
         )
 
     def kernel_tensors(self) -> tuple[Any, ...]:
@@ -139,6 +144,30 @@ class SparseDecodePlan:
             cfg = self.config(dt, kv_dtype).validate()
             from .compiler import get_sparse_decode_kernel
 
+            if cfg.split_merge == "cluster":
+                from .compiler import cluster_launch_fits
+
+                if not cluster_launch_fits(cfg, self.num_splits, self._device_index()):
+                    self._merge_by_kernel(kv_dtype)
+                    cfg = self.config(dt, kv_dtype)
             fn = get_sparse_decode_kernel(cfg)
             self.kernels[(dt, kv_dtype)] = fn
         return fn
+
+    def _device_index(self) -> int:
+        if self.device.index is not None or self.device.type != "cuda":
+            return self.device.index or 0
+        return torch.cuda.current_device()
+
+    def _merge_by_kernel(self, kv_dtype: str) -> None:
+        """This GPU cannot hold a cluster of the plan's splits: the cache format's splits are merged by
+        the merge kernel from now on (its kernels resolved again)."""
+        logging.getLogger("msa_jit").warning(
+            "msa-jit: device %s cannot hold a cluster of %d CTAs of the %s decode kernel: its splits are "
+            "merged by the split merge kernel instead", self.device, self.num_splits, kv_dtype)
+        if kv_dtype == "nvfp4":
+            self.nvfp4_split_merge = "kernel"
+        else:
+            self.split_merge = "kernel"
+        for key in [k for k in self.kernels if k[1] == kv_dtype]:
+            del self.kernels[key]

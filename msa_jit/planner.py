@@ -18,8 +18,8 @@ import threading
 import torch
 
 from . import env
-from .geometry import (CTAS_PER_SM, HEAD_DIM, KERNELS, UNION_CTAS_PER_SM, UNION_ROWS, arch_problem, device_arch,
-                       union_problems)
+from .geometry import (CTAS_PER_SM, HEAD_DIM, KERNELS, SPLIT_MERGES, UNION_CTAS_PER_SM, UNION_ROWS, arch_problem,
+                       cluster_merge_problems, device_arch, union_problems)
 from .plan import PlanKey, SparseDecodePlan
 from .validation import validate_prepare, validate_prepare_tensors, validate_seq_lens_cpu
 
@@ -30,6 +30,7 @@ __all__ = [
     "choose_kernel",
     "choose_num_splits",
     "choose_union_ctas_per_sm",
+    "choose_split_merge",
     "union_grid_ctas",
     "default_planner",
     "prepare",
@@ -115,6 +116,22 @@ def choose_union_ctas_per_sm(grid_ctas: int, num_sms: int) -> int:
     return 2
 
 
+def choose_split_merge(num_splits: int, ctas_per_sm: int, kernel: str, arch: str | None, enabled: bool) -> str:
+    """SparseDecodeConfig.split_merge of one cache format's build: "cluster" when `enabled`
+    (MSA_JIT_ENABLE_CLUSTER_MERGE, or a planner pin), the step splits (num_splits > 1) and the build
+    can merge inside the decode launch (geometry.cluster_merge_problems: the token kernel at 2 CTAs
+    per SM on sm_90a); else "kernel". One-split steps keep the plain build: nothing to merge.
+    With 16 topk blocks on an H200 (132 SMs) a split step runs at 2 CTAs per SM only when
+    T*Hkv <= 8, i.e. with 16 splits, so the clusters the planner launches have 16 CTAs (a
+    non-portable size: the DSL allows it on every kernel; Hopper schedules it within one GPC).
+
+    Not yet measured on a GPU (docs/performance.md row 79: built, predicted -0.4..-0.8 us per layer
+    at batch 1 and one launch per op call instead of two), hence opt-in."""
+    if not enabled or num_splits < 2 or cluster_merge_problems(kernel=kernel, ctas_per_sm=ctas_per_sm, arch=arch):
+        return "kernel"
+    return "cluster"
+
+
 @functools.lru_cache(maxsize=None)
 def _cuda_num_sms(index: int) -> int:
     return int(torch.cuda.get_device_properties(index).multi_processor_count)
@@ -171,13 +188,17 @@ class SparseDecodePlanner:
     step shape. kernel: pin the fp8 cache's kernel ("token" or "union", KERNELS) instead of
     `choose_kernel` (None: the union only with MSA_JIT_ENABLE_SM90_UNION=1 and no ctas_per_sm pin); a
     union pin serves every step shape, qlen 1 and split grids included, and raises ValueError at the
-    first prepare of a geometry it cannot serve.
+    first prepare of a geometry it cannot serve. split_merge: "cluster" merges the KV splits inside
+    the decode launch wherever `choose_split_merge` allows it, "kernel" never; None: "cluster" only
+    with MSA_JIT_ENABLE_CLUSTER_MERGE=1.
     """
 
     def __init__(self, *, num_sms: int | None = None, arch: str | None = None,
-                 ctas_per_sm: int | None = None, kernel: str | None = None) -> None:
+                 ctas_per_sm: int | None = None, kernel: str | None = None, split_merge: str | None = None) -> None:
         if kernel is not None and kernel not in KERNELS:
             raise ValueError(f"kernel must be None or one of {KERNELS}, got {kernel!r}")
+        if split_merge is not None and split_merge not in SPLIT_MERGES:
+            raise ValueError(f"split_merge must be None or one of {SPLIT_MERGES}, got {split_merge!r}")
         allowed = UNION_CTAS_PER_SM if kernel == "union" else CTAS_PER_SM
         if ctas_per_sm is not None and ctas_per_sm not in allowed:
             raise ValueError(f"ctas_per_sm must be None or one of {allowed}"
@@ -189,6 +210,7 @@ class SparseDecodePlanner:
         self.arch = arch
         self.ctas_per_sm = ctas_per_sm
         self.kernel = kernel
+        self.split_merge = split_merge
         self._lock = threading.Lock()
 
     def prepare(
@@ -295,6 +317,9 @@ class SparseDecodePlanner:
         # a token-kernel pin holds for both cache formats
         nvfp4_ctas_per_sm = (pin if pin in supported else
                              choose_ctas_per_sm(T * hkv * splits, num_sms, supported, "nvfp4"))
+        cluster = env.enable_cluster_merge() if self.split_merge is None else self.split_merge == "cluster"
+        split_merge = choose_split_merge(splits, ctas_per_sm, kernel, arch, cluster)
+        nvfp4_split_merge = choose_split_merge(splits, nvfp4_ctas_per_sm, "token", arch, cluster)
         check_workspace(T, hq, hkv, splits, device)
         f32 = dict(dtype=torch.float32, device=device)
         try:
@@ -328,6 +353,8 @@ class SparseDecodePlanner:
             ctas_per_sm=ctas_per_sm,
             nvfp4_ctas_per_sm=nvfp4_ctas_per_sm,
             kernel=kernel,
+            split_merge=split_merge,
+            nvfp4_split_merge=nvfp4_split_merge,
             **tensors,
         )
         from .prologue import bind_refresh  # imports triton: only once a plan is built

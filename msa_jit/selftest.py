@@ -5,8 +5,9 @@ portable kernel unless MSA_JIT_ENABLE_SM100_UMMA=1) against the float64 referenc
 grid: every MiniMax-M3 geometry x qlen x query dtype x batch, plus forced split-KV factors,
 each on every occupancy the planner may pick (2 and 3 CTAs per SM for the portable kernel);
 with MSA_JIT_ENABLE_SM90_UNION=1 on sm_90a, also every qlen >= 2 case on the union kernel (the
-planner pinned to it) at its occupancies (1 and 2 CTAs per SM). `msa_jit.cli.selftest` runs it,
-then the benchmark grid.
+planner pinned to it) at its occupancies (1 and 2 CTAs per SM); with MSA_JIT_ENABLE_CLUSTER_MERGE=1
+the 2-CTA split cases merge in a cluster (the planner's choice; each row says which merge ran).
+`msa_jit.cli.selftest` runs it, then the benchmark grid.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import itertools
 import zlib
 
-from .geometry import DEFAULT_PAGE_SIZE, MINIMAX_M3_GEOMETRIES, Q_DTYPES
+from .geometry import DEFAULT_PAGE_SIZE, MINIMAX_M3_GEOMETRIES, Q_DTYPES, build_suffix
 
 QLENS = [1, 2, 4, 8, 32]
 BATCHES = [1, 3, 16, 64]
@@ -70,9 +71,11 @@ def correctness_grid(*, quick: bool = False, log=print) -> list[dict]:
         except Exception as e:  # a launch or load failure is a failed case, not a crash
             err, problems = float("nan"), [f"{type(e).__name__}: {e}"]
         row = dict(geometry=f"{hq}/{hkv}", q_dtype=qd, qlen=qlen, batch=batch,
-                   num_splits=plan.num_splits, ctas_per_sm=ctas_per_sm, kernel=kernel, rel_l2=err, problems=problems)
+                   num_splits=plan.num_splits, ctas_per_sm=ctas_per_sm, kernel=kernel, split_merge=plan.split_merge,
+                   rel_l2=err, problems=problems)
         rows.append(row)
         status = "ok" if not problems else "FAIL " + "; ".join(problems)
-        log(f"{row['geometry']:>5} {qd:<14} qlen={qlen:<2} B={batch:<3} splits={plan.num_splits:<2} {ctas_per_sm}/SM{' union' if kernel == 'union' else ''} "
+        log(f"{row['geometry']:>5} {qd:<14} qlen={qlen:<2} B={batch:<3} splits={plan.num_splits:<2} {ctas_per_sm}/SM"
+            f"{build_suffix(kernel, plan.split_merge)} "
             f"err={err:.2e} {status}")
     return rows

@@ -10,8 +10,8 @@ How the plan crosses the op boundary (why not a registry id):
 * A custom op's schema takes tensors, scalars, strings and lists of them, not a Python
   object, so the plan is unpacked: every tensor the op reads (`block_table`, `seq_lens`,
   `kv_lens`) or writes (`out`, `lse`, the plan's split-KV workspace) is an explicit argument,
-  and the plan's shape scalars (`ctas_per_sm`, the occupancy build the planner chose, and `kernel`, among
-  them) are int arguments. The compiler then sees every data dependency: a `prepare` (its
+  and the plan's shape scalars (`ctas_per_sm`, the occupancy build the planner chose, `kernel` and
+  `split_merge`, among them) are int and str arguments. The compiler then sees every data dependency: a `prepare` (its
   in-place refresh of `kv_lens`) or an engine op that writes `block_table` earlier in the
   same graph is ordered before the kernel, functionalization knows what is written, and
   CUDA-graph capture (inductor's cudagraph trees) knows every address the replay touches.
@@ -70,7 +70,8 @@ WORKSPACE_FIELDS: tuple[str, ...] = tuple(
     n for n in _tensor_fields(SparseDecodePlan) if n not in _INPUT_FIELDS + _NOT_PASSED
 )
 
-# (Hq, Hkv, page, topk_blocks, arch, ctas_per_sm, nvfp4_ctas_per_sm, kernel) -> {(q dtype, kv dtype): kernel},
+# (Hq, Hkv, page, topk_blocks, arch, ctas_per_sm, nvfp4_ctas_per_sm, kernel, split_merge, nvfp4_split_merge)
+# -> {(q dtype, kv dtype): kernel},
 # shared by the rebuilt plans: every SparseDecodeConfig field but the two dtypes (the op keys those per
 # call), so a plan gets the build its config names.
 _KERNELS: dict[tuple[Any, ...], dict[torch.dtype, Callable[..., Any]]] = {}
@@ -100,7 +101,8 @@ def _rebuild_plan(
     device = seq_lens.device
     arch = _arch_of(device)
     kkey = (ints["num_q_heads"], ints["num_kv_heads"], ints["page_size"], ints["topk_blocks"], arch,
-            ints["ctas_per_sm"], ints["nvfp4_ctas_per_sm"], ints["kernel"])
+            ints["ctas_per_sm"], ints["nvfp4_ctas_per_sm"], ints["kernel"], ints["split_merge"],
+            ints["nvfp4_split_merge"])
     values: dict[str, Any] = dict(
         ints,
         head_dim=HEAD_DIM,
@@ -146,6 +148,8 @@ def _sparse_decode_custom(
     ctas_per_sm: int,
     nvfp4_ctas_per_sm: int,
     kernel: str,
+    split_merge: str,
+    nvfp4_split_merge: str,
     sm_scale: float,
     q_scale: float,
     k_scale: float,
@@ -159,7 +163,8 @@ def _sparse_decode_custom(
         block_table, seq_lens, kv_lens, unit_scale, lse, workspace,
         dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, page_size=page_size,
              topk_blocks=topk_blocks, qlen=qlen, num_splits=num_splits, ctas_per_sm=ctas_per_sm,
-             nvfp4_ctas_per_sm=nvfp4_ctas_per_sm, kernel=kernel),
+             nvfp4_ctas_per_sm=nvfp4_ctas_per_sm, kernel=kernel, split_merge=split_merge,
+             nvfp4_split_merge=nvfp4_split_merge),
     )
     sparse_decode(
         query, kv_cache, topk, out, plan,
@@ -191,6 +196,8 @@ def _sparse_decode_fake(
     ctas_per_sm: int,
     nvfp4_ctas_per_sm: int,
     kernel: str,
+    split_merge: str,
+    nvfp4_split_merge: str,
     sm_scale: float,
     q_scale: float,
     k_scale: float,
@@ -230,7 +237,8 @@ def op_args(
         plan.block_table, plan.seq_lens, plan.kv_lens, plan.unit_scale,
         [getattr(plan, n) for n in WORKSPACE_FIELDS],
         plan.num_q_heads, plan.num_kv_heads, plan.page_size, plan.topk_blocks, plan.qlen, plan.num_splits,
-        plan.ctas_per_sm, plan.nvfp4_ctas_per_sm, plan.kernel, float(sm_scale), float(q_scale), 1.0 if k_t is not None else float(k_scale),
+        plan.ctas_per_sm, plan.nvfp4_ctas_per_sm, plan.kernel, plan.split_merge, plan.nvfp4_split_merge,
+        float(sm_scale), float(q_scale), 1.0 if k_t is not None else float(k_scale),
         1.0 if v_t is not None else float(v_scale), k_t, v_t, backend,
     )
 

@@ -33,7 +33,7 @@ from . import cache, compiler, env
 from .cache.entry import tree_size
 from .geometry import (
     DEFAULT_ARCHES, DEFAULT_PAGE_SIZE, DEFAULT_TOPK_BLOCKS, KV_DTYPE_SHORT, KV_DTYPES, MINIMAX_M3_GEOMETRIES,
-    Q_DTYPE_SHORT, Q_DTYPES, SparseDecodeConfig, check_config,
+    Q_DTYPE_SHORT, Q_DTYPES, SparseDecodeConfig, build_suffix, check_config,
 )
 
 log = logging.getLogger("msa_jit")
@@ -135,11 +135,10 @@ class WarmupRow:
 
     @property
     def label(self) -> str:
-        """'8/1 q bf16 kv fp8 sm_90a 2/SM' (' union' after a union build): the row in progress lines
-        and failure messages."""
+        """'8/1 q bf16 kv fp8 sm_90a 2/SM' (' union' after a union build, ' cluster merge' after one
+        that merges its splits in a cluster): the row in progress lines and failure messages."""
         c = self.config
-        return f"{self.geometry} q {self.q} kv {self.kv} {c.arch} {c.ctas_per_sm}/SM" + (
-            " union" if c.kernel == "union" else "")
+        return f"{self.geometry} q {self.q} kv {self.kv} {c.arch} {c.ctas_per_sm}/SM" + build_suffix(c.kernel, c.split_merge)
 
     def to_json(self) -> dict[str, Any]:
         c = self.config
@@ -147,7 +146,7 @@ class WarmupRow:
             "geometry": self.geometry, "num_q_heads": c.num_q_heads, "num_kv_heads": c.num_kv_heads,
             "page_size": c.page_size, "topk_blocks": c.topk_blocks, "q_dtype": c.q_dtype,
             "kv_dtype": c.kv_dtype, "arch": c.arch,
-            "ctas_per_sm": c.ctas_per_sm, "kernel": c.kernel, "status": self.status, "seconds": round(self.seconds, 3), "artifact": self.artifact,
+            "ctas_per_sm": c.ctas_per_sm, "kernel": c.kernel, "split_merge": c.split_merge, "status": self.status, "seconds": round(self.seconds, 3), "artifact": self.artifact,
             "key": self.key, "error": self.error,
         }
 

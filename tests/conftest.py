@@ -45,3 +45,20 @@ def isolated_env(monkeypatch, tmp_path):
     systmp.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(systmp))
     cache.reset_stats()
+
+
+@pytest.fixture
+def launched_configs(monkeypatch):
+    """The SparseDecodeConfig of every kernel call, in order, with no kernel compiled or run: a
+    stand-in kernel records its config, the custom op's arch is sm_90a, and validation resolves the
+    kernel backend on a CPU case."""
+    from msa_jit import compiler, op, torch_op
+
+    events: list = []
+    monkeypatch.setattr(compiler, "get_sparse_decode_kernel", lambda cfg: lambda *a: events.append(cfg))
+    monkeypatch.setattr(torch_op, "_arch_of", lambda device: "sm_90a")
+    monkeypatch.setattr(torch_op, "_KERNELS", {})
+    real_validate = op.validate_sparse_decode
+    monkeypatch.setattr(op, "validate_sparse_decode", lambda *a: ("kernel", real_validate(*a[:-1], "reference")[1]))
+    return events
+

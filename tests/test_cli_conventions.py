@@ -403,6 +403,21 @@ def test_warmup_command_builds_exactly_its_config(kv, fake_run):
     assert cfg in fake_run[0] and {c.kv_dtype for c in fake_run[0]} == {kv}
 
 
+@pytest.mark.parametrize("cfg", [SparseDecodeConfig(64, 4, arch="sm_90a", split_merge="cluster"),
+                                 SparseDecodeConfig(64, 4, arch="sm_90a", kernel="union", ctas_per_sm=1)],
+                         ids=["cluster", "union"])
+def test_warmup_command_of_an_opt_in_build_sets_its_flag(cfg, fake_run, monkeypatch):
+    """A cluster-merge or union build is warmed only with its environment flag: the hint sets it."""
+    argv = shlex.split(compiler.warmup_command(cfg).splitlines()[0])
+    flags = [a for a in argv if "=" in a and a.startswith("MSA_JIT_")]
+    assert len(flags) == 1 and argv[1:3] == ["msa-jit", "warmup"]
+    for flag in flags:
+        monkeypatch.setenv(*flag.split("=", 1))
+    rc, _, err = run_main([*argv[2:], "-q"])
+    assert rc == 0, err
+    assert cfg in fake_run[0]
+
+
 def test_env_problems_lists_each_bad_variable(monkeypatch):
     assert env.problems() == []
     monkeypatch.setenv("MSA_JIT_NO_COMPILE", "perhaps")

@@ -23,12 +23,14 @@ def test_env_defaults():
     assert env.target_arch() is None
     assert env.enable_sm100_umma() is False
     assert env.enable_sm90_union() is False
+    assert env.enable_cluster_merge() is False
     assert env.log_level() == logging.WARNING
 
 
 @pytest.mark.parametrize("fn,var", [(env.no_compile, "MSA_JIT_NO_COMPILE"),
                                     (env.enable_sm100_umma, "MSA_JIT_ENABLE_SM100_UMMA"),
-                                    (env.enable_sm90_union, "MSA_JIT_ENABLE_SM90_UNION")])
+                                    (env.enable_sm90_union, "MSA_JIT_ENABLE_SM90_UNION"),
+                                    (env.enable_cluster_merge, "MSA_JIT_ENABLE_CLUSTER_MERGE")])
 def test_env_booleans(monkeypatch, fn, var):
     for v in ("1", "true", "TRUE", "yes", "on", " On ", "y", "t"):
         monkeypatch.setenv(var, v)
@@ -107,7 +109,8 @@ def test_env_read_live_and_describe(monkeypatch):
     table = env.describe()  # raw values, never raises
     names = [n for n, _v, _d in table]
     assert names == ["MSA_JIT_CACHE_DIR", "MSA_JIT_NO_COMPILE", "MSA_JIT_CACHE_MAX_BYTES", "MSA_JIT_LOCK_TIMEOUT",
-                     "MSA_JIT_ARCH", "MSA_JIT_ENABLE_SM100_UMMA", "MSA_JIT_ENABLE_SM90_UNION", "MSA_JIT_LOG_LEVEL",
+                     "MSA_JIT_ARCH", "MSA_JIT_ENABLE_SM100_UMMA", "MSA_JIT_ENABLE_SM90_UNION",
+                     "MSA_JIT_ENABLE_CLUSTER_MERGE", "MSA_JIT_LOG_LEVEL",
                      "MSA_JIT_DSL_VERSION", "MSA_JIT_DSL_RUNTIME",
                      "MSA_JIT_VLLM_PLUGIN", "MSA_JIT_VLLM_SM100"]
     values = {n: v for n, v, _d in table}

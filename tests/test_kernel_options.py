@@ -176,15 +176,23 @@ def test_v4_v_loads_probe_reads_v_in_16_byte_loads(tmp_path):
     assert sass.opcode_counts(v4)["LDS.128"] > sass.opcode_counts(rotated)["LDS.128"]
 
 
-@pytest.mark.parametrize("ctas_per_sm", [2, 3])
-def test_probe_subclass_without_probes_is_the_shipped_kernel(tmp_path, ctas_per_sm):
+@pytest.mark.parametrize("ctas_per_sm, shipped", [(2, {}), (3, {}), (2, {"split_merge": "cluster"})],
+                         ids=["2perSM", "3perSM", "2perSM-cluster"])
+def test_probe_subclass_without_probes_is_the_shipped_kernel(tmp_path, ctas_per_sm, shipped):
     # ProbeMmaKernel mirrors the shipped kernel body: with every probe off its SASS must be the
     # shipped kernel's, else the mirror has drifted and its timings describe another kernel
     def body(options):
         _, text, merge = _main_kernel(tmp_path / str(len(list(tmp_path.iterdir()))), options, ctas_per_sm=ctas_per_sm)
         return re.sub(r"kernel_cutlass_\w+", "K", text + merge)
 
-    assert body({"probe": "full"}) == body({})
+    assert body({"probe": "full", **shipped}) == body(shipped)
+
+
+def test_trace_probe_of_the_cluster_merge(tmp_path):
+    # the cluster build's timeline (bench/trace_ctas.py --variants trace_cm): the stamps of both of
+    # its launch sites, and its pushes and cluster barrier
+    _, trace, _ = _main_kernel(tmp_path, {"probe": "trace", "split_merge": "cluster"})
+    assert trace.count("SR_GLOBALTIMERLO") == 14 and "STAS" in trace and "UCGABAR_WAIT" in trace
 
 
 def test_every_consumer_lane_releases_a_stage(tmp_path):

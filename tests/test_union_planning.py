@@ -123,6 +123,7 @@ def test_union_pin_serves_every_step_shape(monkeypatch):
 
 def test_warmup_builds_union_only_where_the_planner_may_pick_it(monkeypatch):
     base = SparseDecodeConfig(64, 4, arch="sm_90a")
+    monkeypatch.delenv("MSA_JIT_ENABLE_CLUSTER_MERGE", raising=False)
     monkeypatch.delenv(ENABLE, raising=False)
     assert [c.kernel for c in compiler.plannable_configs(base)] == ["token", "token"]
     monkeypatch.setenv(ENABLE, "1")
@@ -133,16 +134,9 @@ def test_warmup_builds_union_only_where_the_planner_may_pick_it(monkeypatch):
         assert {c.kernel for c in compiler.plannable_configs(cfg)} == {"token"}
 
 
-def test_op_launches_the_union_build(monkeypatch):
+def test_op_launches_the_union_build(launched_configs):
     """The plan's kernel crosses the op boundary (eager API and custom op) and picks the build."""
-    from msa_jit import op, torch_op
-
-    events = []
-    monkeypatch.setattr(compiler, "get_sparse_decode_kernel", lambda cfg: lambda *a: events.append(cfg))
-    monkeypatch.setattr(torch_op, "_arch_of", lambda device: "sm_90a")
-    monkeypatch.setattr(torch_op, "_KERNELS", {})
-    real_validate = op.validate_sparse_decode
-    monkeypatch.setattr(op, "validate_sparse_decode", lambda *a: ("kernel", real_validate(*a[:-1], "reference")[1]))
+    events = launched_configs
     c = make_case(2, 4, 16, 1, q_dtype=torch.bfloat16, seed=3)
     union = SparseDecodePlanner(arch="sm_90a", kernel="union").prepare(*c.prepare_args(), **c.prepare_kwargs())
     token = SparseDecodePlanner(arch="sm_90a").prepare(*c.prepare_args(), **c.prepare_kwargs())

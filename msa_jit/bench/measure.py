@@ -115,11 +115,13 @@ def measure_row(spec: RowSpec, copy_bw: float, *, q_dtype: str = "bfloat16", ite
     plan = planner.prepare(*args, **kw)
     nvfp4 = spec.kv_dtype == NVFP4_KV  # the build that ran: an NVFP4 cache's is the token kernel's own
     ctas_per_sm = plan.nvfp4_ctas_per_sm if nvfp4 else plan.ctas_per_sm
+    split_merge = plan.nvfp4_split_merge if nvfp4 else plan.split_merge
     kv, logical = steps[0]["kv_bytes"], steps[0]["logical_bytes"]
     row: dict[str, Any] = {
         "geometry": spec.geometry, "batch": spec.batch, "qlen": spec.qlen, "shared_blocks": spec.shared_blocks,
         "q_dtype": q_dtype, "kv_dtype": spec.kv_dtype, "layers": num_layers, "ctas_per_sm": ctas_per_sm,
-        "kernel": "token" if nvfp4 else plan.kernel, "num_splits": plan.num_splits, "kv_bytes": kv, "logical_bytes": logical,
+        "kernel": "token" if nvfp4 else plan.kernel, "num_splits": plan.num_splits,
+        "split_merge": split_merge, "kv_bytes": kv, "logical_bytes": logical,
         "one_layer_us": round(t1, 2), "all_layers_us": round(t_all, 2), "marginal_us": round(marginal, 2),
         "marginal_tbps": round(kv / (marginal * 1e-6) / 1e12, 3),
         "one_layer_pct_of_copy": _pct(kv, t1, copy_bw), "marginal_pct_of_copy": _pct(kv, marginal, copy_bw),
@@ -286,7 +288,8 @@ def environment() -> dict[str, str]:
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": "msa-jit " + " ".join(sys.argv[1:]),
         # the kernel choices that environment variables make (a row's "kernel" says which ran)
-        "msa_jit_env": {name: os.environ[name] for name in (env.ENABLE_SM90_UNION, env.ENABLE_SM100_UMMA)
+        "msa_jit_env": {name: os.environ[name]
+                        for name in (env.ENABLE_SM90_UNION, env.ENABLE_CLUSTER_MERGE, env.ENABLE_SM100_UMMA)
                         if name in os.environ},
     }
 

@@ -104,6 +104,8 @@ def _layer_cell(r: dict[str, Any] | None) -> str:
         extra.append(f"{r['speedup_vs_fp8']:.2f}x")
     if r.get("kernel") == "union":
         extra.append("union")
+    if r.get("split_merge") == "cluster":
+        extra.append("cluster merge")
     return f"{r['marginal_us']:.1f} µs ({', '.join(extra)})"
 
 
@@ -146,7 +148,9 @@ def readme_table(result: dict[str, Any], geometries=None, batches=None, qlens=No
     out = [f"Per layer ({', '.join(sorted(q_dtypes))} query; one prologue, then {L} layers in one graph: "
            f"(t({L}) - t(1)) / {L - 1 if isinstance(L, int) else 'L - 1'}; % of copy on distinct KV bytes; "
            "floor: the floor probe per layer, same run; NVFP4: speed-up over fp8"
-           + ("; union: the union kernel ran" if any(r.get("kernel") == "union" for r in rows) else "") + "):", ""]
+           + ("; union: the union kernel ran" if any(r.get("kernel") == "union" for r in rows) else "")
+           + ("; cluster merge: the splits merged inside the decode launch"
+              if any(r.get("split_merge") == "cluster" for r in rows) else "") + "):", ""]
     out += _grid_table(layers, _layer_cell, geometries, kv_dtypes, qlens, batches)
     shared = [r for r in rows if r["shared_blocks"]]
     if shared:
@@ -160,6 +164,7 @@ def readme_table(result: dict[str, Any], geometries=None, batches=None, qlens=No
             p = step_of.get((r["geometry"], kv_dtype_of(r), r["qlen"], r["batch"], r["shared_blocks"]))
             sp = f", {r['speedup_vs_fp8']:.2f}x" if r.get("speedup_vs_fp8") is not None else ""
             sp += ", union" if r.get("kernel") == "union" else ""
+            sp += ", cluster merge" if r.get("split_merge") == "cluster" else ""
             out.append(f"| {r['geometry']} | {short_kv(kv_dtype_of(r))} | {r['qlen']} | {r['batch']} | "
                        f"{r['marginal_us']:.1f} µs{sp} | {r['marginal_pct_of_copy']:.0f}% | "
                        f"{r['marginal_logical_pct_of_copy']:.0f}% | {_step_cell(p)} |")

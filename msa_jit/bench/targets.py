@@ -55,8 +55,10 @@ def _name(r: dict[str, Any]) -> str:
 
 
 def _kernel_tag(r: dict[str, Any]) -> str:
-    """' (union kernel)' for a row the union kernel ran (results before session 16 have no "kernel")."""
-    return " (union kernel)" if r.get("kernel") == "union" else ""
+    """' (union kernel)' for a row the union kernel ran (results before session 16 have no "kernel"),
+    ' (cluster merge)' for one whose splits merged inside the decode launch (none before session 20)."""
+    return (" (union kernel)" if r.get("kernel") == "union" else "") + (
+        " (cluster merge)" if r.get("split_merge") == "cluster" else "")
 
 
 def _row(issue: str, target: str, goal: str, measured: str, status: str) -> dict[str, str]:

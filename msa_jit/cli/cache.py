@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 from .. import cache, env
-from ..geometry import KV_DTYPE_SHORT, Q_DTYPE_SHORT
+from ..geometry import KV_DTYPE_SHORT, Q_DTYPE_SHORT, build_suffix
 from .common import add_json_argument, check_output_path, emit_json, format_table, human_size, open_cache, \
     parse_size, when
 
@@ -54,6 +54,7 @@ def entry_row(entry: cache.CacheEntry) -> dict[str, Any]:
     return {
         "key": entry.key, "geometry": geometry, "arch": cfg.get("arch", "?"), "ctas_per_sm": cfg.get("ctas_per_sm", "?"),
         "kernel": cfg.get("kernel", "token"),  # an entry written before kernel joined the config is a token one
+        "split_merge": cfg.get("split_merge", "kernel"),  # likewise a merge-kernel one before split_merge
         "q_dtype": Q_DTYPE_SHORT.get(cfg.get("q_dtype"), cfg.get("q_dtype", "?")),
         # an entry written before kv_dtype joined the config is an fp8 one
         "kv_dtype": KV_DTYPE_SHORT.get(cfg.get("kv_dtype", "float8_e4m3fn"), cfg.get("kv_dtype", "?")),
@@ -83,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         print(format_table(
             ["key", "geometry", "arch", "q", "kv", "CTAs/SM", "dsl", "size", "created", "last used"],
             [[r["key"][:12] + (" (ro)" if r["readonly"] else ""), r["geometry"], r["arch"], r["q_dtype"], r["kv_dtype"],
-              f"{r['ctas_per_sm']}{' union' if r['kernel'] == 'union' else ''}", r["dsl_version"], human_size(r["size"]), when(r["created"]), when(r["last_used"])]
+              f"{r['ctas_per_sm']}{build_suffix(r['kernel'], r['split_merge'])}", r["dsl_version"], human_size(r["size"]), when(r["created"]), when(r["last_used"])]
              for r in rows],
         ))
         print(f"{len(rows)} entries in {where}")

@@ -17,6 +17,7 @@ import sys
 from typing import Any
 
 from .. import compiler, sass, warmup
+from ..geometry import build_suffix
 from .common import add_geometry_arguments, add_json_argument, check_output_path, emit_json, format_table, \
     interrupted, warm_geometry_flags
 
@@ -58,6 +59,11 @@ def _first_line(error: str | None) -> str:
     return (lines[0] + (" ..." if len(lines) > 1 else "")) if lines else ""
 
 
+def _occupancy(o: dict[str, Any]) -> str:
+    """The CTAs/SM cell: '2', '2 union', '2 cluster merge'."""
+    return f"{o['ctas_per_sm']}{build_suffix(o['config_kernel'], o['split_merge'])}"
+
+
 def _smem(o: dict[str, Any]) -> str:
     return "?" if o["smem"] is None else str(o["smem"])
 
@@ -80,7 +86,9 @@ def run(args: argparse.Namespace) -> int:
     failed = False
     for r in rows:
         base = {"geometry": r.geometry, "q_dtype": r.q, "kv_dtype": r.kv, "arch": r.config.arch,
-                "ctas_per_sm": r.config.ctas_per_sm, "accepted_local_ops": compiler.accepted_local_ops(r.config),
+                # config_kernel: SparseDecodeConfig.kernel (a row's "kernel" is the DSL kernel's symbol)
+                "ctas_per_sm": r.config.ctas_per_sm, "config_kernel": r.config.kernel,
+                "split_merge": r.config.split_merge, "accepted_local_ops": compiler.accepted_local_ops(r.config),
                 "artifact": r.artifact}
         if r.status == "failed" or not r.artifact:
             out.append({**base, "error": r.error})
@@ -95,19 +103,19 @@ def run(args: argparse.Namespace) -> int:
             failed = True
     table = format_table(
         ["geometry", "q", "kv", "arch", "CTAs/SM", "kernel", "sm", "regs", "smem", "LDL/STL", "MMA"],
-        [[o["geometry"], o["q_dtype"], o["kv_dtype"], o["arch"], o["ctas_per_sm"], short_kernel_name(o["kernel"]),
+        [[o["geometry"], o["q_dtype"], o["kv_dtype"], o["arch"], _occupancy(o), short_kernel_name(o["kernel"]),
           o["sm"], o["registers"], _smem(o),
           "n/a" if o["local_ops"] is None else
           f"{o['local_ops']}" + (f" (<= {o['accepted_local_ops']} accepted)" if o["accepted_local_ops"] else ""),
           "n/a" if o["mma_ops"] is None else " ".join(f"{k}:{v}" for k, v in sorted(o["mma_ops"].items())) or "-"]
-         if "kernel" in o else [o["geometry"], o["q_dtype"], o["kv_dtype"], o["arch"], o["ctas_per_sm"], "ERROR",
+         if "kernel" in o else [o["geometry"], o["q_dtype"], o["kv_dtype"], o["arch"], _occupancy(o), "ERROR",
                                 "", "", "", "", _first_line(o["error"])]
          for o in out],
     )
     text = sys.stderr if args.json == "-" else sys.stdout  # stdout is the JSON then
     print(table, file=text)
-    print("smem: bytes of shared memory per CTA, the launch's dynamic part (the kernel's storage struct) "
-          "plus the static one", file=text)
+    print("smem: bytes of shared memory per CTA, the launch's dynamic part (the kernel's storage struct,\n"
+          "and a cluster merge's receive buffer) plus the static one", file=text)
     if not with_sass:
         print(f"LDL/STL and MMA need the SASS, and nvdisasm was not found: {sass.NVDISASM_HINT}; "
               "spills were not checked", file=text)

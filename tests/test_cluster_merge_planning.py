@@ -1,0 +1,283 @@
+"""The cluster split merge's place in planning: config rules and keys, the planner's choice and
+pins, warmup's builds, the op boundary and the kernel option it maps to (CPU; the kernel itself:
+tests/test_cluster_merge.py, on the GPU tests/test_cluster_merge_gpu.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import make_case
+
+import msa_jit
+from msa_jit import SparseDecodePlanner, compiler
+from msa_jit.geometry import SparseDecodeConfig, check_config
+from msa_jit.planner import choose_split_merge
+from msa_jit.torch_op import sparse_decode_op
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+ENABLE = "MSA_JIT_ENABLE_CLUSTER_MERGE"
+
+
+def _prepare(planner: SparseDecodePlanner, batch: int, qlen: int = 1, hq: int = 64, hkv: int = 4):
+    bt = torch.zeros(batch, 16, dtype=torch.int32, device=DEV)
+    sl = torch.full((batch,), 1000, dtype=torch.int32, device=DEV)
+    return planner.prepare(bt, sl, None, qlen, num_q_heads=hq, num_kv_heads=hkv, page_size=128, topk_blocks=16)
+
+
+def test_choose_split_merge_rule():
+    pick = lambda splits, ctas=2, kernel="token", arch="sm_90a", on=True: choose_split_merge(splits, ctas, kernel, arch, on)
+    assert pick(16) == "cluster" and pick(4) == "cluster" and pick(3) == "cluster"
+    assert pick(16, on=False) == "kernel"  # opt-in
+    assert pick(1) == "kernel"  # nothing to merge: the plain build
+    assert pick(16, ctas=3) == "kernel"  # its receive buffer does not fit at 3 CTAs per SM
+    assert pick(16, kernel="union") == "kernel"
+    assert pick(16, arch="sm_100a") == "kernel" and pick(16, arch=None) == "kernel"
+
+
+def test_check_config_cluster_rules():
+    ok = SparseDecodeConfig(64, 4, split_merge="cluster")
+    assert check_config(ok) is None and check_config(SparseDecodeConfig(8, 1, kv_dtype="nvfp4", split_merge="cluster")) is None
+    assert "ctas_per_sm=2" in check_config(SparseDecodeConfig(64, 4, ctas_per_sm=3, split_merge="cluster"))
+    assert "token kernel" in check_config(SparseDecodeConfig(64, 4, kernel="union", ctas_per_sm=2, split_merge="cluster"))
+    assert "sm_90a" in check_config(SparseDecodeConfig(64, 4, arch="sm_100a", split_merge="cluster"))
+    assert "split_merge must be" in check_config(SparseDecodeConfig(64, 4, split_merge="dsmem"))
+    assert "split_merge=cluster" in ok.describe() and "split_merge" not in SparseDecodeConfig(64, 4).describe()
+    # its own artifact: the field is in the cache key
+    assert compiler.cache_key(ok) != compiler.cache_key(SparseDecodeConfig(64, 4))
+    assert compiler.kernel_family(ok) == "portable"
+
+
+def test_planner_picks_cluster_only_when_enabled(monkeypatch):
+    monkeypatch.delenv(ENABLE, raising=False)
+    plan = _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 1)
+    assert (plan.num_splits, plan.ctas_per_sm, plan.split_merge) == (16, 2, "kernel")
+    assert plan.config(torch.bfloat16).split_merge == "kernel"
+    monkeypatch.setenv(ENABLE, "1")
+    plan = _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 1)
+    assert (plan.num_splits, plan.ctas_per_sm, plan.split_merge, plan.nvfp4_split_merge) == (16, 2, "cluster", "cluster")
+    for q in (torch.bfloat16, torch.float8_e4m3fn):
+        for fmt in ("float8_e4m3fn", "nvfp4"):
+            cfg = plan.config(q, fmt)
+            assert cfg.split_merge == "cluster" and check_config(cfg) is None
+    assert "split_merge=cluster" in repr(plan)
+    # one split: nothing to merge; a 3-CTA step shape: its receive buffer does not fit
+    assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 64).split_merge == "kernel"
+    assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a", ctas_per_sm=3), 1).split_merge == "kernel"
+    # 64/4 B=16: 64 rows x 4 splits = 256 CTAs, 3 per SM for fp8, so the fp8 build keeps the kernel merge;
+    # NVFP4 takes 3 per SM at any grid above one CTA per SM as well
+    plan = _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 16)
+    assert plan.num_splits == 4 and plan.ctas_per_sm == 3 and plan.split_merge == "kernel"
+    assert plan.nvfp4_ctas_per_sm == 3 and plan.nvfp4_split_merge == "kernel"
+    # the 2-CTA pin takes it at the same shape
+    plan = _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a", ctas_per_sm=2), 16)
+    assert (plan.split_merge, plan.nvfp4_split_merge) == ("cluster", "cluster")
+
+
+def test_split_merge_pins(monkeypatch):
+    monkeypatch.delenv(ENABLE, raising=False)
+    assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a", split_merge="cluster"), 1).split_merge == "cluster"
+    # a pin still needs a build that can: sm_100a and the union kernel keep the merge kernel
+    assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_100a", split_merge="cluster"), 1).split_merge == "kernel"
+    # (an NVFP4 cache is the token kernel's: 2 tokens x 4 heads x 16 splits = 128 CTAs, 2 per SM)
+    plan = _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a", kernel="union", split_merge="cluster"), 1, qlen=2)
+    assert (plan.kernel, plan.num_splits, plan.nvfp4_ctas_per_sm) == ("union", 16, 2)
+    assert plan.split_merge == "kernel" and plan.nvfp4_split_merge == "cluster"
+    monkeypatch.setenv(ENABLE, "1")  # the "kernel" pin ignores the environment
+    assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a", split_merge="kernel"), 1).split_merge == "kernel"
+    with pytest.raises(ValueError, match="split_merge must be"):
+        SparseDecodePlanner(split_merge="dsmem")
+
+
+def test_warmup_builds_cluster_only_where_the_planner_may_pick_it(monkeypatch):
+    base = SparseDecodeConfig(64, 4, arch="sm_90a")
+    monkeypatch.delenv(ENABLE, raising=False)
+    monkeypatch.delenv("MSA_JIT_ENABLE_SM90_UNION", raising=False)
+    assert [c.split_merge for c in compiler.plannable_configs(base)] == ["kernel", "kernel"]
+    monkeypatch.setenv(ENABLE, "1")
+    got = [(c.ctas_per_sm, c.split_merge) for c in compiler.plannable_configs(base)]
+    assert got == [(2, "kernel"), (3, "kernel"), (2, "cluster")]
+    nv = compiler.plannable_configs(SparseDecodeConfig(8, 1, kv_dtype="nvfp4", arch="sm_90a"))
+    assert [(c.ctas_per_sm, c.split_merge) for c in nv] == [(2, "kernel"), (3, "kernel"), (2, "cluster")]
+    assert {c.split_merge for c in compiler.plannable_configs(SparseDecodeConfig(64, 4, arch="sm_100a"))} == {"kernel"}
+    # a cluster config given to a warmup still yields the plain builds first, and the union's never cluster
+    monkeypatch.setenv("MSA_JIT_ENABLE_SM90_UNION", "1")
+    got = compiler.plannable_configs(SparseDecodeConfig(64, 4, arch="sm_90a", split_merge="cluster"))
+    assert [(c.kernel, c.ctas_per_sm, c.split_merge) for c in got] == [
+        ("token", 2, "kernel"), ("token", 3, "kernel"), ("union", 1, "kernel"), ("union", 2, "kernel"),
+        ("token", 2, "cluster")]
+    assert all(check_config(c) is None for c in got)
+
+
+def test_op_launches_the_cluster_build(launched_configs, monkeypatch):
+    """The plan's split_merge crosses the op boundary (eager API and custom op) and picks the build."""
+    monkeypatch.delenv(ENABLE, raising=False)
+    events = launched_configs
+    c = make_case(1, 1, 16, 1, q_dtype=torch.bfloat16, seed=3)
+    cluster = SparseDecodePlanner(num_sms=132, arch="sm_90a", split_merge="cluster").prepare(
+        *c.prepare_args(), **c.prepare_kwargs())
+    plain = SparseDecodePlanner(num_sms=132, arch="sm_90a").prepare(*c.prepare_args(), **c.prepare_kwargs())
+    assert cluster.num_splits == plain.num_splits == 16
+    msa_jit.sparse_decode(c.query, c.kv_cache, c.topk, c.new_out(), cluster, backend="kernel", **c.scales())
+    sparse_decode_op(c.query, c.kv_cache, c.topk, c.new_out(), plain, backend="kernel", **c.scales())
+    sparse_decode_op(c.query, c.kv_cache, c.topk, c.new_out(), cluster, backend="kernel", **c.scales())
+    assert [cfg.split_merge for cfg in events] == ["cluster", "kernel", "cluster"]
+    assert events[0] == events[2] == cluster.config(torch.bfloat16)
+
+
+def test_config_maps_to_the_kernel_option():
+    """The config's split_merge is the kernel class's option (kernels/build.py make_kernel), so the
+    cached artifact is the build the option names."""
+    pytest.importorskip("cutlass")
+    assert compiler.make_kernel(SparseDecodeConfig(64, 4, split_merge="cluster")).cluster_merge is not None
+    assert compiler.make_kernel(SparseDecodeConfig(64, 4)).cluster_merge is None
+    assert compiler.make_kernel(SparseDecodeConfig(8, 1, kv_dtype="nvfp4", split_merge="cluster")).cluster_merge is not None
+
+
+class _FakeDriverLib:
+    """A stand-in for libcuda (infrastructure only): records the calls of
+    cluster_fit.max_active_clusters and answers `clusters` (or an error code from the query)."""
+
+    def __init__(self, clusters: int, query_error: int = 0):
+        self.clusters, self.query_error, self.calls, self.attrs, self.config = clusters, query_error, [], {}, None
+
+    def _call(self, name, out=None, value=None):
+        self.calls.append(name)
+        if out is not None:
+            out._obj.value = value
+        return 0
+
+    def cuInit(self, flags):
+        return self._call("init")
+
+    def cuDeviceGet(self, dev, index):
+        return self._call("device", dev, index)
+
+    def cuDevicePrimaryCtxRetain(self, ctx, dev):
+        return self._call("retain", ctx, 0x1000)
+
+    def cuCtxPushCurrent_v2(self, ctx):
+        return self._call("push")
+
+    def cuCtxPopCurrent_v2(self, ctx):
+        return self._call("pop")
+
+    def cuDevicePrimaryCtxRelease_v2(self, dev):
+        return self._call("release")
+
+    def cuModuleLoadData(self, module, image):
+        return self._call("load", module, 0x2000)
+
+    def cuModuleGetFunction(self, fn, module, name):
+        self.name = name
+        return self._call("function", fn, 0x3000)
+
+    def cuFuncSetAttribute(self, fn, attr, value):
+        self.attrs[attr] = value
+        return self._call("attr")
+
+    def cuOccupancyMaxActiveClusters(self, count, fn, config):
+        self.calls.append("query")
+        c = config._obj
+        a = c.attrs[0]
+        self.config = (c.gridDimX, c.gridDimY, c.gridDimZ, c.blockDimX, c.sharedMemBytes, c.numAttrs, a.id,
+                       a.value.clusterDim.x, a.value.clusterDim.y, a.value.clusterDim.z)
+        count._obj.value = self.clusters
+        return self.query_error
+
+    def cuModuleUnload(self, module):
+        return self._call("unload")
+
+
+def test_max_active_clusters_asks_the_driver_with_the_kernels_launch(monkeypatch):
+    from msa_jit import cluster_fit
+
+    monkeypatch.setattr(cluster_fit.sass, "extract_cubins", lambda path: [b"cubin"])
+    monkeypatch.setattr(cluster_fit, "decode_kernel_name", lambda cubin: "decode")
+    lib = _FakeDriverLib(clusters=12)
+    assert cluster_fit.max_active_clusters("x.so", 16, 160, 107592, 3, lib=lib) == 12
+    # cuda.h: 8 = MAX_DYNAMIC_SHARED_SIZE_BYTES, 14 = NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 4 = CLUSTER_DIMENSION
+    assert lib.attrs == {8: 107592, 14: 1} and lib.name == b"decode"
+    assert lib.config == (1, 1, 16, 160, 107592, 1, 4, 1, 1, 16)
+    assert lib.calls[-3:] == ["unload", "pop", "release"] and lib.calls[:2] == ["init", "device"]
+    # a failing query raises, and the module and the context are still given back
+    lib = _FakeDriverLib(clusters=0, query_error=1)
+    with pytest.raises(RuntimeError, match="cuOccupancyMaxActiveClusters failed: CUDA driver error 1"):
+        cluster_fit.max_active_clusters("x.so", 16, 160, 107592, 0, lib=lib)
+    assert lib.calls[-3:] == ["unload", "pop", "release"]
+
+
+def test_launch_structs_match_cuda_h():
+    import ctypes
+
+    from msa_jit.cluster_fit import LaunchAttribute, LaunchConfig
+
+    # cuda.h: CUlaunchAttribute {id; pad to 8; 64-byte value union}, CUlaunchConfig {7 x uint, stream, attrs, numAttrs}
+    assert (ctypes.sizeof(LaunchAttribute), LaunchAttribute.value.offset) == (72, 8)
+    assert (ctypes.sizeof(LaunchConfig), LaunchConfig.hStream.offset, LaunchConfig.attrs.offset,
+            LaunchConfig.numAttrs.offset) == (56, 32, 40, 48)
+
+
+def test_cluster_launch_fits_asks_once_and_keeps_the_cluster_when_it_cannot_tell(monkeypatch):
+    from types import SimpleNamespace
+
+    from msa_jit import cluster_fit
+
+    asked = []
+    answer = {"n": 0}
+
+    def fake_max(path, size, threads, smem, device):
+        asked.append((size, threads, smem, device))
+        if answer["n"] is None:
+            raise RuntimeError("no driver")
+        return answer["n"]
+
+    extra = {"threads": 160, "smem_bytes": 107592}
+    entry = SimpleNamespace(key="k1", meta={"extra": extra}, artifact_path=lambda name: f"/a/{name}")
+    monkeypatch.setattr(compiler, "ensure_compiled", lambda cfg: (entry, False))
+    monkeypatch.setattr(cluster_fit, "max_active_clusters", fake_max)
+    monkeypatch.setattr(compiler, "_CLUSTER_FITS", {})
+    cfg = SparseDecodeConfig(64, 4, split_merge="cluster")
+    assert compiler.cluster_launch_fits(cfg, 16, 0) is False  # the driver says none fit
+    assert compiler.cluster_launch_fits(cfg, 16, 0) is False and asked == [(16, 160, 107592, 0)]  # cached
+    answer["n"] = 9
+    assert compiler.cluster_launch_fits(cfg, 8, 0) is True and compiler.cluster_launch_fits(cfg, 16, 1) is True
+    answer["n"] = None  # cannot tell (no driver bindings, a driver error): the launch decides, as before
+    assert compiler.cluster_launch_fits(cfg, 4, 0) is True
+    entry.key, entry.meta = "k2", {"extra": {}}  # an artifact without its launch figures
+    assert compiler.cluster_launch_fits(cfg, 16, 0) is True
+
+
+def test_plan_merges_by_kernel_where_the_gpu_cannot_hold_the_cluster(launched_configs, monkeypatch, caplog):
+    events = launched_configs
+    fits = {"answer": False}
+    monkeypatch.setattr(compiler, "cluster_launch_fits", lambda cfg, splits, device: fits["answer"])
+    c = make_case(1, 1, 16, 1, q_dtype=torch.bfloat16, seed=5)
+    plan = SparseDecodePlanner(num_sms=132, arch="sm_90a", split_merge="cluster").prepare(
+        *c.prepare_args(), **c.prepare_kwargs())
+    assert plan.split_merge == "cluster"
+    with caplog.at_level("WARNING", logger="msa_jit"):
+        msa_jit.sparse_decode(c.query, c.kv_cache, c.topk, c.new_out(), plan, backend="kernel", **c.scales())
+    assert [cfg.split_merge for cfg in events] == ["kernel"] and plan.split_merge == "kernel"
+    assert "cannot hold a cluster of 16 CTAs" in caplog.text
+    # where it fits, the cluster build is launched
+    fits["answer"] = True
+    plan = SparseDecodePlanner(num_sms=132, arch="sm_90a", split_merge="cluster").prepare(
+        *c.prepare_args(), **c.prepare_kwargs())
+    msa_jit.sparse_decode(c.query, c.kv_cache, c.topk, c.new_out(), plan, backend="kernel", **c.scales())
+    assert events[-1].split_merge == "cluster" and plan.split_merge == "cluster"
+
+
+@pytest.mark.slow
+def test_cluster_artifact_carries_its_launch_figures(tmp_path):
+    """What cluster_launch_fits reads on a host without the compiler: the artifact's decode kernel
+    by name, its block size and its dynamic shared memory (the cache entry's `extra`)."""
+    pytest.importorskip("cutlass")
+    from msa_jit import sass
+    from msa_jit.cluster_fit import decode_kernel_name
+
+    cfg = SparseDecodeConfig(64, 4, arch="sm_90a", split_merge="cluster")
+    extra = compiler.compile_sparse_decode(cfg, tmp_path)["extra"]
+    assert extra["threads"] == 160 and extra["smem_bytes"] == compiler.dynamic_smem_bytes(cfg) == 107592
+    (cubin,) = sass.extract_cubins(tmp_path / "sparse_decode.so")
+    name = decode_kernel_name(cubin)
+    assert "merge" not in name.lower() and "SparseDecodeMmaKernel" in name
