@@ -36,6 +36,24 @@ class GraphInputs:
         self.topk.copy_(c.topk)
         return c
 
+    def replay_each(self, graph: torch.cuda.CUDAGraph, out: torch.Tensor, scales: dict) -> list[tuple[float, bool]]:
+        """Replay `graph` once per case, each loaded in place and `out` poisoned with NaN first: per
+        case (rel L2 of `out` against its float64 reference with `scales`, the ones baked into the
+        captured launch; whether every element of `out` was written)."""
+        import msa_jit
+        from msa_jit.testing import rel_l2
+
+        results = []
+        for i in range(len(self.cases)):
+            c = self.load(i)
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            cpu = [t.cpu() if isinstance(t, torch.Tensor) else t for t in c.reference_args()]
+            ref_out, _ = msa_jit.sparse_decode_reference(*cpu, **scales)
+            results.append((rel_l2(out, ref_out), not bool(out.isnan().any())))
+        return results
+
 
 def capture(step) -> torch.cuda.CUDAGraph:
     """`step` run once eagerly (kernels compiled and plans built outside capture), once on a side
