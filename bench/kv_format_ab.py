@@ -132,7 +132,7 @@ VARIANTS = {  # name -> (kv dtype, kernel options)
     "f_union_k8": ("float8_e4m3fn", {"union_fp8": True}),
     "f_union_k8_noconv": ("float8_e4m3fn", {"union_fp8": True, "convert": False}),  # wrong results
     # ... with V converted by a third warpgroup (setmaxnreg) instead of each MMA warpgroup
-    "f_union_k8_cv": ("float8_e4m3fn", {"union_fp8": True, "v_converter": True}),
+    "f_union_k8_cv": ("float8_e4m3fn", {"union_fp8": True, "v_converter": True, "checkout": "c8f3b16"}),
     # one MMA warpgroup, 2 stages and V in two 64-key halves per CTA: 2 CTAs per SM with a bf16 query
     # (its V in two 64-key halves: the kernel option v_halves, retired in session 17, its builds at ffc4ff4)
     "f_union_k8_w1": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "v_halves": True, "checkout": "ffc4ff4"}),
@@ -145,7 +145,7 @@ VARIANTS = {  # name -> (kv dtype, kernel options)
     "q8_f_c2": ("float8_e4m3fn", {"q_dtype": Q8}),
     "q8_f_c3": ("float8_e4m3fn", dict(C3, stages=2, q_dtype=Q8)),
     "q8_union": ("float8_e4m3fn", {"union_fp8": True, "q_dtype": Q8}),
-    "q8_union_cv": ("float8_e4m3fn", {"union_fp8": True, "v_converter": True, "q_dtype": Q8}),
+    "q8_union_cv": ("float8_e4m3fn", {"union_fp8": True, "v_converter": True, "q_dtype": Q8, "checkout": "c8f3b16"}),
     # one MMA warpgroup and 2 stages per CTA, 2 CTAs per SM: one wave at the spec-decode point
     "q8_union_w1": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "q_dtype": Q8}),
     # the 2-CTA union builds of session 16 (7d847e8), before a warp skipped the softmax of the rows

@@ -16,11 +16,11 @@ the shipped module's docstring for the design, the grid and the builds).
   (a bf16 query) skips the QGMMA chain of Q's lo tile (timing only, results wrong);
 * (retired in session 18, slower by 5-10 us: docs/performance.md row 75) v_cvt="trick" / "mixed",
   V converted by the integer bit trick, all or half of it: at commit 34bf61e;
-* v_ahead=n: V's shared loads issued n 16-key rows ahead of their conversion and stores (the
-  shipped loop loads a row only after storing the one before, so each row waits out a load's
-  latency: ptxas cannot hoist a load above stores that may alias it).
+* v_ahead=n: V's shared loads issued n 16-key rows ahead of their conversion and stores instead of
+  the shipped kernel's v_loads_ahead (0: each row's load after the row before is stored, as
+  before session 18).
 
-Its constructor takes the shipped class's options (warpgroups, stages, v_converter, q_lo_regs)
+Its constructor takes the shipped class's options (warpgroups, stages, q_lo_regs)
 as given: occupancy_options adds none (bench/kv_format_ab.py's VARIANTS name every build's).
 """
 
@@ -34,8 +34,7 @@ from msa_jit.compiler import kernels_package
 
 kernels_package()
 from msa_jit.kernels.sparse_decode_union_sm90 import SparseDecodeUnionSm90Kernel  # noqa: E402
-from msa_jit.kernels import ptx  # noqa: E402
-from msa_jit.kernels.union_sm90_ops import st_global_b32, store_f16_chunks, swizzled_f16, swizzled_fp8  # noqa: E402
+from msa_jit.kernels.union_sm90_ops import st_global_b32  # noqa: E402
 
 TRACE_BLOCKS = 64  # trace=True: 8 stamps for each of the first 64 blocks, then n_blocks, smid, start
 TRACE_WORDS = TRACE_BLOCKS * 8 + 4
@@ -50,14 +49,15 @@ class UnionFp8Kernel(SparseDecodeUnionSm90Kernel):
         return {}
 
     def __init__(self, *, union_fp8: bool = True, trace: bool = False, convert: bool = True, mma: bool = True,
-                 lo_chain: bool = True, v_ahead: int = 0, **options):
+                 lo_chain: bool = True, v_ahead: int | None = None, **options):
         super().__init__(**options)
         # trace=True: TRACE_WORDS int32 per CTA over the plan's partial_o (bench/union_trace.py reads them)
         self.trace = trace
         self.convert = convert
         self.mma = mma
         self.lo_chain = lo_chain
-        self.v_ahead = v_ahead
+        if v_ahead is not None:
+            self.v_loads_ahead = v_ahead
 
     # ---- trace=True
     def mark_cta(self, mPO, n_blocks, tidx):
@@ -91,28 +91,12 @@ class UnionFp8Kernel(SparseDecodeUnionSm90Kernel):
         cta = (h * nreq + req) * ntile + tile
         st_global_b32(self.trace_po.iterator.toint() + (Int64(cta) * TRACE_WORDS + slot) * 4, value)
 
-    # ---- convert=False: the V tiles stay as they are (only the fence); v_ahead: V's loads rows ahead
+    # ---- convert=False: the V tiles stay as they are (only the fence)
     def convert_v(self, v_stage, dst_smem, tidx, fence=True):
-        if self.convert and not self.v_ahead:
-            return super().convert_v(v_stage, dst_smem, tidx, fence)
         if self.convert:
-            self.convert_v_ahead(v_stage, dst_smem, tidx)
+            return super().convert_v(v_stage, dst_smem, tidx, fence)
         if fence:
             cute.arch.fence_view_async_shared()
-
-    @cute.jit
-    def convert_v_ahead(self, v_stage, dst_smem, tidx):
-        """The shipped convert_v with each row's loads issued v_ahead rows before its stores."""
-        c8 = tidx % 8
-        rows = self.page // 16
-        words = [None] * rows
-        for r in cutlass.range_constexpr(min(self.v_ahead, rows)):
-            words[r] = ptx.ld_shared_v4(v_stage + swizzled_fp8(tidx // 8 + 16 * r, 16 * c8))
-        for r in cutlass.range_constexpr(rows):
-            if cutlass.const_expr(r + self.v_ahead < rows):
-                words[r + self.v_ahead] = ptx.ld_shared_v4(v_stage + swizzled_fp8(tidx // 8 + 16 * (r + self.v_ahead),
-                                                                                  16 * c8))
-            store_f16_chunks(dst_smem + swizzled_f16(self.page, tidx // 8 + 16 * r, 16 * c8), words[r], c8)
 
     # ---- mma=False: no S, no softmax, no P V; lo_chain=False: S from Q's hi tile only
     def s_mma_issue(self, m, acc_s, s):
@@ -123,9 +107,9 @@ class UnionFp8Kernel(SparseDecodeUnionSm90Kernel):
             super().s_mma_issue(m, acc_s, s)
             self.split_q = split_q
 
-    def s_mma_wait(self):
+    def mma_wait(self):
         if self.mma:
-            super().s_mma_wait()
+            super().mma_wait()
 
     def softmax(self, *args):
         if self.mma:

@@ -25,9 +25,11 @@ Per union block (one page of KV head h: 128 keys of 256 bytes, K in bytes [0, 12
 
 Roles: `warpgroups` MMA warpgroups take the union blocks in turn (block i: warpgroup i % 2);
 each converts its block's V and its warp 0 refills the stage once the warpgroup has read it
-(no producer warp: ptxas allots registers per warpgroup). v_converter=True: a third warpgroup
-converts every V (setmaxnreg moves its registers to the MMA warpgroups). At the end the MMA
-warpgroups merge their (m, l, O) through shared memory.
+(no producer warp: ptxas allots registers per warpgroup). A warpgroup's P V of block i runs on
+the tensor cores while it waits for block i + wgs's stage and issues that block's S; it waits for
+P V only before V's conversion overwrites the f16 tile. At the end the MMA warpgroups merge their
+(m, l, O) through shared memory. (A third, V-converting warpgroup was retired in session 18: at
+commit c8f3b16.)
 
 Builds (occupancy_options): 1 CTA per SM = 2 MMA warpgroups and 4 stages (G = 16 or 8, topk
 16: 212-214 KiB of shared memory with a bf16 query, 204-206 KiB with an fp8 one); 2 CTAs per
@@ -72,6 +74,9 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
     calls, named by role."""
 
     arch_family = "union_sm90"
+    # V's conversion: 16-key rows whose shared loads are in flight before a row's stores (all 8: 252-255
+    # registers, no local memory)
+    v_loads_ahead = 8
     # programmatic dependent launch, as the portable kernel: each kernel of the launch waits
     # (griddepcontrol.wait) before its first global-memory access
     pdl = True
@@ -108,7 +113,6 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
         kv_dtype: str = "float8_e4m3fn",
         warpgroups: int = 2,
         stages: int | None = None,
-        v_converter: bool = False,
         q_lo_regs: bool = False,
     ):
         super().__init__(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, page_size=page_size,
@@ -134,8 +138,6 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
             # warpgroups, and block i's warpgroup could reach block i + 2 stages while i + stages'
             # copy is in flight: its full-barrier wait would pass on the phase of the same parity
             raise ValueError(f"stages={self.stages}: two MMA warpgroups need an even stage count")
-        if v_converter and warpgroups != 2:
-            raise ValueError("v_converter needs warpgroups=2")
         # a bf16 query: each row as s * (hi + lo), hi and lo e4m3 tiles, s = amax / 448 per row; S is
         # two QGMMA chains into one accumulator, then scaled per row (~8 significant bits of Q, as bf16)
         self.split_q = not self.q_fp8
@@ -148,18 +150,12 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
         self.q_lo_regs = bool(q_lo_regs)
         if warpgroups == 1 and self.split_q and not q_lo_regs:  # two Q tiles: 1.6 KiB over
             raise ValueError("warpgroups=1 (2 CTAs per SM) takes an fp8 query, or a bf16 one with q_lo_regs")
-        # v_converter: a third warpgroup (0) converts every block's V into the f16 tile of the MMA
-        # warpgroup that takes the block (i % 2), handed over by mbarriers; a stage is read by the
-        # converter (V) and by one MMA warpgroup (K), whose warp 0 refills it
-        self.v_converter = bool(v_converter)
         self.tile_tokens = ROWS // self.group  # query tokens per CTA
         self.union_max = self.tile_tokens * self.topk  # union blocks of a tile, at most
         self.stage_bytes = self.page * ROW_BYTES  # K and V of a (page, KV head)
         self.tile_bytes = self.page * HEAD_DIM  # a K or V tile of a stage (fp8)
-        self.empty_arrivals = WG_THREADS * (2 if v_converter else 1)  # the threads that read a stage
-        self.threads = WG_THREADS * (warpgroups + int(self.v_converter))
-        # setmaxnreg (v_converter): the converter gives registers to the MMA warpgroups (pool 65536)
-        self.conv_regs, self.mma_regs = 88, 208
+        self.empty_arrivals = WG_THREADS  # the threads that read a stage
+        self.threads = WG_THREADS * warpgroups
         self.ctas_per_sm = 2 if warpgroups == 1 else 1
         smem = self.storage_type().size_in_bytes()
         if smem > SMEM_PER_SM // self.ctas_per_sm - 1024:
@@ -186,8 +182,6 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
             sv1: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, v16 if self.wgs > 1 else 8], 1024]
             full: cute.struct.Align[cute.struct.MemRange[Int64, self.stages], 8]
             empty: cute.struct.Align[cute.struct.MemRange[Int64, self.stages], 8]
-            # v_converter: V tile b full / empty (mbarriers 2b, 2b + 1)
-            tiles: cute.struct.Align[cute.struct.MemRange[Int64, 4], 8]
             tok_pages: cute.struct.MemRange[Int32, 32 * self.tile_tokens]
             tok_blocks: cute.struct.MemRange[Int32, 32 * self.tile_tokens]
             ballots: cute.struct.MemRange[Int32, self.tile_tokens]
@@ -271,13 +265,14 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
                 for s in cutlass.range_constexpr(self.stages):
                     cute.arch.mbarrier_init(full_ptr + s, 1)
                     cute.arch.mbarrier_init(empty_ptr + s, self.empty_arrivals)
-                for k in cutlass.range_constexpr(4):
-                    cute.arch.mbarrier_init(storage.tiles.data_ptr() + k, WG_THREADS)
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()  # the split merge may be scheduled now
         qk_scale_log2 = qk_scale_log2 * mKScale[0]
         v_scale = v_scale * mVScale[0]
         n_tok = cutlass.min(Int32(TT), qlen - tile * TT)
+        # Q first: its loads overlap the union build's chain instead of queueing behind the first stages'
+        # copies (ncu: a bf16 query's CTAs waited ~5% of the kernel for Q there)
+        q_words = self.q_half_row(mQ, req, h, tile, qlen, n_tok, tidx)
         n_union = build_union(mTopk, mBT, mKvLens, mKV.shape[0], storage, (sPages, sBlocks, sMasks), sKvLen, req, h,
                               tile, qlen, n_tok, warp, lane, TT, self.topk, self.page)
         # this CTA's split: union blocks first .. first + n_split (the loops count from 0)
@@ -295,34 +290,23 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
         tVs, tVg = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
                                          cute.group_modes(gV, 0, 2))
         tma = (tma_k, tKs, tKg, tma_v, tVs, tVg)
-        if warp < 4:  # warpgroup 0: the first stages' blocks, then Q of the tile (its loads behind the TMA's)
+        if warp < 4:  # warpgroup 0: the first stages' blocks, then Q of the tile into shared memory
             if warp == 0:  # the whole warp (the TMA copy elects its lane)
                 for j in range(cutlass.min(n_split, Int32(self.stages))):
                     self.issue_block(tma, sPages, first, j, full_ptr)
             if cutlass.const_expr(self.split_q):
-                self.stage_q_split(mQ, ptx.smem_addr(storage.sq.data_ptr()),
+                self.stage_q_split(q_words, ptx.smem_addr(storage.sq.data_ptr()),
                                    ptx.smem_addr(self.q_lo_field(storage).data_ptr()),
-                                   storage.qscale.get_tensor(cute.make_layout(ROWS)), req, h, tile, qlen, n_tok, tidx)
+                                   storage.qscale.get_tensor(cute.make_layout(ROWS)), tidx)
             else:
-                self.stage_q_fp8(mQ, ptx.smem_addr(storage.sq.data_ptr()), req, h, tile, qlen, n_tok, tidx)
+                self.stage_q_fp8(q_words, ptx.smem_addr(storage.sq.data_ptr()), tidx)
         cute.arch.sync_threads()  # sQ (fenced) is complete
         args = (mOut, mLse, mPO, mPL, storage, sPages, sBlocks, sMasks, sKvLen, full_ptr, empty_ptr, tma,
                 req, h, tile, split, num_splits, qlen, n_tok, first, n_split, qk_scale_log2, v_scale)
-        if cutlass.const_expr(self.v_converter):
-            if warp < 4:
-                cute.arch.setmaxregister_decrease(self.conv_regs)
-                self.convert_loop_v(storage, full_ptr, empty_ptr, n_split, tidx)
-            elif warp < 8:
-                cute.arch.setmaxregister_increase(self.mma_regs)
-                self.mma_loop(*args, tidx - 128, 0)
-            else:
-                cute.arch.setmaxregister_increase(self.mma_regs)
-                self.mma_loop(*args, tidx - 256, 1)
-        else:
-            if warp < 4:
-                self.mma_loop(*args, tidx, 0)
-            elif cutlass.const_expr(self.wgs > 1):
-                self.mma_loop(*args, tidx - 128, 1)
+        if warp < 4:
+            self.mma_loop(*args, tidx, 0)
+        elif cutlass.const_expr(self.wgs > 1):
+            self.mma_loop(*args, tidx - 128, 1)
 
     # ---- the tile's union of blocks
     def union_lists(self, storage):
@@ -360,7 +344,8 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
     @cute.jit
     def q_half_row(self, mQ, req, h, tile, qlen, n_tok, tidx):
         """The 64 query elements (dims 64 (tidx % 2) ..) of tile row tidx // 2 (token row // G,
-        head row % G) as words, zero past the tile's tokens: 16 words of fp8 or 32 of bf16."""
+        head row % G) as words, zero past the tile's tokens (and for tidx >= 128): 16 words of fp8
+        or 32 of bf16."""
         G = self.group
         qrow = tidx // 2
         elem_bytes = 1 if self.q_fp8 else 2
@@ -378,23 +363,21 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
         return words
 
     @cute.jit
-    def stage_q_fp8(self, mQ, q_smem, req, h, tile, qlen, n_tok, tidx):
-        """Q of the tile -> sQ (fp8 as given, 128B-swizzled): thread tidx (< 128) writes half (64
-        bytes) of row tidx // 2; rows past the tile's tokens are zero."""
-        words = self.q_half_row(mQ, req, h, tile, qlen, n_tok, tidx)
+    def stage_q_fp8(self, words, q_smem, tidx):
+        """Q of the tile (q_half_row's words) -> sQ (fp8 as given, 128B-swizzled): thread tidx (< 128)
+        writes half (64 bytes) of row tidx // 2."""
         for p in cutlass.range_constexpr(4):
             ptx.st_shared_v4(q_smem + swizzled_fp8(tidx // 2, 64 * (tidx % 2) + 16 * p),
                              words[4 * p], words[4 * p + 1], words[4 * p + 2], words[4 * p + 3])
         cute.arch.fence_view_async_shared()
 
     @cute.jit
-    def stage_q_split(self, mQ, q_hi, q_lo, sScale, req, h, tile, qlen, n_tok, tidx):
-        """Q of the tile (bf16) -> sQ (hi) and sQ_lo (lo), e4m3, 128B-swizzled, and each row's
-        scale: thread tidx (< 128) takes half (64 dims) of row tidx // 2; rows past the tile's tokens
-        are zero (scale 0)."""
+    def stage_q_split(self, words, q_hi, q_lo, sScale, tidx):
+        """Q of the tile (q_half_row's bf16 words) -> sQ (hi) and sQ_lo (lo), e4m3, 128B-swizzled, and
+        each row's scale: thread tidx (< 128) takes half (64 dims) of row tidx // 2; zero rows get
+        scale 0."""
         qrow = tidx // 2
         qhalf = tidx % 2
-        words = self.q_half_row(mQ, req, h, tile, qlen, n_tok, tidx)
         amax = Float32(0.0)
         for k in cutlass.range_constexpr(32):
             amax = cute.arch.fmax(amax, bf16x2_absmax(words[k]))
@@ -424,34 +407,19 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
     def convert_v(self, v_stage, dst_smem, tidx, fence: cutlass.Constexpr = True):
         """The stage's fp8 V tile (TMA-swizzled key rows) -> an f16 tile (f16_tile_layout), by 128
         threads: thread = 16 dims of keys tidx // 8 + 16 r; fenced for the MMAs that read it
-        (fence=False: the caller fences)."""
+        (fence=False: the caller fences). Row r's loads are issued v_loads_ahead rows before its
+        stores: ptxas cannot hoist a load above stores that may alias it, so a load per row in
+        series would wait out each one's latency (ncu, session 18)."""
         c8 = tidx % 8
-        for r in cutlass.range_constexpr(self.page // 16):
-            key = tidx // 8 + 16 * r
-            w = ptx.ld_shared_v4(v_stage + swizzled_fp8(key, 16 * c8))
-            store_f16_chunks(dst_smem + swizzled_f16(self.page, key, 16 * c8), w, c8)
+        rows = self.page // 16
+        ahead = min(self.v_loads_ahead, rows)
+        words = [ptx.ld_shared_v4(v_stage + swizzled_fp8(tidx // 8 + 16 * r, 16 * c8)) for r in range(ahead)]
+        for r in cutlass.range_constexpr(rows):
+            if cutlass.const_expr(r + ahead < rows):
+                words.append(ptx.ld_shared_v4(v_stage + swizzled_fp8(tidx // 8 + 16 * (r + ahead), 16 * c8)))
+            store_f16_chunks(dst_smem + swizzled_f16(self.page, tidx // 8 + 16 * r, 16 * c8), words[r], c8)
         if cutlass.const_expr(fence):
             cute.arch.fence_view_async_shared()
-
-    @cute.jit
-    def convert_loop_v(self, storage, full_ptr, empty_ptr, n_union, tidx):
-        """The V converter warpgroup: block i's V -> the f16 tile of MMA warpgroup i % 2, once that
-        warpgroup's P V of block i - 2 is done; it releases the stage (its V half) before handing
-        the tile over, so the MMA warpgroup that refills the stage waits only for itself."""
-        bufv = ptx.smem_addr(storage.bufv.data_ptr())
-        tiles = storage.tiles.data_ptr()
-        v_tiles = (ptx.smem_addr(storage.sv0.data_ptr()), ptx.smem_addr(storage.sv1.data_ptr()))
-        for i in range(n_union):
-            s = i % self.stages
-            b = i % 2
-            cute.arch.mbarrier_wait(full_ptr + s, (i // self.stages) & 1)
-            cute.arch.mbarrier_wait(tiles + 2 * b + 1, ((i // 2) & 1) ^ 1)  # V tile b is free
-            dst = v_tiles[0]
-            if b == 1:
-                dst = v_tiles[1]
-            self.convert_v(bufv + s * self.tile_bytes, dst, tidx)
-            cute.arch.mbarrier_arrive(empty_ptr + s)
-            cute.arch.mbarrier_arrive(tiles + 2 * b)
 
     # ---- the MMA warpgroups
     def o_setup(self, sv_field, tidx):
@@ -529,50 +497,55 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
         for i in cutlass.range_constexpr(cute.size(acc_o)):  # O, rows 16w + g + 8hh, dims 8j + 2c + e: [e + 2hh + 4j]
             acc_o[i] = Float32(0.0)
         row_max, row_sum = row_state()
+        # block i's chain: S and V's conversion (s_and_v), softmax, P V. P V is issued and left running
+        # on the tensor cores while block i + wgs's stage is waited for and its S issued; no MMA is in
+        # flight across the loop's back edge (ptxas serializes every wgmma otherwise: its loop-carried
+        # accumulators would be read while one runs)
+        acc_s = cute.make_rmem_tensor(m["thr_s"].partition_shape_C((ROWS, self.page)), Float32)
+        if wg < n_union:
+            self.s_and_v(m, acc_s, tma, sPages, first, wg, n_union, full_ptr, empty_ptr, bufv, bar, tidx)
         for i in range(wg, n_union, self.wgs):
-            s = i % self.stages
-            blk = sBlocks[first + i]
-            mask = sMasks[first + i]
-            cute.arch.mbarrier_wait(full_ptr + s, (i // self.stages) & 1)
-            self.mark(i, 0, tidx)  # the stage is full
-            if cutlass.const_expr(not self.v_converter):
-                cute.arch.barrier(barrier_id=bar, number_of_threads=WG_THREADS)  # every warp's P V of its last block is done
-            self.mark(i, 1, tidx)  # S issued next
-            acc_s = cute.make_rmem_tensor(m["thr_s"].partition_shape_C((ROWS, self.page)), Float32)
-            self.s_mma_issue(m, acc_s, s)
-            if cutlass.const_expr(not self.v_converter):
-                # ---- meanwhile V -> this warpgroup's f16 tile. Its proxy fence comes after the wait:
-                # ptxas 12.9 (the DSL's) segfaults on a fence.proxy.async between a wgmma commit and wait
-                self.convert_v(bufv + s * self.tile_bytes, m["v_smem"], tidx, fence=False)
-            self.mark(i, 2, tidx)  # this thread's V conversion done
-            self.s_mma_wait()
-            self.mark(i, 3, tidx)  # S done
-            if cutlass.const_expr(not self.v_converter):
-                cute.arch.fence_view_async_shared()
-                self.release_stage_and_refill(tma, sPages, first, i, n_union, full_ptr, empty_ptr, tidx)
-            self.softmax(acc_s, acc_o, p_words, row_max, row_sum, blk, mask, sKvLen, sQScale, qk_scale_log2,
-                         warp, g, c)
+            self.softmax(acc_s, acc_o, p_words, row_max, row_sum, sBlocks[first + i], sMasks[first + i], sKvLen,
+                         sQScale, qk_scale_log2, warp, g, c)
             self.mark(i, 4, tidx)  # softmax done (and warp 0's refill issued)
-            # ---- O += P V
-            if cutlass.const_expr(not self.v_converter):
-                cute.arch.barrier(barrier_id=bar, number_of_threads=WG_THREADS)  # every thread's part of the V tile is in
-            if cutlass.const_expr(self.v_converter):
-                cute.arch.mbarrier_wait(storage.tiles.data_ptr() + 2 * wg, (i // 2) & 1)  # V tile converted
-                # the converter has released the stage's V: warp 0's refill waits for this warpgroup only
-                self.release_stage_and_refill(tma, sPages, first, i, n_union, full_ptr, empty_ptr, tidx)
+            cute.arch.barrier(barrier_id=bar, number_of_threads=WG_THREADS)  # every thread's part of the V tile is in
             self.mark(i, 5, tidx)  # the V tile is complete
             self.pv_mma(m["mma_o"], acc_o, tOrP, tOrV)
-            self.mark(i, 6, tidx)  # P V done
-            if cutlass.const_expr(self.v_converter):
-                cute.arch.mbarrier_arrive(storage.tiles.data_ptr() + 2 * wg + 1)  # V tile read
+            self.mark(i, 6, tidx)  # P V issued
+            if i + self.wgs < n_union:
+                self.s_and_v(m, acc_s, tma, sPages, first, i + self.wgs, n_union, full_ptr, empty_ptr, bufv, bar,
+                             tidx)
+            else:
+                self.mma_wait()
         # MMA warpgroup 1's O goes over the K stages (every stage is read by now)
         self.finish(mOut, mLse, mPO, mPL, storage, acc_o, row_max, row_sum, bufk, req, h, tile, split, num_splits,
                     qlen, n_tok, v_scale, tidx, warp, g, c, wg)
 
     @cute.jit
+    def s_and_v(self, m, acc_s, tma, sPages, first, i, n_union, full_ptr, empty_ptr, bufv, bar, tidx):
+        """Block i's S into acc_s, issued behind the warpgroup's P V of its previous block, and, once
+        every warp's P V is done (the f16 tile is free), its V converted into the tile while S runs;
+        returns with S done and the stage released."""
+        s = i % self.stages
+        cute.arch.mbarrier_wait(full_ptr + s, (i // self.stages) & 1)
+        self.mark(i, 0, tidx)  # the stage is full
+        self.s_mma_issue(m, acc_s, s)
+        warpgroup.wait_group(1)  # this thread's share of the previous P V is done (S may still run)
+        cute.arch.barrier(barrier_id=bar, number_of_threads=WG_THREADS)  # every warp's: the V tile is free
+        self.mark(i, 1, tidx)  # S issued, the previous P V done
+        # its proxy fence comes after the wait: ptxas 12.9 (the DSL's) segfaults on a fence.proxy.async
+        # between a wgmma commit and its wait
+        self.convert_v(bufv + s * self.tile_bytes, m["v_smem"], tidx, fence=False)
+        self.mark(i, 2, tidx)  # this thread's V conversion done
+        self.mma_wait()
+        self.mark(i, 3, tidx)  # S done
+        cute.arch.fence_view_async_shared()
+        self.release_stage_and_refill(tma, sPages, first, i, n_union, full_ptr, empty_ptr, tidx)
+
+    @cute.jit
     def s_mma_issue(self, m, acc_s, s):
         """S = Q K^T of stage s on QGMMA (a bf16 query: the hi chain, then the lo chain into the same
-        accumulator), issued and committed: asynchronous until s_mma_wait."""
+        accumulator), issued and committed: asynchronous until mma_wait."""
         tSrQ, tSrK = m["tSrQ"], m["tSrK"]
         warpgroup.fence()
         atom_s = cute.make_mma_atom(m["mma_s"].op)
@@ -589,8 +562,8 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
                 cute.gemm(atom_lo, acc_s, m["tSrQlo"][None, None, k], tSrK[None, None, k, s], acc_s)
         warpgroup.commit_group()
 
-    def s_mma_wait(self):
-        """Wait for the S MMAs of s_mma_issue."""
+    def mma_wait(self):
+        """Wait for every MMA this warpgroup has issued (S, and P V before it)."""
         warpgroup.wait_group(0)
 
     @cute.jit
@@ -695,14 +668,14 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
 
     @cute.jit
     def pv_mma(self, mma_o, acc_o, tOrP, tOrV):
-        """O += P V on the warpgroup's tensor cores; returns when it is done."""
+        """O += P V on the warpgroup's tensor cores, issued and committed: asynchronous until the next
+        block's wait_group(1) (or mma_wait), which P's registers and the V tile wait for too."""
         warpgroup.fence()
         atom_o = cute.make_mma_atom(mma_o.op)
         atom_o.set(warpgroup.Field.ACCUMULATE, True)
         for k in cutlass.range_constexpr(cute.size(tOrV.shape[2])):
             cute.gemm(atom_o, acc_o, tOrP[None, None, k], tOrV[None, None, k], acc_o)
         warpgroup.commit_group()
-        warpgroup.wait_group(0)
 
     # ---- the epilogue
     @cute.jit
