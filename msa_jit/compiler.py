@@ -361,10 +361,11 @@ def cluster_launch_fits(config: SparseDecodeConfig, num_splits: int, device_inde
     """Can GPU `device_index` hold a (1, 1, num_splits) cluster of `config`'s decode kernel
     (`cluster_fit.max_active_clusters` > 0)? Cached per artifact, split count and device. True where
     it cannot tell (no driver library, an artifact without its launch figures, a driver
-    error: logged), so the launch itself decides, as without the check."""
-    entry, _ = ensure_compiled(config)
-    key = (entry.key, num_splits, device_index)
+    error: logged), so the launch itself decides, as without the check. Keyed by the artifact's
+    cache key, computed without touching the disk: only the first ask per process looks the entry up."""
+    key = (cache_key(config), num_splits, device_index)
     if key not in _CLUSTER_FITS:
+        entry, _ = ensure_compiled(config)
         extra = entry.meta.get("extra") or {}
         try:
             from .cluster_fit import max_active_clusters

@@ -243,8 +243,11 @@ def test_cluster_launch_fits_asks_once_and_keeps_the_cluster_when_it_cannot_tell
     assert compiler.cluster_launch_fits(cfg, 8, 0) is True and compiler.cluster_launch_fits(cfg, 16, 1) is True
     answer["n"] = None  # cannot tell (no driver bindings, a driver error): the launch decides, as before
     assert compiler.cluster_launch_fits(cfg, 4, 0) is True
-    entry.key, entry.meta = "k2", {"extra": {}}  # an artifact without its launch figures
-    assert compiler.cluster_launch_fits(cfg, 16, 0) is True
+    entry.meta = {"extra": {}}  # an artifact without its launch figures (another geometry's)
+    assert compiler.cluster_launch_fits(SparseDecodeConfig(8, 1, split_merge="cluster"), 16, 0) is True
+    looked_up = []
+    monkeypatch.setattr(compiler, "ensure_compiled", lambda cfg: looked_up.append(cfg) or (entry, False))
+    assert compiler.cluster_launch_fits(cfg, 16, 0) is False and looked_up == []  # a known answer: no disk lookup
 
 
 def test_plan_merges_by_kernel_where_the_gpu_cannot_hold_the_cluster(launched_configs, monkeypatch, caplog):
