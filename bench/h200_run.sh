@@ -54,12 +54,13 @@ for step in "$@"; do
     bench|bench_quick|bench_union|bench_cluster|bench_opt_in) # the baseline: the newest default bench (a union,
            # cluster or opt-in run's file is renamed *-union* / *-cluster* / *-opt-in* when committed), so the
            # flagged runs' regression rows compare with the default kernels
-           BASELINE=${BASELINE:-$(python3 -c 'import shutil, tempfile, glob
+           # (of this GPU's name: an H100's timings do not compare with an H200's)
+           BASELINE=${BASELINE:-$(python3 -c 'import shutil, tempfile, glob, torch
 from msa_jit.bench import latest_result
 d = tempfile.mkdtemp()
 for f in glob.glob("bench/results/bench-*.json"):
     "-union" in f or "-cluster" in f or "-opt-in" in f or shutil.copy(f, d)
-b = latest_result(d)
+b = latest_result(d, torch.cuda.get_device_name())
 print("bench/results/" + b.name if b else "none")')}
            # bench_union: the planner may pick the union kernel (MSA_JIT_ENABLE_SM90_UNION=1; rows say "kernel")
            # bench_opt_in: both opt-in flags at once (union for qlen > 1, cluster merge for small split grids)

@@ -120,6 +120,17 @@ def test_latest_result_picks_the_newest_recorded_date(tmp_path):
     assert bench.latest_result(tmp_path / "missing") is None
 
 
+def test_latest_result_compares_only_the_same_gpu(tmp_path):
+    for name, date, device in (("bench-h100.json", "2026-01-03T00:00:00", "NVIDIA H100 80GB HBM3"),
+                               ("bench-h200.json", "2026-01-01T00:00:00", "NVIDIA H200")):
+        result = _result(date, [1.0, 2.0])
+        result["environment"]["device"] = device
+        (tmp_path / name).write_text(json.dumps(result))
+    assert bench.latest_result(tmp_path).name == "bench-h100.json"
+    assert bench.latest_result(tmp_path, "NVIDIA H200").name == "bench-h200.json"
+    assert bench.latest_result(tmp_path, "NVIDIA B200") is None
+
+
 def test_plot_writes_a_png_for_old_and_new_files(tmp_path):
     for name, result in (("old.png", _result("2026-01-01T00:00:00", [10.0, 100.0])), ("new.png", _grid_result())):
         bench.plot(result, tmp_path / name)

@@ -409,7 +409,8 @@ def main(out_dir: str, baseline: str | None = "auto", **kw) -> dict[str, Any]:
     """Run the grid, write bench-<date>T<time>.json/.png into out_dir, compare with a baseline,
     check the targets (`targets.check_targets`) and print their summary.
 
-    baseline: a result JSON, "auto" (the newest result already in out_dir) or None/"none".
+    baseline: a result JSON, "auto" (the newest result already in out_dir from a GPU of this name) or
+    None/"none".
     Points and per-layer rows slower than the baseline by more than 5% are listed in
     result["regressions"].
     """
@@ -418,7 +419,9 @@ def main(out_dir: str, baseline: str | None = "auto", **kw) -> dict[str, Any]:
 
     out = Path(out_dir)
     if baseline == "auto":
-        baseline = latest_result(out)
+        import torch
+
+        baseline = latest_result(out, torch.cuda.get_device_name() if torch.cuda.is_available() else None)
     elif baseline in (None, "none"):
         baseline = None
     result = run_grid(**kw)

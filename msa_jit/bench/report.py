@@ -64,13 +64,18 @@ def regressions(result: dict[str, Any], baseline: dict[str, Any], slack: float =
             for c in compare_with_baseline(result, baseline) if c["ratio"] > slack]
 
 
-def latest_result(out_dir: str | Path) -> Path | None:
-    """The newest bench-*.json in out_dir (by its recorded date), or None."""
+def latest_result(out_dir: str | Path, device: str | None = None) -> Path | None:
+    """The newest bench-*.json in out_dir (by its recorded date), or None. device: only files measured
+    on a GPU of that name (`environment.device`, torch.cuda.get_device_name()): timings of an H100 and
+    an H200 do not compare."""
     best, best_date = None, ""
     for path in Path(out_dir).glob("bench-*.json"):
         try:
-            date = json.loads(path.read_text())["environment"]["date"]
+            env = json.loads(path.read_text())["environment"]
+            date = env["date"]
         except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if device is not None and env.get("device") != device:
             continue
         if date > best_date:
             best, best_date = path, date
