@@ -2,8 +2,8 @@
 # One device run on the lent H200 (docs/gpu-workflow.md): carry .gpu-bundle, .artifacts (warmed for
 # BOTH cache formats: python bench/warm_kv_formats.py), and .variants for variants / trace.
 #   bash bench/h200_run.sh tests memcheck racecheck selftest bench ceilings    # the round's full run
-#   any of: tests union_tests cluster_tests memcheck racecheck selftest bench bench_quick bench_union bench_cluster
-#           bench_opt_in
+#   any of: tests union_tests cluster_tests memcheck racecheck selftest bench bench_quick bench_union
+#           bench_kernel_merge
 #           ceilings host_ab host_ab_union variants trace
 #           per_layer_ab union_k8 union_k8_small union_k8_trace union_skip union_qreg union_qreg_trace
 #           union_lo union_ncu union_final push_merge push_trace
@@ -51,23 +51,22 @@ for step in "$@"; do
            # in .artifacts (bench/warm_kv_formats.py makes them)
            (cd tests && timeout "$(limit 200)" python3 -m pytest test_cluster_merge_gpu.py -m gpu -q -rA) > $OUT/cluster-tests.log 2>&1
            tail -n 1 $OUT/cluster-tests.log ;;
-    bench|bench_quick|bench_union|bench_cluster|bench_opt_in) # the baseline: the newest default bench (a union,
-           # cluster or opt-in run's file is renamed *-union* / *-cluster* / *-opt-in* when committed), so the
-           # flagged runs' regression rows compare with the default kernels
-           # (of this GPU's name: an H100's timings do not compare with an H200's)
+    bench|bench_quick|bench_union|bench_kernel_merge) # the baseline: the newest default bench of this GPU's name
+           # (an H100's timings do not compare with an H200's); a flagged run's file is renamed *-union* /
+           # *-kernel-merge* when committed (*-cluster* / *-opt-in*: session 20-21's, flags on before the default
+           # changed), so the flagged runs' regression rows compare with the default kernels
            BASELINE=${BASELINE:-$(python3 -c 'import shutil, tempfile, glob, torch
 from msa_jit.bench import latest_result
 d = tempfile.mkdtemp()
 for f in glob.glob("bench/results/bench-*.json"):
-    "-union" in f or "-cluster" in f or "-opt-in" in f or shutil.copy(f, d)
+    any(t in f for t in ("-union", "-cluster", "-opt-in", "-kernel-merge")) or shutil.copy(f, d)
 b = latest_result(d, torch.cuda.get_device_name())
 print("bench/results/" + b.name if b else "none")')}
            # bench_union: the planner may pick the union kernel (MSA_JIT_ENABLE_SM90_UNION=1; rows say "kernel")
-           # bench_opt_in: both opt-in flags at once (union for qlen > 1, cluster merge for small split grids)
-           UNION=$([ "$step" = bench_union ] || [ "$step" = bench_opt_in ] && echo 1 || echo 0)
-           # bench_cluster: the planner may merge the splits in a cluster (MSA_JIT_ENABLE_CLUSTER_MERGE=1; rows say
-           # "split_merge")
-           CLUSTER=$([ "$step" = bench_cluster ] || [ "$step" = bench_opt_in ] && echo 1 || echo 0)
+           UNION=$([ "$step" = bench_union ] && echo 1 || echo 0)
+           # bench_kernel_merge: the default before session 21, every split merged by the second kernel
+           # (MSA_JIT_ENABLE_CLUSTER_MERGE=0; rows say "split_merge")
+           CLUSTER=$([ "$step" = bench_kernel_merge ] && echo 0 || echo 1)
            MSA_JIT_ENABLE_SM90_UNION=$UNION MSA_JIT_ENABLE_CLUSTER_MERGE=$CLUSTER timeout "$(limit 330)" python3 -m msa_jit bench --out $OUT --baseline "$BASELINE" \
              $([ "$step" = bench_quick ] && echo --quick) > $OUT/bench.log 2>&1
            echo "bench rc=$?" | tee -a $OUT/bench.log; grep -E "^REGRESSION|FAILED" $OUT/bench.log | head -n 20

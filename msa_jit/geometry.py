@@ -59,8 +59,9 @@ UNION_CTAS_PER_SM = (1, 2)  # 2 MMA warpgroups and 4 stages per CTA, or 1 warpgr
 # kernel launched after the decode kernel (kernels/split_merge.py), every build. "cluster": inside
 # the decode launch, the split CTAs of a (token, KV head) being one thread-block cluster
 # (kernels/cluster_merge.py; a split factor whose rows do not fit its receive buffer still
-# launches the merge kernel): the token kernel's 2-CTA build on CLUSTER_MERGE_ARCHES; opt-in with
-# MSA_JIT_ENABLE_CLUSTER_MERGE=1 until measured on a GPU (planner.choose_split_merge)
+# launches the merge kernel): the token kernel's 2-CTA build on CLUSTER_MERGE_ARCHES; the planner's
+# default there since session 21 (docs/performance.md row 79), MSA_JIT_ENABLE_CLUSTER_MERGE=0 turns it
+# off (planner.choose_split_merge)
 SPLIT_MERGES = ("kernel", "cluster")
 CLUSTER_MERGE_ARCHES = ("sm_90a",)
 CLUSTER_MERGE_CTAS_PER_SM = 2  # its 8 KiB receive buffer fits beside 3 stages at 2 CTAs per SM, not at 3

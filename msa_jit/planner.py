@@ -121,12 +121,13 @@ def choose_split_merge(num_splits: int, ctas_per_sm: int, kernel: str, arch: str
     (MSA_JIT_ENABLE_CLUSTER_MERGE, or a planner pin), the step splits (num_splits > 1) and the build
     can merge inside the decode launch (geometry.cluster_merge_problems: the token kernel at 2 CTAs
     per SM on sm_90a); else "kernel". One-split steps keep the plain build: nothing to merge.
-    With 16 topk blocks on an H200 (132 SMs) a split step runs at 2 CTAs per SM only when
+    With 16 topk blocks on an H100 / H200 (132 SMs) a split step runs at 2 CTAs per SM only when
     T*Hkv <= 8, i.e. with 16 splits, so the clusters the planner launches have 16 CTAs (a
     non-portable size: the DSL allows it on every kernel; Hopper schedules it within one GPC).
 
-    Not yet measured on a GPU (docs/performance.md row 79: built, predicted -0.4..-0.8 us per layer
-    at batch 1 and one launch per op call instead of two), hence opt-in."""
+    On by default (MSA_JIT_ENABLE_CLUSTER_MERGE unset): docs/performance.md row 79, on an H100 every
+    point it is picked for ran 2.6-9.1% faster per layer, and the batch-1 op call is one launch
+    instead of two."""
     if not enabled or num_splits < 2 or cluster_merge_problems(kernel=kernel, ctas_per_sm=ctas_per_sm, arch=arch):
         return "kernel"
     return "cluster"
@@ -189,8 +190,8 @@ class SparseDecodePlanner:
     `choose_kernel` (None: the union only with MSA_JIT_ENABLE_SM90_UNION=1 and no ctas_per_sm pin); a
     union pin serves every step shape, qlen 1 and split grids included, and raises ValueError at the
     first prepare of a geometry it cannot serve. split_merge: "cluster" merges the KV splits inside
-    the decode launch wherever `choose_split_merge` allows it, "kernel" never; None: "cluster" only
-    with MSA_JIT_ENABLE_CLUSTER_MERGE=1.
+    the decode launch wherever `choose_split_merge` allows it, "kernel" never; None: "cluster" unless
+    MSA_JIT_ENABLE_CLUSTER_MERGE=0.
     """
 
     def __init__(self, *, num_sms: int | None = None, arch: str | None = None,

@@ -5,8 +5,9 @@ portable kernel unless MSA_JIT_ENABLE_SM100_UMMA=1) against the float64 referenc
 grid: every MiniMax-M3 geometry x qlen x query dtype x batch, plus forced split-KV factors,
 each on every occupancy the planner may pick (2 and 3 CTAs per SM for the portable kernel);
 with MSA_JIT_ENABLE_SM90_UNION=1 on sm_90a, also every qlen >= 2 case on the union kernel (the
-planner pinned to it) at its occupancies (1 and 2 CTAs per SM); with MSA_JIT_ENABLE_CLUSTER_MERGE=1
-the 2-CTA split cases merge in a cluster (the planner's choice; each row says which merge ran).
+planner pinned to it) at its occupancies (1 and 2 CTAs per SM). On sm_90a the 2-CTA split cases merge
+in a cluster (the planner's choice unless MSA_JIT_ENABLE_CLUSTER_MERGE=0), so the cases that split
+(batch 1 and the forced split) also run with the merge kernel pinned; each row says which merge ran.
 `msa_jit.cli.selftest` runs it, then the benchmark grid.
 """
 
@@ -20,29 +21,37 @@ from .geometry import DEFAULT_PAGE_SIZE, MINIMAX_M3_GEOMETRIES, Q_DTYPES, build_
 QLENS = [1, 2, 4, 8, 32]
 BATCHES = [1, 3, 16, 64]
 QUICK = dict(qlens=[1, 4], batches=[1, 16])
+FORCE_SPLITS = 100000  # a num_sms that makes the planner split every step topk_blocks ways
 
 
-def grid_cases(arch: str, *, quick: bool = False, union: bool = False) -> list[tuple]:
+def grid_cases(arch: str, *, quick: bool = False, union: bool = False, cluster: bool = False) -> list[tuple]:
     """The cases of `correctness_grid` on `arch`: ((Hq, Hkv), q dtype, qlen, batch, num_sms or None,
-    kernel, ctas_per_sm). Pure Python (no GPU)."""
+    kernel, ctas_per_sm, split_merge pin or None for the planner's choice). cluster: the planner may
+    merge 2-CTA splits in a cluster (MSA_JIT_ENABLE_CLUSTER_MERGE), so the cases that split also run
+    with the merge kernel pinned. Pure Python (no GPU)."""
     from .compiler import supported_ctas_per_sm
-    from .geometry import union_problems
+    from .geometry import cluster_merge_problems, union_problems
 
     qlens = QUICK["qlens"] if quick else QLENS
     batches = QUICK["batches"] if quick else BATCHES
     cases = [c + (None,) for c in itertools.product(MINIMAX_M3_GEOMETRIES, Q_DTYPES, qlens, batches)]
-    cases += [((64, 4), "bfloat16", 4, 3, ns) for ns in (1, 100000)]  # force 1 and topk splits
+    cases += [((64, 4), "bfloat16", 4, 3, ns) for ns in (1, FORCE_SPLITS)]  # force 1 and topk splits
     # every case on every occupancy the planner may pick on this GPU (same inputs)
-    builds = [("token", n) for n in supported_ctas_per_sm(arch)]
+    builds = [("token", n, None) for n in supported_ctas_per_sm(arch)]
     if union:
-        builds += [("union", n) for n in supported_ctas_per_sm(arch, "union")]
+        builds += [("union", n, None) for n in supported_ctas_per_sm(arch, "union")]
+    if cluster:
+        builds += [("token", n, "kernel") for n in supported_ctas_per_sm(arch)
+                   if not cluster_merge_problems(kernel="token", ctas_per_sm=n, arch=arch)]
 
-    def serves(kernel: str, item: tuple) -> bool:  # make_case's default page size and cache format
-        (hq, hkv), _, qlen = item[:3]
-        return kernel == "token" or (qlen >= 2 and not union_problems(
+    def serves(build: tuple, item: tuple) -> bool:  # make_case's default page size and cache format
+        (hq, hkv), _, qlen, batch, num_sms = item
+        if build[2] == "kernel":  # the pinned merge kernel: only where the step splits
+            return batch == 1 or num_sms == FORCE_SPLITS
+        return build[0] == "token" or (qlen >= 2 and not union_problems(
             num_q_heads=hq, num_kv_heads=hkv, page_size=DEFAULT_PAGE_SIZE, kv_dtype="float8_e4m3fn", arch=arch))
 
-    return [item + b for item in cases for b in builds if serves(b[0], item)]
+    return [item + b for item in cases for b in builds if serves(b, item)]
 
 
 def correctness_grid(*, quick: bool = False, log=print) -> list[dict]:
@@ -54,14 +63,14 @@ def correctness_grid(*, quick: bool = False, log=print) -> list[dict]:
     from .testing import LSE_ATOL, UNION_LSE_ATOL, compare_with_reference, make_case
 
     rows = []
-    cases = grid_cases(device_arch(0), quick=quick, union=env.enable_sm90_union())
+    cases = grid_cases(device_arch(0), quick=quick, union=env.enable_sm90_union(), cluster=env.enable_cluster_merge())
     for item in cases:
-        (hq, hkv), qd, qlen, batch, num_sms, kernel, ctas_per_sm = item
+        (hq, hkv), qd, qlen, batch, num_sms, kernel, ctas_per_sm, split_merge = item
         seed = zlib.crc32(f"{hq}/{hkv}/{qd}/{qlen}/{batch}/{num_sms}".encode())
         case = make_case(batch, qlen, hq, hkv, q_dtype=getattr(torch, qd), seed=seed, device="cuda",
                          transposed_topk=bool(seed % 2), padded=batch > 1 and seed % 3 == 0)
         out, lse = case.new_out(), case.new_lse()
-        planner = SparseDecodePlanner(num_sms=num_sms, ctas_per_sm=ctas_per_sm, kernel=kernel)
+        planner = SparseDecodePlanner(num_sms=num_sms, ctas_per_sm=ctas_per_sm, kernel=kernel, split_merge=split_merge)
         plan = planner.prepare(*case.prepare_args(), **case.prepare_kwargs())
         try:
             sparse_decode(case.query, case.kv_cache, case.topk, out, plan, lse=lse, backend="kernel", **case.scales())

@@ -3,8 +3,9 @@
 -1 in the middle of topk rows, indices past the request's blocks, duplicates, garbage past
 nvalid, and block-table entries past each request's blocks full of out-of-range pages; both
 the single-CTA and the split-KV (merge) paths, both query dtypes, both cache formats (NVFP4
-with its global scales as device tensors), both occupancy builds; and the union kernel (fp8
-cache, planner pinned to it) at both of its occupancy builds, draft tokens sharing slots.
+with its global scales as device tensors), both occupancy builds, the 2-CTA split merged both
+ways (in a cluster: the planner's default on sm_90a; by the merge kernel: pinned); and the union
+kernel (fp8 cache, planner pinned to it) at both of its occupancy builds, draft tokens sharing slots.
 """
 
 import sys
@@ -13,23 +14,26 @@ import torch
 
 import msa_jit
 from helpers import make_case
-from msa_jit.geometry import CTAS_PER_SM, UNION_CTAS_PER_SM
+from msa_jit.geometry import CLUSTER_MERGE_CTAS_PER_SM, CTAS_PER_SM, UNION_CTAS_PER_SM
 from msa_jit.testing import share_slots
 
 for kv_dtype in ("fp8", "nvfp4"):
     for q_dtype in (torch.bfloat16, torch.float8_e4m3fn):
         for num_sms in (1, 100000):
-            for ctas_per_sm in CTAS_PER_SM:  # both kernel builds the planner picks from
+            # both kernel builds the planner picks from (its split merge), and the 2-CTA one's merge kernel
+            for ctas_per_sm, split_merge in [(n, None) for n in CTAS_PER_SM] + [(CLUSTER_MERGE_CTAS_PER_SM, "kernel")]:
                 case = make_case(3, 4, 16, 1, q_dtype=q_dtype, seed=3, device="cuda", adversarial=True,
                                  padded=True, kv_dtype=kv_dtype)
                 out, lse = case.new_out(), case.new_lse()
-                planner = msa_jit.SparseDecodePlanner(num_sms=num_sms, ctas_per_sm=ctas_per_sm)
+                planner = msa_jit.SparseDecodePlanner(num_sms=num_sms, ctas_per_sm=ctas_per_sm, split_merge=split_merge)
                 plan = planner.prepare(*case.prepare_args(), **case.prepare_kwargs())
                 msa_jit.sparse_decode(case.query, case.kv_cache, case.topk, out, plan, lse=lse, backend="kernel",
                                       **case.scales(scale_tensors=kv_dtype == "nvfp4"))
                 torch.cuda.synchronize()
                 assert not out.isnan().any() and not lse.isnan().any()
-                print(f"sanitizer case {kv_dtype} q={q_dtype} splits={plan.num_splits} {ctas_per_sm}/SM ok")
+                merge = plan.nvfp4_split_merge if kv_dtype == "nvfp4" else plan.split_merge
+                print(f"sanitizer case {kv_dtype} q={q_dtype} splits={plan.num_splits} {ctas_per_sm}/SM"
+                      f"{' ' + merge + ' merge' if plan.num_splits > 1 else ''} ok")
 for q_dtype in (torch.bfloat16, torch.float8_e4m3fn):
     for num_sms in (1, 100000):
         for ctas_per_sm in UNION_CTAS_PER_SM:

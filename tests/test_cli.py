@@ -12,6 +12,7 @@ import io
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -60,6 +61,11 @@ def warm(tmp_path_factory) -> dict:
     return {"root": root, "rc": rc, "out": out, "err": err, "json": json.loads(js.read_text()) if js.exists() else None}
 
 
+def cells(line: str) -> list[str]:
+    """A table row's cells (columns are 2+ spaces apart; a cell such as '2 cluster merge' has single ones)."""
+    return re.split(r"\s{2,}", line.strip())
+
+
 def copy_of(warm: dict, tmp_path: Path) -> Path:
     dst = tmp_path / "cache"
     shutil.copytree(warm["root"], dst, ignore=shutil.ignore_patterns("locks", "tmp"))
@@ -73,22 +79,24 @@ def test_warmup_compiles_and_reports(warm):
     lines = warm["out"].splitlines()
     assert lines[0].split() == ["geometry", "q", "kv", "arch", "CTAs/SM", "status", "seconds", "key"]
     doc = warm["json"]
-    # one geometry: a build for each occupancy the planner may pick (2 and 3 CTAs per SM)
-    for line, n, r in zip(lines[2:4], (2, 3), doc["rows"]):
-        row = line.split()
-        assert row[:6] == ["8/1", "bf16", "fp8", "sm_90a", str(n), "compiled"] and row[7] == r["key"][:12]
+    # one geometry: a build for each occupancy the planner may pick (2 and 3 CTAs per SM), and the 2-CTA
+    # build that merges its splits in a cluster (the planner's default on sm_90a)
+    builds = ((2, "kernel", "2"), (3, "kernel", "3"), (2, "cluster", "2 cluster merge"))
+    for line, (n, merge, cell), r in zip(lines[2:5], builds, doc["rows"]):
+        row = cells(line)
+        assert row[:6] == ["8/1", "bf16", "fp8", "sm_90a", cell, "compiled"] and row[7] == r["key"][:12]
     # the artifacts' root once, not a full path per row (the table fits a terminal)
-    assert lines[4] == f"artifacts in {warm['root']} (`msa-jit cache list` shows every entry)"
+    assert lines[5] == f"artifacts in {warm['root']} (`msa-jit cache list` shows every entry)"
     assert max(len(line) for line in lines if str(warm["root"]) not in line) <= 80, warm["out"]
-    assert lines[-1] == "2 compiled, 0 cached, 0 failed"
-    for n in (2, 3):  # not a TTY: one line per item
-        assert f"8/1 q bf16 kv fp8 sm_90a {n}/SM: compiled" in warm["err"]
-    assert "[2/2]" in warm["err"]
-    assert doc["compiled"] == 2 and doc["cached"] == 0 and doc["failed"] == 0
-    assert len({r["key"] for r in doc["rows"]}) == 2
-    for r, n in zip(doc["rows"], (2, 3)):
+    assert lines[-1] == "3 compiled, 0 cached, 0 failed"
+    for n, _, cell in builds:  # not a TTY: one line per item
+        assert f"8/1 q bf16 kv fp8 sm_90a {n}/SM{cell[1:]}: compiled" in warm["err"]
+    assert "[3/3]" in warm["err"]
+    assert doc["compiled"] == 3 and doc["cached"] == 0 and doc["failed"] == 0
+    assert len({r["key"] for r in doc["rows"]}) == 3
+    for r, (n, merge, _) in zip(doc["rows"], builds):
         assert (r["num_q_heads"], r["num_kv_heads"], r["q_dtype"], r["kv_dtype"], r["arch"], r["ctas_per_sm"],
-                r["status"]) == (8, 1, "bfloat16", "float8_e4m3fn", "sm_90a", n, "compiled")
+                r["split_merge"], r["status"]) == (8, 1, "bfloat16", "float8_e4m3fn", "sm_90a", n, merge, "compiled")
         assert r["artifact"].startswith(str(warm["root"])) and r["seconds"] > 0 and len(r["key"]) == 64
         assert Path(r["artifact"]).is_file()
 
@@ -97,9 +105,9 @@ def test_warmup_compiles_and_reports(warm):
 def test_warmup_again_is_cached_and_quiet(warm, tmp_path):
     js = tmp_path / "again.json"
     rc, out, err = run_main(["warmup", *WARM_ARGS, "--cache-dir", str(warm["root"]), "--json", str(js), "--quiet"])
-    assert rc == 0 and out.splitlines()[-1] == "0 compiled, 2 cached, 0 failed"
-    assert "[1/2]" not in err
-    assert [r["status"] for r in json.loads(js.read_text())["rows"]] == ["cached", "cached"]
+    assert rc == 0 and out.splitlines()[-1] == "0 compiled, 3 cached, 0 failed"
+    assert "[1/3]" not in err
+    assert [r["status"] for r in json.loads(js.read_text())["rows"]] == ["cached"] * 3
 
 
 def ns(**kw) -> argparse.Namespace:
@@ -118,9 +126,11 @@ def test_geometry_flags(monkeypatch):
         with pytest.raises(ValueError):
             bad()
     cfgs = common.configs_from_args(ns(heads=["64/4,16/1"], q_dtype=["bf16,fp8"], arch=["sm_90a,sm_100a"], topk_blocks=8))
-    # x 2 occupancies (2 and 3 CTAs per SM: the planner picks per step shape)
-    assert len(cfgs) == 16 and all(c.topk_blocks == 8 for c in cfgs)
+    # x 2 occupancies (2 and 3 CTAs per SM: the planner picks per step shape), and on sm_90a the 2-CTA
+    # build that merges its splits in a cluster (MSA_JIT_ENABLE_CLUSTER_MERGE, on by default)
+    assert len(cfgs) == 20 and all(c.topk_blocks == 8 for c in cfgs)
     assert {c.ctas_per_sm for c in cfgs} == {2, 3}
+    assert sorted((c.arch, c.ctas_per_sm) for c in cfgs if c.split_merge == "cluster") == [("sm_90a", 2)] * 4
     assert SparseDecodeConfig(16, 1, topk_blocks=8, q_dtype="float8_e4m3fn", arch="sm_100a", ctas_per_sm=3) in cfgs
     assert {c.kv_dtype for c in cfgs} == {"float8_e4m3fn"}  # without --kv-dtype: fp8 only
     # --preset minimax-m3: 4 head layouts x bf16,fp8 x kv fp8,nvfp4 x 2 occupancies per arch;
@@ -130,9 +140,9 @@ def test_geometry_flags(monkeypatch):
     assert {(c.q_dtype, c.kv_dtype) for c in preset} == {(q, kv) for q in ("bfloat16", "float8_e4m3fn")
                                                          for kv in ("float8_e4m3fn", "nvfp4")}
     only = common.configs_from_args(ns(preset="minimax-m3", arch=["sm_90a"], q_dtype=["fp8"]))
-    assert len(only) == 16 and {c.q_dtype for c in only} == {"float8_e4m3fn"}
+    assert len(only) == 24 and {c.q_dtype for c in only} == {"float8_e4m3fn"}  # 16 + 8 cluster-merge builds
     fp4 = common.configs_from_args(ns(preset="minimax-m3", arch=["sm_90a"], kv_dtype=["nvfp4"], q_dtype=["bf16"]))
-    assert len(fp4) == 8 and {(c.q_dtype, c.kv_dtype) for c in fp4} == {("bfloat16", "nvfp4")}
+    assert len(fp4) == 12 and {(c.q_dtype, c.kv_dtype) for c in fp4} == {("bfloat16", "nvfp4")}
     with pytest.raises(ValueError, match="--heads"):
         common.configs_from_args(ns())
     with pytest.raises(ValueError, match="multiple"):
@@ -212,21 +222,23 @@ def test_logging_follows_env(monkeypatch, tmp_path):
 def test_cache_list_and_info(warm, tmp_path):
     root = copy_of(warm, tmp_path)
     rc, out, _ = run_main(["cache", "list", "--cache-dir", str(root)])
-    keys = {r["key"]: r["ctas_per_sm"] for r in warm["json"]["rows"]}  # one geometry, 2 occupancies
+    # one geometry: 2 occupancies and the 2-CTA cluster-merge build
+    keys = {r["key"]: r["ctas_per_sm"] for r in warm["json"]["rows"]}
+    cell = {r["key"]: f"{r['ctas_per_sm']}{' cluster merge' if r['split_merge'] == 'cluster' else ''}"
+            for r in warm["json"]["rows"]}
     assert rc == 0 and out.splitlines()[0].split()[:7] == ["key", "geometry", "arch", "q", "kv", "CTAs/SM", "dsl"]
-    rows = sorted(line.split()[:7] for line in out.splitlines()[2:4])
-    assert rows == sorted([k[:12], "8/1", "sm_90a", "bf16", "fp8", str(n), compiler_dsl_version()]
-                          for k, n in keys.items())
-    assert "2 entries in" in out
+    rows = sorted(cells(line)[:7] for line in out.splitlines()[2:5])
+    assert rows == sorted([k[:12], "8/1", "sm_90a", "bf16", "fp8", c, compiler_dsl_version()] for k, c in cell.items())
+    assert "3 entries in" in out
     rc, out, _ = run_main(["cache", "list", "--json", "--cache-dir", str(root)])
     entries = json.loads(out)
     assert {e["key"]: e["ctas_per_sm"] for e in entries} == keys
     assert all(e["size"] > 0 and e["created"] and e["last_used"] for e in entries)
     rc, out, _ = run_main(["cache", "info", "--cache-dir", str(root)])
-    assert rc == 0 and str(root) in out and "entries:        2" in out and "cap:" in out and "fallback:       none" in out
+    assert rc == 0 and str(root) in out and "entries:        3" in out and "cap:" in out and "fallback:       none" in out
     rc, out, _ = run_main(["cache", "info", "--json", "--cache-dir", str(root)])
     info = json.loads(out)
-    assert info["entries"] == 2 and info["cap_bytes"] == env.cache_max_bytes() and info["fallback_reason"] is None
+    assert info["entries"] == 3 and info["cap_bytes"] == env.cache_max_bytes() and info["fallback_reason"] is None
 
 
 def compiler_dsl_version() -> str:
@@ -239,7 +251,7 @@ def compiler_dsl_version() -> str:
 def test_cache_verify_prune_clear(warm, tmp_path):
     root = copy_of(warm, tmp_path)
     rc, out, _ = run_main(["cache", "verify", "--cache-dir", str(root)])
-    assert rc == 0 and "2 ok, 0 bad" in out
+    assert rc == 0 and "3 ok, 0 bad" in out
     so = Path(warm["json"]["rows"][0]["artifact"].replace(str(warm["root"]), str(root)))
     data = bytearray(so.read_bytes())
     data[100] ^= 1
@@ -254,13 +266,13 @@ def test_cache_verify_prune_clear(warm, tmp_path):
     rc, out, _ = run_main(["cache", "prune", "--cache-dir", str(root2)])  # default cap: 2 GiB
     assert rc == 0 and "pruned 0 path(s)" in out
     rc, out, _ = run_main(["cache", "prune", "--max-bytes", "0", "--cache-dir", str(root2)])
-    assert rc == 0 and "pruned 2 path(s)" in out and cache.ArtifactCache(root2).entries() == []
+    assert rc == 0 and "pruned 3 path(s)" in out and cache.ArtifactCache(root2).entries() == []
 
     root3 = copy_of(warm, tmp_path / "c")
     rc, out, err = run_main(["cache", "clear", "--cache-dir", str(root3)])
-    assert rc == 2 and "--yes" in err and len(cache.ArtifactCache(root3).entries()) == 2
+    assert rc == 2 and "--yes" in err and len(cache.ArtifactCache(root3).entries()) == 3
     rc, out, _ = run_main(["cache", "clear", "--yes", "--cache-dir", str(root3)])
-    assert rc == 0 and "cleared 2 path(s)" in out and cache.ArtifactCache(root3).entries() == []
+    assert rc == 0 and "cleared 3 path(s)" in out and cache.ArtifactCache(root3).entries() == []
 
 
 def test_parse_size():
@@ -288,14 +300,16 @@ def test_doctor_without_gpu(warm, monkeypatch):
     assert "MSA_JIT_LOCK_TIMEOUT='soon'  INVALID" in out
     assert "cute-dsl" in out and "libcute_dsl_runtime.so: /" in out and "DSL compiler (cutlass): importable" in out
     assert "8/1   q bf16 kv fp8   sm_90a   2/SM ready" in out and "8/1   q bf16 kv fp8   sm_90a   3/SM ready" in out
+    assert "8/1   q bf16 kv fp8   sm_90a   2/SM cluster merge ready" in out
     assert "8/1   q bf16 kv nvfp4 sm_90a   2/SM missing" in out  # the preset has both KV formats
-    assert "2/32 ready" in out and "sm_100a" not in out.split("readiness")[1].split("Kernel")[0]
+    assert "3/48 ready" in out and "sm_100a" not in out.split("readiness")[1].split("Kernel")[0]
     rc, out, _ = run_main(["doctor", "--json", "--cache-dir", str(warm["root"])])
     rep = json.loads(out)
     assert rc == 0 and rep["gpu"]["available"] is False and rep["target_arches"] == ["sm_90a"]
     assert rep["kernel_selection"]["families"] == {"sm_90a": "portable"}
     assert rep["kernel_selection"]["enable_sm90_union"] is False and "MSA_JIT_ENABLE_SM90_UNION" in out
-    assert sum(r["ready"] for r in rep["presets"]) == 2 and rep["cache"]["entries"] == 2
+    assert rep["kernel_selection"]["enable_cluster_merge"] is True
+    assert sum(r["ready"] for r in rep["presets"]) == 3 and rep["cache"]["entries"] == 3
 
 
 def test_doctor_survives_broken_probes(monkeypatch):
@@ -365,14 +379,18 @@ def test_inspect_smem_is_what_the_launch_uses(warm, tmp_path):
     kernels = json.loads(js.read_text())["kernels"]
     decode = [k for k in kernels if "split_merge" not in k["kernel"]]
     merge = [k for k in kernels if "split_merge" in k["kernel"]]
-    assert len(decode) == 2 and merge
+    # the 2- and 3-CTA builds, and the cluster-merge build's two (with and without its cluster launch)
+    assert sorted((k["ctas_per_sm"], k["split_merge"]) for k in decode) == [(2, "cluster"), (2, "cluster"), (2, "kernel"),
+                                                                           (3, "kernel")] and merge
     for k in decode:
         assert k["smem"] == k["dynamic_smem"] + k["static_smem"]
         assert 2 * 128 * 256 <= k["smem"] and k["smem"] * k["ctas_per_sm"] <= 228 * 1024, k
-    assert {k["ctas_per_sm"]: k["smem"] for k in decode}[2] > {k["ctas_per_sm"]: k["smem"] for k in decode}[3]
+    smem = {(k["ctas_per_sm"], k["split_merge"]): k["smem"] for k in decode}
+    assert smem[2, "cluster"] > smem[2, "kernel"] > smem[3, "kernel"]  # + the receive buffer; 3 stages vs 2
     assert all(k["dynamic_smem"] == 0 and k["smem"] == k["static_smem"] for k in merge)
     for k in decode:  # the table shows the same number
-        assert any(line.split()[8] == str(k["smem"]) for line in out.splitlines()[2:] if f" {k['ctas_per_sm']}  " in line)
+        assert any(cells(line)[8] == str(k["smem"]) for line in out.splitlines()[2:]
+                   if cells(line)[4].startswith(str(k["ctas_per_sm"])))
 
 
 @pytest.mark.slow
@@ -385,7 +403,7 @@ def test_inspect_without_nvdisasm_shows_resources(warm, monkeypatch):
     rc, out, _ = run_main(["inspect", *WARM_ARGS, "--cache-dir", str(warm["root"]), "-q"])
     assert rc == 0, out
     assert "ERROR" not in out and "nvdisasm was not found: pip install nvidia-cuda-nvdisasm" in out
-    rows = [line.split() for line in out.splitlines()[2:] if line.startswith("8/1")]
+    rows = [cells(line) for line in out.splitlines()[2:] if line.startswith("8/1")]
     assert len(rows) >= 2 and all(int(r[7]) > 0 and int(r[8]) >= 1024 and r[9] == "n/a" for r in rows), out
     assert "(not checked)" in out
 
@@ -410,17 +428,17 @@ def test_nvdisasm_of_the_core_install(monkeypatch, tmp_path):
 @pytest.mark.slow
 def test_warmup_nvfp4_compiles(tmp_path):
     """#18: `msa-jit warmup --heads 64/4 --q-dtype bf16 --kv-dtype nvfp4 --arch sm_90a` builds the
-    NVFP4 kernel (both occupancies); the cache lists it as kv nvfp4."""
+    NVFP4 kernel (both occupancies, and the 2-CTA cluster-merge build); the cache lists it as kv nvfp4."""
     root, js = tmp_path / "cache", tmp_path / "w.json"
     rc, out, err = run_main(["warmup", "--heads", "64/4", "--q-dtype", "bf16", "--kv-dtype", "nvfp4", "--arch", "sm_90a",
                              "--cache-dir", str(root), "--json", str(js)])
     assert rc == 0, out + err
     doc = json.loads(js.read_text())
-    assert [(r["kv_dtype"], r["ctas_per_sm"], r["status"]) for r in doc["rows"]] == [
-        ("nvfp4", 2, "compiled"), ("nvfp4", 3, "compiled")]
-    assert [line.split()[:6] for line in out.splitlines()[2:4]] == [
-        ["64/4", "bf16", "nvfp4", "sm_90a", str(n), "compiled"] for n in (2, 3)]
+    assert [(r["kv_dtype"], r["ctas_per_sm"], r["split_merge"], r["status"]) for r in doc["rows"]] == [
+        ("nvfp4", 2, "kernel", "compiled"), ("nvfp4", 3, "kernel", "compiled"), ("nvfp4", 2, "cluster", "compiled")]
+    assert [cells(line)[:6] for line in out.splitlines()[2:5]] == [
+        ["64/4", "bf16", "nvfp4", "sm_90a", n, "compiled"] for n in ("2", "3", "2 cluster merge")]
     rc, out, _ = run_main(["cache", "list", "--cache-dir", str(root)])
-    assert rc == 0 and sorted(line.split()[4] for line in out.splitlines()[2:4]) == ["nvfp4", "nvfp4"]
+    assert rc == 0 and sorted(line.split()[4] for line in out.splitlines()[2:5]) == ["nvfp4"] * 3
     assert {e["kv_dtype"] for e in json.loads(run_main(["cache", "list", "--json", "--cache-dir", str(root)])[1])} == {
         "nvfp4"}

@@ -90,7 +90,7 @@ def test_json_means_the_same_everywhere(fake_run, tmp_path, monkeypatch):
         rc, out, err = run_main(["warmup", "--heads", "8/1", "--q-dtype", "bf16", "--arch", "sm_90a",
                                  "--cache-dir", root, "-q", *flag])
         doc = json.loads(out)  # stdout is the JSON only, the table went to stderr
-        assert rc == 0 and doc["cached"] == 2 and "8/1" in err
+        assert rc == 0 and doc["cached"] == 3 and "8/1" in err  # 2 occupancies + the cluster-merge build
         for sub in (["cache", "list"], ["cache", "info"], ["doctor"]):
             rc, out, _ = run_main([*sub, "--cache-dir", root, *flag])
             assert rc == 0 and json.loads(out) is not None, sub
@@ -245,14 +245,14 @@ def test_json_into_a_special_file_or_a_symlink_writes_through(fake_run, tmp_path
         reader.join(10)
     assert rc == 0, err
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode), "the FIFO was replaced by a regular file"
-    assert json.loads(got[0])["cached"] == 2
+    assert json.loads(got[0])["cached"] == 3
     real = tmp_path / "real.json"
     real.write_text("old")
     link = tmp_path / "link.json"
     link.symlink_to(real)
     rc, _, err = run_main([*args, "--json", str(link)])
     assert rc == 0 and link.is_symlink() and os.readlink(link) == str(real), err
-    assert json.loads(real.read_text())["cached"] == 2
+    assert json.loads(real.read_text())["cached"] == 3
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary file left
 
 
@@ -288,7 +288,7 @@ def test_inspect_shows_a_failed_builds_first_line(monkeypatch, tmp_path):
     rc, out, _ = run_main(["inspect", "--heads", "8/1", "--q-dtype", "bf16", "--arch", "sm_90a", "--json", str(js)])
     assert rc == 1 and "ERROR" in out and "DSLUserCodeError: ..." in out and "PHASE" not in out
     assert max(len(line) for line in out.splitlines()) < 120
-    assert [k["error"] for k in json.loads(js.read_text())["kernels"]] == [error, error]
+    assert [k["error"] for k in json.loads(js.read_text())["kernels"]] == [error] * 3  # 2/SM, 3/SM, 2/SM cluster
 
 
 # ----------------------------------------------------------------------------- item 11: inspect
@@ -379,14 +379,16 @@ def test_no_numpy_warning_without_numpy(tmp_path):
 def test_kv_dtype_flag(fake_run):
     rc, out, _ = run_main(["warmup", "--heads", "64/4", "--q-dtype", "bf16", "--kv-dtype", "fp8,nvfp4",
                            "--arch", "sm_90a", "-q"])
-    assert rc == 0 and len(fake_run[0]) == 4
-    assert [(c.kv_dtype, c.ctas_per_sm) for c in fake_run[0]] == [
-        ("float8_e4m3fn", 2), ("float8_e4m3fn", 3), ("nvfp4", 2), ("nvfp4", 3)]
-    assert [line.split()[2] for line in out.splitlines()[2:6]] == ["fp8", "fp8", "nvfp4", "nvfp4"]
+    assert rc == 0 and len(fake_run[0]) == 6
+    assert [(c.kv_dtype, c.ctas_per_sm, c.split_merge) for c in fake_run[0]] == [
+        ("float8_e4m3fn", 2, "kernel"), ("float8_e4m3fn", 3, "kernel"), ("float8_e4m3fn", 2, "cluster"),
+        ("nvfp4", 2, "kernel"), ("nvfp4", 3, "kernel"), ("nvfp4", 2, "cluster")]
+    assert [line.split()[2] for line in out.splitlines()[2:8]] == ["fp8"] * 3 + ["nvfp4"] * 3
     rc, _, err = run_main(["warmup", "--heads", "64/4", "--kv-dtype", "int4", "--arch", "sm_90a"])
     assert rc == 2 and "--kv-dtype 'int4'" in err and "fp8 or nvfp4" in err
     rc, _, _ = run_main(["warmup", "--preset", "minimax-m3", "--arch", "sm_90a,sm_100a", "-q"])
-    assert rc == 0 and len(fake_run[-1]) == 64  # 4 geometries x 2 q x 2 kv x 2 occupancies x 2 arches
+    # 4 geometries x 2 q x 2 kv x 2 occupancies x 2 arches, and sm_90a's cluster-merge builds (4 x 2 x 2)
+    assert rc == 0 and len(fake_run[-1]) == 80
 
 
 @pytest.mark.parametrize("kv", ["float8_e4m3fn", "nvfp4"])

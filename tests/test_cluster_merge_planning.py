@@ -47,12 +47,14 @@ def test_check_config_cluster_rules():
     assert compiler.kernel_family(ok) == "portable"
 
 
-def test_planner_picks_cluster_only_when_enabled(monkeypatch):
-    monkeypatch.delenv(ENABLE, raising=False)
+def test_planner_picks_cluster_by_default_and_not_when_disabled(monkeypatch):
+    monkeypatch.setenv(ENABLE, "0")
     plan = _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 1)
     assert (plan.num_splits, plan.ctas_per_sm, plan.split_merge) == (16, 2, "kernel")
     assert plan.config(torch.bfloat16).split_merge == "kernel"
     monkeypatch.setenv(ENABLE, "1")
+    assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 1).split_merge == "cluster"
+    monkeypatch.delenv(ENABLE)  # the default since session 21 (performance.md row 79)
     plan = _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 1)
     assert (plan.num_splits, plan.ctas_per_sm, plan.split_merge, plan.nvfp4_split_merge) == (16, 2, "cluster", "cluster")
     for q in (torch.bfloat16, torch.float8_e4m3fn):
@@ -74,7 +76,7 @@ def test_planner_picks_cluster_only_when_enabled(monkeypatch):
 
 
 def test_split_merge_pins(monkeypatch):
-    monkeypatch.delenv(ENABLE, raising=False)
+    monkeypatch.setenv(ENABLE, "0")  # the "cluster" pin ignores the environment
     assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a", split_merge="cluster"), 1).split_merge == "cluster"
     # a pin still needs a build that can: sm_100a and the union kernel keep the merge kernel
     assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_100a", split_merge="cluster"), 1).split_merge == "kernel"
@@ -90,10 +92,10 @@ def test_split_merge_pins(monkeypatch):
 
 def test_warmup_builds_cluster_only_where_the_planner_may_pick_it(monkeypatch):
     base = SparseDecodeConfig(64, 4, arch="sm_90a")
-    monkeypatch.delenv(ENABLE, raising=False)
+    monkeypatch.setenv(ENABLE, "0")
     monkeypatch.delenv("MSA_JIT_ENABLE_SM90_UNION", raising=False)
     assert [c.split_merge for c in compiler.plannable_configs(base)] == ["kernel", "kernel"]
-    monkeypatch.setenv(ENABLE, "1")
+    monkeypatch.delenv(ENABLE)  # on by default
     got = [(c.ctas_per_sm, c.split_merge) for c in compiler.plannable_configs(base)]
     assert got == [(2, "kernel"), (3, "kernel"), (2, "cluster")]
     nv = compiler.plannable_configs(SparseDecodeConfig(8, 1, kv_dtype="nvfp4", arch="sm_90a"))
@@ -110,7 +112,7 @@ def test_warmup_builds_cluster_only_where_the_planner_may_pick_it(monkeypatch):
 
 def test_op_launches_the_cluster_build(launched_configs, monkeypatch):
     """The plan's split_merge crosses the op boundary (eager API and custom op) and picks the build."""
-    monkeypatch.delenv(ENABLE, raising=False)
+    monkeypatch.setenv(ENABLE, "0")
     events = launched_configs
     c = make_case(1, 1, 16, 1, q_dtype=torch.bfloat16, seed=3)
     cluster = SparseDecodePlanner(num_sms=132, arch="sm_90a", split_merge="cluster").prepare(
@@ -284,3 +286,17 @@ def test_cluster_artifact_carries_its_launch_figures(tmp_path):
     (cubin,) = sass.extract_cubins(tmp_path / "sparse_decode.so")
     name = decode_kernel_name(cubin)
     assert "merge" not in name.lower() and "SparseDecodeMmaKernel" in name
+
+
+def test_selftest_keeps_the_merge_kernel_covered_where_the_cluster_is_the_default():
+    from msa_jit.selftest import FORCE_SPLITS, grid_cases
+
+    plain = grid_cases("sm_90a")
+    both = grid_cases("sm_90a", cluster=True)
+    pinned = [c for c in both if c[7] == "kernel"]
+    assert set(plain) <= set(both) and set(both) - set(plain) == set(pinned)
+    # the 2-CTA build with the merge kernel pinned, on exactly the cases whose steps split
+    assert pinned and {(c[5], c[6]) for c in pinned} == {("token", 2)}
+    assert all(c[3] == 1 or c[4] == FORCE_SPLITS for c in pinned)
+    assert len(pinned) == sum(1 for c in plain if c[6] == 2 and (c[3] == 1 or c[4] == FORCE_SPLITS))
+    assert grid_cases("sm_100a", cluster=True) == grid_cases("sm_100a")  # no cluster merge there

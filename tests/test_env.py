@@ -23,21 +23,24 @@ def test_env_defaults():
     assert env.target_arch() is None
     assert env.enable_sm100_umma() is False
     assert env.enable_sm90_union() is False
-    assert env.enable_cluster_merge() is False
+    assert env.enable_cluster_merge() is True  # on by default since session 21 (performance.md row 79)
     assert env.log_level() == logging.WARNING
 
 
-@pytest.mark.parametrize("fn,var", [(env.no_compile, "MSA_JIT_NO_COMPILE"),
-                                    (env.enable_sm100_umma, "MSA_JIT_ENABLE_SM100_UMMA"),
-                                    (env.enable_sm90_union, "MSA_JIT_ENABLE_SM90_UNION"),
-                                    (env.enable_cluster_merge, "MSA_JIT_ENABLE_CLUSTER_MERGE")])
-def test_env_booleans(monkeypatch, fn, var):
+@pytest.mark.parametrize("fn,var,default", [(env.no_compile, "MSA_JIT_NO_COMPILE", False),
+                                            (env.enable_sm100_umma, "MSA_JIT_ENABLE_SM100_UMMA", False),
+                                            (env.enable_sm90_union, "MSA_JIT_ENABLE_SM90_UNION", False),
+                                            (env.enable_cluster_merge, "MSA_JIT_ENABLE_CLUSTER_MERGE", True)])
+def test_env_booleans(monkeypatch, fn, var, default):
     for v in ("1", "true", "TRUE", "yes", "on", " On ", "y", "t"):
         monkeypatch.setenv(var, v)
         assert fn() is True, v
-    for v in ("0", "false", "No", "off", "n", "f", "", "  "):
+    for v in ("0", "false", "No", "off", "n", "f"):
         monkeypatch.setenv(var, v)
         assert fn() is False, v
+    for v in ("", "  "):  # set but empty: as if unset
+        monkeypatch.setenv(var, v)
+        assert fn() is default, v
     for v in ("2", "maybe", "ture", "1.0"):
         monkeypatch.setenv(var, v)
         with pytest.raises(ValueError, match=var):

@@ -35,8 +35,12 @@ def test_every_geometry_compiles_with_nvfp4(arch):
                     compiler.compile_sparse_decode(cfg, d)
                     (cubin,) = sass.extract_cubins(Path(d) / "sparse_decode.so")
                     funcs = sass.split_functions(sass.disassemble(cubin))
-                    main = "".join(v for k, v in funcs.items() if "merge" not in k.lower())
+                    decode = [v for k, v in funcs.items() if "merge" not in k.lower()]
                     res = [r for r in sass.kernel_resources(cubin) if "merge" not in r.name.lower()]
+                # the counts per decode kernel (a cluster-merge build has two: launched with and without
+                # its cluster)
+                assert len(decode) == (2 if cfg.split_merge == "cluster" else 1), (cfg, list(funcs))
+                main = decode[0]
                 ops = _ops(main)
                 # the codes -> f16 (sm_90a: byte permutes, PRMT; sm_100a: cvt, F2FP), the block scales
                 # in f16 (HMUL2), the MMAs, one 18 KiB bulk copy per block; local memory within what
@@ -50,8 +54,9 @@ def test_every_geometry_compiles_with_nvfp4(arch):
                 assert ops["LDL"] + ops["STL"] <= compiler.accepted_local_ops(cfg), (cfg, ops)
                 assert res[0].registers <= (128 if cfg.ctas_per_sm == 3 else 255), (cfg, res)
                 assert res[0].sm == int(arch[3:-1])
-                seen.add((hq, hkv, q_dtype, cfg.ctas_per_sm))
-    assert len(seen) == 16
+                seen.add((hq, hkv, q_dtype, cfg.ctas_per_sm, cfg.split_merge))
+    # 4 geometries x 2 query dtypes x 2 occupancies, and sm_90a's cluster-merge build of each
+    assert len(seen) == (24 if arch == "sm_90a" else 16)
 
 
 def test_nvfp4_is_part_of_the_cache_key():

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Sequence
 
 from .. import cache, warmup
+from ..geometry import build_suffix
 from .common import add_geometry_arguments, add_json_argument, check_output_path, emit_json, format_table, \
     interrupted, warm_geometry_flags
 
@@ -33,7 +34,8 @@ def render(rows: Sequence[warmup.WarmupRow]) -> str:
     errors, and the `N compiled, M cached, K failed` line."""
     table = format_table(
         ["geometry", "q", "kv", "arch", "CTAs/SM", "status", "seconds", "key"],
-        [[r.geometry, r.q, r.kv, r.config.arch, r.config.ctas_per_sm, r.status, f"{r.seconds:.2f}",
+        [[r.geometry, r.q, r.kv, r.config.arch, f"{r.config.ctas_per_sm}{build_suffix(r.config.kernel, r.config.split_merge)}",
+          r.status, f"{r.seconds:.2f}",
           r.key[:12] if r.key else "-"] for r in rows],
     )
     parts = [table]
