@@ -152,7 +152,7 @@ def cluster_merge_configs(config: SparseDecodeConfig) -> list[SparseDecodeConfig
 def plannable_configs(config: SparseDecodeConfig) -> list[SparseDecodeConfig]:
     """`config` at every occupancy the planner may pick for its arch (what a warmup builds), and
     the union kernel's builds where the planner may pick it (MSA_JIT_ENABLE_SM90_UNION=1), and the
-    cluster split merge's where it may (MSA_JIT_ENABLE_CLUSTER_MERGE=1)."""
+    cluster split merge's where it may (MSA_JIT_ENABLE_CLUSTER_MERGE, on unless set to 0)."""
     token = replace(config, kernel="token", split_merge="kernel")
     out = [replace(token, ctas_per_sm=n) for n in supported_ctas_per_sm(config.arch)]
     if env.enable_sm90_union():
