@@ -31,6 +31,7 @@ __all__ = [
     "choose_num_splits",
     "choose_union_ctas_per_sm",
     "choose_split_merge",
+    "takes_cluster_merge",
     "union_grid_ctas",
     "default_planner",
     "prepare",
@@ -123,7 +124,9 @@ def choose_split_merge(num_splits: int, ctas_per_sm: int, kernel: str, arch: str
     per SM on sm_90a); else "kernel". One-split steps keep the plain build: nothing to merge.
     With 16 topk blocks on an H100 / H200 (132 SMs) a split step runs at 2 CTAs per SM only when
     T*Hkv <= 8, i.e. with 16 splits, so the clusters the planner launches have 16 CTAs (a
-    non-portable size: the DSL allows it on every kernel; Hopper schedules it within one GPC).
+    non-portable size: the DSL allows it on every kernel; Hopper schedules it within one GPC). The
+    planner's default asks for it (`enabled`) only where the grid is at most one CTA per SM, so a
+    ctas_per_sm=2 pin at a larger grid keeps the merge kernel; a split_merge="cluster" pin does not.
 
     On by default (MSA_JIT_ENABLE_CLUSTER_MERGE unset): docs/performance.md row 79, on an H100 every
     point it is picked for ran 2.6-9.1% faster per layer, and the batch-1 op call is one launch
@@ -131,6 +134,16 @@ def choose_split_merge(num_splits: int, ctas_per_sm: int, kernel: str, arch: str
     if not enabled or num_splits < 2 or cluster_merge_problems(kernel=kernel, ctas_per_sm=ctas_per_sm, arch=arch):
         return "kernel"
     return "cluster"
+
+
+def takes_cluster_merge(num_rows_heads: int, num_splits: int, num_sms: int) -> bool:
+    """Whether the planner's default (MSA_JIT_ENABLE_CLUSTER_MERGE on) asks for the cluster merge for the
+    token kernel's grid of `num_rows_heads` = T*Hkv CTAs per split: where the step splits and the split
+    grid is at most one CTA per SM (on 132 SMs, T*Hkv <= 8 with 16 splits), where row 79 measured it
+    faster. A ctas_per_sm=2 pin at a larger split grid keeps the merge kernel, which row 79 measured
+    1.6-3.5 us faster there (a cluster waits for a GPC with enough free SMs); `choose_split_merge` then
+    decides whether the build can."""
+    return num_splits > 1 and num_rows_heads * num_splits <= num_sms
 
 
 @functools.lru_cache(maxsize=None)
@@ -318,7 +331,10 @@ class SparseDecodePlanner:
         # a token-kernel pin holds for both cache formats
         nvfp4_ctas_per_sm = (pin if pin in supported else
                              choose_ctas_per_sm(T * hkv * splits, num_sms, supported, "nvfp4"))
-        cluster = env.enable_cluster_merge() if self.split_merge is None else self.split_merge == "cluster"
+        if self.split_merge is None:
+            cluster = env.enable_cluster_merge() and takes_cluster_merge(T * hkv, splits, num_sms)
+        else:
+            cluster = self.split_merge == "cluster"
         split_merge = choose_split_merge(splits, ctas_per_sm, kernel, arch, cluster)
         nvfp4_split_merge = choose_split_merge(splits, nvfp4_ctas_per_sm, "token", arch, cluster)
         check_workspace(T, hq, hkv, splits, device)

@@ -5,9 +5,10 @@ portable kernel unless MSA_JIT_ENABLE_SM100_UMMA=1) against the float64 referenc
 grid: every MiniMax-M3 geometry x qlen x query dtype x batch, plus forced split-KV factors,
 each on every occupancy the planner may pick (2 and 3 CTAs per SM for the portable kernel);
 with MSA_JIT_ENABLE_SM90_UNION=1 on sm_90a, also every qlen >= 2 case on the union kernel (the
-planner pinned to it) at its occupancies (1 and 2 CTAs per SM). On sm_90a the 2-CTA split cases merge
-in a cluster (the planner's choice unless MSA_JIT_ENABLE_CLUSTER_MERGE=0), so the cases that split
-(batch 1 and the forced split) also run with the merge kernel pinned; each row says which merge ran.
+planner pinned to it) at its occupancies (1 and 2 CTAs per SM). On sm_90a the 2-CTA cases whose
+split grid is at most one CTA per SM merge in a cluster (the planner's choice unless
+MSA_JIT_ENABLE_CLUSTER_MERGE=0), so exactly those also run with the merge kernel pinned; each row says
+which merge ran.
 `msa_jit.cli.selftest` runs it, then the benchmark grid.
 """
 
@@ -24,13 +25,16 @@ QUICK = dict(qlens=[1, 4], batches=[1, 16])
 FORCE_SPLITS = 100000  # a num_sms that makes the planner split every step topk_blocks ways
 
 
-def grid_cases(arch: str, *, quick: bool = False, union: bool = False, cluster: bool = False) -> list[tuple]:
+def grid_cases(arch: str, *, quick: bool = False, union: bool = False, cluster: bool = False,
+               device_sms: int = 132) -> list[tuple]:
     """The cases of `correctness_grid` on `arch`: ((Hq, Hkv), q dtype, qlen, batch, num_sms or None,
     kernel, ctas_per_sm, split_merge pin or None for the planner's choice). cluster: the planner may
-    merge 2-CTA splits in a cluster (MSA_JIT_ENABLE_CLUSTER_MERGE), so the cases that split also run
-    with the merge kernel pinned. Pure Python (no GPU)."""
+    merge 2-CTA splits in a cluster (MSA_JIT_ENABLE_CLUSTER_MERGE), so the cases where it does (on a
+    GPU of `device_sms` SMs where num_sms is None) also run with the merge kernel pinned. Pure Python
+    (no GPU)."""
     from .compiler import supported_ctas_per_sm
-    from .geometry import cluster_merge_problems, union_problems
+    from .geometry import DEFAULT_TOPK_BLOCKS, cluster_merge_problems, union_problems
+    from .planner import choose_num_splits, takes_cluster_merge
 
     qlens = QUICK["qlens"] if quick else QLENS
     batches = QUICK["batches"] if quick else BATCHES
@@ -46,8 +50,9 @@ def grid_cases(arch: str, *, quick: bool = False, union: bool = False, cluster: 
 
     def serves(build: tuple, item: tuple) -> bool:  # make_case's default page size and cache format
         (hq, hkv), _, qlen, batch, num_sms = item
-        if build[2] == "kernel":  # the pinned merge kernel: only where the step splits
-            return batch == 1 or num_sms == FORCE_SPLITS
+        if build[2] == "kernel":  # the pinned merge kernel: where the planner's 2-CTA plan takes the cluster
+            rows, sms = batch * qlen * hkv, num_sms or device_sms
+            return takes_cluster_merge(rows, choose_num_splits(rows, DEFAULT_TOPK_BLOCKS, sms), sms)
         return build[0] == "token" or (qlen >= 2 and not union_problems(
             num_q_heads=hq, num_kv_heads=hkv, page_size=DEFAULT_PAGE_SIZE, kv_dtype="float8_e4m3fn", arch=arch))
 
@@ -63,7 +68,8 @@ def correctness_grid(*, quick: bool = False, log=print) -> list[dict]:
     from .testing import LSE_ATOL, UNION_LSE_ATOL, compare_with_reference, make_case
 
     rows = []
-    cases = grid_cases(device_arch(0), quick=quick, union=env.enable_sm90_union(), cluster=env.enable_cluster_merge())
+    cases = grid_cases(device_arch(0), quick=quick, union=env.enable_sm90_union(), cluster=env.enable_cluster_merge(),
+                       device_sms=torch.cuda.get_device_properties(0).multi_processor_count)
     for item in cases:
         (hq, hkv), qd, qlen, batch, num_sms, kernel, ctas_per_sm, split_merge = item
         seed = zlib.crc32(f"{hq}/{hkv}/{qd}/{qlen}/{batch}/{num_sms}".encode())

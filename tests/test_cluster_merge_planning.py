@@ -27,7 +27,7 @@ def _prepare(planner: SparseDecodePlanner, batch: int, qlen: int = 1, hq: int = 
 def test_choose_split_merge_rule():
     pick = lambda splits, ctas=2, kernel="token", arch="sm_90a", on=True: choose_split_merge(splits, ctas, kernel, arch, on)
     assert pick(16) == "cluster" and pick(4) == "cluster" and pick(3) == "cluster"
-    assert pick(16, on=False) == "kernel"  # opt-in
+    assert pick(16, on=False) == "kernel"  # MSA_JIT_ENABLE_CLUSTER_MERGE=0 (or a split grid above one CTA per SM)
     assert pick(1) == "kernel"  # nothing to merge: the plain build
     assert pick(16, ctas=3) == "kernel"  # its receive buffer does not fit at 3 CTAs per SM
     assert pick(16, kernel="union") == "kernel"
@@ -70,9 +70,16 @@ def test_planner_picks_cluster_by_default_and_not_when_disabled(monkeypatch):
     plan = _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 16)
     assert plan.num_splits == 4 and plan.ctas_per_sm == 3 and plan.split_merge == "kernel"
     assert plan.nvfp4_ctas_per_sm == 3 and plan.nvfp4_split_merge == "kernel"
-    # the 2-CTA pin takes it at the same shape
-    plan = _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a", ctas_per_sm=2), 16)
+    # a 2-CTA pin at a grid above one CTA per SM keeps the merge kernel, which row 79 measured faster
+    # there (64/4 B=4 and B=16, 8/1 B=16: 256-CTA grids); a split_merge pin still takes the cluster
+    for batch, hq, hkv in ((4, 64, 4), (16, 64, 4), (16, 8, 1)):
+        plan = _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a", ctas_per_sm=2), batch, hq=hq, hkv=hkv)
+        assert plan.ctas_per_sm == 2 and plan.num_splits > 1 and batch * hkv * plan.num_splits > 132
+        assert (plan.split_merge, plan.nvfp4_split_merge) == ("kernel", "kernel"), (batch, hq, hkv)
+    plan = _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a", ctas_per_sm=2, split_merge="cluster"), 16)
     assert (plan.split_merge, plan.nvfp4_split_merge) == ("cluster", "cluster")
+    # at one CTA per SM the 2-CTA pin takes it (8/1 B=8: 8 x 16 = 128 CTAs)
+    assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a", ctas_per_sm=2), 8, hq=8, hkv=1).split_merge == "cluster"
 
 
 def test_split_merge_pins(monkeypatch):
@@ -288,15 +295,24 @@ def test_cluster_artifact_carries_its_launch_figures(tmp_path):
     assert "merge" not in name.lower() and "SparseDecodeMmaKernel" in name
 
 
-def test_selftest_keeps_the_merge_kernel_covered_where_the_cluster_is_the_default():
-    from msa_jit.selftest import FORCE_SPLITS, grid_cases
+def test_selftest_keeps_the_merge_kernel_covered_where_the_cluster_is_the_default(monkeypatch):
+    """selftest pins the 2-CTA build's merge kernel on exactly the cases whose 2-CTA plan the default
+    planner gives the cluster merge (checked against the planner itself), so both merges run."""
+    from msa_jit.selftest import grid_cases
 
+    monkeypatch.delenv(ENABLE, raising=False)
     plain = grid_cases("sm_90a")
-    both = grid_cases("sm_90a", cluster=True)
-    pinned = [c for c in both if c[7] == "kernel"]
-    assert set(plain) <= set(both) and set(both) - set(plain) == set(pinned)
-    # the 2-CTA build with the merge kernel pinned, on exactly the cases whose steps split
-    assert pinned and {(c[5], c[6]) for c in pinned} == {("token", 2)}
-    assert all(c[3] == 1 or c[4] == FORCE_SPLITS for c in pinned)
-    assert len(pinned) == sum(1 for c in plain if c[6] == 2 and (c[3] == 1 or c[4] == FORCE_SPLITS))
+    both = grid_cases("sm_90a", cluster=True, device_sms=132)
+    pinned = {c[:5] for c in both if c[7] == "kernel"}
+    assert set(plain) <= set(both) and len(both) - len(plain) == len(pinned)
+    assert {(c[5], c[6]) for c in both if c[7] == "kernel"} == {("token", 2)}
+    takes = set()
+    for item in {c[:5] for c in plain}:
+        (hq, hkv), _, qlen, batch, num_sms = item
+        plan = _prepare(SparseDecodePlanner(num_sms=num_sms or 132, arch="sm_90a", ctas_per_sm=2), batch, qlen, hq, hkv)
+        if plan.split_merge == "cluster":
+            takes.add(item)
+        else:  # the merge kernel runs anyway: nothing to pin
+            assert plan.num_splits == 1 or batch * qlen * hkv * plan.num_splits > (num_sms or 132), item
+    assert pinned == takes and len(takes) > 8
     assert grid_cases("sm_100a", cluster=True) == grid_cases("sm_100a")  # no cluster merge there
