@@ -8,7 +8,8 @@
 #           per_layer_ab union_k8 union_k8_small union_k8_trace union_skip union_qreg union_qreg_trace
 #           union_lo union_ncu union_final push_merge push_trace
 #   VARIANTS="now lsu" bash bench/h200_run.sh variants   # time only these variants
-#   BASELINE=bench/results/bench-....json                # compare with (default: newest in bench/results)
+#   BASELINE=bench/results/bench-....json                # compare with (default: the newest unflagged file
+#                                                        # in bench/results from a GPU of the same name)
 # Every step runs under a timeout that ends it by DEADLINE seconds after the start (default 570:
 # the device call's limit is 600 s), so the logs of the steps before it always come back.
 # Files in $OUT (at most 8 come back): gpu-tests.log memcheck.log racecheck.log selftest.log

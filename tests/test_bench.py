@@ -611,3 +611,20 @@ def test_issue_us_raises_when_the_gpu_never_holds(monkeypatch):
     with pytest.raises(RuntimeError, match="waits on the GPU"):
         timing.issue_us(lambda: setattr(held, "calls", held.calls + 1), 50, hold_cycles=1000, attempts=3)
     assert len(held.spins) == 3
+
+
+def test_environment_records_what_the_flags_mean(monkeypatch):
+    """A bench file says which kernel choices its flags made, defaults included: an unset
+    MSA_JIT_ENABLE_CLUSTER_MERGE means on since session 21 and off before it."""
+    from msa_jit.bench.measure import environment
+
+    for name in ("MSA_JIT_ENABLE_SM90_UNION", "MSA_JIT_ENABLE_CLUSTER_MERGE", "MSA_JIT_ENABLE_SM100_UMMA"):
+        monkeypatch.delenv(name, raising=False)
+    env_ = environment()
+    assert env_["msa_jit_env"] == {}
+    assert env_["msa_jit_flags"] == {"enable_sm90_union": False, "enable_cluster_merge": True, "enable_sm100_umma": False}
+    monkeypatch.setenv("MSA_JIT_ENABLE_CLUSTER_MERGE", "0")
+    monkeypatch.setenv("MSA_JIT_ENABLE_SM90_UNION", "1")
+    env_ = environment()
+    assert env_["msa_jit_env"] == {"MSA_JIT_ENABLE_CLUSTER_MERGE": "0", "MSA_JIT_ENABLE_SM90_UNION": "1"}
+    assert env_["msa_jit_flags"]["enable_cluster_merge"] is False and env_["msa_jit_flags"]["enable_sm90_union"] is True

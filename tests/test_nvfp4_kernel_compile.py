@@ -40,23 +40,26 @@ def test_every_geometry_compiles_with_nvfp4(arch):
                 # the counts per decode kernel (a cluster-merge build has two: launched with and without
                 # its cluster)
                 assert len(decode) == (2 if cfg.split_merge == "cluster" else 1), (cfg, list(funcs))
-                main = decode[0]
-                ops = _ops(main)
-                # the codes -> f16 (sm_90a: byte permutes, PRMT; sm_100a: cvt, F2FP), the block scales
-                # in f16 (HMUL2), the MMAs, one 18 KiB bulk copy per block; local memory within what
-                # the occupancy accepts
-                conv = ops["F2FP"] if arch == "sm_100a" else ops["PRMT"]
-                assert ops["HMMA"] == 64 and ops["HMUL2"] == 128 and conv >= 128, (cfg, ops)
-                # sm_100a converts the e2m1 codes in hardware (K and V: 64 + 64 per warp and block,
-                # each V code pair converted once for its two n-tile groups); sm_90a places bits (PRMT)
-                e2m1 = sass.opcode_counts(main).get("F2FP.F16.E2M1.UNPACK_B", 0)
-                assert e2m1 == (128 if arch == "sm_100a" else 0), (cfg, e2m1)
-                assert ops["LDL"] + ops["STL"] <= compiler.accepted_local_ops(cfg), (cfg, ops)
-                assert res[0].registers <= (128 if cfg.ctas_per_sm == 3 else 255), (cfg, res)
-                assert res[0].sm == int(arch[3:-1])
+                for main in decode:
+                    _check_decode_sass(cfg, arch, main)
+                assert all(r.registers <= (128 if cfg.ctas_per_sm == 3 else 255) for r in res), (cfg, res)
+                assert all(r.sm == int(arch[3:-1]) for r in res)
                 seen.add((hq, hkv, q_dtype, cfg.ctas_per_sm, cfg.split_merge))
     # 4 geometries x 2 query dtypes x 2 occupancies, and sm_90a's cluster-merge build of each
     assert len(seen) == (24 if arch == "sm_90a" else 16)
+
+
+def _check_decode_sass(cfg: SparseDecodeConfig, arch: str, main: str) -> None:
+    """One decode kernel's SASS: the codes -> f16 (sm_90a: byte permutes, PRMT; sm_100a: cvt, F2FP),
+    the block scales in f16 (HMUL2), the MMAs; local memory within what the occupancy accepts."""
+    ops = _ops(main)
+    conv = ops["F2FP"] if arch == "sm_100a" else ops["PRMT"]
+    assert ops["HMMA"] == 64 and ops["HMUL2"] == 128 and conv >= 128, (cfg, ops)
+    # sm_100a converts the e2m1 codes in hardware (K and V: 64 + 64 per warp and block, each V code pair
+    # converted once for its two n-tile groups); sm_90a places bits (PRMT)
+    e2m1 = sass.opcode_counts(main).get("F2FP.F16.E2M1.UNPACK_B", 0)
+    assert e2m1 == (128 if arch == "sm_100a" else 0), (cfg, e2m1)
+    assert ops["LDL"] + ops["STL"] <= compiler.accepted_local_ops(cfg), (cfg, ops)
 
 
 def test_nvfp4_is_part_of_the_cache_key():

@@ -287,10 +287,14 @@ def environment() -> dict[str, str]:
         "cutlass_dsl": dsl_version(),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": "msa-jit " + " ".join(sys.argv[1:]),
-        # the kernel choices that environment variables make (a row's "kernel" says which ran)
+        # the kernel choices that environment variables make (a row's "kernel" / "split_merge" says which
+        # ran): the raw values set, and what they mean (defaults differ: the cluster merge is on unset)
         "msa_jit_env": {name: os.environ[name]
                         for name in (env.ENABLE_SM90_UNION, env.ENABLE_CLUSTER_MERGE, env.ENABLE_SM100_UMMA)
                         if name in os.environ},
+        "msa_jit_flags": {"enable_sm90_union": env.enable_sm90_union(),
+                          "enable_cluster_merge": env.enable_cluster_merge(),
+                          "enable_sm100_umma": env.enable_sm100_umma()},
     }
 
 
