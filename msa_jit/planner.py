@@ -203,8 +203,8 @@ class SparseDecodePlanner:
     `choose_kernel` (None: the union only with MSA_JIT_ENABLE_SM90_UNION=1 and no ctas_per_sm pin); a
     union pin serves every step shape, qlen 1 and split grids included, and raises ValueError at the
     first prepare of a geometry it cannot serve. split_merge: "cluster" merges the KV splits inside
-    the decode launch wherever `choose_split_merge` allows it, "kernel" never; None: "cluster" unless
-    MSA_JIT_ENABLE_CLUSTER_MERGE=0.
+    the decode launch wherever `choose_split_merge` allows it, "kernel" never; None: "cluster" where
+    `takes_cluster_merge` (a split grid of at most one CTA per SM) unless MSA_JIT_ENABLE_CLUSTER_MERGE=0.
     """
 
     def __init__(self, *, num_sms: int | None = None, arch: str | None = None,

@@ -29,13 +29,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_json_argument(p, "the result rows")
 
 
+def _occupancy(config) -> str:
+    """The CTAs/SM cell: '2', '2 union', '2 cluster merge' (as `cache list` and `inspect` write it)."""
+    return f"{config.ctas_per_sm}{build_suffix(config.kernel, config.split_merge)}"
+
+
 def render(rows: Sequence[warmup.WarmupRow]) -> str:
     """The closing table (the cache key's first 12 digits, the cache dirs once below), failures'
     errors, and the `N compiled, M cached, K failed` line."""
     table = format_table(
         ["geometry", "q", "kv", "arch", "CTAs/SM", "status", "seconds", "key"],
-        [[r.geometry, r.q, r.kv, r.config.arch, f"{r.config.ctas_per_sm}{build_suffix(r.config.kernel, r.config.split_merge)}",
-          r.status, f"{r.seconds:.2f}",
+        [[r.geometry, r.q, r.kv, r.config.arch, _occupancy(r.config), r.status, f"{r.seconds:.2f}",
           r.key[:12] if r.key else "-"] for r in rows],
     )
     parts = [table]
