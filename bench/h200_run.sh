@@ -14,6 +14,7 @@
 # the device call's limit is 600 s), so the logs of the steps before it always come back.
 # Files in $OUT (at most 8 come back): gpu-tests.log memcheck.log racecheck.log selftest.log
 # bench.log bench-<date>.json bench-<date>.png ceilings-<date>.json (ceilings' log: its tail only).
+# bench_union / bench_kernel_merge name theirs bench-<date>-union.json, bench-union.log (-kernel-merge likewise).
 set -uo pipefail
 source .gpu-bundle/setup.sh >/dev/null
 export PYTHONPATH=$PWD:${PYTHONPATH:-} MSA_JIT_CACHE_DIR=$PWD/.artifacts MSA_JIT_NO_COMPILE=1 \
@@ -29,7 +30,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
 limit() { local left=$(( DEADLINE - ($(date +%s) - START) )); (( left < $1 )) && echo $(( left > 5 ? left : 5 )) || echo "$1"; }
 
 for step in "$@"; do
-  t0=$(date +%s)
+  t0=$(date +%s); touch $OUT/.step-start
   case $step in
     tests) (cd tests && timeout "$(limit 240)" python3 -m pytest $GPU_TESTS -m gpu -q -rA) > $OUT/gpu-tests.log 2>&1
            tail -n 1 $OUT/gpu-tests.log ;;
@@ -71,7 +72,16 @@ print("bench/results/" + b.name if b else "none")')}
            MSA_JIT_ENABLE_SM90_UNION=$UNION MSA_JIT_ENABLE_CLUSTER_MERGE=$CLUSTER timeout "$(limit 330)" python3 -m msa_jit bench --out $OUT --baseline "$BASELINE" \
              $([ "$step" = bench_quick ] && echo --quick) > $OUT/bench.log 2>&1
            echo "bench rc=$?" | tee -a $OUT/bench.log; grep -E "^REGRESSION|FAILED" $OUT/bench.log | head -n 20
-           sed -n '/^| issue | target/,$p' $OUT/bench.log ;;
+           sed -n '/^| issue | target/,$p' $OUT/bench.log
+           # a flagged run's files take its flag's suffix here, so several bench steps fit one call:
+           # bench-<date>-union.json / .png and bench-union.log (bench_kernel_merge: -kernel-merge)
+           if [[ $step == bench_union || $step == bench_kernel_merge ]]; then
+             sfx=${step#bench_}; sfx=${sfx//_/-}
+             for f in $(find $OUT -maxdepth 1 -newer $OUT/.step-start -name 'bench-*' \( -name '*.json' -o -name '*.png' \)); do
+               mv "$f" "${f%.*}-$sfx.${f##*.}"
+             done
+             mv $OUT/bench.log $OUT/bench-$sfx.log
+           fi ;;
     ceilings) timeout "$(limit 90)" python3 bench/ceilings.py --out $OUT 2>&1 | tail -n 12 ;;
     variants) python3 bench/variants.py run --dir .variants --out $OUT ${VARIANTS:+--variants $VARIANTS} 2>&1 | tee $OUT/variants.log | tail -n 40 ;;
     trace) python3 bench/trace_ctas.py --dir .variants --out $OUT ${TRACES:+--variants $TRACES} 2>&1 | tee $OUT/trace.log | tail -n 8 ;;
@@ -220,3 +230,4 @@ print("bench/results/" + b.name if b else "none")')}
   esac
   echo "== $step: $(( $(date +%s) - t0 )) s (total $(( $(date +%s) - START )) s)"
 done
+rm -f $OUT/.step-start
