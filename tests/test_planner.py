@@ -335,6 +335,9 @@ def test_kernel_backend_passes_calling_convention(monkeypatch):
     fake = types.ModuleType("msa_jit.compiler")
     fake.get_sparse_decode_kernel = lambda cfg: (lambda *a: seen.append(a))
     fake.supported_ctas_per_sm = lambda arch: (2, 3)
+    # the split plan below takes the cluster merge on sm_90a (the default): the stand-in compiler
+    # says its cluster fits, as plan.resolve_kernel asks before the first launch
+    fake.cluster_launch_fits = lambda cfg, num_splits, device_index: True
     fake.convention = convention
     monkeypatch.setitem(sys.modules, "msa_jit.compiler", fake)
     c = make_case(2, 2, 8, 2, q_dtype=FP8, seed=3, device="cuda", page_size=64, topk_blocks=4)
