@@ -22,6 +22,7 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-} MSA_JIT_CACHE_DIR=$PWD/.artifacts MSA_JIT
 # the engine-code tests read vLLM's files from a carried, git-ignored copy (../shared does not travel)
 [ -d .engine-src/vllm-0.33.0 ] && export MSA_JIT_TEST_ENGINE_DIR=$PWD/.engine-src/vllm-0.33.0
 START=$(date +%s)
+trap 'rm -f $OUT/.step-start' EXIT  # the flagged bench steps' marker (it would come back as a file)
 DEADLINE=${DEADLINE:-570}
 GPU_TESTS="test_kernel_gpu.py test_planner.py test_torch_op.py test_op_fast_path.py test_nvfp4*.py test_engine*.py test_vllm_plugin.py test_bench.py"  # globbed in tests/
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
@@ -230,4 +231,3 @@ print("bench/results/" + b.name if b else "none")')}
   esac
   echo "== $step: $(( $(date +%s) - t0 )) s (total $(( $(date +%s) - START )) s)"
 done
-rm -f $OUT/.step-start
