@@ -358,8 +358,12 @@ def msa_cutlass_sparse_decode(
     uint8 [P, 2*Hkv, page, 72] with the global scales k_scale / v_scale (one-element float32
     tensors, 0-dim or [1], on the cache's device; required; k_scale_float / v_scale_float are
     then ignored, as in the engine). Backend: the compiled kernel on CUDA, the float64
-    reference on a CPU. Errors name the argument and the layout recognised.
+    reference on a CPU. Errors start with the argument's name and end with the layout recognised.
     """
+    if type(metadata) is not MSACutlassDecodeMetadata and not isinstance(metadata, MSACutlassDecodeMetadata):
+        hint = " (wrap a plan as MSACutlassDecodeMetadata(plan, page_table))" if isinstance(metadata, SparseDecodePlan) else ""
+        raise TypeError("metadata: expected MSACutlassDecodeMetadata (from prepare_decode_metadata or "
+                        f"MSACutlassDecodePlanCache.prepare), got {type(metadata).__name__}{hint}")
     if torch.is_grad_enabled():  # the engine's @torch.no_grad(), inline: no cost under inference_mode
         with torch.no_grad():
             return msa_cutlass_sparse_decode(
@@ -394,7 +398,8 @@ def msa_cutlass_sparse_decode(
     except (ValueError, TypeError) as e:
         if type(e) not in (ValueError, TypeError):  # subclasses may take other arguments
             raise
-        raise type(e)(f"kv_cache recognised as {name}: {e}") from e
+        # the argument's name stays first (validation's convention), the layout it was judged by after
+        raise type(e)(f"{e} (kv_cache recognised as {name})") from e
 
 
 def _prefill_rows(cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
@@ -487,6 +492,12 @@ def msa_sparse_prefill(
     ws = _prefill_workspace(cache, query, topk, block_table, chunk)
     req, seq = _prefill_rows(cu_seqlens_q, context_lens, n)
     hq, hkv, k = int(query.shape[1]), int(topk.shape[1]), int(topk.shape[2])
+    # Every chunk has the first one's shapes, so on CUDA a bad argument fails before anything is
+    # written. The reference (CPU) also checks values, which can fail in a later chunk: there the
+    # chunks go to a scratch output, copied into `output` only when all of them have passed.
+    target = output
+    if not query.is_cuda:
+        output = torch.empty_like(target)
     for c0 in range(0, n, chunk):
         m = min(chunk, n - c0)
         torch.index_select(block_table, 0, req[c0:c0 + m], out=ws.block_table[:m])
@@ -505,3 +516,5 @@ def msa_sparse_prefill(
                                   k_scale=k_scale, v_scale=v_scale)
         if m < chunk:
             output[c0:].copy_(ws.output[:m])
+    if output is not target:
+        target.copy_(output)

@@ -229,6 +229,8 @@ def op_args(
     A tensor k_scale / v_scale (a device global scale) travels as its own optional tensor
     argument, the float one as 1.0 beside it.
     """
+    if not isinstance(plan, SparseDecodePlan):  # the op's own check comes after these attribute reads
+        raise TypeError(f"plan: expected a SparseDecodePlan (from prepare()), got {type(plan).__name__}")
     k_t = k_scale if isinstance(k_scale, torch.Tensor) else None
     v_t = v_scale if isinstance(v_scale, torch.Tensor) else None
     return (

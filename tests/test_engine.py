@@ -455,14 +455,14 @@ def test_nvfp4_errors_name_the_layout():
         _decode_call(c, md, kv, out)
     with pytest.raises(TypeError, match=r"^v_scale: the NVFP4 layout .*needs its global scales"):
         _decode_call(c, md, kv, out, k_scale=one)
-    with pytest.raises(ValueError, match=r"kv_cache recognised as the NVFP4 layout \[P, 2\*Hkv, page_size, 72\] "
-                                         r"\(uint8\): kv_cache: expected .*NVFP4 \[num_pages, 2, 128, 72\]"):
+    with pytest.raises(ValueError, match=r"^kv_cache: expected .*NVFP4 \[num_pages, 2, 128, 72\].*"
+                                         r"\(kv_cache recognised as the NVFP4 layout \[P, 2\*Hkv, page_size, 72\] \(uint8\)\)$"):
         _decode_call(c, md, torch.zeros(kv.shape[0], 4, 128, 72, dtype=torch.uint8), out, k_scale=one, v_scale=one)
-    with pytest.raises(TypeError, match=r"kv_cache recognised as the NVFP4 layout .*: k_scale: expected a python "
-                                        r"float \(or a 1-element CPU tensor\)"):
+    with pytest.raises(TypeError, match=r"^k_scale: expected a python float \(or a 1-element CPU tensor\)"
+                                        r".*\(kv_cache recognised as the NVFP4 layout .*\)$"):
         _decode_call(c, md, kv, out, k_scale=torch.ones(2), v_scale=one)
-    with pytest.raises(ValueError, match=r"kv_cache recognised as the NVFP4 layout .*: v_scale: expected a finite "
-                                         r"float > 0"):
+    with pytest.raises(ValueError, match=r"^v_scale: expected a finite float > 0.*"
+                                         r"\(kv_cache recognised as the NVFP4 layout .*\)$"):
         _decode_call(c, md, kv, out, k_scale=one, v_scale=torch.tensor(0.0))
     assert torch.isnan(out).all(), "nothing may be written on failure"
 
@@ -473,8 +473,8 @@ def test_fp8_errors_name_the_layout():
                                  plan_cache=MSACutlassDecodePlanCache(), **c.prepare_kwargs())
     out = c.new_out()
     kv2 = torch.zeros(c.kv_cache.shape[0], 2, 128, 256, dtype=FP8)  # 2 KV heads, the plan has 1
-    with pytest.raises(ValueError, match=r"kv_cache recognised as the fp8 layout .*: kv_cache: expected "
-                                         r"fp8 \[num_pages, 1, 128, 256\].*got shape \[\d+, 2, 128, 256\]"):
+    with pytest.raises(ValueError, match=r"^kv_cache: expected fp8 \[num_pages, 1, 128, 256\].*got shape "
+                                         r"\[\d+, 2, 128, 256\].*\(kv_cache recognised as the fp8 layout .*\)$"):
         _decode_call(c, md, kv2, out)
     assert torch.isnan(out).all()
     # vLLM's default LBNHC layout: the per-layer view interleaves the heads of a token
@@ -576,4 +576,39 @@ def test_prefill_rejects_bad_input(change, err, match):
     kw.update(change)
     with pytest.raises(err, match=match):
         engine.msa_sparse_prefill(c.query, c.kv_cache, c.topk, out, **kw)
+    assert torch.isnan(out).all()
+
+
+def test_prefill_writes_nothing_when_a_later_chunk_fails():
+    """A bad page id that only the last chunk's token selects (the reference checks values per
+    chunk): the error comes after earlier chunks ran, and `output` must still be untouched."""
+    c = make_case(1, 1, 16, 1, q_dtype=FP8, seed=48, ctx_lens=[300])
+    n = 5
+    q = c.query.expand(n, -1, -1).contiguous()
+    topk = torch.full((n, 1, 16), -1, dtype=torch.int32)
+    topk[:, 0, 0] = 1  # every token selects block 1 (positions 295..299 are in block 2: causal ok)
+    topk[n - 1, 0, 1] = 0  # only the last token also selects block 0, whose page is out of range
+    bt = c.block_table.clone()
+    bt[0, 0] = 10**6
+    out = torch.full((n, 16, 128), float("nan"), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="block_table"):
+        engine.msa_sparse_prefill(q, c.kv_cache, topk, out, block_table=bt,
+                                  cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32),
+                                  context_lens=torch.tensor([295], dtype=torch.int32), page_size=128,
+                                  scale=c.sm_scale, q_scale_float=c.q_scale, k_scale_float=c.k_scale,
+                                  v_scale_float=c.v_scale, plan_cache=MSACutlassDecodePlanCache(),
+                                  chunk_tokens=2)
+    assert torch.isnan(out).all(), "rows of the chunks before the failing one were written"
+
+
+@pytest.mark.parametrize("metadata", [None, "plan", 3])
+def test_decode_names_a_wrong_metadata_type(metadata):
+    c = make_case(2, 1, 16, 1, q_dtype=FP8, seed=49)
+    md = prepare_decode_metadata(c.block_table, c.seq_lens, c.seq_lens_cpu, c.qlen,
+                                 plan_cache=MSACutlassDecodePlanCache(), **c.prepare_kwargs())
+    bad = md.plan if metadata == "plan" else metadata
+    out = c.new_out()
+    match = r"^metadata: expected MSACutlassDecodeMetadata" + (r".*wrap a plan" if metadata == "plan" else "")
+    with pytest.raises(TypeError, match=match):
+        _decode_call(c, bad, c.kv_cache, out)
     assert torch.isnan(out).all()

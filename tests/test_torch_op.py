@@ -256,3 +256,13 @@ def test_compiled_op_runs_the_eager_build_gpu(monkeypatch):
     assert torch.equal(out_c, out_e) and torch.equal(lse_c, lse_e)
     o64, _ = sparse_decode_reference(*c.reference_args(), **scales)
     assert _rel(out_c, o64) < 1e-2
+
+
+@pytest.mark.parametrize("plan", [None, "metadata"])
+def test_a_wrong_plan_type_is_named(plan):
+    """Not an AttributeError from reading the plan's tensors: the op's TypeError naming `plan`."""
+    c = make_case(1, 1, 16, 1, q_dtype=FP8, seed=71)
+    out = c.new_out()
+    with pytest.raises(TypeError, match=r"^plan: expected a SparseDecodePlan"):
+        sparse_decode_op(c.query, c.kv_cache, c.topk, out, plan, sm_scale=c.sm_scale)
+    assert torch.isnan(out).all()
