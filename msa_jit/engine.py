@@ -169,8 +169,9 @@ class MSACutlassDecodePlanCache:
         """Plan of this step (built once per key), kv lengths refreshed in place from `seq_lens`.
 
         block_table: [B, max_blocks] int32 (innermost stride 1); seq_lens: [B] int32 on the
-        same device; seq_lens_cpu: [B] int32 CPU copy, read only when a plan is built (None:
-        not checked). Raises ValueError / TypeError naming the bad argument.
+        same device; seq_lens_cpu: [B] int32 CPU copy, its values checked on every call (None:
+        not checked; a CPU plan checks seq_lens itself). Raises ValueError / TypeError naming the
+        bad argument.
         """
         plan = self._planner.prepare(
             block_table, seq_lens, seq_lens_cpu, decode_query_len,

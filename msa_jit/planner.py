@@ -21,7 +21,7 @@ from . import env
 from .geometry import (CTAS_PER_SM, HEAD_DIM, KERNELS, SPLIT_MERGES, UNION_CTAS_PER_SM, UNION_ROWS, arch_problem,
                        cluster_merge_problems, device_arch, union_problems)
 from .plan import PlanKey, SparseDecodePlan
-from .validation import validate_prepare, validate_prepare_tensors, validate_seq_lens_cpu
+from .validation import validate_prepare, validate_prepare_tensors, validate_seq_lens_cpu, validate_seq_lens_values
 
 __all__ = [
     "DEFAULT_NUM_SMS",
@@ -217,6 +217,8 @@ class SparseDecodePlanner:
         if ctas_per_sm is not None and ctas_per_sm not in allowed:
             raise ValueError(f"ctas_per_sm must be None or one of {allowed}"
                              f"{' for the union kernel' if kernel == 'union' else ''}, got {ctas_per_sm!r}")
+        if num_sms is not None and (type(num_sms) is not int or num_sms < 1):
+            raise ValueError(f"num_sms must be None or an int >= 1, got {num_sms!r}")
         if arch is not None and arch_problem(arch):
             raise ValueError(f"arch: {arch_problem(arch)}")
         self.plans: dict[PlanKey, SparseDecodePlan] = {}
@@ -243,8 +245,9 @@ class SparseDecodePlanner:
 
         block_table: [B, max_blocks] int32 (stride(1) == 1); seq_lens: [B] int32 contiguous on the
         same device (counts the qlen new tokens); seq_lens_cpu: optional CPU copy of seq_lens,
-        its values checked on every call (0 <= length <= max_blocks * page_size; the device
-        copy never is: that would sync); decode_query_len: qlen in 1..32.
+        its values checked on every call (0 <= length <= max_blocks * page_size; a CUDA
+        seq_lens never is: that would sync; a CPU one is, and must equal seq_lens_cpu);
+        decode_query_len: qlen in 1..32.
         """
         key: PlanKey | None = None
         plan = None
@@ -283,6 +286,8 @@ class SparseDecodePlanner:
                 key = _plan_key(block_table, seq_lens, decode_query_len, num_q_heads, num_kv_heads,
                                 page_size, topk_blocks)
             plan = self._get_or_build(key, block_table, seq_lens)
+        if plan.device.type == "cpu":  # values a CUDA plan cannot read without a sync
+            validate_seq_lens_values(seq_lens, seq_lens_cpu, block_table, page_size)
         plan.block_table = block_table
         plan.seq_lens = seq_lens
         plan.refresh(seq_lens)

@@ -266,10 +266,12 @@ def validate_prepare_tensors(block_table: Any, seq_lens: Any, seq_lens_cpu: Any)
             )
 
 
-def validate_seq_lens_cpu(seq_lens_cpu: torch.Tensor, block_table: torch.Tensor, page_size: int) -> None:
+def validate_seq_lens_cpu(seq_lens_cpu: torch.Tensor, block_table: torch.Tensor, page_size: int,
+                          name: str = "seq_lens_cpu") -> None:
     """Value checks on the CPU copy (every prepare): 0 <= seq_len <= max_blocks * page_size.
 
     One scan: up to 16 lengths through a Python list (~1-3 us), more with one aminmax (~3 us).
+    `name` is the argument the error names (a CPU plan's seq_lens is checked alike).
     """
     n = seq_lens_cpu.shape[0]
     if n == 0:
@@ -281,13 +283,23 @@ def validate_seq_lens_cpu(seq_lens_cpu: torch.Tensor, block_table: torch.Tensor,
         lo_t, hi_t = torch.aminmax(seq_lens_cpu)
         lo, hi = lo_t.item(), hi_t.item()
     if lo < 0:
-        raise ValueError(f"seq_lens_cpu: expected lengths >= 0, got a minimum of {lo}")
+        raise ValueError(f"{name}: expected lengths >= 0, got a minimum of {lo}")
     cap = block_table.shape[1] * page_size
     if hi > cap:
         raise ValueError(
             f"block_table: {block_table.shape[1]} columns x page_size {page_size} = {cap} tokens "
-            f"cannot hold the longest request (seq_lens_cpu max {hi})"
+            f"cannot hold the longest request ({name} max {hi})"
         )
+
+
+def validate_seq_lens_values(seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor | None,
+                             block_table: torch.Tensor, page_size: int) -> None:
+    """A CPU plan's seq_lens, whose values cost no sync to read: the checks of seq_lens_cpu, and
+    equal to seq_lens_cpu where both are given (the reference reads seq_lens)."""
+    validate_seq_lens_cpu(seq_lens, block_table, page_size, name="seq_lens")
+    if seq_lens_cpu is not None and not torch.equal(seq_lens.to(torch.int64), seq_lens_cpu.to(torch.int64)):
+        raise ValueError(f"seq_lens_cpu: expected the values of seq_lens (its CPU copy), got "
+                         f"{seq_lens_cpu.tolist()[:8]} against {seq_lens.tolist()[:8]} (first 8)")
 
 
 def validate_sparse_decode(

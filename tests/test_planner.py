@@ -513,3 +513,9 @@ def test_refresh_inside_a_capture_launches_the_kernel():
         torch.cuda.synchronize()
         exp_kv, exp_qo = _expected(seq.cpu().tolist(), c.qlen)
         assert p.kv_lens.cpu().tolist() == exp_kv and p.qo_offset.cpu().tolist() == exp_qo
+
+
+@pytest.mark.parametrize("num_sms", [0, -1, "8", 8.0, True])
+def test_planner_rejects_a_bad_num_sms(num_sms):
+    with pytest.raises(ValueError, match=r"^num_sms must be None or an int >= 1"):
+        SparseDecodePlanner(num_sms=num_sms)

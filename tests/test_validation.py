@@ -586,7 +586,25 @@ def test_cached_plan_still_checks_seq_lens_cpu(batch):
                 fresh.prepare(c.block_table, c.seq_lens, slc, 1, **c.prepare_kwargs())
     assert planner.prepare(*c.prepare_args(), **c.prepare_kwargs()) is plan
     edge = torch.tensor([0] * (batch - 1) + [cap], dtype=torch.int64)  # both bounds are allowed
-    assert planner.prepare(c.block_table, c.seq_lens, edge, 1, **c.prepare_kwargs()) is plan
+    assert planner.prepare(c.block_table, edge.to(torch.int32), edge, 1, **c.prepare_kwargs()) is plan
+
+
+@pytest.mark.parametrize("batch", [2, 40])
+def test_a_cpu_plan_checks_seq_lens_itself(batch):
+    """On a CPU plan seq_lens' values cost no sync: out-of-range lengths and a seq_lens_cpu that
+    is not its copy raise (a CUDA plan checks only seq_lens_cpu), on the first and the cached call."""
+    c = make_case(batch, 1, HQ, HKV, q_dtype=torch.bfloat16, seed=2, device="cpu", page_size=PAGE, topk_blocks=K)
+    planner = SparseDecodePlanner()
+    planner.prepare(*c.prepare_args(), **c.prepare_kwargs())
+    cap = c.block_table.shape[1] * PAGE
+    for seq, cpu, says in (([-5] + [5] * (batch - 1), None, "^seq_lens: expected lengths >= 0"),
+                           ([5] * (batch - 1) + [cap + 1], None, r"^block_table: .* \(seq_lens max"),
+                           ([5] * batch, [6] * batch, "^seq_lens_cpu: expected the values of seq_lens")):
+        sl = torch.tensor(seq, dtype=torch.int32)
+        slc = None if cpu is None else torch.tensor(cpu, dtype=torch.int32)
+        for fresh in (SparseDecodePlanner(), planner):
+            with pytest.raises(ValueError, match=says):
+                fresh.prepare(c.block_table, sl, slc, 1, **c.prepare_kwargs())
 
 
 def test_huge_batch_is_a_value_error_with_the_bytes():
