@@ -26,6 +26,7 @@ except ImportError:  # a source checkout that is not pip-installed
     import msa_jit
 
 import torch
+from msa_jit.geometry import MAX_QLEN, MIN_QLEN, geometry_problems
 
 PAGE = 128
 TOPK = 16
@@ -122,9 +123,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=None,
                     help="timed steps (default 50 on a GPU, 3 with the CPU reference backend)")
     args = ap.parse_args(argv)
-    if args.iters is not None and args.iters < 1:
-        ap.error(f"--iters must be >= 1, got {args.iters}")
-    hq, hkv = (int(x) for x in args.heads.split("/"))
+    for flag, value in (("--iters", args.iters), ("--batch", args.batch), ("--max-ctx", args.max_ctx)):
+        if value is not None and value < 1:
+            ap.error(f"{flag} must be >= 1, got {value}")
+    if not MIN_QLEN <= args.qlen <= MAX_QLEN:
+        ap.error(f"--qlen must be in {MIN_QLEN}..{MAX_QLEN}, got {args.qlen}")
+    try:
+        hq, hkv = (int(x) for x in args.heads.split("/"))
+    except ValueError:
+        ap.error(f"--heads: expected Hq/Hkv such as 64/4, got {args.heads!r}")
+    problems = geometry_problems(num_q_heads=hq, num_kv_heads=hkv, page_size=PAGE, topk_blocks=TOPK)
+    if problems:
+        ap.error(f"--heads {args.heads}: " + "; ".join(f"{field}: {why}" for field, why in problems))
     q_dtype = FP8 if args.q_dtype == "fp8" else torch.bfloat16
 
     cuda = torch.cuda.is_available()

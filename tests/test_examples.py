@@ -129,3 +129,17 @@ def test_quickstart_runs_on_gpu(q_dtype):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "kernel ready" in proc.stdout and "-> OK" in proc.stdout and "TB/s" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args,says", [
+    (["--heads", "64"], "--heads: expected Hq/Hkv"),
+    (["--heads", "64/3"], "--heads 64/3: num_q_heads"),
+    (["--batch", "0"], "--batch must be >= 1"),
+    (["--qlen", "33"], "--qlen must be in 1..32"),
+])
+def test_quickstart_rejects_bad_arguments(args, says):
+    """A usage error (exit 2, one line), not a traceback from deep inside the step's set-up."""
+    bad = subprocess.run([sys.executable, str(QUICKSTART), *args], capture_output=True, text=True,
+                         timeout=180, env=_env(cpu=True), cwd=str(EXAMPLES.parent))
+    assert bad.returncode == 2 and says in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
