@@ -281,7 +281,8 @@ def render(r: dict[str, Any]) -> str:
             add(f"  fallback: {c['fallback_reason']}")
         if c["readonly_roots"]:
             add(f"  read-only roots: {', '.join(c['readonly_roots'])}")
-        add(f"  entries: {c['entries']}, size {c['size_bytes']} bytes, cap {c['cap_bytes']}")
+        cap = "invalid (see Environment)" if _err(c["cap_bytes"]) else f"{c['cap_bytes']} bytes"
+        add(f"  entries: {c['entries']}, size {c['size_bytes']} bytes, cap {cap}")
     add("Environment")
     if _err(r["env"]):
         add(f"  probe failed: {_err(r['env'])}")

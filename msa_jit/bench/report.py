@@ -17,6 +17,27 @@ from .grid import GRID_BATCHES, GRID_GEOMETRIES, GRID_QLENS
 from .steps import FP8_KV, GEOMETRIES
 
 REGRESSION_SLACK = 1.05
+# keys every bench result has (the oldest files included), then one of which it has at least: the
+# A/B scripts' files (variants-*.json ...) have the first three too, but neither of these
+RESULT_KEYS = ("environment", "copy_tbps", "points")
+RESULT_ANY_KEYS = ("per_layer", "host")
+
+
+def result_problem(doc: Any) -> str | None:
+    """Why `doc` (a parsed JSON file) is not a bench result (None when it is one): what `--table`
+    and `--summary` check before reading it."""
+    if not isinstance(doc, dict):
+        kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(doc), "a number")
+        return f"{kind}, not a JSON object"
+    missing = [k for k in RESULT_KEYS if k not in doc]
+    if missing:
+        return f"missing {', '.join(map(repr, missing))}"
+    if not any(k in doc for k in RESULT_ANY_KEYS):
+        return f"missing {' and '.join(map(repr, RESULT_ANY_KEYS))}"
+    for k, kind in (("environment", dict), ("points", list), ("per_layer", list)):
+        if k in doc and not isinstance(doc[k], kind):
+            return f"{k!r} is not a JSON {'object' if kind is dict else 'array'}"
+    return None
 
 
 def kv_dtype_of(r: dict[str, Any]) -> str:

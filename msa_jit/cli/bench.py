@@ -17,19 +17,24 @@ import sys
 from pathlib import Path
 
 from .. import bench
-from ..geometry import KV_DTYPES
-from .common import positive_int, q_dtype_arg
+from ..bench.report import result_problem
+from ..geometry import KV_DTYPE_SHORT, MAX_QLEN, MIN_QLEN
+from .common import int_at_least, parse_kv_dtype, positive_int, q_dtype_arg, split_list
 
 HELP = "benchmark grid on this GPU: JSON + PNG (needs CUDA)"
+MIN_LAYERS = 2  # the per-layer figure is (t(L) - t(1)) / (L - 1)
 
 
-def _ints(flag: str, text: str, allow_empty: bool = False) -> tuple[int, ...]:
+def _ints(flag: str, text: str, allow_empty: bool = False, low: int = 1, high: int | None = None
+          ) -> tuple[int, ...]:
+    """A comma list of ints in low..high (no upper bound for None); ValueError naming `flag`."""
+    items = split_list(flag, text, allow_empty=allow_empty)
     try:
-        values = tuple(int(v) for v in text.split(",") if v or not allow_empty)
+        values = tuple(int(v) for v in items)
     except ValueError:
         raise ValueError(f"{flag} {text!r}: expected comma-separated ints") from None
-    if any(v < 1 for v in values):
-        raise ValueError(f"{flag} {text!r}: expected ints >= 1")
+    if any(v < low or (high is not None and v > high) for v in values):
+        raise ValueError(f"{flag} {text!r}: expected ints " + (f"in {low}..{high}" if high is not None else f">= {low}"))
     return values
 
 
@@ -53,18 +58,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--geometries", default=",".join(bench.GRID_GEOMETRIES))
     p.add_argument("--batches", default=",".join(map(str, bench.GRID_BATCHES)))
     p.add_argument("--decode-query-lens", default=None,
-                   help=f"query tokens per request (qlen) of the grid (default {','.join(map(str, bench.GRID_QLENS))}; "
-                        f"--quick: {','.join(map(str, bench.QUICK_QLENS))})")
-    p.add_argument("--kv-dtypes", default=",".join(bench.GRID_KV_DTYPES),
-                   help=f"cache formats to time, of {','.join(KV_DTYPES)}")
+                   help=f"query tokens per request (qlen) of the grid, each in {MIN_QLEN}..{MAX_QLEN} (default "
+                        f"{','.join(map(str, bench.GRID_QLENS))}; --quick: {','.join(map(str, bench.QUICK_QLENS))})")
+    p.add_argument("--kv-dtypes", default=",".join(KV_DTYPE_SHORT[k] for k in bench.GRID_KV_DTYPES),
+                   help=f"cache formats to time, of {','.join(KV_DTYPE_SHORT.values())} (as warmup's --kv-dtype)")
     p.add_argument("--q-dtype", default="bfloat16", type=q_dtype_arg, help="bf16 or fp8 (as warmup's --q-dtype)")
     p.add_argument("--quick", action="store_true",
                    help="about half the rows: qlen 1 and 4 only, one speculative-decode point (64/4 B=64 qlen 4)")
     p.add_argument("--floor-batches", default=",".join(map(str, bench.FLOOR_BATCHES)),
                    help="batches whose rows get the floor probe ('' for none)")
     p.add_argument("--no-shared", action="store_true", help="skip the speculative-decode (shared-block) rows")
-    p.add_argument("--layers", type=positive_int, default=bench.NUM_LAYERS,
-                   help="layers per graph of the per-layer figure")
+    p.add_argument("--layers", type=int_at_least(MIN_LAYERS), default=bench.NUM_LAYERS,
+                   help=f"layers per graph of the per-layer figure (>= {MIN_LAYERS})")
     p.add_argument("--iters", type=positive_int, default=50, help="timed graph replays per figure")
     p.add_argument("--in-graph", action="store_true", help="also time each one-layer step inside one larger graph")
     p.add_argument("--no-host", action="store_true", help="skip the host-side (CPU) figures")
@@ -95,6 +100,10 @@ def run(args: argparse.Namespace) -> int:
             continue
         try:  # no GPU: the README tables or the targets of a result file
             result = json.loads(Path(path).read_text(encoding="utf-8"))
+            problem = result_problem(result)
+            if problem:
+                print(f"msa-jit bench: {flag} {path}: not a bench result ({problem})", file=sys.stderr)
+                return 2
             if flag == "--table":
                 print(bench.readme_table(result))
             else:
@@ -110,15 +119,16 @@ def run(args: argparse.Namespace) -> int:
             return 2
         return 0
     try:
-        geos, kvs = tuple(args.geometries.split(",")), tuple(args.kv_dtypes.split(","))
-        bad = [g for g in geos if g not in bench.GEOMETRIES] + [k for k in kvs if k not in KV_DTYPES]
+        geos = tuple(split_list("--geometries", args.geometries))
+        bad = [g for g in geos if g not in bench.GEOMETRIES]
         if bad:
-            raise ValueError(f"unknown {', '.join(map(repr, bad))}; geometries are {', '.join(bench.GEOMETRIES)}, "
-                             f"cache formats {', '.join(KV_DTYPES)}")
+            raise ValueError(f"--geometries: unknown {', '.join(map(repr, bad))}; geometries are "
+                             f"{', '.join(bench.GEOMETRIES)}")
+        kvs = tuple(parse_kv_dtype(k, "--kv-dtypes") for k in split_list("--kv-dtypes", args.kv_dtypes))
         batches = _ints("--batches", args.batches)
         floor_batches = _ints("--floor-batches", args.floor_batches, allow_empty=True)
-        qlens = (_ints("--decode-query-lens", args.decode_query_lens) if args.decode_query_lens
-                 else bench.QUICK_QLENS if args.quick else bench.GRID_QLENS)
+        qlens = (_ints("--decode-query-lens", args.decode_query_lens, low=MIN_QLEN, high=MAX_QLEN)
+                 if args.decode_query_lens is not None else bench.QUICK_QLENS if args.quick else bench.GRID_QLENS)
         problem = out_dir_problem(Path(args.out).absolute())
         if problem:
             raise ValueError(f"--out {args.out}: {problem}")

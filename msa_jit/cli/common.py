@@ -20,7 +20,7 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from .. import cache, env, warmup
 from ..cache.errors import describe_oserror
@@ -38,6 +38,7 @@ __all__ = [
     "emit_json",
     "format_table",
     "human_size",
+    "int_at_least",
     "interrupted",
     "normalize_arch",
     "open_cache",
@@ -46,6 +47,7 @@ __all__ = [
     "parse_q_dtype",
     "parse_size",
     "positive_int",
+    "split_list",
     "warm_geometry_flags",
     "when",
 ]
@@ -93,15 +95,21 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 
 # ----------------------------------------------------------------------------- output
-def positive_int(text: str) -> int:
-    """argparse type of counts like --jobs: an int >= 1."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {n}")
-    return n
+def int_at_least(low: int) -> Callable[[str], int]:
+    """argparse type of an int >= `low` (e.g. bench's --layers: 2)."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
+        if n < low:
+            raise argparse.ArgumentTypeError(f"expected an int >= {low}, got {n}")
+        return n
+
+    return parse
+
+
+positive_int = int_at_least(1)  # argparse type of counts like --jobs
 
 
 def add_json_argument(p: argparse.ArgumentParser, what: str) -> None:
@@ -188,11 +196,16 @@ def open_cache(cache_dir: str | None, command: str, *, create: bool = True) -> c
 
 
 # ----------------------------------------------------------------------------- geometry flags
-def _split(values: Sequence[str] | None) -> list[str]:
-    """Flatten repeated and comma-separated flag values, dropping blanks."""
+def split_list(flag: str, values: str | Sequence[str] | None, allow_empty: bool = False) -> list[str]:
+    """Flatten a comma-list flag's values (one string, or a repeated flag's list), dropping blanks
+    around commas; [] when the flag is not given (None). ValueError naming `flag` for a value
+    that lists nothing ('' or ','): it would otherwise mean the flag's default, i.e. everything."""
     out: list[str] = []
-    for v in values or ():
-        out.extend(p.strip() for p in v.split(",") if p.strip())
+    for v in [values] if isinstance(values, str) else values or ():
+        items = [p.strip() for p in v.split(",") if p.strip()]
+        if not items and not allow_empty:
+            raise ValueError(f"{flag} {v!r}: empty list (leave the flag out for its default)")
+        out.extend(items)
     return out
 
 
@@ -212,12 +225,13 @@ def parse_q_dtype(text: str) -> str:
         raise ValueError(f"--q-dtype {text!r}: expected bf16 or fp8") from None
 
 
-def parse_kv_dtype(text: str) -> str:
-    """'fp8' / 'nvfp4' (KV cache formats, or SparseDecodeConfig.kv_dtype's names) -> the config's name."""
+def parse_kv_dtype(text: str, flag: str = "--kv-dtype") -> str:
+    """'fp8' / 'nvfp4' (KV cache formats, or SparseDecodeConfig.kv_dtype's names) -> the config's name
+    (warmup / inspect's --kv-dtype and bench's --kv-dtypes alike; `flag` names it in the error)."""
     try:
         return KV_DTYPE_ALIASES[text.strip().lower()]
     except KeyError:
-        raise ValueError(f"--kv-dtype {text!r}: expected {' or '.join(KV_DTYPE_SHORT.values())}") from None
+        raise ValueError(f"{flag} {text!r}: expected {' or '.join(KV_DTYPE_SHORT.values())}") from None
 
 
 def q_dtype_arg(text: str) -> str:
@@ -249,21 +263,25 @@ def configs_from_args(args: argparse.Namespace, default_preset: str | None = Non
     q_dtypes: list[str] = list(Q_DTYPES)
     kv_dtypes: list[str] = list(warmup.DEFAULT_KV_DTYPES)
     preset = getattr(args, "preset", None)
-    if preset and _split(args.heads):
+    heads_given = split_list("--heads", args.heads)
+    q_given = split_list("--q-dtype", args.q_dtype)
+    kv_given = split_list("--kv-dtype", getattr(args, "kv_dtype", None))
+    arch_given = split_list("--arch", args.arch)
+    if preset and heads_given:
         raise ValueError(f"--preset {preset} and --heads name the head layouts both: give one "
                          "(--q-dtype / --kv-dtype / --arch narrow a preset)")
-    preset = preset or (None if _split(args.heads) else default_preset)
+    preset = preset or (None if heads_given else default_preset)
     if preset:
         heads, q_dtypes, kv_dtypes = (list(x) for x in warmup.PRESETS[preset])
-    if _split(args.heads):
-        heads = [parse_heads(h) for h in _split(args.heads)]
-    if _split(args.q_dtype):
-        q_dtypes = [parse_q_dtype(q) for q in _split(args.q_dtype)]
-    if _split(getattr(args, "kv_dtype", None)):
-        kv_dtypes = [parse_kv_dtype(k) for k in _split(args.kv_dtype)]
+    if heads_given:
+        heads = [parse_heads(h) for h in heads_given]
+    if q_given:
+        q_dtypes = [parse_q_dtype(q) for q in q_given]
+    if kv_given:
+        kv_dtypes = [parse_kv_dtype(k) for k in kv_given]
     if not heads:
         raise ValueError("no geometry: give --heads Hq/Hkv (repeatable) or --preset " + "|".join(warmup.PRESETS))
-    arches = [normalize_arch(a) for a in _split(args.arch)] or warmup.default_arches()
+    arches = [normalize_arch(a) for a in arch_given] or warmup.default_arches()
     return warmup.warmup_configs(heads, q_dtypes, arches, kv_dtypes=kv_dtypes, page_size=args.page_size,
                                  topk_blocks=args.topk_blocks)
 

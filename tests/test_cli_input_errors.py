@@ -1,0 +1,187 @@
+"""Bad `msa-jit` input refused up front (exit 2, one line naming the flag), no GPU needed.
+
+bench's --layers / --decode-query-lens / --kv-dtypes, empty comma lists, non-bench JSON for
+--summary / --table, and doctor's cap line with an invalid MSA_JIT_CACHE_MAX_BYTES. Where a
+command would get past its checks, the work (`bench.main`, `warmup.run_warmup`) is a stand-in.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from msa_jit import bench, warmup
+from msa_jit.cli import common
+from msa_jit.geometry import KV_DTYPES, MAX_QLEN, MIN_QLEN
+
+# the msa_jit logger restored after each test (autouse, imported) and the in-process `msa-jit`
+from test_cli import _isolated, run_main  # noqa: E402,F401
+
+ROOT = Path(__file__).resolve().parents[1]
+GOOD_RESULT = ROOT / "bench/results/bench-2026-12-05T1400-h100.json"
+NOT_BENCH = ROOT / "bench/results/variants-2026-12-04T1710.json"
+
+
+@pytest.fixture
+def fake_bench(monkeypatch) -> list[dict[str, Any]]:
+    """A "GPU" and a stand-in for bench.main that records its keywords: a bench that gets past
+    its checks returns 0 without timing anything."""
+    import torch
+
+    calls: list[dict[str, Any]] = []
+
+    def main(out_dir, baseline="auto", **kw):
+        calls.append(kw)
+        return {}
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench, "main", main)
+    return calls
+
+
+@pytest.fixture
+def fake_run(monkeypatch) -> list[list]:
+    """Stand-in for warmup.run_warmup: records the configs, returns them all 'cached'."""
+    calls: list[list] = []
+
+    def run(configs, **kw):
+        calls.append(list(configs))
+        return [warmup.WarmupRow(c, status="cached", key="ab" * 32) for c in configs]
+
+    monkeypatch.setattr(warmup, "run_warmup", run)
+    return calls
+
+
+# ----------------------------------------------------------------------------- bench --layers
+@pytest.mark.parametrize("layers", ["1", "0"])
+def test_bench_refuses_fewer_than_two_layers(layers, fake_bench, tmp_path):
+    rc, out, err = run_main(["bench", "--layers", layers, "--out", str(tmp_path)])
+    assert rc == 2 and "--layers" in err and ">= 2" in err and not fake_bench and out == "", err
+
+
+def test_bench_takes_two_layers(fake_bench, tmp_path):
+    rc, _, err = run_main(["bench", "--layers", "2", "--out", str(tmp_path)])
+    assert rc == 0 and fake_bench[0]["num_layers"] == 2, err
+
+
+# ----------------------------------------------------------------------------- bench --decode-query-lens
+@pytest.mark.parametrize("qlens", [str(MAX_QLEN + 1), f"1,{MAX_QLEN + 1}", str(MIN_QLEN - 1)])
+def test_bench_refuses_qlens_out_of_range(qlens, fake_bench, tmp_path):
+    rc, _, err = run_main(["bench", "--decode-query-lens", qlens, "--out", str(tmp_path)])
+    assert rc == 2 and "--decode-query-lens" in err and f"{MIN_QLEN}..{MAX_QLEN}" in err and not fake_bench, err
+
+
+def test_bench_takes_qlens_in_range(fake_bench, tmp_path):
+    rc, _, err = run_main(["bench", "--decode-query-lens", f"{MIN_QLEN},{MAX_QLEN}", "--out", str(tmp_path)])
+    assert rc == 0 and fake_bench[0]["qlens"] == (MIN_QLEN, MAX_QLEN), err
+
+
+# ----------------------------------------------------------------------------- bench --kv-dtypes
+@pytest.mark.parametrize("text, want", [
+    ("fp8", ("float8_e4m3fn",)), ("nvfp4", ("nvfp4",)), ("fp8,nvfp4", KV_DTYPES), ("float8_e4m3fn", ("float8_e4m3fn",)),
+    (" FP8 , nvfp4 ", KV_DTYPES),
+])
+def test_bench_kv_dtypes_take_warmups_names(text, want, fake_bench, tmp_path):
+    rc, _, err = run_main(["bench", "--kv-dtypes", text, "--out", str(tmp_path)])
+    assert rc == 0 and fake_bench[0]["kv_dtypes"] == want, err
+
+
+def test_bench_default_kv_dtypes_are_the_grids(fake_bench, tmp_path):
+    rc, _, err = run_main(["bench", "--out", str(tmp_path)])
+    assert rc == 0 and fake_bench[0]["kv_dtypes"] == tuple(bench.GRID_KV_DTYPES), err
+
+
+def test_bench_unknown_kv_dtype_names_the_flag(fake_bench, tmp_path):
+    rc, _, err = run_main(["bench", "--kv-dtypes", "fp4", "--out", str(tmp_path)])
+    assert rc == 2 and "--kv-dtypes 'fp4'" in err and "fp8 or nvfp4" in err and not fake_bench, err
+
+
+# ----------------------------------------------------------------------------- bench --summary / --table
+@pytest.mark.parametrize("flag", ["--summary", "--table"])
+@pytest.mark.parametrize("content", [None, "{}", "[1]", '"text"', "3", "null", '{"points": []}',
+                                     '{"environment": {}, "copy_tbps": 3.0, "points": {}, "host": {}}'])
+def test_summary_and_table_refuse_what_is_no_bench_result(flag, content, tmp_path):
+    path = NOT_BENCH if content is None else tmp_path / "other.json"
+    if content is not None:
+        path.write_text(content)
+    rc, out, err = run_main(["bench", flag, str(path), "--baseline", "none"])
+    assert rc == 2 and f"{flag} {path}: not a bench result" in err and out == "", err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("flag", ["--summary", "--table"])
+def test_summary_and_table_of_a_bench_result(flag):
+    rc, out, err = run_main(["bench", flag, str(GOOD_RESULT), "--baseline", "none"])
+    assert rc == 0 and out.strip() and err == "", err
+    if flag == "--summary":
+        assert "targets:" in out and " met" in out
+
+
+def test_stored_files_bench_or_not():
+    from msa_jit.bench.report import result_problem
+
+    for path in sorted((ROOT / "bench/results").glob("bench-*.json")):
+        assert result_problem(json.loads(path.read_text())) is None, path
+    for path in sorted((ROOT / "bench/results").glob("variants-*.json")):
+        assert result_problem(json.loads(path.read_text())) is not None, path
+
+
+# ----------------------------------------------------------------------------- empty comma lists
+@pytest.mark.parametrize("command", ["warmup", "inspect"])
+@pytest.mark.parametrize("flags, flag", [
+    (["--arch", ""], "--arch"), (["--arch", ","], "--arch"), (["--arch", "sm_90a", "--arch", " "], "--arch"),
+    (["--q-dtype", ""], "--q-dtype"), (["--kv-dtype", ","], "--kv-dtype"),
+])
+def test_geometry_flags_refuse_an_empty_list(command, flags, flag, fake_run):
+    rc, out, err = run_main([command, "--heads", "8/1", *flags, "-q"])
+    assert rc == 2 and f"{flag} " in err and "empty" in err and not fake_run and out == "", err
+
+
+@pytest.mark.parametrize("command", ["warmup", "inspect"])
+def test_empty_heads_is_refused(command, fake_run):
+    rc, _, err = run_main([command, "--heads", "", "--arch", "sm_90a", "-q"])
+    assert rc == 2 and "--heads" in err and "empty" in err and not fake_run, err
+
+
+def test_a_trailing_comma_is_still_fine(fake_run):
+    rc, _, err = run_main(["warmup", "--heads", "8/1,", "--q-dtype", "bf16, ", "--arch", "sm_90a,", "-q"])
+    assert rc == 0 and {c.arch for c in fake_run[0]} == {"sm_90a"}, err
+
+
+@pytest.mark.parametrize("flag", ["--geometries", "--batches", "--kv-dtypes", "--decode-query-lens"])
+@pytest.mark.parametrize("value", ["", ","])
+def test_bench_lists_refuse_empty(flag, value, fake_bench, tmp_path):
+    rc, _, err = run_main(["bench", flag, value, "--out", str(tmp_path)])
+    assert rc == 2 and f"{flag} " in err and "empty" in err and not fake_bench, err
+
+
+def test_bench_floor_batches_may_be_empty(fake_bench, tmp_path):
+    rc, _, err = run_main(["bench", "--floor-batches", "", "--out", str(tmp_path)])
+    assert rc == 0 and fake_bench[0]["floor_batches"] == (), err
+
+
+def test_split_list():
+    assert common.split_list("--x", None) == []
+    assert common.split_list("--x", "a, b,") == ["a", "b"]
+    assert common.split_list("--x", ["a", "b,c"]) == ["a", "b", "c"]
+    assert common.split_list("--x", ",", allow_empty=True) == []
+    with pytest.raises(ValueError, match="--x ','"):
+        common.split_list("--x", ["a", ","])
+
+
+# ----------------------------------------------------------------------------- doctor
+def test_doctor_cap_line_with_an_invalid_cap(monkeypatch, tmp_path):
+    monkeypatch.setenv("MSA_JIT_CACHE_MAX_BYTES", "abc")
+    rc, out, _ = run_main(["doctor", "--cache-dir", str(tmp_path / "c")])
+    cap = [line for line in out.splitlines() if line.strip().startswith("entries:")]
+    assert rc == 0 and len(cap) == 1 and cap[0].endswith("cap invalid (see Environment)"), cap
+    assert "{'error'" not in out and "MSA_JIT_CACHE_MAX_BYTES='abc'  INVALID" in out
+
+
+def test_doctor_cap_line_with_a_valid_cap(monkeypatch, tmp_path):
+    monkeypatch.setenv("MSA_JIT_CACHE_MAX_BYTES", "1K")
+    rc, out, _ = run_main(["doctor", "--cache-dir", str(tmp_path / "c")])
+    assert rc == 0 and "cap 1024 bytes" in out
