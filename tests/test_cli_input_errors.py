@@ -185,3 +185,13 @@ def test_doctor_cap_line_with_a_valid_cap(monkeypatch, tmp_path):
     monkeypatch.setenv("MSA_JIT_CACHE_MAX_BYTES", "1K")
     rc, out, _ = run_main(["doctor", "--cache-dir", str(tmp_path / "c")])
     assert rc == 0 and "cap 1024 bytes" in out
+
+
+def test_summary_with_a_missing_or_foreign_baseline_exits_2(tmp_path):
+    """--baseline of --summary: a missing file or one that is not a bench result is a usage error."""
+    result = Path(__file__).resolve().parents[1] / "bench/results/bench-2026-12-05T1400-h100.json"
+    foreign = tmp_path / "v.json"
+    foreign.write_text("[1]")
+    for base, says in ((tmp_path / "none.json", "no such file"), (foreign, "not a bench result")):
+        rc, _, err = run_main(["bench", "--summary", str(result), "--baseline", str(base)])
+        assert rc == 2 and says in err, err

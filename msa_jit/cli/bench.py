@@ -88,9 +88,18 @@ def _summary_baseline(args: argparse.Namespace, result: dict) -> dict | None:
     path = result.get("baseline") if args.baseline == "auto" else args.baseline
     if not path or not Path(path).is_file():
         if args.baseline != "auto":
-            raise SystemExit(f"--baseline: no file {path}")
+            print(f"msa-jit bench: --baseline {path}: no such file", file=sys.stderr)
+            raise SystemExit(2)  # a bad flag: exit 2 with a message, as every other
         return None
-    return json.loads(Path(path).read_text())
+    try:
+        baseline = json.loads(Path(path).read_text(encoding="utf-8"))
+        problem = result_problem(baseline)
+    except (OSError, ValueError) as e:
+        problem = f"unreadable ({e})"
+    if problem:
+        print(f"msa-jit bench: --baseline {path}: not a bench result ({problem})", file=sys.stderr)
+        raise SystemExit(2)
+    return baseline
 
 
 def run(args: argparse.Namespace) -> int:
