@@ -82,6 +82,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="print the #18 / #19 targets of a result file, measured vs goal, and exit (no GPU)")
 
 
+def _load_result(flag: str, path: str) -> dict:
+    """The bench result in file `path`, or exit 2 with a message naming `flag` and `path`."""
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as e:
+        problem = f"cannot read it ({e.strerror or e})"
+    except ValueError as e:
+        problem = f"not JSON ({e})"
+    else:
+        why = result_problem(doc)
+        if why is None:
+            return doc
+        problem = f"not a bench result ({why})"
+    print(f"msa-jit bench: {flag} {path}: {problem}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def _summary_baseline(args: argparse.Namespace, result: dict) -> dict | None:
     if args.baseline in (None, "none"):
         return None
@@ -91,15 +108,7 @@ def _summary_baseline(args: argparse.Namespace, result: dict) -> dict | None:
             print(f"msa-jit bench: --baseline {path}: no such file", file=sys.stderr)
             raise SystemExit(2)  # a bad flag: exit 2 with a message, as every other
         return None
-    try:
-        baseline = json.loads(Path(path).read_text(encoding="utf-8"))
-        problem = result_problem(baseline)
-    except (OSError, ValueError) as e:
-        problem = f"unreadable ({e})"
-    if problem:
-        print(f"msa-jit bench: --baseline {path}: not a bench result ({problem})", file=sys.stderr)
-        raise SystemExit(2)
-    return baseline
+    return _load_result("--baseline", path)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -107,22 +116,12 @@ def run(args: argparse.Namespace) -> int:
     for flag, path in (("--table", args.table), ("--summary", args.summary)):
         if not path:
             continue
-        try:  # no GPU: the README tables or the targets of a result file
-            result = json.loads(Path(path).read_text(encoding="utf-8"))
-            problem = result_problem(result)
-            if problem:
-                print(f"msa-jit bench: {flag} {path}: not a bench result ({problem})", file=sys.stderr)
-                return 2
+        result = _load_result(flag, path)  # no GPU: the README tables or the targets of a result file
+        try:
             if flag == "--table":
                 print(bench.readme_table(result))
             else:
                 print(bench.format_targets(bench.check_targets(result, _summary_baseline(args, result))))
-        except OSError as e:
-            print(f"msa-jit bench: {flag} {path}: cannot read it ({e.strerror or e})", file=sys.stderr)
-            return 2
-        except ValueError as e:
-            print(f"msa-jit bench: {flag} {path}: not JSON ({e})", file=sys.stderr)
-            return 2
         except (KeyError, TypeError) as e:
             print(f"msa-jit bench: {flag} {path}: not a bench result (missing {e})", file=sys.stderr)
             return 2
