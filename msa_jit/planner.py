@@ -286,7 +286,7 @@ class SparseDecodePlanner:
                 key = _plan_key(block_table, seq_lens, decode_query_len, num_q_heads, num_kv_heads,
                                 page_size, topk_blocks)
             plan = self._get_or_build(key, block_table, seq_lens)
-        if plan.device.type == "cpu":  # values a CUDA plan cannot read without a sync
+        if not plan.is_cuda:  # values a CUDA plan cannot read without a sync
             validate_seq_lens_values(seq_lens, seq_lens_cpu, block_table, page_size)
         plan.block_table = block_table
         plan.seq_lens = seq_lens
