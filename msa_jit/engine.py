@@ -361,7 +361,7 @@ def msa_cutlass_sparse_decode(
     then ignored, as in the engine). Backend: the compiled kernel on CUDA, the float64
     reference on a CPU. Errors start with the argument's name and end with the layout recognised.
     """
-    if type(metadata) is not MSACutlassDecodeMetadata and not isinstance(metadata, MSACutlassDecodeMetadata):
+    if not isinstance(metadata, MSACutlassDecodeMetadata):
         hint = " (wrap a plan as MSACutlassDecodeMetadata(plan, page_table))" if isinstance(metadata, SparseDecodePlan) else ""
         raise TypeError("metadata: expected MSACutlassDecodeMetadata (from prepare_decode_metadata or "
                         f"MSACutlassDecodePlanCache.prepare), got {type(metadata).__name__}{hint}")

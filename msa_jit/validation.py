@@ -294,10 +294,11 @@ def validate_seq_lens_cpu(seq_lens_cpu: torch.Tensor, block_table: torch.Tensor,
 
 def validate_seq_lens_values(seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor | None,
                              block_table: torch.Tensor, page_size: int) -> None:
-    """A CPU plan's seq_lens, whose values cost no sync to read: the checks of seq_lens_cpu, and
-    equal to seq_lens_cpu where both are given (the reference reads seq_lens)."""
-    validate_seq_lens_cpu(seq_lens, block_table, page_size, name="seq_lens")
-    if seq_lens_cpu is not None and not torch.equal(seq_lens.to(torch.int64), seq_lens_cpu.to(torch.int64)):
+    """A CPU plan's seq_lens, whose values cost no sync to read: equal to seq_lens_cpu where that is
+    given (whose ranges prepare has checked), else the same range checks (the reference reads seq_lens)."""
+    if seq_lens_cpu is None:
+        validate_seq_lens_cpu(seq_lens, block_table, page_size, name="seq_lens")
+    elif not torch.equal(seq_lens.to(torch.int64), seq_lens_cpu.to(torch.int64)):
         raise ValueError(f"seq_lens_cpu: expected the values of seq_lens (its CPU copy), got "
                          f"{seq_lens_cpu.tolist()[:8]} against {seq_lens.tolist()[:8]} (first 8)")
 
