@@ -320,17 +320,22 @@ def kv_cache_layout(kv_cache: torch.Tensor) -> str:
     """"fp8" or "nvfp4": which KV cache layout `kv_cache` is, by dtype and shape.
 
     fp8: [P, Hkv, page_size, 256] float8_e4m3fn or uint8; NVFP4: [P, 2*Hkv, page_size, 72]
-    uint8. Anything else raises (TypeError for a non-tensor, else ValueError), naming both.
+    uint8. Anything else raises, naming both: TypeError for a non-tensor or a dtype neither
+    layout has (as `msa_jit.sparse_decode` does), else ValueError.
     """
     if not isinstance(kv_cache, torch.Tensor):
         raise TypeError(f"kv_cache: expected a torch.Tensor, got {type(kv_cache).__name__}")
     shape = kv_cache.shape  # read once: the engine's eager call pays for every attribute read
+    dtype = kv_cache.dtype
     if len(shape) == 4:
-        dtype, row = kv_cache.dtype, shape[3]
+        row = shape[3]
         if row == _FP8_ROW_BYTES and (dtype is _FP8 or dtype is _U8):
             return "fp8"
         if row == NVFP4_ROW_BYTES and dtype is _U8 and shape[1] % 2 == 0:
             return "nvfp4"
+    if dtype is not _FP8 and dtype is not _U8:
+        raise TypeError(f"kv_cache: expected {_FP8_LAYOUT} or {_NVFP4_LAYOUT}, got a {dtype} tensor "
+                        f"of shape {list(shape)}")
     raise ValueError(
         f"kv_cache: expected {_FP8_LAYOUT} or {_NVFP4_LAYOUT}, got shape {list(shape)} {kv_cache.dtype}"
     )

@@ -15,6 +15,7 @@ import pytest
 import torch
 from helpers import FP8, make_case
 
+import msa_jit
 from msa_jit import engine, sparse_decode_reference
 from msa_jit.engine import (
     MSACutlassDecodeMetadata,
@@ -347,12 +348,26 @@ def test_kv_cache_layout_dispatch():
     assert engine.kv_cache_layout(torch.zeros(2, 4, 128, 256, dtype=torch.uint8)) == "fp8"
     assert engine.kv_cache_layout(_nvfp4_cache(2, 4)) == "nvfp4"
     for bad in (torch.zeros(2, 4, 128, 72, dtype=FP8), torch.zeros(2, 3, 128, 72, dtype=torch.uint8),
-                torch.zeros(2, 4, 128, 128, dtype=torch.uint8), torch.zeros(2, 4, 128, 256, dtype=torch.bfloat16)):
+                torch.zeros(2, 4, 128, 128, dtype=torch.uint8)):
         with pytest.raises(ValueError, match=r"fp8 layout \[P, Hkv, page_size, 256\].*NVFP4 layout "
                                              r"\[P, 2\*Hkv, page_size, 72\].*got shape"):
             engine.kv_cache_layout(bad)
     with pytest.raises(TypeError, match="kv_cache"):
         engine.kv_cache_layout([1, 2])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.int8])
+def test_kv_cache_of_a_dtype_no_layout_has_is_a_type_error_on_both_paths(dtype):
+    """A bf16 / int8 cache is a TypeError through the adapter as through msa_jit.sparse_decode."""
+    bad = torch.zeros(2, 4, 128, 256, dtype=dtype)
+    with pytest.raises(TypeError, match=r"kv_cache: expected the fp8 layout .* got a torch\.\w+ tensor"):
+        engine.kv_cache_layout(bad)
+    plan = msa_jit.prepare(torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), None, 1,
+                           num_q_heads=64, num_kv_heads=4, page_size=128, topk_blocks=16)
+    q = torch.zeros(1, 64, 128, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="kv_cache"):
+        msa_jit.sparse_decode(q, bad, torch.zeros(1, 4, 16, dtype=torch.int32), torch.empty_like(q), plan,
+                              sm_scale=0.1)
 
 
 @pytest.mark.parametrize("mode", ["grad", "no_grad", "inference_mode"])
