@@ -352,14 +352,20 @@ def share_slots(case: Case, shared: int) -> None:
 # (the contract's bound is 1e-2).
 LSE_ATOL = 2e-3
 UNION_LSE_ATOL = 2e-2
+# Largest relative error of one (token, head) output row with visible keys. bf16 output rounding alone
+# is ~2e-3 per row; a row the kernel left at zero, or took from a wrong page or scale, is off by ~1.
+ROW_TOL = 5e-2
 
 
 def compare_with_reference(case: Case, out: torch.Tensor, lse: torch.Tensor | None,
-                           *, tol: float = 1e-2, lse_atol: float = LSE_ATOL) -> tuple[float, list[str]]:
+                           *, tol: float = 1e-2, row_tol: float = ROW_TOL,
+                           lse_atol: float = LSE_ATOL) -> tuple[float, list[str]]:
     """(relative L2 error of out, problems) against the float64 reference of `case`.
 
-    Problems: NaN left from the poison (not fully written), error above `tol`, -inf LSE rows
-    that differ, finite LSE off by more than `lse_atol`, non-zero rows without visible keys.
+    Problems: NaN left from the poison (not fully written), error above `tol`, a (token, head)
+    row with visible keys whose own relative error is above `row_tol` (the whole-tensor error
+    lets ~10 wrong rows of 131072 pass), -inf LSE rows that differ, finite LSE off by more than
+    `lse_atol`, non-zero rows without visible keys.
     """
     from .reference import sparse_decode_reference
 
@@ -373,6 +379,13 @@ def compare_with_reference(case: Case, out: torch.Tensor, lse: torch.Tensor | No
     if not err <= tol:
         problems.append(f"relative L2 error {err:.3e} > {tol}")
     empty = torch.isinf(ref_lse)
+    seen = ~empty
+    if seen.any():
+        row_err = ((got - ref).norm(dim=-1)[seen] / ref.norm(dim=-1)[seen].clamp_min(1e-30)).nan_to_num(nan=math.inf)
+        worst = row_err.max().item()
+        if not worst <= row_tol:
+            problems.append(f"{int((row_err > row_tol).sum())} row(s) with relative error above {row_tol} "
+                            f"(worst {worst:.3e})")
     if lse is not None:
         lse_c = lse.detach().cpu().double()
         if lse_c.isnan().any():

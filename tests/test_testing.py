@@ -32,6 +32,38 @@ def test_rejects_poison_wrong_values_and_wrong_lse():
     assert any("lse" in p for p in compare_with_reference(case, out, lse + 0.01)[1])
 
 
+def test_rejects_an_unwritten_lse_wrong_empty_rows_and_a_few_wrong_rows():
+    """The checks of compare_with_reference that the GPU tests' claims rest on, each shown to fire."""
+    case = make_case(3, 2, 16, 1, q_dtype=torch.bfloat16, seed=2, padded=True)
+    out, lse = _reference_run(case)
+    assert compare_with_reference(case, out, lse)[1] == []
+    bad_l = lse.clone()
+    bad_l[1, 0] = float("nan")
+    assert compare_with_reference(case, out, bad_l)[1] == ["lse not fully written"]
+    empty = torch.isinf(lse).nonzero()
+    assert len(empty), "the padded case has rows without visible keys"
+    t, h = empty[0].tolist()
+    finite = lse.clone()
+    finite[t, h] = 0.0
+    assert compare_with_reference(case, out, finite)[1] == ["rows with -inf lse differ from the reference"]
+    nonzero = out.clone()
+    nonzero[t, h, 0] = 1e-3  # small: only the empty-row check may fire
+    assert compare_with_reference(case, nonzero, lse)[1] == ["rows with no visible key are not zero"]
+
+
+def test_a_few_zeroed_rows_fail_where_the_whole_tensor_error_passes():
+    """At 131072 (token, head) rows, 8 zeroed rows keep the whole-tensor relative L2 under 1e-2."""
+    case = make_case(64, 32, 64, 4, q_dtype=torch.bfloat16, seed=1)
+    out, lse = _reference_run(case)
+    seen = (~torch.isinf(lse)).nonzero()
+    bad = out.clone()
+    for t, h in seen[torch.randperm(len(seen), generator=torch.Generator().manual_seed(0))[:8]].tolist():
+        bad[t, h] = 0
+    err, problems = compare_with_reference(case, bad, lse)
+    assert err <= 1e-2
+    assert len(problems) == 1 and problems[0].startswith("8 row(s) with relative error above 0.05"), problems
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_share_slots_makes_draft_tokens_share_within_the_contract(seed):
     from msa_jit.testing import share_slots
