@@ -200,7 +200,8 @@ def geometry_problems(
     """List of (field, reason) for every head/page/topk rule the kernel design violates.
 
     Field names are the SparseDecodeConfig field names, which are also the parameter names
-    of `supports`, `prepare` and the engine adapter.
+    of `supports`, `prepare` and the engine adapter; a rule between two of them names both
+    ("num_q_heads / num_kv_heads"), since either may be the wrong one.
     """
     out: list[tuple[str, str]] = []
     for name, val in (
@@ -227,14 +228,14 @@ def geometry_problems(
     if num_q_heads >= 1 and num_kv_heads >= 1:
         if num_q_heads % num_kv_heads:
             out.append((
-                "num_q_heads",
+                "num_q_heads / num_kv_heads",
                 f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})",
             ))
         else:
             g = num_q_heads // num_kv_heads
             if not 1 <= g <= MAX_GROUP_SIZE:
                 out.append((
-                    "num_q_heads",
+                    "num_q_heads / num_kv_heads",
                     f"group size num_q_heads/num_kv_heads = {num_q_heads}/{num_kv_heads} = {g} "
                     f"must be in 1..{MAX_GROUP_SIZE}",
                 ))

@@ -248,7 +248,7 @@ def validate_prepare_tensors(block_table: Any, seq_lens: Any, seq_lens_cpu: Any)
     check_dim("block_table", block_table, 2, "[batch, max_blocks]")
     if block_table.shape[0] != batch:
         raise ValueError(
-            f"block_table: expected {batch} rows (one per request, like seq_lens), got shape "
+            f"block_table / seq_lens: expected {batch} block_table rows (one per request of seq_lens), got shape "
             f"{_fmt_shape(block_table)}"
         )
     if block_table.shape[1] < 1:

@@ -8,6 +8,7 @@ from helpers import FP8, Case, make_case
 
 import msa_jit
 from msa_jit import SparseDecodePlanner, sparse_decode_reference
+from msa_jit.testing import compare_with_reference
 from msa_jit.torch_op import WORKSPACE_FIELDS, op_args, sparse_decode_op
 
 OP = torch.ops.msa_jit.sparse_decode.default
@@ -57,9 +58,9 @@ def test_op_matches_eager_api_and_reference(with_lse):
 def test_op_validates_like_the_api():
     c = _case(torch.bfloat16, seed=4)
     plan = _plan(c)
-    with pytest.raises(ValueError, match="query"):
+    with pytest.raises(ValueError, match="^query: "):
         sparse_decode_op(c.query[:-1], c.kv_cache, c.topk, c.new_out()[:-1], plan, **c.scales())
-    with pytest.raises(ValueError, match="sm_scale"):
+    with pytest.raises(ValueError, match="^sm_scale: "):
         sparse_decode_op(c.query, c.kv_cache, c.topk, c.new_out(), plan, sm_scale=-1.0)
 
 
@@ -192,6 +193,7 @@ def test_compile_inductor_and_cuda_graph_gpu():
 
     out_e, lse_e = c.new_out(), c.new_lse()
     step(c.query, c.kv_cache, c.topk, out_e, lse_e)
+    assert compare_with_reference(c, out_e, lse_e)[1] == []  # out and lse fully written, both right
     o64, _ = sparse_decode_reference(*c.reference_args(), **scales)
     assert _rel(out_e, o64) < 1e-2
 
@@ -205,7 +207,7 @@ def test_compile_inductor_and_cuda_graph_gpu():
     torch.cuda.synchronize()
     assert _rel(out_c, o64) < 1e-2
     torch.testing.assert_close(out_c, out_e, rtol=1e-2, atol=1e-3)
-    torch.testing.assert_close(lse_c, lse_e, rtol=1e-5, atol=1e-5, equal_nan=True)
+    torch.testing.assert_close(lse_c, lse_e, rtol=1e-5, atol=1e-5)  # -inf rows compare equal; NaN would not
 
     out_g, lse_g = c.new_out(), c.new_lse()
     s = torch.cuda.Stream()
@@ -217,10 +219,12 @@ def test_compile_inductor_and_cuda_graph_gpu():
     with torch.cuda.graph(graph):
         step(c.query, c.kv_cache, c.topk, out_g, lse_g)
     out_g.fill_(float("nan"))
+    lse_g.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
     assert _rel(out_g, o64) < 1e-2
     torch.testing.assert_close(out_g, out_e, rtol=1e-2, atol=1e-3)
+    torch.testing.assert_close(lse_g, lse_e, rtol=1e-5, atol=1e-5)  # the replay writes the caller's lse
 
 
 @pytest.mark.gpu
