@@ -500,6 +500,25 @@ def test_targets_statuses():
     assert len([t for t in rows if t["issue"] == "#18"]) == 8 and len(rows) == 29
 
 
+def test_every_file_with_gpu_tests_is_run_by_a_device_step():
+    """A GPU test file that no step of bench/h200_run.sh names never runs anywhere (CI has no GPU):
+    test_examples.py was such a file until session 23."""
+    import glob
+    import re
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    script = (tests.parent / "bench" / "h200_run.sh").read_text()
+    gpu_tests = re.search(r'^GPU_TESTS="([^"]+)"', script, re.M).group(1).split()
+    selected = {Path(f).name for pattern in gpu_tests for f in glob.glob(str(tests / pattern))}
+    # the steps that run one file of their own (union_tests, cluster_tests)
+    selected |= set(re.findall(r"python3 -m pytest (test_\w+\.py) -m gpu", script))
+    with_gpu = {p.name for p in tests.glob("test_*.py")
+                if re.search(r"pytest\.mark\.gpu|pytestmark = pytest\.mark\.gpu", p.read_text())}
+    assert {"test_kernel_gpu.py", "test_union_gpu.py", "test_examples.py"} <= with_gpu
+    assert with_gpu - selected == set(), "GPU tests no device step runs"
+
+
 # ---------------------------------------------------------------- on the GPU (bench/h200_run.sh tests)
 
 
