@@ -78,11 +78,20 @@ def _case(hq, hkv, q_dtype, kv_dtype, batch, qlen, splits):
                            transposed_topk=bool(seed % 2), padded=batch > 1)
 
 
-@pytest.mark.parametrize("hq,hkv", MINIMAX_M3_GEOMETRIES, ids=lambda v: str(v))
+def _reachable(splits: int, rows_heads: int) -> bool:
+    return any(choose_num_splits(rows_heads, 16, n) == splits for n in range(1, 4096))
+
+
+# every (geometry, splits, shape) the planner can give: one (token, KV head) row never splits in 3,
+# so 16/1 and 8/1 at batch 1 have no splits-3 case (they skipped on every machine before)
+REACHABLE = [pytest.param(hq, hkv, splits, batch, qlen, id=f"{hq}/{hkv}-splits{splits}-({batch}, {qlen})")
+             for hq, hkv in MINIMAX_M3_GEOMETRIES for splits in SPLITS for batch, qlen in SHAPES
+             if _reachable(splits, batch * qlen * hkv)]
+
+
 @pytest.mark.parametrize("q_dtype", Q_DTYPES, ids=["bf16", "fp8"])
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-@pytest.mark.parametrize("splits", SPLITS, ids=lambda n: f"splits{n}")
-@pytest.mark.parametrize("batch,qlen", SHAPES, ids=lambda v: str(v))
+@pytest.mark.parametrize("hq,hkv,splits,batch,qlen", REACHABLE)
 def test_cluster_merge_matches_reference(hq, hkv, q_dtype, kv_dtype, splits, batch, qlen, record_property):
     seed, case = _case(hq, hkv, q_dtype, kv_dtype, batch, qlen, splits)
     runs = _run(case, "cluster", splits, scale_tensors=kv_dtype == "nvfp4" and seed % 2 == 0)

@@ -58,14 +58,18 @@ def _check(case, out, lse, tag):
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("ctas_per_sm", UNION_CTAS_PER_SM, ids=lambda n: f"{n}perSM")
 def test_union_matches_reference(hq, hkv, q_dtype, qlen, batch, ctas_per_sm, record_property):
-    if batch * qlen > 512:
-        pytest.skip("T > 512: the float64 reference's time, not the kernel's limit (B=64 qlen 8 is here)")
     seed = zlib.crc32(f"union/{hq}/{hkv}/{q_dtype}/{qlen}/{batch}".encode())
     case = make_case(batch, qlen, hq, hkv, q_dtype=q_dtype, seed=seed, device="cuda",
                      transposed_topk=bool(seed % 2), padded=batch > 1 and seed % 3 == 0)
     share_slots(case, 12 if seed % 4 else 0)
     out, lse, plan = _run(case, _planner(ctas_per_sm=ctas_per_sm))
-    err = _check(case, out, lse, f"union {hq}/{hkv} {q_dtype} qlen={qlen} B={batch} {ctas_per_sm}/SM")
+    tag = f"union {hq}/{hkv} {q_dtype} qlen={qlen} B={batch} {ctas_per_sm}/SM"
+    if batch * qlen > 512:
+        # the float64 reference on the host takes minutes at T = 2048: against the token kernel, which
+        # test_kernel_gpu checks against that reference at this shape
+        err = _agree_with_token_kernel(case, out, lse, tag)
+    else:
+        err = _check(case, out, lse, tag)
     record_property("rel_l2", err)
     print(f"REL_L2 union {hq}/{hkv} {str(q_dtype)[6:]} qlen={qlen} B={batch} splits={plan.num_splits} "
           f"{ctas_per_sm}/SM err={err:.3e}")
@@ -103,18 +107,27 @@ def test_union_adversarial_indices(q_dtype):
         _check(case, out, lse, f"union adversarial seed={seed}")
 
 
-def test_union_and_token_kernels_agree():
-    """The same step through both kernels: equal within the kernels' rounding."""
+def _agree_with_token_kernel(case, u, lu, tag, tol=TOL):
+    """Relative L2 of the union kernel's output `u` (lse `lu`) against the token kernel's on `case`;
+    asserts both fully written, the same empty rows, and the LSE within UNION_LSE_ATOL."""
     import msa_jit
 
+    t, lt, _ = _run(case, msa_jit.SparseDecodePlanner(kernel="token"), kernel="token")
+    assert not (u.isnan().any() or lu.isnan().any() or t.isnan().any()), f"{tag}: not fully written"
+    diff = float((u.double() - t.double()).norm() / t.double().norm())
+    finite = ~torch.isinf(lt)
+    assert diff < tol, f"{tag}: union vs token rel L2 {diff:.2e}"
+    assert torch.equal(torch.isinf(lu), torch.isinf(lt)), f"{tag}: empty rows differ"
+    assert (lu[finite] - lt[finite]).abs().max() < UNION_LSE_ATOL, f"{tag}: lse differs"
+    return diff
+
+
+def test_union_and_token_kernels_agree():
+    """The same step through both kernels: equal within the kernels' rounding."""
     case = make_case(64, 4, 64, 4, q_dtype=torch.float8_e4m3fn, seed=21, device="cuda")
     share_slots(case, 12)
     u, lu, _ = _run(case, _planner())
-    t, lt, _ = _run(case, msa_jit.SparseDecodePlanner(kernel="token"), kernel="token")
-    diff = float((u.double() - t.double()).norm() / t.double().norm())
-    finite = ~torch.isinf(lt)
-    assert diff < 5e-3, f"union vs token rel L2 {diff:.2e}"
-    assert torch.equal(torch.isinf(lu), torch.isinf(lt)) and (lu[finite] - lt[finite]).abs().max() < UNION_LSE_ATOL
+    _agree_with_token_kernel(case, u, lu, "union vs token 64/4 B=64 qlen 4", tol=5e-3)
 
 
 def test_planner_picks_union_when_enabled(monkeypatch):
