@@ -304,3 +304,15 @@ def test_nvfp4_backend_and_query(vllm, device):
     q = wiring.allocate_query_fp8(attn, torch.empty(4, 1, device=device))
     assert q is not None and q.shape == (4, 16 * ec.D)
     assert math.isclose(attn.impl.scale, ec.D ** -0.5)
+
+
+def test_nvfp4_slots_are_the_engines_own(monkeypatch):
+    """msa_jit's NVFP4 K / V slot views against vLLM's real `nvfp4_kv_cache_slots` (its file, not a
+    restatement): same values, same strides, same storage."""
+    from msa_jit.nvfp4 import nvfp4_kv_cache_slots
+
+    ns = vs.install(monkeypatch)
+    kv = torch.arange(3 * 6 * 4 * 72, dtype=torch.int64).to(torch.uint8).reshape(3, 6, 4, 72)
+    for cache in (kv, torch.zeros(3, 6 * 4 * 72 + 40, dtype=torch.uint8)[:, :6 * 4 * 72].view(3, 6, 4, 72)):
+        for want, got in zip(ns.engine_msa.nvfp4_kv_cache_slots(cache), nvfp4_kv_cache_slots(cache)):
+            assert torch.equal(want, got) and want.stride() == got.stride() and want.data_ptr() == got.data_ptr()
