@@ -26,12 +26,6 @@ trap 'rm -f $OUT/.step-start' EXIT  # the flagged bench steps' marker (it would 
 DEADLINE=${DEADLINE:-570}
 # globbed in tests/; tests/test_bench.py checks that every file with GPU tests is run by a step here
 GPU_TESTS="test_kernel_gpu.py test_planner.py test_torch_op.py test_op_fast_path.py test_nvfp4*.py test_engine*.py test_vllm_plugin.py test_bench.py test_examples.py"
-# the notebook test's packages (nbformat, nbclient, ipykernel and theirs) are not on the GPU host: carried
-# as wheels in .whl (docs/gpu-workflow.md), installed outside the tree; without them that test skips
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=$PYTHONPATH:/tmp/site
-fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 
 # limit STEP_SECONDS: the step's own cap, cut to what is left before DEADLINE

@@ -121,6 +121,22 @@ def test_notebook_runs_on_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.slow
+def test_notebook_source_runs_on_gpu():
+    """The notebook's code, cell by cell in order, as its paired jupytext source run by python: the
+    GPU host has no Jupyter stack (Jupyter wheels carried there, session 23: the kernel process
+    died on the first cell's reply, ZMQError ENOTSOCK), and test_notebook_matches_its_jupytext_source
+    pins the two to each other."""
+    env = _env(cpu=False)
+    env["MPLBACKEND"] = "Agg"
+    proc = subprocess.run([sys.executable, str(SOURCE)], capture_output=True, text=True, timeout=900, env=env,
+                          cwd=str(EXAMPLES.parent))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "backend: kernel" in proc.stdout and "median step time" in proc.stdout, proc.stdout
+    assert "ABOVE BOUND" not in proc.stdout, proc.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
 @pytest.mark.parametrize("q_dtype", ["bf16", "fp8"])
 def test_quickstart_runs_on_gpu(q_dtype):
     proc = subprocess.run(
