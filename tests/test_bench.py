@@ -647,3 +647,18 @@ def test_environment_records_what_the_flags_mean(monkeypatch):
     env_ = environment()
     assert env_["msa_jit_env"] == {"MSA_JIT_ENABLE_CLUSTER_MERGE": "0", "MSA_JIT_ENABLE_SM90_UNION": "1"}
     assert env_["msa_jit_flags"]["enable_cluster_merge"] is False and env_["msa_jit_flags"]["enable_sm90_union"] is True
+
+
+@pytest.mark.parametrize("argv,want", [
+    (["/venv/bin/msa-jit", "bench", "--out", "/o"], "msa-jit bench --out /o"),
+    (["/repo/msa_jit/__main__.py", "bench", "--quick"], "msa-jit bench --quick"),
+    (["bench/kv_format_ab.py", "run", "--dir", ".kv-variants"], "python bench/kv_format_ab.py run --dir .kv-variants"),
+    (["bench/host_ab.py", "--label", "a b"], "python bench/host_ab.py --label 'a b'"),
+])
+def test_environment_records_the_command_as_typed(monkeypatch, argv, want):
+    """A bench/ script's file named a command that does not exist ('msa-jit run --dir ...' for
+    kv_format_ab.py): 89 result files before session 23."""
+    from msa_jit.bench.measure import environment
+
+    monkeypatch.setattr("sys.argv", argv)
+    assert environment()["command"] == want

@@ -21,6 +21,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import shlex
 import signal
 import statistics
 import sys
@@ -274,6 +275,15 @@ def host_overheads(calls: int = 200, batch: int = 1, rounds: int = 15, nvfp4: bo
     return res
 
 
+def invocation() -> str:
+    """The command line of this process as typed: `msa-jit ...` for the CLI (its console script or
+    `python -m msa_jit`), else `python <script> ...` (the bench/ scripts that record environment())."""
+    prog = Path(sys.argv[0])
+    if prog.name == "msa-jit" or prog.parts[-2:] == ("msa_jit", "__main__.py"):
+        return shlex.join(["msa-jit", *sys.argv[1:]])
+    return shlex.join(["python", *sys.argv])
+
+
 def environment() -> dict[str, str]:
     import torch
 
@@ -286,7 +296,7 @@ def environment() -> dict[str, str]:
         "python": platform.python_version(),
         "cutlass_dsl": dsl_version(),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": "msa-jit " + " ".join(sys.argv[1:]),
+        "command": invocation(),
         # the kernel choices that environment variables make (a row's "kernel" / "split_merge" says which
         # ran): the raw values set, and what they mean (defaults differ: the cluster merge is on unset)
         "msa_jit_env": {name: os.environ[name]
