@@ -28,6 +28,7 @@ from kv_format_ab import _q_dtype as q_dtype_of  # noqa: E402
 from variants import _launch_checked, _planner_for_splits  # noqa: E402
 
 from msa_jit import loader  # noqa: E402
+from msa_jit.bench.measure import environment, invocation  # noqa: E402
 from msa_jit.testing import LSE_ATOL, make_case  # noqa: E402
 
 SPLITS = (3, 4, 6, 8, 16)
@@ -74,7 +75,8 @@ def main() -> int:
     bad = [r for r in rows if r["problems"]]
     print(f"split check: {len(rows)} cases, {len(bad)} failed, worst rel L2 {max(r['rel_l2'] for r in rows):.2e}")
     if a.out:
-        (Path(a.out) / "split-check.json").write_text(json.dumps(rows, indent=1))
+        result = {"environment": environment(), "command": invocation(), "rows": rows}
+        (Path(a.out) / "split-check.json").write_text(json.dumps(result, indent=1))
     return 1 if bad else 0
 
 
