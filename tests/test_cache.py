@@ -6,14 +6,14 @@ import dataclasses
 import enum
 import json
 import logging
-import math
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
-import warnings
 from pathlib import Path
 
 import filelock
@@ -23,12 +23,10 @@ from hypothesis import strategies as st
 
 from msa_jit import cache, env
 from msa_jit.cache import entry as cache_entry
-from msa_jit.cache import location as cache_location
 from msa_jit.cache import (
     ArtifactCache,
     ArtifactMissingError,
     CacheEntry,
-    CacheFallbackWarning,
     CacheLockTimeout,
     make_key,
     source_fingerprint,
@@ -254,12 +252,27 @@ def test_failing_build_leaves_nothing(tmp_path):
         get(c, config, boom)
     assert build_dirs(c) == [] and c.entries() == [] and c.lookup(key_of(config)) is None
     assert not (c.v1 / key_of(config)[:2] / key_of(config)).exists()
-    # lock released, build result validated
-    for bad in (lambda t: None, lambda t: {"artifacts": "kernel.so"}, lambda t: {"artifacts": ["missing.so"]},
-                lambda t: {"artifacts": ["../x.so"]}, lambda t: {"artifacts": ["meta.json"]}):
-        with pytest.raises((TypeError, ValueError, FileNotFoundError)):
+    # lock released, build result validated: each bad result its own error (a broad
+    # pytest.raises would let a missing name check pass as the FileNotFoundError that follows it)
+    for bad, error, match in (
+        (lambda t: None, TypeError, "must return a dict"),
+        (lambda t: {"artifacts": "kernel.so"}, TypeError, "non-empty list of file names"),
+        (lambda t: {"artifacts": ["missing.so"]}, FileNotFoundError, "did not write artifact 'missing.so'"),
+    ):
+        with pytest.raises(error, match=match):
             get(c, config, bad)
         assert build_dirs(c) == [] and c.entries() == []
+    # names that are no plain file name (cache_dir_policy.md §2), each really written by the build
+    # (../x.so lands beside the build dir): only the name check can refuse them
+    for name in ("../x.so", "meta.json", ".hidden.so"):
+        def writes(t, name=name):
+            (t / name).write_bytes(b"x")
+            return {"artifacts": [name]}
+
+        with pytest.raises(ValueError, match=f"invalid artifact name '{re.escape(name)}'"):
+            get(c, config, writes)
+        assert build_dirs(c) == [] and c.entries() == []
+        (c.v1 / "tmp" / "x.so").unlink(missing_ok=True)
     entry, built = get(c, config)
     assert built and cache.stats()["builds"] == 1
 
@@ -299,6 +312,55 @@ def test_corruption_found_inside_get_or_build(tmp_path):
     flip_byte(entry.artifact_path(), 0)
     entry2, built = get(ArtifactCache(root), {"g": 2})
     assert built and ArtifactCache(root).lookup(entry.key) is not None
+
+
+def test_corrupt_entry_left_alone_while_its_lock_is_held(tmp_path, caplog):
+    """§4: a corrupt entry is removed under its lock taken without waiting; a busy lock means
+    someone is rebuilding it, so the reader leaves it alone (and still gets None, at once)."""
+    root = tmp_path / "c"
+    entry, _ = get(ArtifactCache(root), {"g": "busy-corrupt"})
+    flip_byte(entry.artifact_path())
+    c = ArtifactCache(root)
+    with filelock.FileLock(str(c.lock_path(entry.key))):  # "another process" holds it
+        t0 = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="msa_jit.cache"):
+            assert c.lookup(entry.key) is None
+        assert time.monotonic() - t0 < 5  # never waits for the lock
+        assert entry.path.exists() and (entry.path / "meta.json").exists()  # left alone
+    assert any("corrupt" in r.getMessage() for r in caplog.records) and c.stats["corrupt"] == 1
+    assert ArtifactCache(root).lookup(entry.key) is None and not entry.path.exists()  # lock free: removed
+
+
+def test_corrupt_entry_republished_meanwhile_is_kept(tmp_path, monkeypatch):
+    """§4: the removal re-checks, under the lock, that the entry is still the one judged corrupt:
+    an entry another process published after the check (here: between the check and the removal,
+    by a stand-in for that process hooked into the artifact check) is never removed."""
+    root = tmp_path / "c"
+    config = {"g": "republished"}
+    entry, _ = get(ArtifactCache(root), config)
+    flip_byte(entry.artifact_path())
+    good, _ = get(ArtifactCache(tmp_path / "elsewhere"), config)  # a valid build of the same key
+    from msa_jit.cache import store as cache_store
+
+    real_check = cache_store.check_artifacts
+    republished = []
+
+    def check_then_republish(d, meta, sig, hash_check):  # stand-in: another process publishes
+        try:
+            real_check(d, meta, sig, hash_check)
+        except cache_entry.CorruptEntry:
+            if not republished:
+                shutil.rmtree(d)
+                shutil.copytree(good.path, d)
+                republished.append(d)
+            raise
+
+    monkeypatch.setattr(cache_store, "check_artifacts", check_then_republish)
+    assert ArtifactCache(root).lookup(entry.key) is None  # this reader judged the old one corrupt ...
+    assert republished == [entry.path]
+    monkeypatch.setattr(cache_store, "check_artifacts", real_check)
+    kept = ArtifactCache(root).lookup(entry.key)  # ... and did not remove the new one
+    assert kept is not None and kept.meta["artifacts"][0]["sha256"] == good.meta["artifacts"][0]["sha256"]
 
 
 def test_truncation_detected_even_without_hash(tmp_path):
@@ -456,11 +518,28 @@ def test_prune_keeps_build_in_progress(tmp_path):
     inprog = c.v1 / "tmp" / f"build-{key}-abc"
     inprog.mkdir()
     (inprog / "kernel.so").write_bytes(b"x")
+    os.utime(inprog, (1000, 1000))  # started long ago: a live build is never disturbed, even after an hour
     lock = filelock.FileLock(str(c.lock_path(key)))
     with lock:  # its builder is alive (holds the lock)
         assert c.prune(0) == [] and c.clear() == []
         assert inprog.exists()
     assert c.clear() == [inprog] and not inprog.exists()
+
+
+def test_prune_collects_an_incomplete_entry_only_while_its_lock_is_free(tmp_path):
+    """§6: an entry dir without meta.json is garbage once its lock is free; while its lock is
+    held it stays, however old. A complete entry is no garbage."""
+    c = ArtifactCache(tmp_path / "c")
+    complete, _ = get(c, {"g": "complete"})
+    key = key_of({"g": "incomplete"})
+    incomplete = c.entry_path(key)
+    incomplete.mkdir(parents=True)
+    (incomplete / "kernel.so").write_bytes(b"no meta.json")
+    os.utime(incomplete, (1000, 1000))  # old: the lock decides, not the age
+    with filelock.FileLock(str(c.lock_path(key))):
+        assert c.prune() == [] and incomplete.exists()
+    assert c.prune() == [incomplete] and not incomplete.exists()
+    assert c.lookup(complete.key) is not None
 
 
 def test_publish_first_valid_writer_wins(tmp_path):
@@ -586,104 +665,7 @@ def test_prune_default_cap_from_env_and_auto_prune(tmp_path, monkeypatch):
     assert [e.key for e in c.entries()] == [newest.key]
 
 
-# =========================================================================== locations
-
-
-def test_location_precedence(tmp_path, monkeypatch):
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
-    assert cache.preferred_root()[0] == tmp_path / "home" / ".cache" / "msa-jit"
-    monkeypatch.setenv("XDG_CACHE_HOME", "relative/ignored")
-    assert cache.preferred_root()[0] == tmp_path / "home" / ".cache" / "msa-jit"
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert cache.preferred_root()[0] == tmp_path / "xdg" / "msa-jit"
-    monkeypatch.setenv("MSA_JIT_CACHE_DIR", str(tmp_path / "explicit"))
-    assert cache.preferred_root() == (tmp_path / "explicit", "MSA_JIT_CACHE_DIR")
-    c = ArtifactCache()
-    assert c.root == tmp_path / "explicit"
-    assert cache.default_cache() is cache.default_cache()
-    assert cache.default_cache().root == tmp_path / "explicit"
-    assert cache.user_temp_root() == tmp_path / "systmp" / f"msa-jit-{os.getuid()}"
-
-
-def _fallbacks(record) -> list:
-    return [w for w in record if issubclass(w.category, CacheFallbackWarning)]
-
-
-def test_unwritable_root_falls_back_with_one_warning(tmp_path, monkeypatch):
-    blocker = tmp_path / "not-a-dir"
-    blocker.write_text("a regular file")
-    bad = blocker / "cache"
-    monkeypatch.setenv("MSA_JIT_CACHE_DIR", str(bad))
-    with warnings.catch_warnings(record=True) as rec:
-        warnings.simplefilter("always")
-        c = ArtifactCache()
-        e1, built = get(c, {"g": "fb"})
-        e2, built2 = get(c, {"g": "fb"})
-        c.lookup(e1.key)
-        c.prune()
-    ws = _fallbacks(rec)
-    assert len(ws) == 1, [str(w.message) for w in rec]
-    msg = str(ws[0].message)
-    assert str(bad) in msg and "NotADirectoryError" in msg and str(c.root) in msg
-    assert c.root == cache.user_temp_root() and not c.ephemeral
-    assert built and not built2 and e1.path.is_relative_to(c.root)
-    assert c.fallback_reason == msg
-    assert (os.stat(c.root).st_mode & 0o777) == 0o700
-    # default_cache warns once per process for the same configuration
-    with warnings.catch_warnings(record=True) as rec:
-        warnings.simplefilter("always")
-        cache.default_cache()
-        cache.default_cache()
-    assert len(_fallbacks(rec)) == 1
-
-
-def test_fallback_to_in_process_tempdir(tmp_path, monkeypatch):
-    blocker = tmp_path / "f"
-    blocker.write_text("x")
-    cache.user_temp_root().write_text("someone else's file")  # per-user temp dir unusable too
-    with warnings.catch_warnings(record=True) as rec:
-        warnings.simplefilter("always")
-        c = ArtifactCache(blocker / "cache")
-        entry, built = get(c, {"g": "eph"})
-    ws = _fallbacks(rec)
-    assert len(ws) == 1
-    msg = str(ws[0].message)
-    assert str(blocker / "cache") in msg and str(cache.user_temp_root()) in msg and "deleted at exit" in msg
-    assert c.ephemeral and built and entry.artifact_path().exists()
-    assert c.root.parent == tmp_path / "systmp" and c.root != cache.user_temp_root()
-
-
-def test_foreign_or_open_user_temp_dir_rejected(tmp_path):
-    d = cache.user_temp_root()
-    d.mkdir(mode=0o777)
-    os.chmod(d, 0o777)
-    assert "world-writable" in cache_location.check_private_dir(d)
-    os.rmdir(d)
-    os.symlink(tmp_path, d)
-    assert "symlink" in cache_location.check_private_dir(d)
-
-
-def test_readonly_prewarmed_root_still_used(tmp_path, monkeypatch):
-    ro = tmp_path / "prewarmed"
-    config = {"g": "ro"}
-    warm, _ = get(ArtifactCache(ro), config)
-    real_probe = cache_location.probe_writable
-    monkeypatch.setattr(
-        cache_location, "probe_writable",
-        lambda root: "OSError EROFS: Read-only file system (simulated)" if Path(root) == ro else real_probe(root),
-    )
-    monkeypatch.setenv("MSA_JIT_NO_COMPILE", "1")
-    with warnings.catch_warnings(record=True) as rec:
-        warnings.simplefilter("always")
-        c = ArtifactCache(ro)
-    ws = _fallbacks(rec)
-    assert len(ws) == 1 and "read-only" in str(ws[0].message) and str(ro) in str(ws[0].message)
-    assert c.root == cache.user_temp_root() and c.readonly_roots == (ro,)
-    entry, built = get(c, config)
-    assert not built and entry.readonly and entry.path == warm.path
-    assert [e.key for e in c.entries()] == [warm.key]
-    assert c.clear() == [] and warm.path.exists()  # read-only roots are never touched
+# =========================================================================== locations: test_cache_location.py
 
 
 def test_cache_entry_is_hashable(tmp_path):

@@ -76,7 +76,9 @@ def test_entry_under_another_key_is_never_served(tmp_path, caplog):
     fresh = ArtifactCache(root)  # a new process: nothing memoized
     res = {e.key: why for e, why in fresh.verify()}
     assert res[three.key] is None
+    # verify names both keys: the one the entry's config gives and the directory's
     assert "give key" in res[make_key(two, FP)] and three.key[:12] in res[make_key(two, FP)]
+    assert make_key(two, FP)[:12] in res[make_key(two, FP)]
     for verify in (False, True):  # the check is not part of the (optional) hash check
         with caplog.at_level(logging.WARNING, logger="msa_jit.cache"):
             assert ArtifactCache(root).lookup(make_key(two, FP), verify=verify) is None
@@ -130,11 +132,56 @@ def test_shard_symlink_loop_heals(tmp_path):
     c = ArtifactCache(root)
     bad = [(e, why) for e, why in c.verify() if why]
     assert len(bad) == 1 and bad[0][0].path == shard and "symbolic links" in bad[0][1]
+    assert bad[0][0].key == shard.name  # the bad item's key is the shard's name
     entry, built = get(c, config)  # heals: the loop is moved aside, the build is published
     assert built and shard.is_dir() and not shard.is_symlink()
     assert ArtifactCache(root).lookup(key) is not None
     assert get(ArtifactCache(root), config)[1] is False  # and the next run finds it
     assert ArtifactCache(root).verify() == [(ArtifactCache(root).lookup(key), None)]
+
+
+def make_bad_shard(shard: Path, kind: str) -> None:
+    """Put `kind` where the shard dir `shard` belongs: a symlink loop, a dangling link or a file."""
+    if shard.is_dir() and not shard.is_symlink():
+        shutil.rmtree(shard)
+    if kind == "loop":
+        os.symlink(shard.name, shard)  # v1/08 -> 08
+    elif kind == "dangling":
+        os.symlink(shard.parent / "nowhere", shard)
+    else:
+        shard.write_text("a file where a shard dir belongs")
+
+
+# each of the four heals on its own (§2): a lookup that fails because of the shard (a loop or a file;
+# a dangling link is a plain miss), a publish into it (the lookups stood in for by misses), prune, clear
+@pytest.mark.parametrize("via, kind", [
+    ("lookup", "loop"), ("lookup", "file"),
+    ("publish", "loop"), ("publish", "dangling"), ("publish", "file"),
+    ("prune", "loop"), ("prune", "dangling"), ("prune", "file"),
+    ("clear", "loop"), ("clear", "dangling"), ("clear", "file"),
+])
+def test_each_path_heals_a_bad_shard(tmp_path, monkeypatch, via, kind):
+    root = tmp_path / "c"
+    config = {"g": "heal"}
+    key = make_key(config, FP)
+    get(ArtifactCache(root), config)
+    shard = root / "v1" / key[:2]
+    target = root / "v1" / "nowhere"
+    make_bad_shard(shard, kind)
+    c = ArtifactCache(root)
+    if via == "lookup":
+        assert c.lookup(key) is None
+    elif via == "publish":
+        with monkeypatch.context() as m:
+            m.setattr(ArtifactCache, "_lookup", lambda self, *a, **k: None)  # stand-in: every lookup misses
+            entry, built = get(c, config)
+        assert built and entry.path == c.entry_path(key) and (entry.path / "meta.json").is_file()
+    else:
+        assert shard in getattr(c, via)()
+    assert not shard.is_symlink() and not shard.is_file()  # moved aside: the link itself ...
+    assert not target.exists()  # ... never what it points to (nothing was created there)
+    entry, built = get(ArtifactCache(root), config)  # and a build publishes normally
+    assert ArtifactCache(root).lookup(key) == entry and shard.is_dir() and not shard.is_symlink()
 
 
 def test_verify_remove_drops_a_bad_shard(tmp_path):
@@ -148,16 +195,27 @@ def test_verify_remove_drops_a_bad_shard(tmp_path):
     assert ArtifactCache(root).verify() == [(good, None)]
 
 
-def test_v1_symlink_loop_is_named_as_such(tmp_path):
+# §1: a root, v1, tmp or locks that exists but is no directory is named as what it is, never as
+# the EEXIST that creating it would report
+@pytest.mark.parametrize("part", ["root", "v1", "v1/tmp", "v1/locks"])
+@pytest.mark.parametrize("kind, says", [("loop", "ELOOP"), ("file", "exists and is not a directory"),
+                                        ("dangling", "is a broken symlink")])
+def test_a_layout_dir_that_is_no_directory_is_named_as_such(tmp_path, part, kind, says):
     root = tmp_path / "c"
-    root.mkdir()
-    os.symlink("v1", root / "v1")
+    bad = root if part == "root" else root / part
+    bad.parent.mkdir(parents=True, exist_ok=True)
+    if kind == "loop":
+        os.symlink(bad.name, bad)
+    elif kind == "dangling":
+        os.symlink(tmp_path / "nowhere", bad)
+    else:
+        bad.write_text("a file")
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
         c = ArtifactCache(root)
-    msg = " ".join(str(w.message) for w in rec if issubclass(w.category, CacheFallbackWarning))
-    assert "ELOOP" in msg and "EEXIST" not in msg and str(root / "v1") in msg
-    assert c.root == cache.user_temp_root()
+    (msg,) = [str(w.message) for w in rec if issubclass(w.category, CacheFallbackWarning)]
+    assert f"cannot use {root} ({bad} " in msg and says in msg and "EEXIST" not in msg, msg
+    assert c.root == cache.user_temp_root() and not (tmp_path / "nowhere").exists()
 
 
 # =========================================================================== no-compile (§5.2)
@@ -175,11 +233,37 @@ def test_no_compile_names_the_corrupt_entry(tmp_path, monkeypatch, caplog):
         get(ArtifactCache(root), config)
     msg = str(ei.value)
     assert "corrupt" in msg and "sha256" in msg and str(entry.path) in msg
+    assert f"{entry.path} (" in msg and "; removed)" in msg and not entry.path.exists()  # what was done
     logged = " ".join(r.getMessage() for r in caplog.records)
     assert "corrupt" in logged and "so that it is rebuilt" not in logged and "not rebuilt on this host" in logged
     import pickle
 
     assert str(pickle.loads(pickle.dumps(ei.value))) == msg  # raised in warm-up workers too
+
+
+def test_no_compile_names_a_corrupt_readonly_entry_as_skipped(tmp_path, monkeypatch):
+    """§5.2: a corrupt entry of a read-only root is named with why and `read-only, skipped`, and left."""
+    ro = tmp_path / "prewarmed"
+    config = {"g": "prod-ro"}
+    entry, _ = get(ArtifactCache(ro), config)
+    data = bytearray(entry.artifact_path().read_bytes())
+    data[7] ^= 0xFF
+    entry.artifact_path().write_bytes(bytes(data))
+    from msa_jit.cache import location
+
+    real = location.probe_writable
+    monkeypatch.setattr(location, "probe_writable", lambda r: "EROFS (simulated)" if Path(r) == ro else real(r))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CacheFallbackWarning)
+        c = ArtifactCache(ro)
+    assert c.readonly_roots == (ro,)
+    monkeypatch.setenv("MSA_JIT_NO_COMPILE", "1")
+    with pytest.raises(ArtifactMissingError) as ei:
+        get(c, config)
+    msg = str(ei.value)
+    assert f"{entry.path} (" in msg and "sha256" in msg and "; read-only, skipped)" in msg, msg
+    assert "; removed" not in msg and entry.path.exists()  # never touched
+    assert len(ei.value.corrupt) == 1 and ei.value.corrupt[0].endswith("; read-only, skipped)")
 
 
 # =========================================================================== maintenance commands (§6)

@@ -196,19 +196,27 @@ def test_bench_table_of_a_bad_file(tmp_path):
 
 
 @pytest.mark.parametrize("command", ["warmup", "inspect"])
-def test_json_path_is_checked_before_the_work(command, fake_run, tmp_path):
-    (tmp_path / "ro").mkdir()
-    (tmp_path / "ro").chmod(0o500)
+def test_json_path_is_checked_before_the_work(command, fake_run, tmp_path, monkeypatch):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    if os.access(ro, os.W_OK):  # root passes every mode bit: answer for `ro` as the bits say
+        real_access = os.access
+
+        def access_by_mode_bits(path, mode, *a, **k):  # stand-in for os.access as a non-root user
+            if os.fspath(path) == str(ro) and mode & os.W_OK:
+                return False
+            return real_access(path, mode, *a, **k)
+
+        monkeypatch.setattr(common.os, "access", access_by_mode_bits)
     try:
         for bad, says in ((tmp_path / "nodir" / "x.json", "is not a directory"), (tmp_path, "is a directory"),
-                          (tmp_path / "ro" / "x.json", "not writable")):
-            if says == "not writable" and os.access(tmp_path / "ro", os.W_OK):
-                continue  # root ignores the mode bits
+                          (ro / "x.json", f"--json {ro / 'x.json'}: {ro / 'x.json'} is not writable")):
             rc, _, err = run_main([command, "--heads", "8/1", "--arch", "sm_90a", "--json", str(bad)])
             assert rc == 2 and says in err and f"--json {bad}" in err, err
         assert not fake_run, "the warm-up ran before the --json path was checked"
     finally:
-        (tmp_path / "ro").chmod(0o700)
+        ro.chmod(0o700)
 
 
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux /proc")
@@ -418,6 +426,59 @@ def test_warmup_command_of_an_opt_in_build_sets_its_flag(cfg, fake_run, monkeypa
     rc, _, err = run_main([*argv[2:], "-q"])
     assert rc == 0, err
     assert cfg in fake_run[0]
+
+
+# every MSA_JIT_* variable a command checks, each with a value that does not parse (cache_dir_policy.md §8)
+BAD_VALUES = {
+    env.NO_COMPILE: "perhaps", env.CACHE_MAX_BYTES: "garbage", env.LOCK_TIMEOUT: "soon", env.ARCH: "sm_80",
+    env.ENABLE_SM100_UMMA: "maybe", env.ENABLE_SM90_UNION: "sometimes", env.ENABLE_CLUSTER_MERGE: "kinda",
+}
+
+
+def test_the_commands_check_every_variable_but_three():
+    """§8: every variable but the log level (falls back with a warning) and the two vLLM ones; those
+    without a value that can fail to parse (a path, a version string) are checked all the same."""
+    assert set(cli.CHECKED_VARIABLES) == set(env.VARIABLES) - {env.LOG_LEVEL, env.VLLM_PLUGIN, env.VLLM_SM100}
+    parsed_strictly = {v for v in cli.CHECKED_VARIABLES if v not in (env.CACHE_DIR, env.DSL_VERSION, env.DSL_RUNTIME)}
+    assert parsed_strictly == set(BAD_VALUES)
+
+
+@pytest.mark.parametrize("argv", [
+    ["cache", "list"], ["cache", "info"], ["cache", "verify"], ["cache", "prune"], ["cache", "clear", "--yes"],
+    ["warmup", "--heads", "8/1", "--arch", "sm_90a"], ["inspect", "--heads", "8/1", "--arch", "sm_90a"],
+    ["bench"], ["selftest"],
+], ids=lambda a: " ".join(a[:2]))
+def test_every_bad_variable_is_named_up_front(argv, fake_run, monkeypatch, tmp_path):
+    """§8: every command but doctor exits 2 before any work, naming each bad variable (a typo in
+    MSA_JIT_NO_COMPILE must not compile on a production host)."""
+    root = tmp_path / "c"
+    root.mkdir()  # a --cache-dir that exists: the `cache` commands would run
+    for name, value in BAD_VALUES.items():
+        monkeypatch.setenv(name, value)
+    if argv[0] in ("cache", "warmup", "inspect"):
+        argv = [*argv, "--cache-dir", str(root)]
+    rc, out, err = run_main(argv)
+    assert rc == 2 and out == "" and not fake_run, err
+    for name, value in BAD_VALUES.items():
+        assert f"{name}={value!r}" in err, (name, err)
+    assert "fix or unset the variable" in err and "Traceback" not in err
+    rc, out, _ = run_main(["doctor", "--cache-dir", str(root)])  # doctor shows them instead
+    assert rc == 0 and all(f"{name}={value!r}  INVALID" in out for name, value in BAD_VALUES.items()), out
+
+
+@pytest.mark.parametrize("command, ephemeral", [("inspect", True), ("warmup", False)])
+def test_only_inspect_lets_the_warmup_use_a_temporary_cache(command, ephemeral, monkeypatch):
+    """§11: `msa-jit inspect` reads the artifacts before it exits, so it passes allow_ephemeral=True;
+    `msa-jit warmup` does not (nothing would be kept)."""
+    seen: list[dict] = []
+
+    def run(configs, **kw):  # stand-in for warmup.run_warmup: records its keyword arguments
+        seen.append(kw)
+        return [warmup.WarmupRow(c, status="failed", error="stand-in: nothing built") for c in configs]
+
+    monkeypatch.setattr(warmup, "run_warmup", run)
+    run_main([command, "--heads", "8/1", "--q-dtype", "bf16", "--arch", "sm_90a", "-q"])
+    assert len(seen) == 1 and seen[0]["allow_ephemeral"] is ephemeral
 
 
 def test_env_problems_lists_each_bad_variable(monkeypatch):

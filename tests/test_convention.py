@@ -108,7 +108,7 @@ def test_validation_rejects_what_the_convention_does_not_allow(name):
         t = dict(good, **{name: bad})
         assert not kernel_call_ok(t["query"], t["kv_cache"], t["topk"], t["out"], plan, t["lse"]), name
         # an API rule (every backend) or a kernel-layout rule (the kernel path) names it
-        with pytest.raises(ValueError, match=name):
+        with pytest.raises(ValueError, match=rf"^{name}: "):  # the message starts with the argument's name
             validate_sparse_decode(t["query"], t["kv_cache"], t["topk"], t["out"], plan, t["lse"], "reference")
             validate_kernel_layout(t["query"], t["kv_cache"], t["out"], t["lse"])
 

@@ -4,6 +4,7 @@ accepted ones (its correctness runs on the H200: tests/test_kernel_gpu.py)."""
 
 from __future__ import annotations
 
+import ast
 import collections
 import tempfile
 from pathlib import Path
@@ -76,10 +77,74 @@ def test_the_umma_kernel_never_serves_nvfp4(monkeypatch):
     assert compiler.kernel_family(SparseDecodeConfig(8, 1, arch="sm_100a", kv_dtype="nvfp4")) == "portable"
 
 
+PTX_PY = Path(__file__).resolve().parents[1] / "kernels" / "ptx.py"
+_M32 = 0xFFFFFFFF
+
+
+def ptx_of(function: str) -> tuple[str, str]:
+    """(asm text, constraints) of the `_asm(...)` in kernels/ptx.py's `function`, read from the source
+    (no DSL import): what the tests below run is what the kernels emit."""
+    tree = ast.parse(PTX_PY.read_text())
+    (fn,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == function]
+    (call,) = [n for n in ast.walk(fn) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "_asm"]
+    return ast.literal_eval(call.args[2]), ast.literal_eval(call.args[3])
+
+
+def run_ptx(text: str, constraints: str, *inputs: int) -> list[int]:
+    """The outputs ($0 ..) of the b32 integer PTX `text` on `inputs` (the operands after the outputs).
+    Models shl / shr / and / lop3 (any LUT) / prmt (default mode); any other instruction fails."""
+    n_out = sum(c.startswith("=") for c in constraints.split(","))
+    regs = {f"${n_out + i}": v & _M32 for i, v in enumerate(inputs)}
+
+    def val(x: str) -> int:
+        return regs[x] if x in regs else int(x, 0) & _M32
+
+    for stmt in text.split(";"):
+        stmt = stmt.strip().strip("{}").strip()
+        if not stmt or stmt.startswith(".reg"):
+            continue
+        op, rest = stmt.split(None, 1)
+        dst, *src = [a.strip() for a in rest.split(",")]
+        v = [val(x) for x in src]
+        if op == "shl.b32":
+            r = (v[0] << v[1]) & _M32 if v[1] < 32 else 0
+        elif op in ("shr.u32", "shr.b32"):
+            r = v[0] >> v[1] if v[1] < 32 else 0
+        elif op == "and.b32":
+            r = v[0] & v[1]
+        elif op == "lop3.b32":  # bit i: LUT bit (a_i << 2 | b_i << 1 | c_i), PTX's 0xF0 / 0xCC / 0xAA encoding
+            a, b, c, lut = v
+            r = sum(((lut >> (((a >> i) & 1) << 2 | ((b >> i) & 1) << 1 | ((c >> i) & 1))) & 1) << i for i in range(32))
+        elif op == "prmt.b32":  # byte k: byte (sel >> 4k) & 7 of {b:a}, its sign replicated when bit 3 is set
+            a, b, sel = v
+            src_bytes = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+            r = 0
+            for k in range(4):
+                n = (sel >> (4 * k)) & 15
+                byte = src_bytes[n & 7]
+                r |= ((0xFF if byte & 0x80 else 0) if n & 8 else byte) << (8 * k)
+        else:
+            raise AssertionError(f"kernels/ptx.py: {op} is not modelled here ({stmt!r}): extend run_ptx")
+        regs[dst] = r
+    return [regs[f"${i}"] for i in range(n_out)]
+
+
+def test_run_ptx_models_the_instructions():
+    """The interpreter itself, on cases worked by hand from the PTX ISA's definitions."""
+    assert run_ptx("shl.b32 $0, $1, 4;", "=r,r", 0xF000000F) == [0xF0]
+    assert run_ptx("shr.u32 $0, $1, 3;", "=r,r", 0x80000000) == [0x10000000]
+    assert run_ptx("lop3.b32 $0, $1, $2, $3, 0xEC;", "=r,r,r,r", 0b1100, 0b0011, 0b1010) == [0b1011]  # (a & c) | b
+    assert run_ptx("lop3.b32 $0, $1, $2, $3, 0xE4;", "=r,r,r,r", 0xAB, 0xCD, 0x0F) == [0xCB]  # (a & c) | (b & ~c)
+    assert run_ptx("prmt.b32 $0, $1, $2, 0x1404;", "=r,r,r", 0x44332211, 0x88776655) == [0x22551155]
+    assert run_ptx("prmt.b32 $0, $1, 0, 0x3210;", "=r,r", 0x44332211) == [0x44332211]
+    assert run_ptx("{\n\t.reg .b32 t;\n\tand.b32 t, $2, 0xFF;\n\tshl.b32 $0, t, 8;\n\tshr.u32 $1, $2, 24;\n\t}",
+                   "=r,=r,r", 0xAABBCCDD) == [0xDD00, 0xAA]
+
+
 def test_e2m1_to_f16_bytes_formula():
-    """The integer steps of kernels/ptx.py e2m1x8_to_f16x2x4, modelled here bit for bit (shifts,
-    masks, lop3 0xEC = (a & c) | b, prmt over a zero register): every code of every nibble position
-    lands in the f16x2 half the docstring names, with the value code * 2**-14 exactly."""
+    """kernels/ptx.py e2m1x8_to_f16x2x4's PTX, run as written (read from the file, interpreted
+    by run_ptx): every code of every nibble position lands in the f16x2 half the docstring names,
+    with the value code * 2**-14 exactly."""
     import random
     import struct
 
@@ -88,19 +153,12 @@ def test_e2m1_to_f16_bytes_formula():
     def f16(h):
         return struct.unpack("<e", struct.pack("<H", h))[0]
 
-    def lop3_ec(a, b, c):
-        return (a & c) | b
-
-    def prmt(a, b, sel):
-        src = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
-        return sum(src[(sel >> (4 * k)) & 7] << (8 * k) for k in range(4))
-
+    text, constraints = ptx_of("e2m1x8_to_f16x2x4")
     rng = random.Random(0)
     words = [rng.getrandbits(32) for _ in range(500)] + [0x0, 0xFFFFFFFF, 0x88888888, 0x77777777, 0x76543210]
     for w in words:
-        ey = lop3_ec((w << 4) & 0xFFFFFFFF, ((w << 1) & 0xFFFFFFFF) & 0x0E0E0E0E, 0x80808080)
-        ez = lop3_ec(w, (w >> 3) & 0x0E0E0E0E, 0x80808080)
-        out = [prmt(ey, 0, 0x1404), prmt(ey, 0, 0x3424), prmt(ez, 0, 0x1404), prmt(ez, 0, 0x3424)]
+        out = run_ptx(text, constraints, w)
+        assert len(out) == 4
         pairs = [(0, 2), (4, 6), (1, 3), (5, 7)]  # (low half, high half) codes of each f16x2
         for word, (lo, hi) in zip(out, pairs):
             for half, nib in ((word & 0xFFFF, lo), (word >> 16, hi)):
@@ -123,20 +181,17 @@ def test_hardware_e2m1_conversion_is_chosen_by_arch():
 
 
 def test_e2m1_nibble_pairs_formula():
-    """kernels/ptx.py e2m1_nibble_pairs modelled bit for bit (shl / shr, lop3 0xE4 = (a & c) | (b & ~c)),
-    then `cvt.rn.f16x2.e2m1x2` per byte (low nibble -> low half): byte i of `even` pairs code 2i of
-    the two rows, of `odd` code 2i + 1; nvfp4_v_frags' picks at = [2h, 4 + 2h, 2h + 1, 5 + 2h] of
+    """kernels/ptx.py e2m1_nibble_pairs's PTX, run as written (run_ptx), then `cvt.rn.f16x2.e2m1x2`
+    per byte (low nibble -> low half): byte i of `even` pairs code 2i of the two rows, of `odd`
+    code 2i + 1; nvfp4_v_frags' picks at = [2h, 4 + 2h, 2h + 1, 5 + 2h] of
     the 8 converted bytes (even's, then odd's) are the group's dims 4h .. 4h + 3 in order."""
     import random
 
-    def lop3_e4(a, b, c):
-        return ((a & c) | (b & ~c)) & 0xFFFFFFFF
-
+    text, constraints = ptx_of("e2m1_nibble_pairs")
     rng = random.Random(1)
     words = [(rng.getrandbits(32), rng.getrandbits(32)) for _ in range(500)] + [(0x76543210, 0xFEDCBA98)]
     for a, b in words:
-        even = lop3_e4(a, (b << 4) & 0xFFFFFFFF, 0x0F0F0F0F)
-        odd = lop3_e4(a >> 4, b, 0x0F0F0F0F)
+        even, odd = run_ptx(text, constraints, a, b)
         converted = [((x >> (8 * i)) & 15, (x >> (8 * i + 4)) & 15) for x in (even, odd) for i in range(4)]
         dims = [2 * i for i in range(4)] + [2 * i + 1 for i in range(4)]  # element of each converted byte
         for k, (lo, hi) in enumerate(converted):

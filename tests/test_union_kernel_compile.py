@@ -21,6 +21,7 @@ def _cls():
 
 
 # both query dtypes at both occupancies, over G 16 and 8 and a 3-D TMA view (Hkv 1)
+@pytest.mark.slow  # compiles 8 kernels
 @pytest.mark.parametrize("heads,q_dtype,ctas", [
     ((64, 4), "bfloat16", 1), ((64, 4), "float8_e4m3fn", 1), ((8, 1), "bfloat16", 2), ((8, 1), "float8_e4m3fn", 2),
     ((16, 1), "bfloat16", 1), ((16, 1), "float8_e4m3fn", 2), ((64, 4), "bfloat16", 2), ((8, 1), "float8_e4m3fn", 1)])

@@ -145,6 +145,9 @@ def test_op_launches_the_union_build(launched_configs):
     sparse_decode_op(c.query, c.kv_cache, c.topk, c.new_out(), union, backend="kernel", **c.scales())
     assert [cfg.kernel for cfg in events] == ["union", "token", "union"]
     assert events[0] == events[2] == union.config(torch.bfloat16)
+    u = events[0]  # what the union build is, written out (not only the plan's own word for it)
+    assert (u.num_q_heads, u.num_kv_heads, u.q_dtype, u.kv_dtype, u.arch, u.ctas_per_sm) == (
+        16, 1, "bfloat16", "float8_e4m3fn", "sm_90a", 2)
 
 
 def test_selftest_grid_adds_union_cases_when_enabled():
