@@ -337,7 +337,7 @@ def kv_cache_layout(kv_cache: torch.Tensor) -> str:
         raise TypeError(f"kv_cache: expected {_FP8_LAYOUT} or {_NVFP4_LAYOUT}, got a {dtype} tensor "
                         f"of shape {list(shape)}")
     raise ValueError(
-        f"kv_cache: expected {_FP8_LAYOUT} or {_NVFP4_LAYOUT}, got shape {list(shape)} {kv_cache.dtype}"
+        f"kv_cache: expected {_FP8_LAYOUT} or {_NVFP4_LAYOUT}, got shape {list(shape)} {dtype}"
     )
 
 
