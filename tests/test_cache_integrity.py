@@ -91,10 +91,9 @@ def test_entry_under_another_key_is_never_served(tmp_path, caplog):
     assert ArtifactCache(root).lookup(three.key) is not None  # the real 3-CTA entry is untouched
 
 
-def test_entry_under_another_key_in_a_readonly_root_is_skipped(tmp_path, monkeypatch):
-    ro = tmp_path / "prewarmed"
-    three, _ = get(ArtifactCache(ro), {"ctas_per_sm": 3})
-    dest = plant_under_other_key(ArtifactCache(ro), three, make_key({"ctas_per_sm": 2}, FP))
+def readonly_cache(ro: Path, monkeypatch) -> ArtifactCache:
+    """An ArtifactCache on which `ro` is a read-only pre-warmed root (its writability probe
+    answers EROFS, a stand-in for a read-only mount)."""
     from msa_jit.cache import location
 
     real = location.probe_writable
@@ -103,6 +102,14 @@ def test_entry_under_another_key_in_a_readonly_root_is_skipped(tmp_path, monkeyp
         warnings.simplefilter("ignore", CacheFallbackWarning)
         c = ArtifactCache(ro)
     assert c.readonly_roots == (ro,)
+    return c
+
+
+def test_entry_under_another_key_in_a_readonly_root_is_skipped(tmp_path, monkeypatch):
+    ro = tmp_path / "prewarmed"
+    three, _ = get(ArtifactCache(ro), {"ctas_per_sm": 3})
+    dest = plant_under_other_key(ArtifactCache(ro), three, make_key({"ctas_per_sm": 2}, FP))
+    c = readonly_cache(ro, monkeypatch)
     assert c.lookup(make_key({"ctas_per_sm": 2}, FP)) is None and dest.exists()  # skipped, never touched
     assert c.lookup(three.key).readonly
 
@@ -221,13 +228,18 @@ def test_a_layout_dir_that_is_no_directory_is_named_as_such(tmp_path, part, kind
 # =========================================================================== no-compile (§5.2)
 
 
+def flip_byte(p: Path, offset: int = 7) -> None:
+    """Corrupt one byte of an artifact (its sha256 no longer matches)."""
+    data = bytearray(p.read_bytes())
+    data[offset] ^= 0xFF
+    p.write_bytes(bytes(data))
+
+
 def test_no_compile_names_the_corrupt_entry(tmp_path, monkeypatch, caplog):
     root = tmp_path / "c"
     config = {"g": "prod"}
     entry, _ = get(ArtifactCache(root), config)
-    data = bytearray(entry.artifact_path().read_bytes())
-    data[7] ^= 0xFF
-    entry.artifact_path().write_bytes(bytes(data))
+    flip_byte(entry.artifact_path())
     monkeypatch.setenv("MSA_JIT_NO_COMPILE", "1")
     with caplog.at_level(logging.WARNING, logger="msa_jit.cache"), pytest.raises(ArtifactMissingError) as ei:
         get(ArtifactCache(root), config)
@@ -246,17 +258,8 @@ def test_no_compile_names_a_corrupt_readonly_entry_as_skipped(tmp_path, monkeypa
     ro = tmp_path / "prewarmed"
     config = {"g": "prod-ro"}
     entry, _ = get(ArtifactCache(ro), config)
-    data = bytearray(entry.artifact_path().read_bytes())
-    data[7] ^= 0xFF
-    entry.artifact_path().write_bytes(bytes(data))
-    from msa_jit.cache import location
-
-    real = location.probe_writable
-    monkeypatch.setattr(location, "probe_writable", lambda r: "EROFS (simulated)" if Path(r) == ro else real(r))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", CacheFallbackWarning)
-        c = ArtifactCache(ro)
-    assert c.readonly_roots == (ro,)
+    flip_byte(entry.artifact_path())
+    c = readonly_cache(ro, monkeypatch)
     monkeypatch.setenv("MSA_JIT_NO_COMPILE", "1")
     with pytest.raises(ArtifactMissingError) as ei:
         get(c, config)
