@@ -358,14 +358,15 @@ ROW_TOL = 5e-2
 
 
 def compare_with_reference(case: Case, out: torch.Tensor, lse: torch.Tensor | None,
-                           *, tol: float = 1e-2, row_tol: float = ROW_TOL,
-                           lse_atol: float = LSE_ATOL) -> tuple[float, list[str]]:
+                           *, tol: float = 1e-2, row_tol: float = ROW_TOL, lse_atol: float = LSE_ATOL,
+                           stats: dict | None = None) -> tuple[float, list[str]]:
     """(relative L2 error of out, problems) against the float64 reference of `case`.
 
     Problems: NaN left from the poison (not fully written), error above `tol`, a (token, head)
     row with visible keys whose own relative error is above `row_tol` (the whole-tensor error
     lets ~10 wrong rows of 131072 pass), -inf LSE rows that differ, finite LSE off by more than
-    `lse_atol`, non-zero rows without visible keys.
+    `lse_atol`, non-zero rows without visible keys. `stats`, if given, receives "worst_row_rel_l2"
+    (the largest of those rows' errors; nan when no row has a visible key).
     """
     from .reference import sparse_decode_reference
 
@@ -380,6 +381,7 @@ def compare_with_reference(case: Case, out: torch.Tensor, lse: torch.Tensor | No
         problems.append(f"relative L2 error {err:.3e} > {tol}")
     empty = torch.isinf(ref_lse)
     seen = ~empty
+    worst = math.nan
     if seen.any():
         row_err = ((got - ref).norm(dim=-1)[seen] / ref.norm(dim=-1)[seen].clamp_min(1e-30)).nan_to_num(nan=math.inf)
         worst = row_err.max().item()
@@ -399,6 +401,8 @@ def compare_with_reference(case: Case, out: torch.Tensor, lse: torch.Tensor | No
     rows = empty.nonzero()
     if len(rows) and not torch.all(got[rows[:, 0], rows[:, 1]] == 0):
         problems.append("rows with no visible key are not zero")
+    if stats is not None:
+        stats["worst_row_rel_l2"] = worst
     return err, problems
 
 

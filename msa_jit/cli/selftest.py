@@ -59,8 +59,10 @@ def run(args: argparse.Namespace) -> int:
     rows = selftest.correctness_grid(quick=args.quick)
     failed = [r for r in rows if r["problems"]]
     worst = max((r["rel_l2"] for r in rows if r["rel_l2"] == r["rel_l2"]), default=float("nan"))
-    print(f"correctness: {len(rows) - len(failed)}/{len(rows)} cases passed, worst rel L2 {worst:.2e} "
-          f"({time.time() - t0:.0f} s)")
+    worst_row = max((r["worst_row_rel_l2"] for r in rows if r["worst_row_rel_l2"] == r["worst_row_rel_l2"]),
+                    default=float("nan"))
+    print(f"correctness: {len(rows) - len(failed)}/{len(rows)} cases passed, worst rel L2 {worst:.2e}, "
+          f"worst row {worst_row:.2e} ({time.time() - t0:.0f} s)")
     if failed:
         return 1
     if not args.no_bench:
