@@ -71,18 +71,19 @@ print("bench/results/" + b.name if b else "none")')}
            # bench_kernel_merge: the default before session 21, every split merged by the second kernel
            # (MSA_JIT_ENABLE_CLUSTER_MERGE=0; rows say "split_merge")
            CLUSTER=$([ "$step" = bench_kernel_merge ] && echo 0 || echo 1)
+           # a flagged run's files take its flag's suffix, so several bench steps fit one call:
+           # bench-<date>-union.json / .png and bench-union.log (bench_kernel_merge: -kernel-merge); the
+           # log is named before the run, so a later bench step cannot overwrite an earlier one's log
+           sfx=""; [[ $step == bench_union || $step == bench_kernel_merge ]] && { sfx=${step#bench_}; sfx=-${sfx//_/-}; }
+           log=$OUT/bench$sfx.log
            MSA_JIT_ENABLE_SM90_UNION=$UNION MSA_JIT_ENABLE_CLUSTER_MERGE=$CLUSTER timeout "$(limit 330)" python3 -m msa_jit bench --out $OUT --baseline "$BASELINE" \
-             $([ "$step" = bench_quick ] && echo --quick) > $OUT/bench.log 2>&1
-           echo "bench rc=$?" | tee -a $OUT/bench.log; grep -E "^REGRESSION|FAILED" $OUT/bench.log | head -n 20
-           sed -n '/^| issue | target/,$p' $OUT/bench.log
-           # a flagged run's files take its flag's suffix here, so several bench steps fit one call:
-           # bench-<date>-union.json / .png and bench-union.log (bench_kernel_merge: -kernel-merge)
-           if [[ $step == bench_union || $step == bench_kernel_merge ]]; then
-             sfx=${step#bench_}; sfx=${sfx//_/-}
+             $([ "$step" = bench_quick ] && echo --quick) > $log 2>&1
+           echo "bench rc=$?" | tee -a $log; grep -E "^REGRESSION|FAILED" $log | head -n 20
+           sed -n '/^| issue | target/,$p' $log
+           if [[ -n $sfx ]]; then
              for f in $(find $OUT -maxdepth 1 -newer $OUT/.step-start -name 'bench-*' \( -name '*.json' -o -name '*.png' \)); do
-               mv "$f" "${f%.*}-$sfx.${f##*.}"
+               mv "$f" "${f%.*}$sfx.${f##*.}"
              done
-             mv $OUT/bench.log $OUT/bench-$sfx.log
            fi ;;
     ceilings) timeout "$(limit 90)" python3 bench/ceilings.py --out $OUT 2>&1 | tail -n 12 ;;
     variants) python3 bench/variants.py run --dir .variants --out $OUT ${VARIANTS:+--variants $VARIANTS} 2>&1 | tee $OUT/variants.log | tail -n 40 ;;

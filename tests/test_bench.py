@@ -519,6 +519,46 @@ def test_every_file_with_gpu_tests_is_run_by_a_device_step():
     assert with_gpu - selected == set(), "GPU tests no device step runs"
 
 
+def test_device_script_keeps_each_bench_steps_log_and_files(tmp_path):
+    """`h200_run.sh bench bench_kernel_merge bench_union` in one call: each step keeps its own log and
+    result files, run under its own flags. Until session 24 every bench step wrote bench.log and the
+    flagged steps renamed theirs afterwards, so the default run's log was overwritten by the next step.
+    Stand-ins (for the infrastructure only): `nvidia-smi`, the bundle's setup, and `python3`, which
+    answers the baseline query with `none` and writes a result pair as `msa_jit bench` does."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    repo, out, stubs = tmp_path / "repo", tmp_path / "out", tmp_path / "bin"
+    for d in (repo / "bench", repo / ".gpu-bundle", out, stubs):
+        d.mkdir(parents=True)
+    shutil.copy(Path(__file__).resolve().parents[1] / "bench" / "h200_run.sh", repo / "bench")
+    (repo / ".gpu-bundle" / "setup.sh").write_text("")
+    (stubs / "nvidia-smi").write_text("#!/bin/sh\necho 'NVIDIA H200, 0, 0, 0'\n")
+    (stubs / "python3").write_text(
+        "#!/bin/sh\n"
+        '[ "$1" = -c ] && { echo none; exit 0; }\n'
+        'n=$(ls "$OUT" | grep -c json); d="$OUT/bench-2026-12-05T160$n"\n'
+        'echo "{}" > "$d.json"; echo png > "$d.png"\n'
+        'echo "ran $* union=$MSA_JIT_ENABLE_SM90_UNION cluster=$MSA_JIT_ENABLE_CLUSTER_MERGE"\n')
+    for f in stubs.iterdir():
+        f.chmod(0o755)
+    env = dict(os.environ, OUT=str(out), PATH=f"{stubs}:{os.environ['PATH']}", DEADLINE="60")
+    run = subprocess.run(["bash", "bench/h200_run.sh", "bench", "bench_kernel_merge", "bench_union"],
+                         cwd=repo, env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    logs = {p.name: p.read_text() for p in out.glob("*.log")}
+    assert set(logs) == {"bench.log", "bench-kernel-merge.log", "bench-union.log"}
+    assert "union=0 cluster=1" in logs["bench.log"]
+    assert "union=0 cluster=0" in logs["bench-kernel-merge.log"]
+    assert "union=1 cluster=1" in logs["bench-union.log"]
+    assert all("bench rc=0" in text for text in logs.values())
+    assert sorted(p.name for p in out.glob("*.json")) == [
+        "bench-2026-12-05T1600.json", "bench-2026-12-05T1601-kernel-merge.json",
+        "bench-2026-12-05T1602-union.json"]
+    assert len(list(out.glob("*.png"))) == 3 and not (out / ".step-start").exists()
+
+
 # ---------------------------------------------------------------- on the GPU (bench/h200_run.sh tests)
 
 
