@@ -559,6 +559,32 @@ def test_device_script_keeps_each_bench_steps_log_and_files(tmp_path):
     assert len(list(out.glob("*.png"))) == 3 and not (out / ".step-start").exists()
 
 
+def test_merge_ab_summary_pairs_each_cluster_point_with_its_merge_kernel_runs():
+    """bench/merge_ab_summary.py: only the points the default gave the cluster merge, both sides'
+    runs in round order, the ratio of the fastest of each and each side's spread."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "merge_ab_summary.py"
+    spec = importlib.util.spec_from_file_location("merge_ab_summary", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def run(us_split, us_big, merge):
+        rows = [dict(geometry="8/1", batch=1, qlen=1, q_dtype="bfloat16", kv_dtype=FP8_KV,
+                     split_merge=merge, marginal_us=us_split),
+                dict(geometry="8/1", batch=256, qlen=1, q_dtype="bfloat16", kv_dtype=FP8_KV,
+                     split_merge=None, marginal_us=us_big)]
+        return {"per_layer": rows}
+
+    runs = {"1-cluster": run(5.0, 30.0, "cluster"), "1-kernel": run(5.5, 30.0, "kernel"),
+            "2-cluster": run(5.2, 31.0, "cluster"), "2-kernel": run(5.4, 29.0, "kernel")}
+    (row,) = mod.summarize(runs)
+    assert (row["batch"], row["cluster_us"], row["kernel_us"]) == (1, [5.0, 5.2], [5.5, 5.4])
+    assert row["ratio_of_fastest"] == round(5.0 / 5.4, 3)
+    assert (row["cluster_spread"], row["kernel_spread"]) == (1.04, round(5.5 / 5.4, 3))
+
+
 # ---------------------------------------------------------------- on the GPU (bench/h200_run.sh tests)
 
 
