@@ -508,3 +508,74 @@ def test_gpu_declined_calls_give_the_same_result():
         sparse_decode(plan=plan, **a)
         torch.cuda.synchronize()
         assert _same_bits(ref, a["out"].as_subclass(torch.Tensor)), change
+
+
+def _steady_state_counts(step, steps: int = 3) -> tuple[int, int]:
+    """(device allocations, segments) torch's caching allocator made over `steps` calls of `step`
+    after a first call (kernel load, plan build, scale views), with torch's sync debug mode set to
+    raise on any synchronizing call."""
+    step()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(steps):
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    after = torch.cuda.memory_stats()
+    torch.cuda.synchronize()
+    return tuple(after[k] - before[k] for k in ("allocation.all.allocated", "segment.all.allocated"))
+
+
+# (batch, qlen, planner pin): batch 1 is a split step (the cluster merge on sm_90a), B=3 qlen 2 the
+# one-split grid of the tests above, B=64 qlen 4 the union kernel's spec-decode point
+_STEADY_SHAPES = [(1, 1, {}), (3, 2, {}), (64, 4, {"kernel": "union"})]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("batch,qlen,pin", _STEADY_SHAPES, ids=["split", "one-split", "union"])
+def test_gpu_steady_state_steps_allocate_and_sync_nothing(kv_dtype, batch, qlen, pin):
+    """One step as the engine runs it (a cached prepare, then the op once per layer, into the same
+    out / lse) allocates no device memory and makes no synchronizing call, through the public op
+    and through vLLM's adapter: the hot path of the design card's rule. The union kernel serves fp8
+    caches only."""
+    from msa_jit.engine import MSACutlassDecodeMetadata, MSACutlassDecodePlanCache, msa_cutlass_sparse_decode
+
+    if pin and kv_dtype != "fp8":
+        pytest.skip("the union kernel reads fp8 caches only")
+    # the probe itself sees an allocation per step and refuses a synchronizing call
+    assert _steady_state_counts(lambda: torch.empty(256, device="cuda"))[0] == 3
+    with pytest.raises(RuntimeError, match="synchroniz"):
+        _steady_state_counts(lambda: torch.ones(1, device="cuda").item())
+    c = make_case(batch, qlen, 64, 4, q_dtype=torch.bfloat16, seed=11, device="cuda", kv_dtype=kv_dtype)
+    planner = SparseDecodePlanner(**pin)
+    out, lse = c.new_out(), c.new_lse()
+    scales = c.scales(scale_tensors=kv_dtype == "nvfp4")
+
+    def public_step():
+        plan = planner.prepare(*c.prepare_args(), **c.prepare_kwargs())
+        for _ in range(2):
+            sparse_decode(c.query, c.kv_cache, c.topk, out, plan, lse=lse, **scales)
+
+    # vLLM passes an NVFP4 cache's global scales as device tensors, an fp8 cache's as floats only
+    device_scales = {k: scales[k] for k in ("k_scale", "v_scale")} if kv_dtype == "nvfp4" else {}
+    cache = MSACutlassDecodePlanCache()
+    cache._planner = planner  # the adapter's own planner, pinned as above
+
+    def engine_step():
+        md = cache.prepare(*c.prepare_args(), **c.prepare_kwargs())
+        assert isinstance(md, MSACutlassDecodeMetadata)
+        for _ in range(2):
+            msa_cutlass_sparse_decode(c.query, c.kv_cache, c.topk, out, md, scale=c.sm_scale,
+                                      q_scale_float=c.q_scale, k_scale_float=c.k_scale,
+                                      v_scale_float=c.v_scale, **device_scales)
+
+    for name, step, written in (("sparse_decode", public_step, (out, lse)),
+                                ("msa_cutlass_sparse_decode", engine_step, (out,))):
+        out.fill_(math.nan)
+        lse.fill_(math.nan)
+        assert _steady_state_counts(step) == (0, 0), f"{name}: the steady-state step allocated"
+        torch.cuda.synchronize()
+        assert not any(t.isnan().any() for t in written), f"{name}: not written"
