@@ -300,8 +300,7 @@ def environment() -> dict[str, str]:
         # the kernel choices that environment variables make (a row's "kernel" / "split_merge" says which
         # ran): the raw values set, and what they mean (defaults differ: the cluster merge is on unset)
         "msa_jit_env": {name: os.environ[name]
-                        for name in (env.ENABLE_SM90_UNION, env.ENABLE_CLUSTER_MERGE, env.ENABLE_SM100_UMMA)
-                        if name in os.environ},
+                        for name in env.KERNEL_FLAG_DEFAULTS if name in os.environ},
         "msa_jit_flags": {"enable_sm90_union": env.enable_sm90_union(),
                           "enable_cluster_merge": env.enable_cluster_merge(),
                           "enable_sm100_umma": env.enable_sm100_umma()},
@@ -435,7 +434,8 @@ def main(out_dir: str, baseline: str | None = "auto", **kw) -> dict[str, Any]:
     if baseline == "auto":
         import torch
 
-        baseline = latest_result(out, torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+        baseline = latest_result(out, torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+                                 flags=environment()["msa_jit_flags"])
     elif baseline in (None, "none"):
         baseline = None
     result = run_grid(**kw)

@@ -5,17 +5,24 @@ status; `format_targets` prints them as a markdown table (`msa-jit bench --summa
 Per-layer figures (`per_layer` rows: one more layer in an engine's graph) unless a target says
 otherwise. Status: "met"; "met at floor" (a small-batch target below the floor probe's
 per-layer figure, and ours within FLOOR_RATIO of that floor: #19's acceptance); "NOT MET";
-"no data" (the row, the baseline or the host figures are missing); "reported" (no goal).
+"no data" (the row, the baseline or the host figures are missing, or the baseline does not
+compare: another GPU, or an opt-in build the run did not have); "reported" (no goal); "met, not
+counted" (met, but the issues' acceptance does not count this file: not an H200, or a kernel
+flag off its default, e.g. the opt-in union kernel, so not the op as shipped; the measured
+column says which).
 """
 
 from __future__ import annotations
 
 from typing import Any, Iterable
 
-from .report import REGRESSION_SLACK, compare_with_baseline, kv_dtype_of, short_kv, t_hkv
+from .report import (REGRESSION_SLACK, compare_with_baseline, device_of, kv_dtype_of, layer_key, opt_in_flags,
+                     point_key, run_flags, short_kv, t_hkv)
 from .steps import FP8_KV, NVFP4_KV
 
 MET, AT_FLOOR, NOT_MET, NO_DATA, REPORTED = "met", "met at floor", "NOT MET", "no data", "reported"
+NOT_COUNTED = "met, not counted"
+TARGET_GPU = "H200"  # both issues' targets and acceptance: "H200, one run"
 FLOOR_RATIO = 1.1
 BF16 = "bfloat16"
 
@@ -100,9 +107,21 @@ def _no_regression(issue: str, target: str, result: dict[str, Any], baseline: di
     goal = f"no row > {REGRESSION_SLACK:.2f}x its time in the baseline"
     if baseline is None:
         return _row(issue, target, goal, "no baseline file", NO_DATA)
+    dev, base_dev = device_of(result), device_of(baseline)
+    if dev and base_dev and dev != base_dev:  # an H100's timings do not compare with an H200's
+        return _row(issue, target, goal, f"the baseline ran on {base_dev}, this file on {dev}: no comparison", NO_DATA)
+    base_opt = opt_in_flags(baseline)
+    if base_opt and run_flags(baseline) != run_flags(result):  # not the build this run had
+        return _row(issue, target, goal, f"the baseline ran with {', '.join(base_opt)}, this run with "
+                    f"{', '.join(opt_in_flags(result)) or 'the defaults'}: other builds, no comparison", NO_DATA)
     cmp = [c for c in compare_with_baseline(result, baseline) if select(c["row"])]
     if not cmp:
         return _row(issue, target, goal, "no point in both files", NO_DATA)
+    gone = new = 0  # rows of the baseline this file lacks (failed, or a smaller grid), and the reverse
+    for rows, key in (("points", point_key), ("per_layer", layer_key)):
+        here = {key(r) for r in result.get(rows, []) if select(r)}
+        there = {key(o) for o in baseline.get(rows, []) if select(o)}
+        gone, new = gone + len(there - here), new + len(here - there)
     parts, status = [], MET
     for kind in ("layer", "step"):
         cs = [c for c in cmp if c["kind"] == kind]
@@ -112,7 +131,27 @@ def _no_regression(issue: str, target: str, result: dict[str, Any], baseline: di
             parts.append(f"{'per layer' if kind == 'layer' else 'per step'}: {len(cs)} compared, {slow} slower, "
                          f"worst {worst['ratio']:.3f}x ({_name(worst['row'])} {short_kv(kv_dtype_of(worst['row']))})")
             status = NOT_MET if slow else status
+    if gone:
+        parts.append(f"{gone} rows of the baseline missing here")
+        status = NO_DATA if status == MET else status
+    if new:
+        parts.append(f"{new} rows not in the baseline")
+    opt = opt_in_flags(result)
+    if opt and status != MET:  # (a "met" says it below: not counted)
+        parts.append(f"this run with {', '.join(opt)}, the baseline with the defaults")
     return _row(issue, target, goal, "; ".join(parts), status)
+
+
+def _not_counted(result: dict[str, Any]) -> list[str]:
+    """Why the issues' acceptance would not count a target met in this file (empty: it would)."""
+    why = []
+    dev = device_of(result)
+    if dev is not None and TARGET_GPU not in dev:
+        why.append(f"{dev}, not an {TARGET_GPU}")
+    opt = opt_in_flags(result)
+    if opt:
+        why.append(f"not the shipped defaults: {', '.join(opt)}")
+    return why
 
 
 def _speedup(result: dict[str, Any], target: str, goal: float, geometry: str, batch: int) -> dict[str, str]:
@@ -147,6 +186,8 @@ def check_targets(result: dict[str, Any], baseline: dict[str, Any] | None = None
                                geo, batch))
     out.append(_no_regression("#19", f"T·Hkv >= {LARGE_THKV}: no regression (fp8 and NVFP4, every qlen)", result,
                               baseline, lambda r: not r.get("shared_blocks") and t_hkv(r) >= LARGE_THKV))
+    out.append(_no_regression("#19", "every point: no regression (acceptance: none slower than the previous file)",
+                              result, baseline, lambda r: True))
     geo, batch, qlen = SPEC_POINT
     out.append(_pct_target("#19", result, f"spec decode {geo} B={batch} qlen {qlen}, {SPEC_SHARED}/16 shared "
                            "(distinct bytes)", SPEC_PCT, geo, batch, qlen, SPEC_SHARED))
@@ -178,6 +219,12 @@ def check_targets(result: dict[str, Any], baseline: dict[str, Any] | None = None
                         MET if worst["marginal_pct_of_copy"] >= NVFP4_PCT_LARGE else NOT_MET))
     else:
         out.append(_row("#18", target, f">= {NVFP4_PCT_LARGE:.0f}% of copy", "—", NO_DATA))
+    why = _not_counted(result)
+    if why:
+        for r in out:
+            if r["status"] in (MET, AT_FLOOR):
+                r["status"] = NOT_COUNTED
+                r["measured"] += f" (not counted: {'; '.join(why)})"
     return out
 
 
