@@ -370,6 +370,13 @@ def test_run_grid_main_and_the_cli_on_its_result(monkeypatch, tmp_path):
     again = bench.main(str(tmp_path), baseline=str(path), log=lambda *_: None, **kw)
     assert again["regressions"] == [] and len(again["errors"]) == 1 and again["errors"][0]["kv_dtype"] == NVFP4_KV
     assert again["baseline"] == str(path)
+    # 40% slower than the first run: REGRESSION rows (and exit 1), but not against another GPU's file
+    gpu.LAYER_US = {FP8_KV: 7.0, NVFP4_KV: 4.2}
+    assert bench.main(str(tmp_path), baseline=str(path), log=lambda *_: None, **kw)["regressions"]
+    other = json.loads(path.read_text())
+    other["environment"]["device"] = "NVIDIA H100 80GB HBM3"
+    (tmp_path / "h100.json").write_text(json.dumps(other))
+    assert bench.main(str(tmp_path), baseline=str(tmp_path / "h100.json"), log=lambda *_: None, **kw)["regressions"] == []
 
 
 def test_sigterm_stops_the_grid_and_keeps_the_rows_done(monkeypatch, tmp_path):
