@@ -360,7 +360,8 @@ def test_run_grid_main_and_the_cli_on_its_result(monkeypatch, tmp_path):
     files = sorted(p.name for p in tmp_path.iterdir())
     assert len(files) == 2 and files[0].endswith(".json") and files[1].endswith(".png")
     path = tmp_path / files[0]
-    assert json.loads(path.read_text())["per_layer"] == result["per_layer"]
+    first = json.loads(path.read_text())
+    assert first["per_layer"] == result["per_layer"]
     rc, out = _main(["bench", "--table", str(path)])
     assert rc == 0 and "| 16/1 | nvfp4 | 1 | 3.0 µs (" in out and "1.67x" in out
     rc, out = _main(["bench", "--summary", str(path)])
@@ -371,11 +372,12 @@ def test_run_grid_main_and_the_cli_on_its_result(monkeypatch, tmp_path):
     assert again["regressions"] == [] and len(again["errors"]) == 1 and again["errors"][0]["kv_dtype"] == NVFP4_KV
     assert again["baseline"] == str(path)
     # 40% slower than the first run: REGRESSION rows (and exit 1), but not against another GPU's file
+    # (the baselines are copies of the first result: a run within the same minute rewrites its file)
     gpu.LAYER_US = {FP8_KV: 7.0, NVFP4_KV: 4.2}
-    assert bench.main(str(tmp_path), baseline=str(path), log=lambda *_: None, **kw)["regressions"]
-    other = json.loads(path.read_text())
-    other["environment"]["device"] = "NVIDIA H100 80GB HBM3"
-    (tmp_path / "h100.json").write_text(json.dumps(other))
+    for name, device in (("same-gpu.json", first["environment"]["device"]), ("h100.json", "NVIDIA H100 80GB HBM3")):
+        (tmp_path / name).write_text(json.dumps(dict(first, environment=dict(first["environment"], device=device))))
+    slower = bench.main(str(tmp_path), baseline=str(tmp_path / "same-gpu.json"), log=lambda *_: None, **kw)
+    assert any("16/1" in line for line in slower["regressions"])
     assert bench.main(str(tmp_path), baseline=str(tmp_path / "h100.json"), log=lambda *_: None, **kw)["regressions"] == []
 
 
