@@ -379,6 +379,8 @@ def test_run_grid_main_and_the_cli_on_its_result(monkeypatch, tmp_path):
     slower = bench.main(str(tmp_path), baseline=str(tmp_path / "same-gpu.json"), log=lambda *_: None, **kw)
     assert any("16/1" in line for line in slower["regressions"])
     assert bench.main(str(tmp_path), baseline=str(tmp_path / "h100.json"), log=lambda *_: None, **kw)["regressions"] == []
+    # four runs, four result files: a run within the same minute as another keeps its own file
+    assert len(list(tmp_path.glob("bench-*.json"))) == 4 and len(list(tmp_path.glob("bench-*.png"))) == 4
 
 
 def test_sigterm_stops_the_grid_and_keeps_the_rows_done(monkeypatch, tmp_path):

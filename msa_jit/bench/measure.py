@@ -418,6 +418,18 @@ def run_grid(geometries=GRID_GEOMETRIES, batches=GRID_BATCHES, qlens=GRID_QLENS,
     return result
 
 
+def _free_stamp(out: Path, date: str) -> str:
+    """The result's name stamp: the minute (2026-12-05T1618), with seconds when a file of that minute
+    exists (a short run after another: a result is never overwritten), then -2, -3, ..."""
+    for stamp in (date[:16].replace(":", ""), date[:19].replace(":", "")):
+        if not (out / f"bench-{stamp}.json").exists():
+            return stamp
+    n = 2
+    while (out / f"bench-{stamp}-{n}.json").exists():
+        n += 1
+    return f"{stamp}-{n}"
+
+
 def main(out_dir: str, baseline: str | None = "auto", **kw) -> dict[str, Any]:
     """Run the grid, write bench-<date>T<time>.json/.png into out_dir, compare with a baseline,
     check the targets (`targets.check_targets`) and print their summary.
@@ -453,8 +465,8 @@ def main(out_dir: str, baseline: str | None = "auto", **kw) -> dict[str, Any]:
             print("REGRESSION", line)
     result["targets"] = check_targets(result, base)
     print(format_targets(result["targets"]))
-    stamp = result["environment"]["date"][:16].replace(":", "")
     out.mkdir(parents=True, exist_ok=True)  # only now: a run that fails leaves no empty folder
+    stamp = _free_stamp(out, result["environment"]["date"])
     (out / f"bench-{stamp}.json").write_text(json.dumps(result, indent=1))
     try:
         plot(result, out / f"bench-{stamp}.png")
