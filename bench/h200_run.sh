@@ -25,7 +25,7 @@ START=$(date +%s)
 trap 'rm -f $OUT/.step-start' EXIT  # the flagged bench steps' marker (it would come back as a file)
 DEADLINE=${DEADLINE:-570}
 # globbed in tests/; tests/test_bench.py checks that every file with GPU tests is run by a step here
-GPU_TESTS="test_kernel_gpu.py test_planner.py test_torch_op.py test_op_fast_path.py test_nvfp4*.py test_engine*.py test_vllm_plugin.py test_bench.py test_examples.py"
+GPU_TESTS="test_kernel_gpu.py test_planner.py test_torch_op.py test_op_fast_path.py test_nvfp4*.py test_engine*.py test_vllm_plugin.py test_bench.py test_examples.py test_multi_gpu.py"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 
 # limit STEP_SECONDS: the step's own cap, cut to what is left before DEADLINE

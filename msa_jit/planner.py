@@ -11,6 +11,8 @@ allocation; eagerly it is replayed from a CUDA graph captured once per seq_lens 
 
 from __future__ import annotations
 
+import contextlib
+
 import functools
 import os
 import threading
@@ -297,7 +299,10 @@ class SparseDecodePlanner:
         with self._lock:
             plan = self.plans.get(key)
             if plan is None:
-                with torch.no_grad():
+                # on the plan's GPU: the build launches the prologue (Triton launches on the current
+                # device), and a process may serve several GPUs (its current device another one)
+                on_device = torch.cuda.device(key[-1]) if key[-1].type == "cuda" else contextlib.nullcontext()
+                with torch.no_grad(), on_device:
                     plan = self._build(key, block_table, seq_lens)
                 self.plans[key] = plan
         return plan

@@ -138,7 +138,11 @@ def bind_refresh(
     pdl = _launch_dependents(launch_dependents)
 
     def plain(s: torch.Tensor) -> None:
-        refresh_plan_tensors_auto(s, kv_lens, qo_offset, qlen, pdl)
+        if s.is_cuda and s.device.index != torch.cuda.current_device():
+            with torch.cuda.device(s.device):  # Triton launches on the current device
+                refresh_plan_tensors_auto(s, kv_lens, qo_offset, qlen, pdl)
+        else:
+            refresh_plan_tensors_auto(s, kv_lens, qo_offset, qlen, pdl)
 
     if num_rows == 0 or not seq_lens.is_cuda or torch.cuda.is_current_stream_capturing():
         return plain
@@ -211,8 +215,12 @@ def replay_from_graphs(bound: Callable[[torch.Tensor], None], aligned: bool) -> 
         return graph.replay
 
     def graphed(s: torch.Tensor) -> None:
-        if torch.cuda.is_current_stream_capturing() or s.device.index != torch.cuda.current_device():
+        if torch.cuda.is_current_stream_capturing():
             bound(s)
+            return
+        if s.device.index != torch.cuda.current_device():  # another GPU's plan: launched there, not graphed
+            with torch.cuda.device(s.device):
+                bound(s)
             return
         ptr = s.data_ptr()
         replay = replays.get(ptr) or capture(s, ptr)
