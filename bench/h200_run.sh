@@ -24,7 +24,7 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-} MSA_JIT_CACHE_DIR=$PWD/.artifacts MSA_JIT
 START=$(date +%s)
 trap 'rm -f $OUT/.step-start' EXIT  # the flagged bench steps' marker (it would come back as a file)
 DEADLINE=${DEADLINE:-570}
-# globbed in tests/; tests/test_bench.py checks that every file with GPU tests is run by a step here
+# globbed in tests/; tests/test_device_scripts.py checks that every file with GPU tests is run by a step here
 GPU_TESTS="test_kernel_gpu.py test_planner.py test_torch_op.py test_op_fast_path.py test_nvfp4*.py test_engine*.py test_vllm_plugin.py test_bench.py test_examples.py test_multi_gpu.py"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 
