@@ -16,11 +16,7 @@
 # bench.log bench-<date>.json bench-<date>.png ceilings-<date>.json (ceilings' log: its tail only).
 # bench_union / bench_kernel_merge name theirs bench-<date>-union.json, bench-union.log (-kernel-merge likewise).
 set -uo pipefail
-source .gpu-bundle/setup.sh >/dev/null
-export PYTHONPATH=$PWD:${PYTHONPATH:-} MSA_JIT_CACHE_DIR=$PWD/.artifacts MSA_JIT_NO_COMPILE=1 \
-       MSA_JIT_DSL_VERSION=4.8.1 PYTHONUNBUFFERED=1
-# the engine-code tests read vLLM's files from a carried, git-ignored copy (../shared does not travel)
-[ -d .engine-src/vllm-0.33.0 ] && export MSA_JIT_TEST_ENGINE_DIR=$PWD/.engine-src/vllm-0.33.0
+source bench/device_env.sh
 START=$(date +%s)
 trap 'rm -f $OUT/.step-start' EXIT  # the flagged bench steps' marker (it would come back as a file)
 DEADLINE=${DEADLINE:-570}

@@ -2,14 +2,13 @@
 # Repeats of the small-batch grid (batch 1, 4, 16; no shared-block rows, no host figures), the cluster
 # merge (the default) and the merge kernel (MSA_JIT_ENABLE_CLUSTER_MERGE=0) in alternation, so that the
 # run-to-run spread of one machine is measured beside their difference (session 24: one point of the
-# H200 bench had the cluster merge 0.9% slower). Same environment as bench/h200_run.sh; results:
+# H200 bench had the cluster merge 0.9% slower). Environment: bench/device_env.sh; results:
 # $OUT/merge-ab-<date>-<gpu>.json (bench/merge_ab_summary.py: both sides per point, ratio, spread) and
 # the runs' own files as one tarball.
 #   ROUNDS=2 bash bench/merge_ab.sh
 set -uo pipefail
-source .gpu-bundle/setup.sh >/dev/null
-export PYTHONPATH=$PWD:${PYTHONPATH:-} MSA_JIT_CACHE_DIR=$PWD/.artifacts MSA_JIT_NO_COMPILE=1 \
-       MSA_JIT_DSL_VERSION=4.8.1 PYTHONUNBUFFERED=1 MSA_JIT_ENABLE_SM90_UNION=0
+source bench/device_env.sh
+export MSA_JIT_ENABLE_SM90_UNION=0
 for round in $(seq 1 "${ROUNDS:-2}"); do
   for merge in cluster kernel; do
     d=$OUT/merge-ab/$round-$merge; mkdir -p "$d"

@@ -12,7 +12,6 @@ allocation; eagerly it is replayed from a CUDA graph captured once per seq_lens 
 from __future__ import annotations
 
 import contextlib
-
 import functools
 import os
 import threading

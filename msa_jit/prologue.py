@@ -17,6 +17,7 @@ triton, so the package imports it lazily.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
@@ -117,6 +118,14 @@ def refresh_plan_tensors_auto(
         refresh_plan_tensors_torch(seq_lens, kv_lens, qo_offset, qlen)
 
 
+def _on_device_of(s: torch.Tensor) -> contextlib.AbstractContextManager:
+    """`s`'s GPU made current while a launch runs, when another one is: Triton launches on the
+    current device, and a process may serve several GPUs."""
+    if s.is_cuda and s.device.index != torch.cuda.current_device():
+        return torch.cuda.device(s.device)
+    return contextlib.nullcontext()
+
+
 def bind_refresh(
     seq_lens: torch.Tensor, kv_lens: torch.Tensor, qo_offset: torch.Tensor, qlen: int,
     launch_dependents: bool = True, graphs: bool = True,
@@ -138,10 +147,7 @@ def bind_refresh(
     pdl = _launch_dependents(launch_dependents)
 
     def plain(s: torch.Tensor) -> None:
-        if s.is_cuda and s.device.index != torch.cuda.current_device():
-            with torch.cuda.device(s.device):  # Triton launches on the current device
-                refresh_plan_tensors_auto(s, kv_lens, qo_offset, qlen, pdl)
-        else:
+        with _on_device_of(s):
             refresh_plan_tensors_auto(s, kv_lens, qo_offset, qlen, pdl)
 
     if num_rows == 0 or not seq_lens.is_cuda or torch.cuda.is_current_stream_capturing():
@@ -219,7 +225,7 @@ def replay_from_graphs(bound: Callable[[torch.Tensor], None], aligned: bool) -> 
             bound(s)
             return
         if s.device.index != torch.cuda.current_device():  # another GPU's plan: launched there, not graphed
-            with torch.cuda.device(s.device):
+            with _on_device_of(s):
                 bound(s)
             return
         ptr = s.data_ptr()

@@ -41,7 +41,8 @@ def test_device_script_keeps_each_bench_steps_log_and_files(tmp_path):
     repo, out, stubs = tmp_path / "repo", tmp_path / "out", tmp_path / "bin"
     for d in (repo / "bench", repo / ".gpu-bundle", out, stubs):
         d.mkdir(parents=True)
-    shutil.copy(Path(__file__).resolve().parents[1] / "bench" / "h200_run.sh", repo / "bench")
+    for script in ("h200_run.sh", "device_env.sh"):
+        shutil.copy(Path(__file__).resolve().parents[1] / "bench" / script, repo / "bench")
     (repo / ".gpu-bundle" / "setup.sh").write_text("")
     (stubs / "nvidia-smi").write_text("#!/bin/sh\necho 'NVIDIA H200, 0, 0, 0'\n")
     (stubs / "python3").write_text(
