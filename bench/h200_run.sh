@@ -6,7 +6,7 @@
 #           bench_kernel_merge
 #           ceilings host_ab host_ab_union variants trace
 #           per_layer_ab union_k8 union_k8_small union_k8_trace union_skip union_qreg union_qreg_trace
-#           union_lo union_ncu union_final push_merge push_trace
+#           union_lo union_ncu union_final push_merge push_trace union_lo_late
 #   VARIANTS="now lsu" bash bench/h200_run.sh variants   # time only these variants
 #   BASELINE=bench/results/bench-....json                # compare with (default: the newest unflagged file
 #                                                        # in bench/results from a GPU of the same name)
@@ -154,6 +154,24 @@ print("bench/results/" + b.name if b else "none")')}
                 q8_union_w1 q8_union_w1_noconv q8_union_w1_mixed \
                 --keep f_union_k8_w1_qreg_noconv f_union_k8_w1_qreg_nolo f_union_k8_w1_qreg_nolo_noconv q8_union_w1_noconv \
                 --points 64/4:64:4:12 64/4:64:4:0 2>&1 | grep -v "^{" | tail -n 3 ;;
+    union_lo_late) # session 25: the bf16 2-CTA union build with S's lo QGMMA chain issued after r of V's 8 converted
+              # rows (lo_at r: 0, 4, 8; bench/union_fp8.py) instead of beside the hi chain, checked, then timed
+              # against main's build, the fp8-query build and the token kernel (build: f_c3 f_union_k8_w1_qreg
+              # f_union_k8_w1_qreg_lo0 f_union_k8_w1_qreg_lo4 f_union_k8_w1_qreg_lo8 q8_union_w1)
+              lo_ok=()
+              for v in f_union_k8_w1_qreg_lo0 f_union_k8_w1_qreg_lo4 f_union_k8_w1_qreg_lo8; do
+                timeout "$(limit 40)" python3 bench/union_check.py --dir .kv-variants --variants "$v" \
+                  > $OUT/union-check-$v.log 2>&1; rc=$?; echo "union check $v: rc=$rc"; tail -n 1 $OUT/union-check-$v.log
+                (( rc == 0 )) && lo_ok+=("$v")
+              done
+              timeout "$(limit 200)" python3 bench/kv_format_ab.py run --dir .kv-variants --out $OUT --rounds 5 \
+                --variants f_c3 f_union_k8_w1_qreg q8_union_w1 "${lo_ok[@]}" \
+                --points 64/4:64:4:12 64/4:64:4:0 8/1:256:4:12 64/4:64:2:12 2>&1 | grep -v "^{" | tail -n 4
+              # where each block's time goes, main's build and lo_at 8 (f_union_k8_w1_qreg_trace, ..._lo8_trace)
+              for v in f_union_k8_w1_qreg_trace f_union_k8_w1_qreg_lo8_trace; do
+                timeout "$(limit 45)" python3 bench/union_trace.py --out $OUT --warpgroups 1 \
+                  --so .kv-variants/$v/64x4/sparse_decode.so > $OUT/$v.log 2>&1; echo "trace $v: rc=$?"; tail -n 9 $OUT/$v.log
+              done ;;
     union_final) # session 18's candidate (branch wip/union-s18, b251ec4: Q's loads first, P V under the next S,
               # V's loads 8 rows ahead; s18d) checked and timed against each step before it: s18a (58c756b, main's
               # build), s18b (+ Q first, c8f3b16; _ahead8: + V's loads ahead), s18c (+ P V overlap, 0f5e99e).

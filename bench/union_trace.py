@@ -6,7 +6,7 @@ Each MMA warpgroup's thread 0 stamps %globaltimer per union block: 0 stage full,
 its V conversion done, 3 S done, 4 softmax done, 5 V tile complete, 6 P V done, over the plan's
 partial_o (the builds of branch wip/union-s18, s18c / s18d: 1 is "S issued, the previous P V done"
 and 6 "P V issued", its wait falling in the next block's 0 -> 1). One eager step of 64/4 B=64 qlen 4
-with 12/16 shared blocks (the spec-decode point) by default. Prints medians of each interval and writes union-trace-<date>-<query>-w<warpgroups>.json
+with 12/16 shared blocks (the spec-decode point) by default. Prints medians of each interval and writes union-trace-<date>-<query>-w<warpgroups>-<build>.json
 (device, versions, command, the raw stamps of CTA 0 and the medians). (The converter-warpgroup
 events of the retired bench/union_wgmma.py probes are at commit d3bf0ed.)
 """
@@ -98,7 +98,8 @@ def main() -> int:
     print(f"CTA span median {result['cta_span_us_median']} us, max {result['cta_span_us_max']} us; first stage full "
           f"median {result['first_full_us_median']} us, max {result['first_full_us_max']} us after the union build")
     q = "q8" if a.q_dtype == "float8_e4m3fn" else "bf16"
-    path = Path(a.out) / f"union-trace-{result['date']}-{q}-w{a.warpgroups}.json"
+    build = Path(a.so).parent.parent.name  # .kv-variants/<build>/<geometry>/sparse_decode.so: two builds, two files
+    path = Path(a.out) / f"union-trace-{result['date']}-{q}-w{a.warpgroups}-{build}.json"
     path.write_text(json.dumps(result, indent=1))
     print("wrote", path)
     return 0
