@@ -6,7 +6,7 @@
 #           bench_kernel_merge
 #           ceilings host_ab host_ab_union variants trace
 #           per_layer_ab union_k8 union_k8_small union_k8_trace union_skip union_qreg union_qreg_trace
-#           union_lo union_ncu union_final push_merge push_trace union_lo_late
+#           union_lo union_ncu union_final push_merge push_trace union_lo_late small_floor
 #   VARIANTS="now lsu" bash bench/h200_run.sh variants   # time only these variants
 #   BASELINE=bench/results/bench-....json                # compare with (default: the newest unflagged file
 #                                                        # in bench/results from a GPU of the same name)
@@ -172,6 +172,15 @@ print("bench/results/" + b.name if b else "none")')}
                 timeout "$(limit 45)" python3 bench/union_trace.py --out $OUT --warpgroups 1 \
                   --so .kv-variants/$v/64x4/sparse_decode.so > $OUT/$v.log 2>&1; echo "trace $v: rc=$?"; tail -n 9 $OUT/$v.log
               done ;;
+    small_floor) # session 25: row 65's decomposition of today's small-batch build (2 CTAs per SM, the cluster merge):
+              # full / stream alone (no math) / math alone (no copy) / chain and bytes alone (probe "stream": no math,
+              # no epilogue), the merge kernel's build and its stream alone, and #19's floor probe (--floor), one
+              # process; the no-math epilogue cut after the reduction / after the pushes and the merging CTA's wait
+              # (build: f_c2_cm f_c2_cm_nomath f_c2_cm_nocopy f_c2_cm_stream f_c2 f_c2_stream f_c2_cm_reduce f_c2_cm_push)
+              timeout "$(limit 220)" python3 bench/kv_format_ab.py run --dir .kv-variants --out $OUT --rounds 7 --floor \
+                --variants f_c2_cm f_c2_cm_nomath f_c2_cm_nocopy f_c2_cm_stream f_c2 f_c2_stream f_c2_cm_reduce f_c2_cm_push \
+                --keep f_c2_cm_nomath f_c2_cm_nocopy f_c2_cm_stream f_c2_stream f_c2_cm_reduce f_c2_cm_push \
+                --points 64/4:1:1 8/1:1:1 8/1:4:1 64/4:4:1 2>&1 | grep -v "^{" | tail -n 3 ;;
     union_final) # session 18's candidate (branch wip/union-s18, b251ec4: Q's loads first, P V under the next S,
               # V's loads 8 rows ahead; s18d) checked and timed against each step before it: s18a (58c756b, main's
               # build), s18b (+ Q first, c8f3b16; _ahead8: + V's loads ahead), s18c (+ P V overlap, 0f5e99e).

@@ -8,6 +8,9 @@ never change a user's cache key. `bench/variants.py` builds it through
 Options (besides the shipped kernel's):
   probe="no_math"   consumers release every stage unread (results wrong): the stream alone
   probe="no_copy"   the producer completes each stage without copying (results wrong): the math alone
+  probe="stream"    no_math without the epilogue (no reduction, no partial, no merge; a cluster build's
+                    CTAs still wait on the cluster barrier they arrived on): the index chain and the
+                    bytes in this kernel's shape, the part of #19's floor probe this kernel does
   probe="trace"     the full kernel; thread 0 of each CTA writes TRACE_WORDS int32 words over the
                     start of the CTA's partial_o slot (unused when num_splits == 1;
                     bench/trace_ctas.py reads them): smid | n_iter << 16, then %globaltimer_lo at
@@ -15,6 +18,10 @@ Options (besides the shipped kernel's):
                     last full stage, after warp 0's last block, after the epilogue. With
                     split_merge="cluster" the slot is unused at every split count, and the
                     epilogue's end is after the push (and, on a merging CTA, after its merge)
+  epilogue_part=    with probe="no_math" and split_merge="cluster" (session 25): "reduce" ends each CTA after its
+                    4-warp reduction (no push, no merge, no store), "push" after its pushes and, on a
+                    merging CTA, the wait for its peers' bytes (no combine, no store); "all" (default)
+                    is the whole epilogue
   pdl=False         no programmatic dependent launch (the default until 2026-12-02 T1511)
   v_loads="v4"      V read with 16-byte shared loads (4-way bank conflicts; "rotated" since T1425)
   prefetch_bt=True  L2 prefetch of the request's block-table row before the topk-dependent lookup
@@ -52,13 +59,45 @@ from msa_jit.compiler import kernels_package
 
 kernels_package()
 from msa_jit.kernels import common, ptx  # noqa: E402
-from msa_jit.kernels.cluster_merge import RECV_BYTES  # noqa: E402
+from msa_jit.kernels.cluster_merge import RECV_BAR_OFFSET, RECV_BYTES, ClusterMerge  # noqa: E402
 from msa_jit.kernels.sparse_decode_mma import ROW_BYTES, SparseDecodeMmaKernel  # noqa: E402
 
 TRACE_WORDS = 8
-PROBES = ("full", "no_math", "no_copy", "trace")
+PROBES = ("full", "no_math", "no_copy", "trace", "stream")
 CONVERTS = ("full", "none", "no_cvt", "no_scale")
 RELEASES = ("lanes", "warp", "bar")
+EPILOGUE_PARTS = ("all", "reduce", "push")
+
+
+class ProbeClusterMerge(ClusterMerge):
+    """The cluster merge cut short (epilogue_part): "reduce" pushes and merges nothing, "push" pushes
+    and waits for the peers' bytes but neither combines nor stores."""
+
+    def __init__(self, *, part: str, **kw):
+        super().__init__(**kw)
+        self.part = part
+
+    @cute.jit
+    def push(self, recv: Int32, split: Int32, num_splits: Int32, row: Int32, d0: Int32, vals, lse2: Float32,
+             n_vals: cutlass.Constexpr):
+        if cutlass.const_expr(self.part != "reduce"):
+            ClusterMerge.push(self, recv, split, num_splits, row, d0, vals, lse2, n_vals)
+
+    @cute.jit
+    def merge(self, mOut: cute.Tensor, mLse: cute.Tensor, recv: Int32, t: Int32, hq0: Int32, split: Int32,
+              num_splits: Int32, d: Int32):
+        if cutlass.const_expr(self.part == "push"):
+            n_rows = Int32(0)
+            if self.in_cluster() and split < self.group:
+                n_rows = self.rows_merged(split, num_splits)
+            if n_rows > 0:
+                cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
+                bar = recv + RECV_BAR_OFFSET
+                if d == 0:
+                    ptx.mbarrier_arrive_expect_tx(bar, self.peer_bytes(n_rows, num_splits))
+                done = ptx.mbarrier_try_wait_cluster(bar, Int32(0))
+                while done == 0:
+                    done = ptx.mbarrier_try_wait_cluster(bar, Int32(0))
 
 
 @dsl_user_op
@@ -101,8 +140,15 @@ class ProbeMmaKernel(SparseDecodeMmaKernel):
 
     def __init__(self, *, probe: str = "full", pdl: bool = True, v_loads: str = "rotated",
                  prefetch_bt: bool = False, release: str = "lanes", merge_trigger: bool | None = None,
-                 convert: str = "full", **options):
+                 convert: str = "full", epilogue_part: str = "all", **options):
         super().__init__(**options)
+        if epilogue_part not in EPILOGUE_PARTS:
+            raise ValueError(f"epilogue_part {epilogue_part!r} not in {EPILOGUE_PARTS}")
+        if epilogue_part != "all":
+            if self.cluster_merge is None or probe != "no_math":
+                raise ValueError("epilogue_part needs probe='no_math' and split_merge='cluster'")
+            self.cluster_merge = ProbeClusterMerge(part=epilogue_part, group_size=self.group, max_splits=self.topk,
+                                                   threads=self.consumer_threads)
         for name, value, allowed in (("probe", probe, PROBES), ("v_loads", v_loads, ("rotated", "v4")),
                                      ("release", release, RELEASES), ("convert", convert, CONVERTS)):
             if value not in allowed:
@@ -134,11 +180,21 @@ class ProbeMmaKernel(SparseDecodeMmaKernel):
     @cute.jit
     def consume_block(self, qa, q_lane, acc, row_max, row_sum, stage, empty_bar, blk, kv_len, scale,
                       key_base, g, c, lane):
-        if cutlass.const_expr(self.probe == "no_math"):
+        if cutlass.const_expr(self.probe in ("no_math", "stream")):
             self.release_stage(empty_bar, lane)
         else:
             SparseDecodeMmaKernel.consume_block(self, qa, q_lane, acc, row_max, row_sum, stage, empty_bar, blk,
                                                 kv_len, scale, key_base, g, c, lane)
+
+    # ---- stream: no epilogue
+    @cute.jit
+    def epilogue(self, mOut, mLse, mPO, mPL, sML, buf_addr, recv, acc, row_max, row_sum,
+                 t, h, split, warp, lane, num_splits, v_scale):
+        if cutlass.const_expr(self.probe != "stream"):
+            SparseDecodeMmaKernel.epilogue(self, mOut, mLse, mPO, mPL, sML, buf_addr, recv, acc, row_max, row_sum,
+                                           t, h, split, warp, lane, num_splits, v_scale)
+        elif cutlass.const_expr(self.cluster_merge is not None):
+            self.cluster_merge.wait(num_splits)
 
     # ---- release="warp" / "bar"
     @cute.jit

@@ -115,6 +115,15 @@ VARIANTS = {  # name -> (kv dtype, kernel options)
     "n_c3s3_nomath": ("nvfp4", dict(C3, stages=3, probe="no_math")),
     # batch 1: the 2-CTA builds' stream alone and math alone, fp8 against NVFP4 (#18 "no slower")
     "f_c2_nomath": ("float8_e4m3fn", {"probe": "no_math"}),
+    # session 25: row 65's decomposition of the default small-batch build (the cluster merge since session 21),
+    # and both builds' chain + bytes alone (probe="stream": no math, no epilogue); with `run --floor` beside #19's floor probe
+    "f_c2_cm_nomath": ("float8_e4m3fn", {"split_merge": "cluster", "probe": "no_math"}),
+    "f_c2_cm_nocopy": ("float8_e4m3fn", {"split_merge": "cluster", "probe": "no_copy"}),
+    "f_c2_cm_stream": ("float8_e4m3fn", {"split_merge": "cluster", "probe": "stream"}),
+    "f_c2_stream": ("float8_e4m3fn", {"probe": "stream"}),
+    # the cluster build's epilogue cut short after its reduction / after its pushes and the merging CTA's wait
+    "f_c2_cm_reduce": ("float8_e4m3fn", {"split_merge": "cluster", "probe": "no_math", "epilogue_part": "reduce"}),
+    "f_c2_cm_push": ("float8_e4m3fn", {"split_merge": "cluster", "probe": "no_math", "epilogue_part": "push"}),
     "n_c2_nomath": ("nvfp4", {"probe": "no_math"}),
     "f_c2_nocopy": ("float8_e4m3fn", {"probe": "no_copy"}),
     "n_c2_nocopy": ("nvfp4", {"probe": "no_copy"}),
@@ -299,6 +308,29 @@ def _variants():
     return variants
 
 
+FLOOR = "floor"  # `run --floor`: the row of #19's floor probe
+
+
+def _time_floor(planner, steps, bt, sl, slc, qlen, kw, layers) -> tuple[float, float]:
+    """(one layer, marginal) of the floor probe in us: one prepare, then the probe once per layer in a
+    graph, as every variant's step (its launch reads the step's topk, block table and cache)."""
+    from msa_jit.bench import time_graph
+    from msa_jit.bench.readers import floor_layer
+
+    probes = [floor_layer(s) for s in steps]
+
+    def graph_of(n):
+        def step():
+            planner.prepare(bt, sl, slc, qlen, **kw)
+            for probe in probes[:n]:
+                probe()
+        return step
+
+    t1 = statistics.median(time_graph(graph_of(1), iters=30))
+    tl = statistics.median(time_graph(graph_of(layers), iters=30))
+    return t1, (tl - t1) / (layers - 1)
+
+
 def run(a: argparse.Namespace) -> int:
     import torch
 
@@ -353,12 +385,14 @@ def run(a: argparse.Namespace) -> int:
                 t1 = statistics.median(time_graph(graph_of(1, kv, qd), iters=30))
                 tl = statistics.median(time_graph(graph_of(layers, kv, qd), iters=30))
                 res[n].append((t1, (tl - t1) / (layers - 1)))
-        for n in names:
-            kv = VARIANTS[n][0]
+            if a.floor:  # #19's floor probe (msa_jit.bench.readers.floor_layer) on the same steps, timed alike
+                res.setdefault(FLOOR, []).append(_time_floor(planner, steps, bt, sl, slc, qlen, kw, layers))
+        for n in names + ([FLOOR] if a.floor else []):
+            kv = VARIANTS[n][0] if n != FLOOR else "float8_e4m3fn"
             nbytes = steps[0]["kv_bytes"] // (128 * 256) * (128 * (144 if kv == "nvfp4" else 256))
             m = statistics.median(x[1] for x in res[n])
-            row = dict(variant=n, q_dtype=_q_dtype(n), kv_dtype=kv, geometry=geo, batch=batch, qlen=qlen, shared_blocks=shared,
-                       num_splits=plan.num_splits,
+            row = dict(variant=n, q_dtype=_q_dtype(n) if n != FLOOR else None, kv_dtype=kv, geometry=geo, batch=batch,
+                       qlen=qlen, shared_blocks=shared, num_splits=plan.num_splits if n != FLOOR else None,
                        step_us=round(statistics.median(x[0] for x in res[n]), 2), marginal_us=round(m, 2),
                        marginal_pct_of_copy=round(100 * nbytes / (m * 1e-6) / bw, 1))
             rows.append(row)
@@ -384,6 +418,7 @@ def main() -> int:
     r.add_argument("--rounds", type=int, default=3)
     r.add_argument("--keep", nargs="+", help="variants timed even when their check fails (timing probes)")
     r.add_argument("--points", nargs="+", help="GEOMETRY:BATCH:QLEN[:SHARED_BLOCKS] (default: POINTS)")
+    r.add_argument("--floor", action="store_true", help="also time #19's floor probe at each point (row 'floor')")
     for p in (b, r):
         p.add_argument("--dir", default=".kv-variants")
         p.add_argument("--variants", nargs="+", choices=sorted(VARIANTS))

@@ -82,7 +82,7 @@ PLAN_OPTIONS = ("prologue_trigger", "num_splits", "prologue")
 # "checkout": the variant's artifacts come from another commit's build (variants.py build there,
 # the folder copied here under the variant's name), to time old and new kernels in one process
 # options only bench/kernel_probes.py's ProbeMmaKernel has (the shipped kernel has none of them)
-PROBE_OPTIONS = {"probe", "pdl", "v_loads", "prefetch_bt", "release", "merge_trigger", "convert"}
+PROBE_OPTIONS = {"probe", "pdl", "v_loads", "prefetch_bt", "release", "merge_trigger", "convert", "epilogue_part"}
 GEOMETRIES = [(64, 4, "bfloat16"), (8, 1, "bfloat16"), (16, 1, "bfloat16"), (64, 4, "float8_e4m3fn")]
 BF16, FP8 = "bfloat16", "float8_e4m3fn"
 # (geometry, batch, qlen, shared_blocks, query dtype)
