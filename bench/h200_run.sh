@@ -176,10 +176,10 @@ print("bench/results/" + b.name if b else "none")')}
               # full / stream alone (no math) / math alone (no copy) / chain and bytes alone (probe "stream": no math,
               # no epilogue), the merge kernel's build and its stream alone, and #19's floor probe (--floor), one
               # process; the no-math epilogue cut after the reduction / after the pushes and the merging CTA's wait
-              # (build: f_c2_cm f_c2_cm_nomath f_c2_cm_nocopy f_c2_cm_stream f_c2 f_c2_stream f_c2_cm_reduce f_c2_cm_push)
+              # (build: f_c2_cm f_c2_cm_nomath f_c2_cm_nocopy f_c2_cm_stream f_c2 f_c2_stream f_c2_cm_reduce f_c2_cm_push f_c2_cm_bars f_c2_cm_alu_unrolled f_c2_cm_alu_loop)
               timeout "$(limit 220)" python3 bench/kv_format_ab.py run --dir .kv-variants --out $OUT --rounds 7 --floor \
-                --variants f_c2_cm f_c2_cm_nomath f_c2_cm_nocopy f_c2_cm_stream f_c2 f_c2_stream f_c2_cm_reduce f_c2_cm_push \
-                --keep f_c2_cm_nomath f_c2_cm_nocopy f_c2_cm_stream f_c2_stream f_c2_cm_reduce f_c2_cm_push \
+                --variants f_c2_cm f_c2_cm_nomath f_c2_cm_nocopy f_c2_cm_stream f_c2 f_c2_stream f_c2_cm_reduce f_c2_cm_push f_c2_cm_bars f_c2_cm_alu_unrolled f_c2_cm_alu_loop \
+                --keep f_c2_cm_nomath f_c2_cm_nocopy f_c2_cm_stream f_c2_stream f_c2_cm_reduce f_c2_cm_push f_c2_cm_bars f_c2_cm_alu_unrolled f_c2_cm_alu_loop \
                 --points 64/4:1:1 8/1:1:1 8/1:4:1 64/4:4:1 2>&1 | grep -v "^{" | tail -n 3 ;;
     union_final) # session 18's candidate (branch wip/union-s18, b251ec4: Q's loads first, P V under the next S,
               # V's loads 8 rows ahead; s18d) checked and timed against each step before it: s18a (58c756b, main's

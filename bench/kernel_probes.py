@@ -21,7 +21,12 @@ Options (besides the shipped kernel's):
   epilogue_part=    with probe="no_math" and split_merge="cluster" (session 25): "reduce" ends each CTA after its
                     4-warp reduction (no push, no merge, no store), "push" after its pushes and, on a
                     merging CTA, the wait for its peers' bytes (no combine, no store); "all" (default)
-                    is the whole epilogue
+                    is the whole epilogue; "bars" keeps only the reduction's two CTA barriers (then the
+                    cluster wait): what the barriers cost beside the reduction's data movement;
+                    with probe="stream", "alu_unrolled" / "alu_loop" run the same ALU_STEPS x 8
+                    independent xorshift steps per thread (~1000 integer ops) straight-line (~15 KiB of
+                    code) or in a loop (~0.5 KiB): if the straight-line code costs more than the loop,
+                    cold instruction fetch is on a batch-1 layer's critical path
   pdl=False         no programmatic dependent launch (the default until 2026-12-02 T1511)
   v_loads="v4"      V read with 16-byte shared loads (4-way bank conflicts; "rotated" since T1425)
   prefetch_bt=True  L2 prefetch of the request's block-table row before the topk-dependent lookup
@@ -66,7 +71,8 @@ TRACE_WORDS = 8
 PROBES = ("full", "no_math", "no_copy", "trace", "stream")
 CONVERTS = ("full", "none", "no_cvt", "no_scale")
 RELEASES = ("lanes", "warp", "bar")
-EPILOGUE_PARTS = ("all", "reduce", "push")
+EPILOGUE_PARTS = ("all", "reduce", "push", "bars", "alu_unrolled", "alu_loop")
+ALU_STEPS = 20
 
 
 class ProbeClusterMerge(ClusterMerge):
@@ -144,9 +150,11 @@ class ProbeMmaKernel(SparseDecodeMmaKernel):
         super().__init__(**options)
         if epilogue_part not in EPILOGUE_PARTS:
             raise ValueError(f"epilogue_part {epilogue_part!r} not in {EPILOGUE_PARTS}")
+        self.epilogue_part = epilogue_part
         if epilogue_part != "all":
-            if self.cluster_merge is None or probe != "no_math":
-                raise ValueError("epilogue_part needs probe='no_math' and split_merge='cluster'")
+            if self.cluster_merge is None or probe != ("stream" if epilogue_part.startswith("alu") else "no_math"):
+                raise ValueError("epilogue_part needs split_merge='cluster' and probe='no_math' ('stream' for alu_*)")
+        if epilogue_part in ("reduce", "push"):
             self.cluster_merge = ProbeClusterMerge(part=epilogue_part, group_size=self.group, max_splits=self.topk,
                                                    threads=self.consumer_threads)
         for name, value, allowed in (("probe", probe, PROBES), ("v_loads", v_loads, ("rotated", "v4")),
@@ -190,11 +198,43 @@ class ProbeMmaKernel(SparseDecodeMmaKernel):
     @cute.jit
     def epilogue(self, mOut, mLse, mPO, mPL, sML, buf_addr, recv, acc, row_max, row_sum,
                  t, h, split, warp, lane, num_splits, v_scale):
-        if cutlass.const_expr(self.probe != "stream"):
+        if cutlass.const_expr(self.epilogue_part.startswith("alu")):
+            self.alu_chain(buf_addr, warp * 32 + lane, num_splits)
+            self.cluster_merge.wait(num_splits)
+        elif cutlass.const_expr(self.epilogue_part == "bars"):
+            cute.arch.barrier(barrier_id=1, number_of_threads=self.consumer_threads)
+            cute.arch.barrier(barrier_id=1, number_of_threads=self.consumer_threads)
+            self.cluster_merge.wait(num_splits)
+        elif cutlass.const_expr(self.probe != "stream"):
             SparseDecodeMmaKernel.epilogue(self, mOut, mLse, mPO, mPL, sML, buf_addr, recv, acc, row_max, row_sum,
                                            t, h, split, warp, lane, num_splits, v_scale)
         elif cutlass.const_expr(self.cluster_merge is not None):
             self.cluster_merge.wait(num_splits)
+
+    @cute.jit
+    def alu_chain(self, buf_addr, tid, num_splits):
+        """epilogue_part="alu_*": ALU_STEPS rounds of 8 independent xorshifts, the sum to shared memory."""
+        x = cute.make_rmem_tensor(8, Int32)
+        for k in cutlass.range_constexpr(8):
+            x[k] = tid * (2 * k + 1) + num_splits
+        if cutlass.const_expr(self.epilogue_part == "alu_unrolled"):
+            for _ in cutlass.range_constexpr(ALU_STEPS):
+                for k in cutlass.range_constexpr(8):
+                    x[k] = self.xorshift(x[k])
+        else:
+            for _ in cutlass.range(num_splits * 0 + ALU_STEPS, unroll=1):
+                for k in cutlass.range_constexpr(8):
+                    x[k] = self.xorshift(x[k])
+        acc = x[0]
+        for k in cutlass.range_constexpr(1, 8):
+            acc = acc ^ x[k]
+        ptx.st_shared_v4(buf_addr + 16 * tid, acc, acc, acc, acc)
+
+    @cute.jit
+    def xorshift(self, v):
+        v = v ^ (v << 13)
+        v = v ^ (v >> 17)
+        return v ^ (v << 5)
 
     # ---- release="warp" / "bar"
     @cute.jit

@@ -124,6 +124,10 @@ VARIANTS = {  # name -> (kv dtype, kernel options)
     # the cluster build's epilogue cut short after its reduction / after its pushes and the merging CTA's wait
     "f_c2_cm_reduce": ("float8_e4m3fn", {"split_merge": "cluster", "probe": "no_math", "epilogue_part": "reduce"}),
     "f_c2_cm_push": ("float8_e4m3fn", {"split_merge": "cluster", "probe": "no_math", "epilogue_part": "push"}),
+    "f_c2_cm_bars": ("float8_e4m3fn", {"split_merge": "cluster", "probe": "no_math", "epilogue_part": "bars"}),
+    # the same integer work straight-line or in a loop after the stream: is cold instruction fetch on the critical path?
+    "f_c2_cm_alu_unrolled": ("float8_e4m3fn", {"split_merge": "cluster", "probe": "stream", "epilogue_part": "alu_unrolled"}),
+    "f_c2_cm_alu_loop": ("float8_e4m3fn", {"split_merge": "cluster", "probe": "stream", "epilogue_part": "alu_loop"}),
     "n_c2_nomath": ("nvfp4", {"probe": "no_math"}),
     "f_c2_nocopy": ("float8_e4m3fn", {"probe": "no_copy"}),
     "n_c2_nocopy": ("nvfp4", {"probe": "no_copy"}),
