@@ -6,7 +6,7 @@
 #           bench_kernel_merge
 #           ceilings host_ab host_ab_union variants trace
 #           per_layer_ab union_k8 union_k8_small union_k8_trace union_skip union_qreg union_qreg_trace
-#           union_lo union_ncu union_final push_merge push_trace union_lo_late small_floor
+#           union_lo union_ncu union_final push_merge push_trace union_lo_late small_floor small_w8 epilogue_ab
 #   VARIANTS="now lsu" bash bench/h200_run.sh variants   # time only these variants
 #   BASELINE=bench/results/bench-....json                # compare with (default: the newest unflagged file
 #                                                        # in bench/results from a GPU of the same name)
@@ -181,6 +181,19 @@ print("bench/results/" + b.name if b else "none")')}
                 --variants f_c2_cm f_c2_cm_nomath f_c2_cm_nocopy f_c2_cm_stream f_c2 f_c2_stream f_c2_cm_reduce f_c2_cm_push f_c2_cm_bars f_c2_cm_alu_unrolled f_c2_cm_alu_loop \
                 --keep f_c2_cm_nomath f_c2_cm_nocopy f_c2_cm_stream f_c2_stream f_c2_cm_reduce f_c2_cm_push f_c2_cm_bars f_c2_cm_alu_unrolled f_c2_cm_alu_loop \
                 --points 64/4:1:1 8/1:1:1 8/1:4:1 64/4:4:1 2>&1 | grep -v "^{" | tail -n 3 ;;
+    small_w8) # session 25: row 50's 8 consumer warps (1 CTA per SM) with the cluster merge against today's 2-CTA build,
+              # and both without math, at the points the cluster merge serves (build: f_c2_cm f_w8_cm f_c2_cm_nomath
+              # f_w8_cm_nomath)
+              timeout "$(limit 150)" python3 bench/kv_format_ab.py run --dir .kv-variants --out $OUT --rounds 9 \
+                --variants f_c2_cm f_w8_cm f_c2_cm_nomath f_w8_cm_nomath --keep f_c2_cm_nomath f_w8_cm_nomath \
+                --points 64/4:1:1 8/1:1:1 8/1:4:1 64/4:1:2 2>&1 | grep -v "^{" | grep -v "^check .*_nomath" | tail -n 6 ;;
+    epilogue_ab) # session 25 (row 82): the epilogue without the row max before the O rows' stores, and the cluster
+              # merge's routing by shift and mask, against session 24's kernels (s24_*, built at a09cf24), checked and
+              # timed at the small-batch points and one one-split point (build: f_c2_cm f_c3 n_c2_cm n_c3s3 q8_c2_cm,
+              # and s24_* of each in a checkout of a09cf24)
+              timeout "$(limit 240)" python3 bench/kv_format_ab.py run --dir .kv-variants --out $OUT --rounds 7 \
+                --variants s24_f_c2_cm f_c2_cm s24_f_c3 f_c3 s24_n_c2_cm n_c2_cm s24_n_c3s3 n_c3s3 s24_q8_c2_cm q8_c2_cm \
+                --points 64/4:1:1 8/1:1:1 8/1:4:1 64/4:4:1 8/1:16:1 64/4:16:1 64/4:1:4 64/4:64:1 2>&1 | grep -v "^{" | tail -n 12 ;;
     union_final) # session 18's candidate (branch wip/union-s18, b251ec4: Q's loads first, P V under the next S,
               # V's loads 8 rows ahead; s18d) checked and timed against each step before it: s18a (58c756b, main's
               # build), s18b (+ Q first, c8f3b16; _ahead8: + V's loads ahead), s18c (+ P V overlap, 0f5e99e).

@@ -35,6 +35,13 @@ VARIANTS_QREG_BASE = {
     "f_union_k8_w1_qreg_ahead8": {"union_fp8": True, "warpgroups": 1, "q_lo_regs": True, "v_ahead": 8},
     "q8_union_w1_ahead8": {"union_fp8": True, "warpgroups": 1, "q_dtype": "float8_e4m3fn", "v_ahead": 8},
 }
+VARIANTS_S24 = {  # the planner's small-batch builds, for the s24_* variants below
+    "f_c2_cm": ("float8_e4m3fn", {"split_merge": "cluster"}),
+    "f_c3": ("float8_e4m3fn", dict(C3, stages=2)),
+    "n_c2_cm": ("nvfp4", {"split_merge": "cluster"}),
+    "n_c3s3": ("nvfp4", dict(C3, stages=3)),
+    "q8_c2_cm": ("float8_e4m3fn", {"split_merge": "cluster", "q_dtype": Q8}),
+}
 VARIANTS = {  # name -> (kv dtype, kernel options)
     "n_c2": ("nvfp4", {}),
     "n_c2_sc2": ("nvfp4", {"s_chains": 2}),
@@ -128,6 +135,15 @@ VARIANTS = {  # name -> (kv dtype, kernel options)
     # the same integer work straight-line or in a loop after the stream: is cold instruction fetch on the critical path?
     "f_c2_cm_alu_unrolled": ("float8_e4m3fn", {"split_merge": "cluster", "probe": "stream", "epilogue_part": "alu_unrolled"}),
     "f_c2_cm_alu_loop": ("float8_e4m3fn", {"split_merge": "cluster", "probe": "stream", "epilogue_part": "alu_loop"}),
+    # session 25's epilogue (row 82) against session 24's kernels, built at 972f876 (the kernels did not change
+    # until a09cf24) and copied here as s24_*
+    **{f"s24_{n}": (VARIANTS_S24[n][0], dict(VARIANTS_S24[n][1], checkout="a09cf24"))
+       for n in ("f_c2_cm", "f_c3", "n_c2_cm", "n_c3s3", "q8_c2_cm")},
+    # row 50's 8 consumer warps of 16 keys (1 CTA per SM) again, now with the cluster merge: half the math and
+    # conversions per warp, two warps per scheduler
+    "f_w8_cm": ("float8_e4m3fn", {"consumer_warps": 8, "ctas_per_sm": 1, "split_merge": "cluster"}),
+    "f_w8_cm_nomath": ("float8_e4m3fn", {"consumer_warps": 8, "ctas_per_sm": 1, "split_merge": "cluster",
+                                         "probe": "no_math"}),
     "n_c2_nomath": ("nvfp4", {"probe": "no_math"}),
     "f_c2_nocopy": ("float8_e4m3fn", {"probe": "no_copy"}),
     "n_c2_nocopy": ("nvfp4", {"probe": "no_copy"}),

@@ -57,14 +57,40 @@ class ClusterMerge:
         rank == split)? st.async and the cluster barrier need one."""
         return cute.arch.cluster_size() > 1
 
+    def divmod_splits(self, x, num_splits):
+        """(x // num_splits, x % num_splits) for x >= 0; python ints (the host's tests) or device Int32s."""
+        if isinstance(num_splits, int):
+            return x // num_splits, x % num_splits
+        return self.divmod_device(x, num_splits)
+
+    @cute.jit
+    def divmod_device(self, x: Int32, num_splits: Int32):
+        """divmod_splits on the device: by shift and mask when num_splits is a power of two (the planner's
+        2, 4, 8, 16), else by division, whose ~25 dependent instructions sat twice on a batch-1 layer's
+        critical path (docs/performance.md row 81)."""
+        q = Int32(0)
+        r = Int32(0)
+        if num_splits & (num_splits - 1) == 0:
+            shift = Int32(0)
+            for b in cutlass.range_constexpr(1, 5):  # num_splits <= RECV_SLOTS = 16
+                if num_splits >= (1 << b):
+                    shift = Int32(b)
+            q = x >> shift
+            r = x & (num_splits - 1)
+        else:
+            q = x // num_splits
+            r = x - q * num_splits
+        return q, r
+
     def route(self, row, split, num_splits):
         """(cluster rank that merges `row`, its receive slot for split `split`'s partial row):
         rank row % num_splits, slot (row // num_splits) * num_splits + split."""
-        return row % num_splits, row // num_splits * num_splits + split
+        q, r = self.divmod_splits(row, num_splits)
+        return r, q * num_splits + split
 
     def rows_merged(self, rank, num_splits):
         """How many group rows cluster rank `rank` merges: rank, rank + num_splits, ... < G."""
-        return (self.group - rank + num_splits - 1) // num_splits
+        return self.divmod_splits(self.group - rank + num_splits - 1, num_splits)[0]
 
     def merge_slot(self, j, split, num_splits):
         """The receive slot merge() reads for split `split` of the j-th row it merges (row

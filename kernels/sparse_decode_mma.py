@@ -714,28 +714,24 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
             for r in cutlass.range_constexpr(2):
                 sML[warp * 32 + 2 * (g + 8 * r)] = row_max[r]
                 sML[warp * 32 + 2 * (g + 8 * r) + 1] = row_sum[r]
-        # every consumer is done with the stages (they alias the reduction buffer) and sML is full
+        # every consumer is done with the stages (they alias the reduction buffer): each warp's O rows go
+        # there unscaled; the reader weighs them (one FFMA per warp and element), so no thread takes the row
+        # max here (a batch-1 layer runs this epilogue one warp per scheduler: every instruction is on its
+        # critical path, docs/performance.md row 81)
         cute.arch.barrier(barrier_id=bar_id, number_of_threads=nthr)
-
         for r in cutlass.range_constexpr(2):
-            row = g + 8 * r
-            m_all = -Float32.inf
-            for w in cutlass.range_constexpr(self.warps):
-                m_all = cute.arch.fmax(m_all, sML[w * 32 + 2 * row])
-            if m_all == -Float32.inf:
-                m_all = Float32(0.0)
-            sc = ptx.ex2(row_max[r] - m_all)
-            base = buf_addr + warp * RED_WARP + row * RED_ROW + c * RED_CHUNK
+            base = buf_addr + warp * RED_WARP + (g + 8 * r) * RED_ROW + c * RED_CHUNK
             for q in cutlass.range_constexpr(8):
                 col = 0 if q < 4 else 1
                 nt0 = 4 * (q % 4)
                 ptx.st_shared_v4_f32(
                     base + 16 * q,
-                    acc[4 * nt0 + 2 * r + col] * sc,
-                    acc[4 * (nt0 + 1) + 2 * r + col] * sc,
-                    acc[4 * (nt0 + 2) + 2 * r + col] * sc,
-                    acc[4 * (nt0 + 3) + 2 * r + col] * sc,
+                    acc[4 * nt0 + 2 * r + col],
+                    acc[4 * (nt0 + 1) + 2 * r + col],
+                    acc[4 * (nt0 + 2) + 2 * r + col],
+                    acc[4 * (nt0 + 3) + 2 * r + col],
                 )
+        # the O rows and sML are complete
         cute.arch.barrier(barrier_id=bar_id, number_of_threads=nthr)
 
         tid = warp * 32 + lane
@@ -751,15 +747,19 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
             m_use = m_all
             if m_all == -Float32.inf:
                 m_use = Float32(0.0)
+            weight = cute.make_rmem_tensor(self.warps, Float32)  # warp w's O row: weight[w] * v_scale / l_all
             l_all = Float32(0.0)
             for w in cutlass.range_constexpr(self.warps):
-                l_all = l_all + sML[w * 32 + 2 * row + 1] * ptx.ex2(sML[w * 32 + 2 * row] - m_use)
+                weight[w] = ptx.ex2(sML[w * 32 + 2 * row] - m_use)  # 0 for a warp that saw no key
+                l_all = l_all + sML[w * 32 + 2 * row + 1] * weight[w]
             inv = Float32(0.0)
             if l_all > Float32(0.0):
                 inv = v_scale / l_all
             lse2 = -Float32.inf
             if l_all > Float32(0.0):
                 lse2 = m_all + ptx.lg2(l_all)
+            for w in cutlass.range_constexpr(self.warps):
+                weight[w] = weight[w] * inv
             vals = cute.make_rmem_tensor(self.out_elems, Float32)
             for k in cutlass.range_constexpr(self.out_elems):
                 vals[k] = Float32(0.0)
@@ -768,10 +768,8 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
                 for q in cutlass.range_constexpr(self.out_elems // 4):
                     f = ptx.ld_shared_v4_f32(rd + w * RED_WARP + 16 * q)
                     for k in cutlass.range_constexpr(4):
-                        vals[4 * q + k] = vals[4 * q + k] + f[k]
+                        vals[4 * q + k] = ptx.ffma(f[k], weight[w], vals[4 * q + k])
             hq = h * G + row
-            for k in cutlass.range_constexpr(self.out_elems):
-                vals[k] = vals[k] * inv
             # 16-byte stores (13x fewer L2 write sectors than one store per element, ncu T0929)
             if num_splits == 1:  # 8 bf16 per store (mOut is 16-byte aligned)
                 dst = mOut.iterator.toint() + (Int64(t) * Int64(mOut.stride[0]) + Int64(hq * HEAD_DIM + d0)) * 2
