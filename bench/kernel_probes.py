@@ -64,7 +64,7 @@ from msa_jit.compiler import kernels_package
 
 kernels_package()
 from msa_jit.kernels import common, ptx  # noqa: E402
-from msa_jit.kernels.cluster_merge import RECV_BAR_OFFSET, RECV_BYTES, ClusterMerge  # noqa: E402
+from msa_jit.kernels.cluster_merge import RECV_BYTES, ClusterMerge  # noqa: E402
 from msa_jit.kernels.sparse_decode_mma import ROW_BYTES, SparseDecodeMmaKernel  # noqa: E402
 
 TRACE_WORDS = 8
@@ -93,17 +93,7 @@ class ProbeClusterMerge(ClusterMerge):
     def merge(self, mOut: cute.Tensor, mLse: cute.Tensor, recv: Int32, t: Int32, hq0: Int32, split: Int32,
               num_splits: Int32, d: Int32):
         if cutlass.const_expr(self.part == "push"):
-            n_rows = Int32(0)
-            if self.in_cluster() and split < self.group:
-                n_rows = self.rows_merged(split, num_splits)
-            if n_rows > 0:
-                cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
-                bar = recv + RECV_BAR_OFFSET
-                if d == 0:
-                    ptx.mbarrier_arrive_expect_tx(bar, self.peer_bytes(n_rows, num_splits))
-                done = ptx.mbarrier_try_wait_cluster(bar, Int32(0))
-                while done == 0:
-                    done = ptx.mbarrier_try_wait_cluster(bar, Int32(0))
+            self.wait_for_peers(recv, split, num_splits, d)
 
 
 @dsl_user_op

@@ -142,13 +142,11 @@ class ClusterMerge:
                 ptx.st_async_f32(ptx.mapa_shared(lse, dest), bar, lse2)
 
     @cute.jit
-    def merge(self, mOut: cute.Tensor, mLse: cute.Tensor, recv: Int32, t: Int32, hq0: Int32, split: Int32,
-              num_splits: Int32, d: Int32):
-        """Rows split, split + num_splits, ... (< G) of the group whose first query head is hq0:
-        wait for their num_splits partials each, then thread d < 128 merges dim d of each row into
-        out[t, hq0 + row, d] (bf16) and, for d == 0, lse[t, hq0 + row] (natural log). Every one of
-        the `threads` pushing threads calls it, after its push; nothing when the launch does not
-        merge in a cluster."""
+    def wait_for_peers(self, recv: Int32, split: Int32, num_splits: Int32, d: Int32):
+        """How many group rows this CTA merges (0: none, or the launch does not merge in a cluster) and,
+        when it merges any, wait until this CTA's own partial rows are visible to every pushing thread
+        and every peer's bytes for them have landed. Every one of the `threads` pushing threads calls
+        it, after its push; thread d == 0 arms the mbarrier."""
         n_rows = Int32(0)
         if self.in_cluster() and split < self.group:
             n_rows = self.rows_merged(split, num_splits)
@@ -161,6 +159,18 @@ class ClusterMerge:
             done = ptx.mbarrier_try_wait_cluster(bar, Int32(0))
             while done == 0:
                 done = ptx.mbarrier_try_wait_cluster(bar, Int32(0))
+        return n_rows
+
+    @cute.jit
+    def merge(self, mOut: cute.Tensor, mLse: cute.Tensor, recv: Int32, t: Int32, hq0: Int32, split: Int32,
+              num_splits: Int32, d: Int32):
+        """Rows split, split + num_splits, ... (< G) of the group whose first query head is hq0:
+        wait for their num_splits partials each (wait_for_peers), then thread d < 128 merges dim d of
+        each row into out[t, hq0 + row, d] (bf16) and, for d == 0, lse[t, hq0 + row] (natural log).
+        Every one of the `threads` pushing threads calls it, after its push; nothing when the launch
+        does not merge in a cluster."""
+        n_rows = self.wait_for_peers(recv, split, num_splits, d)
+        if n_rows > 0:
             if d < HEAD_DIM:
                 for j in range(n_rows):
                     row = split + j * num_splits
