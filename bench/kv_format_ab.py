@@ -26,6 +26,10 @@ import sys
 import time
 from pathlib import Path
 
+# this checkout's msa_jit and kernels/, not the checkout an editable install points at (a `pip install -e`
+# in another clone, as CI's does, repoints it: session 25 built another clone's kernels that way)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 Q8 = "float8_e4m3fn"  # an option "q_dtype": Q8 marks a variant built and timed with an fp8 query
 C3 = {"q_frags": "smem", "smem_reads": "staged", "ctas_per_sm": 3, "softmax": "lean"}
 # the 2-CTA union builds' options, for the checkout variants of later sessions
@@ -135,8 +139,8 @@ VARIANTS = {  # name -> (kv dtype, kernel options)
     # the same integer work straight-line or in a loop after the stream: is cold instruction fetch on the critical path?
     "f_c2_cm_alu_unrolled": ("float8_e4m3fn", {"split_merge": "cluster", "probe": "stream", "epilogue_part": "alu_unrolled"}),
     "f_c2_cm_alu_loop": ("float8_e4m3fn", {"split_merge": "cluster", "probe": "stream", "epilogue_part": "alu_loop"}),
-    # session 25's epilogue (row 82) against session 24's kernels, built at 972f876 (the kernels did not change
-    # until a09cf24) and copied here as s24_*
+    # session 25's epilogue (row 82) against session 24's kernels (unchanged from 972f876 to a09cf24), built in a
+    # checkout of a09cf24 and copied here as s24_*
     **{f"s24_{n}": (VARIANTS_S24[n][0], dict(VARIANTS_S24[n][1], checkout="a09cf24"))
        for n in ("f_c2_cm", "f_c3", "n_c2_cm", "n_c3s3", "q8_c2_cm")},
     # row 50's 8 consumer warps of 16 keys (1 CTA per SM) again, now with the cluster merge: half the math and

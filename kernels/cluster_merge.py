@@ -65,9 +65,10 @@ class ClusterMerge:
 
     @cute.jit
     def divmod_device(self, x: Int32, num_splits: Int32):
-        """divmod_splits on the device: by shift and mask when num_splits is a power of two (the planner's
-        2, 4, 8, 16), else by division, whose ~25 dependent instructions sat twice on a batch-1 layer's
-        critical path (docs/performance.md row 81)."""
+        """divmod_splits on the device, for 1 <= num_splits <= RECV_SLOTS (fits() holds for every launch that
+        merges in a cluster): by shift and mask when num_splits is a power of two (the planner's 2, 4, 8,
+        16), else by division (3 and 6, which fit at G = 8), whose ~25 dependent instructions sat twice on
+        a batch-1 layer's critical path (docs/performance.md row 82)."""
         q = Int32(0)
         r = Int32(0)
         if num_splits & (num_splits - 1) == 0:

@@ -747,7 +747,8 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
             m_use = m_all
             if m_all == -Float32.inf:
                 m_use = Float32(0.0)
-            weight = cute.make_rmem_tensor(self.warps, Float32)  # warp w's O row: weight[w] * v_scale / l_all
+            # warp w's O row counts 2**(m_w - m) in l_all, and weight[w] * its row in the output
+            weight = cute.make_rmem_tensor(self.warps, Float32)
             l_all = Float32(0.0)
             for w in cutlass.range_constexpr(self.warps):
                 weight[w] = ptx.ex2(sML[w * 32 + 2 * row] - m_use)  # 0 for a warp that saw no key
