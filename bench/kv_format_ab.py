@@ -39,13 +39,6 @@ VARIANTS_QREG_BASE = {
     "f_union_k8_w1_qreg_ahead8": {"union_fp8": True, "warpgroups": 1, "q_lo_regs": True, "v_ahead": 8},
     "q8_union_w1_ahead8": {"union_fp8": True, "warpgroups": 1, "q_dtype": "float8_e4m3fn", "v_ahead": 8},
 }
-VARIANTS_S24 = {  # the planner's small-batch builds, for the s24_* variants below
-    "f_c2_cm": ("float8_e4m3fn", {"split_merge": "cluster"}),
-    "f_c3": ("float8_e4m3fn", dict(C3, stages=2)),
-    "n_c2_cm": ("nvfp4", {"split_merge": "cluster"}),
-    "n_c3s3": ("nvfp4", dict(C3, stages=3)),
-    "q8_c2_cm": ("float8_e4m3fn", {"split_merge": "cluster", "q_dtype": Q8}),
-}
 VARIANTS = {  # name -> (kv dtype, kernel options)
     "n_c2": ("nvfp4", {}),
     "n_c2_sc2": ("nvfp4", {"s_chains": 2}),
@@ -139,10 +132,6 @@ VARIANTS = {  # name -> (kv dtype, kernel options)
     # the same integer work straight-line or in a loop after the stream: is cold instruction fetch on the critical path?
     "f_c2_cm_alu_unrolled": ("float8_e4m3fn", {"split_merge": "cluster", "probe": "stream", "epilogue_part": "alu_unrolled"}),
     "f_c2_cm_alu_loop": ("float8_e4m3fn", {"split_merge": "cluster", "probe": "stream", "epilogue_part": "alu_loop"}),
-    # session 25's epilogue (row 82) against session 24's kernels (unchanged from 972f876 to a09cf24), built in a
-    # checkout of a09cf24 and copied here as s24_*
-    **{f"s24_{n}": (VARIANTS_S24[n][0], dict(VARIANTS_S24[n][1], checkout="a09cf24"))
-       for n in ("f_c2_cm", "f_c3", "n_c2_cm", "n_c3s3", "q8_c2_cm")},
     # row 50's 8 consumer warps of 16 keys (1 CTA per SM) again, now with the cluster merge: half the math and
     # conversions per warp, two warps per scheduler
     "f_w8_cm": ("float8_e4m3fn", {"consumer_warps": 8, "ctas_per_sm": 1, "split_merge": "cluster"}),
@@ -254,6 +243,10 @@ VARIANTS = {  # name -> (kv dtype, kernel options)
     "s19p_n_c2_cm": ("nvfp4", {"split_merge": "cluster", "checkout": "acaabd9"}),
     "s19p_q8_c2_cm": ("float8_e4m3fn", {"split_merge": "cluster", "q_dtype": Q8, "checkout": "acaabd9"}),
 }
+# session 25's epilogue (row 82) against session 24's kernels (unchanged from 972f876 to a09cf24): the planner's
+# small-batch builds, built in a checkout of a09cf24 and copied here as s24_*
+VARIANTS.update({f"s24_{n}": (VARIANTS[n][0], dict(VARIANTS[n][1], checkout="a09cf24"))
+                 for n in ("f_c2_cm", "f_c3", "n_c2_cm", "n_c3s3", "q8_c2_cm")})
 GEOMS = [(64, 4), (8, 1)]
 POINTS = [("64/4", 256, 1), ("64/4", 64, 1), ("8/1", 256, 1), ("64/4", 16, 1), ("64/4", 1, 1), ("64/4", 64, 4),
           ("64/4", 4, 1), ("8/1", 1, 1), ("8/1", 16, 1)]
@@ -332,27 +325,7 @@ def _variants():
     return variants
 
 
-FLOOR = "floor"  # `run --floor`: the row of #19's floor probe
-
-
-def _time_floor(planner, steps, bt, sl, slc, qlen, kw, layers) -> tuple[float, float]:
-    """(one layer, marginal) of the floor probe in us: one prepare, then the probe once per layer in a
-    graph, as every variant's step (its launch reads the step's topk, block table and cache)."""
-    from msa_jit.bench import time_graph
-    from msa_jit.bench.readers import floor_layer
-
-    probes = [floor_layer(s) for s in steps]
-
-    def graph_of(n):
-        def step():
-            planner.prepare(bt, sl, slc, qlen, **kw)
-            for probe in probes[:n]:
-                probe()
-        return step
-
-    t1 = statistics.median(time_graph(graph_of(1), iters=30))
-    tl = statistics.median(time_graph(graph_of(layers), iters=30))
-    return t1, (tl - t1) / (layers - 1)
+FLOOR = "floor"  # `run --floor`: the row of #19's floor probe (msa_jit.bench.measure.measure_floor)
 
 
 def run(a: argparse.Namespace) -> int:
@@ -360,6 +333,7 @@ def run(a: argparse.Namespace) -> int:
 
     from msa_jit import SparseDecodePlanner, loader, sparse_decode
     from msa_jit.bench import GEOMETRIES, copy_bandwidth, environment, make_step, time_graph
+    from msa_jit.bench.measure import measure_floor
 
     names = a.variants or list(VARIANTS)
     fns = {(n, g): loader.load_artifact(_so(Path(a.dir), n, *g))[0] for n in names for g in GEOMS}
@@ -409,8 +383,9 @@ def run(a: argparse.Namespace) -> int:
                 t1 = statistics.median(time_graph(graph_of(1, kv, qd), iters=30))
                 tl = statistics.median(time_graph(graph_of(layers, kv, qd), iters=30))
                 res[n].append((t1, (tl - t1) / (layers - 1)))
-            if a.floor:  # #19's floor probe (msa_jit.bench.readers.floor_layer) on the same steps, timed alike
-                res.setdefault(FLOOR, []).append(_time_floor(planner, steps, bt, sl, slc, qlen, kw, layers))
+            if a.floor:  # #19's floor probe on the same steps, one prepare and L layers per graph as above
+                f = measure_floor(planner, steps, hq, hkv, qlen, layers, 30)
+                res.setdefault(FLOOR, []).append((f["floor_one_layer_us"], f["floor_marginal_us"]))
         for n in names + ([FLOOR] if a.floor else []):
             kv = VARIANTS[n][0] if n != FLOOR else "float8_e4m3fn"
             nbytes = steps[0]["kv_bytes"] // (128 * 256) * (128 * (144 if kv == "nvfp4" else 256))
