@@ -391,7 +391,7 @@ def run(a: argparse.Namespace) -> int:
             nbytes = steps[0]["kv_bytes"] // (128 * 256) * (128 * (144 if kv == "nvfp4" else 256))
             m = statistics.median(x[1] for x in res[n])
             row = dict(variant=n, q_dtype=_q_dtype(n) if n != FLOOR else None, kv_dtype=kv, geometry=geo, batch=batch,
-                       qlen=qlen, shared_blocks=shared, num_splits=plan.num_splits if n != FLOOR else None,
+                       qlen=qlen, shared_blocks=shared, num_splits=plan.splits(kv) if n != FLOOR else None,
                        step_us=round(statistics.median(x[0] for x in res[n]), 2), marginal_us=round(m, 2),
                        marginal_pct_of_copy=round(100 * nbytes / (m * 1e-6) / bw, 1))
             rows.append(row)

@@ -3,10 +3,10 @@
     python3 bench/split_check.py --dir .kv-variants --variants s19p_f_c2_cm f_c2 [--out $OUT]
 
 bench/kv_format_ab.py's check forces 1 split and the planner's many; this one forces each of
-3, 4, 6, 8 and 16 splits (every factor `choose_num_splits` gives for 16 top-k blocks: never 2)
-at both geometries, so a merge that takes some factors one way and the rest another (the cluster
-merge of docs/performance.md row 79: 4, 8 and 16 in the launch at G = 16, 3 and 6 through the
-merge kernel; all five in the launch at G = 8) is checked both ways. Each case: padded rows
+2, 3, 4, 6, 8 and 16 splits (every factor `choose_num_splits` gives for 16 top-k blocks; 2 for an
+fp8 cache since row 83) at both geometries, so a merge that takes some factors one way and the rest
+another (the cluster merge of docs/performance.md row 79: 2, 4, 8 and 16 in the launch at G = 16,
+3 and 6 through the merge kernel; all in the launch at G = 8) is checked both ways. Each case: padded rows
 (kv_len 0) or adversarial top-k / block tables, launched 3 times on one plan with fresh, poisoned
 outputs (bench/variants.py's `_launch_checked`); the 3 outputs bitwise identical.
 """
@@ -31,7 +31,7 @@ from msa_jit import loader  # noqa: E402
 from msa_jit.bench.measure import environment, invocation  # noqa: E402
 from msa_jit.testing import LSE_ATOL, make_case  # noqa: E402
 
-SPLITS = (3, 4, 6, 8, 16)
+SPLITS = (2, 3, 4, 6, 8, 16)
 CASES = ((1, 1, False, False), (2, 4, True, False), (5, 1, False, True), (3, 2, True, True))  # batch, qlen, padded, adversarial
 
 
@@ -40,7 +40,7 @@ def check(fn, name: str, hq: int, hkv: int) -> list[dict]:
     rows = []
     for splits in SPLITS:
         for i, (batch, qlen, padded, adversarial) in enumerate(CASES):
-            planner = _planner_for_splits(batch * qlen * hkv, 16, splits)
+            planner = _planner_for_splits(batch * qlen * hkv, 16, splits, kv)
             if planner is None:
                 continue
             case = make_case(batch, qlen, hq, hkv, q_dtype=q_dtype, seed=splits * 100 + i, device="cuda",
@@ -55,7 +55,7 @@ def check(fn, name: str, hq: int, hkv: int) -> list[dict]:
                 problems = []
             if not same:
                 problems = problems + ["the 3 launches differ"]
-            rows.append(dict(variant=name, geometry=f"{hq}/{hkv}", splits=plan.num_splits, batch=batch, qlen=qlen,
+            rows.append(dict(variant=name, geometry=f"{hq}/{hkv}", splits=plan.splits(kv), batch=batch, qlen=qlen,
                              padded=padded, adversarial=adversarial, duplicates=case.has_duplicates, rel_l2=worst,
                              problems=problems))
             print(json.dumps(rows[-1]), flush=True)

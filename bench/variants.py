@@ -170,7 +170,7 @@ def _check(fn, hq: int, hkv: int, qd: str, kv_dtype: str = FP8, lse_atol: float 
                          kv_dtype="nvfp4" if kv_dtype == "nvfp4" else "fp8")
         plan = SparseDecodePlanner(num_sms=num_sms).prepare(*case.prepare_args(), **case.prepare_kwargs())
         err, problems, _ = _launch_checked(fn, case, plan, kv_dtype, lse_atol or LSE_ATOL)
-        rows.append(dict(batch=batch, qlen=qlen, num_splits=plan.num_splits, rel_l2=err, problems=problems))
+        rows.append(dict(batch=batch, qlen=qlen, num_splits=plan.splits(kv_dtype), rel_l2=err, problems=problems))
     return rows
 
 
@@ -196,15 +196,15 @@ def _launch_checked(fn, case, plan, kv_dtype: str, lse_atol: float) -> tuple[flo
     return worst[0], worst[1], all(torch.equal(outs[0], o) for o in outs[1:])
 
 
-def _planner_for_splits(rows: int, topk: int, want: int | None):
-    """A planner whose plans for `rows` = T*Hkv get `want` splits (None: the default), or None
-    when no SM count makes choose_num_splits give it."""
+def _planner_for_splits(rows: int, topk: int, want: int | None, kv_dtype: str = "float8_e4m3fn"):
+    """A planner whose plans for `rows` = T*Hkv get `want` splits for a cache format (None: the default),
+    or None when no SM count makes choose_num_splits give it."""
     from msa_jit import SparseDecodePlanner
     from msa_jit.planner import choose_num_splits
 
     if want is None:
         return SparseDecodePlanner()
-    n = next((n for n in range(1, 1 << 16) if choose_num_splits(rows, topk, n) == want), None)
+    n = next((n for n in range(1, 1 << 16) if choose_num_splits(rows, topk, n, kv_dtype) == want), None)
     return SparseDecodePlanner(num_sms=n) if n else None
 
 

@@ -98,6 +98,7 @@ def call_arguments(plan: Any, query: Any, kv_cache: Any, topk: Any, out: Any, ls
 
     kv_lens, lse_scratch, partial_o, partial_lse, unit_scale = plan.kernel_tensors()
     fp8_storage = kv_cache.dtype == torch.uint8 and kv_cache.shape[-1] == 2 * query.shape[-1]
+    nvfp4 = kv_cache.dtype == torch.uint8 and not fp8_storage
     return (
         query,
         kv_cache.view(torch.float8_e4m3fn) if fp8_storage else kv_cache,
@@ -111,7 +112,7 @@ def call_arguments(plan: Any, query: Any, kv_cache: Any, topk: Any, out: Any, ls
         unit_scale if k_scale_tensor is None else k_scale_tensor,
         unit_scale if v_scale_tensor is None else v_scale_tensor,
         plan.qlen,
-        plan.num_splits,
+        plan.splits("nvfp4" if nvfp4 else "float8_e4m3fn"),  # each cache format's own split count
         qk_scale_log2,
         v_scale,
     )

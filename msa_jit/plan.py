@@ -25,7 +25,8 @@ class SparseDecodePlan:
     """Cached state of one step shape. Tensors are allocated once and refreshed in place.
 
     kv_lens, qo_offset: [T] int32, T = batch * qlen (refreshed every `prepare`).
-    partial_o: [T*Hkv*num_splits, G, head_dim] fp32, partial_lse: [T*Hkv*num_splits, G] fp32
+    num_splits / nvfp4_num_splits: the split-KV factor for an fp8 / an NVFP4 cache (`splits`).
+    partial_o: [T*Hkv*S, G, head_dim] fp32, partial_lse: [T*Hkv*S, G] fp32, S the larger factor
     (split-KV workspace), lse_scratch: [T, Hq] fp32 (used when the caller wants no lse),
     unit_scale: [1] fp32 = 1.0 (the kernel's scale tensor when the caller gives python floats).
     block_table / seq_lens: the tensors of the latest `prepare`.
@@ -50,6 +51,8 @@ class SparseDecodePlan:
     block_table: torch.Tensor
     seq_lens: torch.Tensor
     arch: str | None = None
+    # the split-KV factor for an NVFP4 cache (planner.choose_num_splits); None: num_splits
+    nvfp4_num_splits: int | None = None
     # occupancy of the kernel serving this plan for an fp8 / an NVFP4 cache (planner.choose_ctas_per_sm)
     ctas_per_sm: int = 2
     nvfp4_ctas_per_sm: int = 2
@@ -70,6 +73,8 @@ class SparseDecodePlan:
     is_cuda: bool = field(init=False)
 
     def __post_init__(self) -> None:
+        if self.nvfp4_num_splits is None:
+            self.nvfp4_num_splits = self.num_splits
         self.num_tokens = self.batch * self.qlen
         self.group_size = self.num_q_heads // self.num_kv_heads
         self.is_cuda = self.device.type == "cuda"
@@ -81,6 +86,7 @@ class SparseDecodePlan:
         built = ", ".join(f"{dtype_name(q)}/{kv}" for q, kv in self.kernels) or "none"
         return (f"SparseDecodePlan(batch={self.batch}, qlen={self.qlen}, heads={self.num_q_heads}/{self.num_kv_heads}, "
                 f"page_size={self.page_size}, topk_blocks={self.topk_blocks}, num_splits={self.num_splits}, "
+                f"nvfp4_num_splits={self.nvfp4_num_splits}, "
                 f"ctas_per_sm={self.ctas_per_sm}, kernel={self.kernel}, split_merge={self.split_merge}, arch={self.arch}, device={self.device}, "
                 f"workspace={work} bytes, kernels: {built})")
 
@@ -89,6 +95,10 @@ class SparseDecodePlan:
         """The planner cache key of this plan."""
         return (self.batch, self.qlen, self.block_table_stride, self.num_q_heads,
                 self.num_kv_heads, self.page_size, self.topk_blocks, self.device)
+
+    def splits(self, kv_dtype: str = "float8_e4m3fn") -> int:
+        """The split-KV factor of the kernel serving a cache format ("float8_e4m3fn" or "nvfp4")."""
+        return self.nvfp4_num_splits if kv_dtype == "nvfp4" else self.num_splits
 
     def config(self, q_dtype: Any, kv_dtype: str = "float8_e4m3fn") -> SparseDecodeConfig:
         """SparseDecodeConfig of the kernel serving this plan for a query dtype (torch dtype or name)
@@ -147,7 +157,7 @@ class SparseDecodePlan:
             if cfg.split_merge == "cluster":
                 from .compiler import cluster_launch_fits
 
-                if not cluster_launch_fits(cfg, self.num_splits, self._device_index()):
+                if not cluster_launch_fits(cfg, self.splits(kv_dtype), self._device_index()):
                     self._merge_by_kernel(kv_dtype)
                     cfg = self.config(dt, kv_dtype)
             fn = get_sparse_decode_kernel(cfg)
@@ -164,7 +174,7 @@ class SparseDecodePlan:
         the merge kernel from now on (its kernels resolved again)."""
         logging.getLogger("msa_jit").warning(
             "msa-jit: device %s cannot hold a cluster of %d CTAs of the %s decode kernel: its splits are "
-            "merged by the split merge kernel instead", self.device, self.num_splits, kv_dtype)
+            "merged by the split merge kernel instead", self.device, self.splits(kv_dtype), kv_dtype)
         if kv_dtype == "nvfp4":
             self.nvfp4_split_merge = "kernel"
         else:

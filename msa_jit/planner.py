@@ -40,8 +40,14 @@ __all__ = [
 
 # SM count assumed for plans on non-CUDA devices (H100/H200: 132), so CPU plans look like GPU ones.
 DEFAULT_NUM_SMS = 132
-# Target number of CTA waves when the (token, KV head) grid alone does not fill the GPU.
+# Target number of CTA waves when the (token, KV head) grid alone does not fill the GPU (the split
+# count of the union kernel's grid, and of the token kernel's smallest grids).
 TARGET_WAVES = 2
+# The token kernel's fewer, longer splits where T*Hkv fills a good part of the GPU (docs/performance.md
+# row 83, bench/split_count_ab.py, H200 and H100): ONE split above this fraction of the SMs per cache
+# format, TWO (merged in the cluster: a grid of at most one CTA per SM) above TWO_SPLITS_FILL for fp8.
+ONE_SPLIT_FILL = {"float8_e4m3fn": 1 / 2, "nvfp4": 0.7}
+TWO_SPLITS_FILL = {"float8_e4m3fn": 1 / 3}
 _Tensor, _I32 = torch.Tensor, torch.int32
 
 
@@ -52,21 +58,40 @@ def _plan_key(block_table: torch.Tensor, seq_lens: torch.Tensor, qlen: int, num_
             page_size, topk_blocks, seq_lens.device)
 
 
-def choose_num_splits(num_rows_heads: int, topk_blocks: int, num_sms: int) -> int:
-    """Split-KV factor in [1, topk_blocks] for a grid of `num_rows_heads` = T*Hkv CTAs per split.
+def _normalized(splits: int, topk_blocks: int) -> int:
+    """`splits` made the count that gives every split ceil(topk_blocks / splits) slots (none empty for a full row)."""
+    per_split = -(-topk_blocks // splits)
+    return max(1, -(-topk_blocks // per_split))
 
-    1 when T*Hkv already fills the GPU (>= num_sms); otherwise the smallest factor giving
-    about TARGET_WAVES waves (T*Hkv*splits >= 2*num_sms), capped at topk_blocks, then
-    normalized so every split gets ceil(topk_blocks/splits) slots and none is empty for a full row.
+
+def choose_num_splits(num_rows_heads: int, topk_blocks: int, num_sms: int, kv_dtype: str = "float8_e4m3fn",
+                      kernel: str = "token") -> int:
+    """Split-KV factor in [1, topk_blocks] for a grid of `num_rows_heads` = T*Hkv CTAs per split
+    (the union kernel's grid for kernel="union").
+
+    1 when T*Hkv already fills the GPU (>= num_sms). The token kernel also runs unsplit above
+    ONE_SPLIT_FILL of the SMs (fp8: half, NVFP4: 0.7), and an fp8 cache in two splits above
+    TWO_SPLITS_FILL (a third): measured on the H200 and H100 (docs/performance.md row 83), one CTA per
+    (token, head) streaming its 16 blocks beats the 3-4 splits of two waves by 8-20% per layer there,
+    and two splits merged in the cluster beat 4-6 by 4-13% at T*Hkv = 48-64 (NVFP4's heavier math
+    per block wants the 3-CTA build's warps longer, so its thresholds differ). Below: the smallest
+    factor giving about TARGET_WAVES waves (T*Hkv*splits >= 2*num_sms), capped at topk_blocks. The
+    count is then normalized so every split gets ceil(topk_blocks/splits) slots and none is empty
+    for a full row.
     """
     topk_blocks = max(1, int(topk_blocks))
     num_rows_heads = max(1, int(num_rows_heads))
     num_sms = max(1, int(num_sms))
     if num_rows_heads >= num_sms:
         return 1
-    splits = min(topk_blocks, -(-TARGET_WAVES * num_sms // num_rows_heads))
-    per_split = -(-topk_blocks // splits)
-    return max(1, -(-topk_blocks // per_split))
+    if kv_dtype not in ONE_SPLIT_FILL:
+        raise ValueError(f"kv_dtype {kv_dtype!r} not in {tuple(ONE_SPLIT_FILL)}")
+    if kernel == "token":
+        if num_rows_heads > ONE_SPLIT_FILL[kv_dtype] * num_sms:
+            return 1
+        if kv_dtype in TWO_SPLITS_FILL and num_rows_heads > TWO_SPLITS_FILL[kv_dtype] * num_sms:
+            return _normalized(min(2, topk_blocks), topk_blocks)
+    return _normalized(min(topk_blocks, -(-TARGET_WAVES * num_sms // num_rows_heads)), topk_blocks)
 
 
 def choose_ctas_per_sm(grid_ctas: int, num_sms: int, supported: tuple[int, ...] = (2,),
@@ -123,10 +148,10 @@ def choose_split_merge(num_splits: int, ctas_per_sm: int, kernel: str, arch: str
     (MSA_JIT_ENABLE_CLUSTER_MERGE, or a planner pin), the step splits (num_splits > 1) and the build
     can merge inside the decode launch (geometry.cluster_merge_problems: the token kernel at 2 CTAs
     per SM on sm_90a); else "kernel". One-split steps keep the plain build: nothing to merge.
-    With 16 topk blocks on an H100 / H200 (132 SMs) a split step runs at 2 CTAs per SM only when
-    T*Hkv <= 8, i.e. with 16 splits, so the clusters the planner launches have 16 CTAs (a
-    non-portable size: the DSL allows it on every kernel; Hopper schedules it within one GPC). The
-    planner's default asks for it (`enabled`) only where the grid is at most one CTA per SM, so a
+    With 16 topk blocks on an H100 / H200 (132 SMs) a split step runs at 2 CTAs per SM when
+    T*Hkv <= 8 (16 splits: clusters of 16 CTAs, a non-portable size the DSL allows on every kernel;
+    Hopper schedules it within one GPC) and, with an fp8 cache, at T*Hkv = 45-66 (2 splits, row 83).
+    The planner's default asks for it (`enabled`) only where the grid is at most one CTA per SM, so a
     ctas_per_sm=2 pin at a larger grid keeps the merge kernel; a split_merge="cluster" pin does not.
 
     On by default (MSA_JIT_ENABLE_CLUSTER_MERGE unset): docs/performance.md row 79, on an H100 every
@@ -140,8 +165,8 @@ def choose_split_merge(num_splits: int, ctas_per_sm: int, kernel: str, arch: str
 def takes_cluster_merge(num_rows_heads: int, num_splits: int, num_sms: int) -> bool:
     """Whether the planner's default (MSA_JIT_ENABLE_CLUSTER_MERGE on) asks for the cluster merge for the
     token kernel's grid of `num_rows_heads` = T*Hkv CTAs per split: where the step splits and the split
-    grid is at most one CTA per SM (on 132 SMs, T*Hkv <= 8 with 16 splits), where row 79 measured it
-    faster. A ctas_per_sm=2 pin at a larger split grid keeps the merge kernel, which row 79 measured
+    grid is at most one CTA per SM (on 132 SMs, T*Hkv <= 8 with 16 splits, and fp8's 2 splits at T*Hkv =
+    45-66), where rows 79 and 83 measured it faster. A ctas_per_sm=2 pin at a larger split grid keeps the merge kernel, which row 79 measured
     1.6-3.5 us faster there (a cluster waits for a GPC with enough free SMs); `choose_split_merge` then
     decides whether the build can."""
     return num_splits > 1 and num_rows_heads * num_splits <= num_sms
@@ -321,10 +346,11 @@ class SparseDecodePlanner:
                                       kv_dtype="float8_e4m3fn", arch=arch)
             if problems:
                 raise ValueError(f"SparseDecodePlanner(kernel='union'): {'; '.join(problems)}")
-        # one split count serves both cache formats (an NVFP4 cache is always the token kernel's):
-        # the union's grid where it serves fp8, which splits only when pinned below one wave
+        # a split count per cache format (an NVFP4 cache is always the token kernel's): the union's grid
+        # where it serves fp8, which splits only when pinned below one wave
         grid = union_grid_ctas(batch, qlen, hq, hkv) if kernel == "union" else T * hkv
-        splits = choose_num_splits(grid, topk_blocks, num_sms)
+        splits = choose_num_splits(grid, topk_blocks, num_sms, kernel=kernel)
+        nvfp4_splits = choose_num_splits(T * hkv, topk_blocks, num_sms, "nvfp4")
         from .compiler import supported_ctas_per_sm
 
         supported = supported_ctas_per_sm(arch) if arch is not None else CTAS_PER_SM
@@ -339,28 +365,31 @@ class SparseDecodePlanner:
             raise ValueError(f"ctas_per_sm={pin}: the kernel for {arch} is built for {supported} only")
         # a token-kernel pin holds for both cache formats
         nvfp4_ctas_per_sm = (pin if pin in supported else
-                             choose_ctas_per_sm(T * hkv * splits, num_sms, supported, "nvfp4"))
-        if self.split_merge is None:
-            cluster = env.enable_cluster_merge() and takes_cluster_merge(T * hkv, splits, num_sms)
-        else:
-            cluster = self.split_merge == "cluster"
-        split_merge = choose_split_merge(splits, ctas_per_sm, kernel, arch, cluster)
-        nvfp4_split_merge = choose_split_merge(splits, nvfp4_ctas_per_sm, "token", arch, cluster)
-        check_workspace(T, hq, hkv, splits, device)
+                             choose_ctas_per_sm(T * hkv * nvfp4_splits, num_sms, supported, "nvfp4"))
+
+        def cluster(n: int) -> bool:  # a pin, or the default's rule for a split count n
+            if self.split_merge is not None:
+                return self.split_merge == "cluster"
+            return env.enable_cluster_merge() and takes_cluster_merge(T * hkv, n, num_sms)
+
+        split_merge = choose_split_merge(splits, ctas_per_sm, kernel, arch, cluster(splits))
+        nvfp4_split_merge = choose_split_merge(nvfp4_splits, nvfp4_ctas_per_sm, "token", arch, cluster(nvfp4_splits))
+        work_splits = max(splits, nvfp4_splits)  # one workspace serves both formats
+        check_workspace(T, hq, hkv, work_splits, device)
         f32 = dict(dtype=torch.float32, device=device)
         try:
             tensors = dict(
                 kv_lens=torch.zeros(T, dtype=torch.int32, device=device),
                 qo_offset=torch.zeros(T, dtype=torch.int32, device=device),
-                partial_o=torch.empty(T * hkv * splits, G, HEAD_DIM, **f32),
-                partial_lse=torch.empty(T * hkv * splits, G, **f32),
+                partial_o=torch.empty(T * hkv * work_splits, G, HEAD_DIM, **f32),
+                partial_lse=torch.empty(T * hkv * work_splits, G, **f32),
                 lse_scratch=torch.empty(T, hq, **f32),
                 unit_scale=torch.ones(1, **f32),
             )
         except RuntimeError as e:  # torch.OutOfMemoryError, the CPU allocator's error
             raise ValueError(
                 f"seq_lens: batch*qlen = {T} tokens: the plan workspace of "
-                f"{workspace_bytes(T, hq, hkv, splits)} bytes could not be allocated on {device} ({e})"
+                f"{workspace_bytes(T, hq, hkv, work_splits)} bytes could not be allocated on {device} ({e})"
             ) from e
         plan = SparseDecodePlan(
             num_q_heads=hq,
@@ -373,6 +402,7 @@ class SparseDecodePlanner:
             block_table_stride=stride,
             device=device,
             num_splits=splits,
+            nvfp4_num_splits=nvfp4_splits,
             block_table=block_table,
             seq_lens=seq_lens,
             arch=arch,

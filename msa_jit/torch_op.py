@@ -145,6 +145,7 @@ def _sparse_decode_custom(
     topk_blocks: int,
     qlen: int,
     num_splits: int,
+    nvfp4_num_splits: int,
     ctas_per_sm: int,
     nvfp4_ctas_per_sm: int,
     kernel: str,
@@ -162,7 +163,8 @@ def _sparse_decode_custom(
     plan = _rebuild_plan(
         block_table, seq_lens, kv_lens, unit_scale, lse, workspace,
         dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, page_size=page_size,
-             topk_blocks=topk_blocks, qlen=qlen, num_splits=num_splits, ctas_per_sm=ctas_per_sm,
+             topk_blocks=topk_blocks, qlen=qlen, num_splits=num_splits, nvfp4_num_splits=nvfp4_num_splits,
+             ctas_per_sm=ctas_per_sm,
              nvfp4_ctas_per_sm=nvfp4_ctas_per_sm, kernel=kernel, split_merge=split_merge,
              nvfp4_split_merge=nvfp4_split_merge),
     )
@@ -193,6 +195,7 @@ def _sparse_decode_fake(
     topk_blocks: int,
     qlen: int,
     num_splits: int,
+    nvfp4_num_splits: int,
     ctas_per_sm: int,
     nvfp4_ctas_per_sm: int,
     kernel: str,
@@ -239,7 +242,8 @@ def op_args(
         plan.block_table, plan.seq_lens, plan.kv_lens, plan.unit_scale,
         [getattr(plan, n) for n in WORKSPACE_FIELDS],
         plan.num_q_heads, plan.num_kv_heads, plan.page_size, plan.topk_blocks, plan.qlen, plan.num_splits,
-        plan.ctas_per_sm, plan.nvfp4_ctas_per_sm, plan.kernel, plan.split_merge, plan.nvfp4_split_merge,
+        plan.nvfp4_num_splits, plan.ctas_per_sm, plan.nvfp4_ctas_per_sm, plan.kernel, plan.split_merge,
+        plan.nvfp4_split_merge,
         float(sm_scale), float(q_scale), 1.0 if k_t is not None else float(k_scale),
         1.0 if v_t is not None else float(v_scale), k_t, v_t, backend,
     )

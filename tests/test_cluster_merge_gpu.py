@@ -3,9 +3,9 @@ against the float64 reference on an H200 (`pytest -m gpu`).
 
 The planner is pinned to it (split_merge="cluster"), so every split step served at 2 CTAs per SM
 takes it, not only where the planner's default (`MSA_JIT_ENABLE_CLUSTER_MERGE`, on) picks it. Every
-geometry x query dtype x cache format x split factor (3, 4, 6, 8, 16: those whose rows fit the
+geometry x query dtype x cache format x split factor (2, 3, 4, 6, 8, 16: those whose rows fit the
 receive buffer merge in the cluster, 3 and 6 at G = 16 fall back to the merge kernel of the same
-build) x two step shapes (batch 1, and 3 padded requests of 2 tokens); outputs poisoned with NaN
+build; 2 is fp8's only) x two step shapes (batch 1, and 3 padded requests of 2 tokens); outputs poisoned with NaN
 before each run and checked fully written; three launches bitwise equal; the same step through
 the merge kernel's build agrees; a CUDA graph of the step (prepare + op, one launch per layer)
 follows its inputs between replays.
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.gpu
 
 Q_DTYPES = [torch.bfloat16, torch.float8_e4m3fn]
 KV_DTYPES = ["fp8", "nvfp4"]
-SPLITS = [3, 4, 6, 8, 16]  # every factor the planner gives 16 blocks (never 2)
+SPLITS = [2, 3, 4, 6, 8, 16]  # every factor the planner gives 16 blocks (2: fp8 only, row 83)
 SHAPES = [(1, 1), (3, 2)]  # (batch, qlen)
 TOL = 1e-2
 
@@ -42,23 +42,23 @@ def _sm90a_only():
         pytest.skip(f"the cluster split merge is built for {CLUSTER_MERGE_ARCHES}, this GPU is {arch}")
 
 
-def _num_sms_for(splits: int, rows_heads: int) -> int:
-    """An SM count for which the planner splits a grid of `rows_heads` (token, KV head) rows in
-    `splits`; skips the case where none does (one row never splits in 3)."""
+def _num_sms_for(splits: int, rows_heads: int, kv_dtype: str) -> int:
+    """An SM count for which the planner splits a grid of `rows_heads` (token, KV head) rows of a cache
+    format in `splits`; skips the case where none does (one row never splits in 3, NVFP4 never in 2)."""
     for num_sms in range(1, 4096):
-        if choose_num_splits(rows_heads, 16, num_sms) == splits:
+        if choose_num_splits(rows_heads, 16, num_sms, kv_dtype) == splits:
             return num_sms
-    pytest.skip(f"the planner never splits {rows_heads} rows in {splits}")
+    pytest.skip(f"the planner never splits {rows_heads} rows of {kv_dtype} in {splits}")
 
 
 def _run(case, split_merge: str, splits: int, *, scale_tensors: bool = False):
     import msa_jit
 
-    num_sms = _num_sms_for(splits, case.num_tokens * case.num_kv_heads)
+    fmt = "nvfp4" if case.kv_dtype == "nvfp4" else "float8_e4m3fn"
+    num_sms = _num_sms_for(splits, case.num_tokens * case.num_kv_heads, fmt)
     planner = msa_jit.SparseDecodePlanner(num_sms=num_sms, ctas_per_sm=2, split_merge=split_merge)
     plan = planner.prepare(*case.prepare_args(), **case.prepare_kwargs())
-    assert plan.num_splits == splits
-    fmt = "nvfp4" if case.kv_dtype == "nvfp4" else "float8_e4m3fn"
+    assert plan.splits(fmt) == splits
     assert plan.config(case.query.dtype, fmt).split_merge == split_merge
     outs = []
     for _ in range(3):  # poisoned each time: a launch that leaves a row unwritten shows as NaN
@@ -78,8 +78,9 @@ def _case(hq, hkv, q_dtype, kv_dtype, batch, qlen, splits):
                            transposed_topk=bool(seed % 2), padded=batch > 1)
 
 
-def _reachable(splits: int, rows_heads: int) -> bool:
-    return any(choose_num_splits(rows_heads, 16, n) == splits for n in range(1, 4096))
+def _reachable(splits: int, rows_heads: int) -> bool:  # for some cache format (_run skips the other)
+    return any(choose_num_splits(rows_heads, 16, n, kv) == splits for n in range(1, 4096)
+               for kv in ("float8_e4m3fn", "nvfp4"))
 
 
 # every (geometry, splits, shape) the planner can give: one (token, KV head) row never splits in 3,

@@ -65,14 +65,18 @@ def test_planner_picks_cluster_by_default_and_not_when_disabled(monkeypatch):
     # one split: nothing to merge; a 3-CTA step shape: its receive buffer does not fit
     assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 64).split_merge == "kernel"
     assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a", ctas_per_sm=3), 1).split_merge == "kernel"
-    # 64/4 B=16: 64 rows x 4 splits = 256 CTAs, 3 per SM for fp8, so the fp8 build keeps the kernel merge;
-    # NVFP4 takes 3 per SM at any grid above one CTA per SM as well
+    # 64/4 B=16 (64 rows): fp8 in 2 splits = 128 CTAs, one per SM, merged in the cluster (row 83); NVFP4 in
+    # 4 splits = 256 CTAs, 3 per SM (NVFP4 takes 3 at any grid above one CTA per SM), so the merge kernel
     plan = _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 16)
-    assert plan.num_splits == 4 and plan.ctas_per_sm == 3 and plan.split_merge == "kernel"
-    assert plan.nvfp4_ctas_per_sm == 3 and plan.nvfp4_split_merge == "kernel"
+    assert (plan.num_splits, plan.ctas_per_sm, plan.split_merge) == (2, 2, "cluster")
+    assert (plan.nvfp4_num_splits, plan.nvfp4_ctas_per_sm, plan.nvfp4_split_merge) == (4, 3, "kernel")
+    # 64/4 B=4 (16 rows): both formats in 16 splits = 256 CTAs, 3 per SM, the merge kernel
+    plan = _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 4)
+    assert (plan.num_splits, plan.ctas_per_sm, plan.split_merge) == (16, 3, "kernel")
+    assert (plan.nvfp4_num_splits, plan.nvfp4_ctas_per_sm, plan.nvfp4_split_merge) == (16, 3, "kernel")
     # a 2-CTA pin at a grid above one CTA per SM keeps the merge kernel, which row 79 measured faster
-    # there (64/4 B=4 and B=16, 8/1 B=16: 256-CTA grids); a split_merge pin still takes the cluster
-    for batch, hq, hkv in ((4, 64, 4), (16, 64, 4), (16, 8, 1)):
+    # there (64/4 B=4, 8/1 B=16: 256-CTA grids); a split_merge pin still takes the cluster
+    for batch, hq, hkv in ((4, 64, 4), (16, 8, 1)):
         plan = _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a", ctas_per_sm=2), batch, hq=hq, hkv=hkv)
         assert plan.ctas_per_sm == 2 and plan.num_splits > 1 and batch * hkv * plan.num_splits > 132
         assert (plan.split_merge, plan.nvfp4_split_merge) == ("kernel", "kernel"), (batch, hq, hkv)

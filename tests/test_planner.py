@@ -151,10 +151,12 @@ def test_plan_fields_and_workspace_shapes():
     assert (p.batch, p.qlen, p.num_tokens, p.group_size) == (2, 3, T, G)
     assert (p.num_q_heads, p.num_kv_heads, p.page_size, p.topk_blocks, p.head_dim) == (4, 2, 64, 4, 128)
     assert p.block_table_stride == c.block_table.stride(0)
-    assert p.num_splits == choose_num_splits(T * 2, 4, 8)
+    assert p.num_splits == choose_num_splits(T * 2, 4, 8) == p.splits("float8_e4m3fn")
+    assert p.nvfp4_num_splits == choose_num_splits(T * 2, 4, 8, "nvfp4") == p.splits("nvfp4")
+    S = max(p.num_splits, p.nvfp4_num_splits)  # one workspace serves both cache formats
     assert p.kv_lens.dtype == p.qo_offset.dtype == torch.int32 and p.kv_lens.shape == (T,)
-    assert p.partial_o.shape == (T * 2 * p.num_splits, G, 128) and p.partial_o.dtype == torch.float32
-    assert p.partial_lse.shape == (T * 2 * p.num_splits, G) and p.partial_lse.dtype == torch.float32
+    assert p.partial_o.shape == (T * 2 * S, G, 128) and p.partial_o.dtype == torch.float32
+    assert p.partial_lse.shape == (T * 2 * S, G) and p.partial_lse.dtype == torch.float32
     assert p.lse_scratch.shape == (T, 4) and p.lse_scratch.dtype == torch.float32
     assert p.key in planner.plans and planner.plans[p.key] is p
 
@@ -191,30 +193,70 @@ def test_module_level_prepare_uses_default_planner():
 
 
 # ----------------------------------------------------------------------------- splits
-@settings(max_examples=200, deadline=None)
-@given(rows=st.integers(1, 100_000), topk=st.integers(1, 32), sms=st.integers(1, 200))
-def test_choose_num_splits_properties(rows, topk, sms):
-    s = choose_num_splits(rows, topk, sms)
+KV_FORMATS = ("float8_e4m3fn", "nvfp4")
+
+
+def _two_waves(rows: int, topk: int, sms: int) -> int:
+    """The union kernel's rule, and the token kernel's below its fill thresholds: ~2 waves, normalized."""
+    raw = min(topk, -(-2 * sms // rows))
+    return -(-topk // -(-topk // raw))
+
+
+@settings(max_examples=300, deadline=None)
+@given(rows=st.integers(1, 100_000), topk=st.integers(1, 32), sms=st.integers(1, 200),
+       kv=st.sampled_from(KV_FORMATS), kernel=st.sampled_from(("token", "union")))
+def test_choose_num_splits_properties(rows, topk, sms, kv, kernel):
+    from msa_jit.planner import ONE_SPLIT_FILL, TWO_SPLITS_FILL
+
+    s = choose_num_splits(rows, topk, sms, kv, kernel)
     assert isinstance(s, int) and 1 <= s <= topk
     if rows >= sms:
         assert s == 1
     per = -(-topk // s)
     assert (s - 1) * per < topk  # no empty split for a full row
     # monotone: more rows never asks for more splits
-    assert choose_num_splits(rows + 1, topk, sms) <= s
-    # when the grid is tiny there is enough work for ~2 waves, or every slot is its own split
-    if rows < sms:
-        raw = min(topk, -(-2 * sms // rows))
-        assert s == -(-topk // -(-topk // raw))
+    assert choose_num_splits(rows + 1, topk, sms, kv, kernel) <= s
+    if rows >= sms:
+        return
+    if kernel == "union" or rows <= TWO_SPLITS_FILL.get(kv, ONE_SPLIT_FILL[kv]) * sms:
+        assert s == _two_waves(rows, topk, sms)  # a small grid: enough work for ~2 waves
+    elif rows > ONE_SPLIT_FILL[kv] * sms:
+        assert s == 1  # T*Hkv fills most SMs: one CTA streams all of its (token, head)'s blocks
+    else:
+        assert s == -(-topk // -(-topk // min(2, topk)))  # fp8 between the fills: two splits
+        assert rows * s <= sms  # at most one CTA per SM: the cluster merge's grid (takes_cluster_merge)
 
 
 def test_choose_num_splits_examples():
     assert choose_num_splits(1, 16, 132) == 16
     assert choose_num_splits(4, 16, 132) == 16
     assert choose_num_splits(32, 16, 132) == 8      # 9 wanted -> 2 slots per split -> 8 splits
+    assert choose_num_splits(44, 16, 132) == 6      # the last two-wave grid of fp8 (6 splits of 3, 3, .., 1)
+    assert choose_num_splits(45, 16, 132) == 2      # fp8 above a third of the SMs: 2 splits (90 CTAs)
+    assert choose_num_splits(66, 16, 132) == 2      # 132 CTAs: one per SM
+    assert choose_num_splits(67, 16, 132) == 1      # fp8 above half the SMs: unsplit
     assert choose_num_splits(132, 16, 132) == 1
     assert choose_num_splits(10_000, 16, 132) == 1
-    assert choose_num_splits(100, 16, 132) == 3    # 3 splits of 6, 6, 4
+    # NVFP4: two waves up to 0.7 of the SMs, then unsplit
+    assert choose_num_splits(64, 16, 132, "nvfp4") == 4
+    assert choose_num_splits(88, 16, 132, "nvfp4") == 3    # 3 splits of 6, 6, 4
+    assert choose_num_splits(93, 16, 132, "nvfp4") == 1
+    # the union kernel's grid keeps the two-wave rule
+    assert choose_num_splits(100, 16, 132, kernel="union") == 3
+    with pytest.raises(ValueError, match="kv_dtype"):
+        choose_num_splits(4, 16, 132, "bfloat16")
+
+
+@pytest.mark.parametrize("T,fp8,nvfp4", [(12, (2, "cluster"), (6, "kernel")), (22, (1, "kernel"), (3, "kernel")),
+                                         (2, (16, "cluster"), (16, "cluster"))])
+def test_plan_takes_each_formats_split_count(T, fp8, nvfp4):
+    """64/4 on 132 SMs: T*Hkv = 48 / 88 / 8 split per cache format, each with its own merge."""
+    planner = SparseDecodePlanner(num_sms=132, arch="sm_90a")
+    c = make_case(T, 1, 64, 4, q_dtype=torch.bfloat16, seed=3)
+    p = planner.prepare(*c.prepare_args(), **c.prepare_kwargs())
+    assert (p.num_splits, p.split_merge) == fp8
+    assert (p.nvfp4_num_splits, p.nvfp4_split_merge) == nvfp4
+    assert p.partial_o.shape[0] == T * 4 * max(fp8[0], nvfp4[0])
 
 
 # ----------------------------------------------------------------------------- occupancy
@@ -233,7 +275,7 @@ def test_choose_ctas_per_sm_examples():
         [2, 2, 3, 3, 3, 2, 2, 2]
 
 
-@pytest.mark.parametrize("batch,splits,ctas", [(1, 16, 2), (4, 16, 3), (16, 4, 3), (64, 1, 3), (80, 1, 3),
+@pytest.mark.parametrize("batch,splits,ctas", [(1, 16, 2), (4, 16, 3), (16, 2, 2), (22, 1, 2), (64, 1, 3), (80, 1, 3),
                                                (128, 1, 2), (256, 1, 2)])
 def test_planner_picks_occupancy_per_step_shape(batch, splits, ctas):
     bt = torch.zeros(batch, 8, dtype=torch.int32, device=DEV)

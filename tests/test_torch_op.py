@@ -134,8 +134,8 @@ def _fake_kernel_path(monkeypatch) -> list[tuple[str, object]]:
 
 
 @pytest.mark.parametrize("planner_kw,ctas", [
-    (dict(num_sms=8), 3),  # the planner's choice: 16 CTAs, more than one per SM and one wave at 3
-    (dict(num_sms=8, ctas_per_sm=2), 2),  # pinned against the choice
+    (dict(num_sms=16), 3),  # the planner's choice: 32 CTAs, more than one per SM and one wave at 3
+    (dict(num_sms=16, ctas_per_sm=2), 2),  # pinned against the choice
     (dict(ctas_per_sm=3), 3),  # pinned where the planner would choose 2 (64 CTAs on 132 SMs)
 ])
 def test_op_and_compiled_op_launch_the_plans_build(monkeypatch, planner_kw, ctas):

@@ -121,7 +121,7 @@ def measure_row(spec: RowSpec, copy_bw: float, *, q_dtype: str = "bfloat16", ite
     row: dict[str, Any] = {
         "geometry": spec.geometry, "batch": spec.batch, "qlen": spec.qlen, "shared_blocks": spec.shared_blocks,
         "q_dtype": q_dtype, "kv_dtype": spec.kv_dtype, "layers": num_layers, "ctas_per_sm": ctas_per_sm,
-        "kernel": "token" if nvfp4 else plan.kernel, "num_splits": plan.num_splits,
+        "kernel": "token" if nvfp4 else plan.kernel, "num_splits": plan.splits(spec.kv_dtype),
         "split_merge": split_merge, "kv_bytes": kv, "logical_bytes": logical,
         "one_layer_us": round(t1, 2), "all_layers_us": round(t_all, 2), "marginal_us": round(marginal, 2),
         "marginal_tbps": round(kv / (marginal * 1e-6) / 1e12, 3),
@@ -132,7 +132,7 @@ def measure_row(spec: RowSpec, copy_bw: float, *, q_dtype: str = "bfloat16", ite
     if in_graph:
         med_in = median_in_graph(lambda: decode(steps[0], planner.prepare(*args, **kw)), iters=iters)
     point = BenchPoint(
-        spec.geometry, q_dtype, spec.batch, spec.qlen, spec.shared_blocks, plan.num_splits, round(t1, 2),
+        spec.geometry, q_dtype, spec.batch, spec.qlen, spec.shared_blocks, plan.splits(spec.kv_dtype), round(t1, 2),
         round(t1s[len(t1s) // 10], 2), round(t1s[(9 * len(t1s)) // 10], 2), kv, logical,
         round(kv / (t1 * 1e-6) / 1e12, 3), round(logical / (t1 * 1e-6) / 1e12, 3), _pct(kv, t1, copy_bw),
         med_in, _pct(kv, med_in, copy_bw) if med_in else None, ctas_per_sm, spec.kv_dtype)
