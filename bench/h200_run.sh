@@ -7,6 +7,7 @@
 #           ceilings host_ab host_ab_union variants trace
 #           per_layer_ab union_k8 union_k8_small union_k8_trace union_skip union_qreg union_qreg_trace
 #           union_lo union_ncu union_final push_merge push_trace union_lo_late small_floor small_w8 epilogue_ab
+#           split_count
 #   VARIANTS="now lsu" bash bench/h200_run.sh variants   # time only these variants
 #   BASELINE=bench/results/bench-....json                # compare with (default: the newest unflagged file
 #                                                        # in bench/results from a GPU of the same name)
@@ -265,6 +266,11 @@ print("bench/results/" + b.name if b else "none")')}
               timeout "$(limit 330)" python3 bench/kv_format_ab.py run --dir .kv-variants --out $OUT --rounds 5 \
                 --variants f_c2 f_c3 "${small[@]}" \
                 --points 64/4:1:1 8/1:1:1 64/4:4:1 8/1:4:1 64/4:16:1 8/1:16:1 64/4:64:1 8/1:256:1 2>&1 | grep -v "^{" | tail -n 8 ;;
+    split_count) # session 26: fewer, longer splits at the small-batch split shapes (T*Hkv = 16-128), against the
+              # planner's plans and the floor probe (SPLIT_SET: bench/split_count_ab.py's point sets)
+              timeout "$(limit 300)" python3 bench/split_count_ab.py --out $OUT --rounds ${ROUNDS:-5} ${SPLIT_KV:+--kv $SPLIT_KV} \
+                ${SPLIT_SET:+--set $SPLIT_SET} \
+                2>&1 | tee $OUT/split-count-ab.log | grep -v "^{" | tail -n 30 ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
   echo "== $step: $(( $(date +%s) - t0 )) s (total $(( $(date +%s) - START )) s)"
