@@ -2,7 +2,7 @@
 
 -1 in the middle of topk rows, indices past the request's blocks, duplicates, garbage past
 nvalid, and block-table entries past each request's blocks full of out-of-range pages; both
-the single-CTA and the split-KV (merge) paths, both query dtypes, both cache formats (NVFP4
+the single-CTA and the split-KV (merge) paths (16 splits, and 2 for fp8), both query dtypes, both cache formats (NVFP4
 with its global scales as device tensors), both occupancy builds, the 2-CTA split merged both
 ways (in a cluster: the planner's default on sm_90a; by the merge kernel: pinned); and the union
 kernel (fp8 cache, planner pinned to it) at both of its occupancy builds, draft tokens sharing slots.
@@ -19,7 +19,8 @@ from msa_jit.testing import share_slots
 
 for kv_dtype in ("fp8", "nvfp4"):
     for q_dtype in (torch.bfloat16, torch.float8_e4m3fn):
-        for num_sms in (1, 100000):
+        # 1 split, 16 splits, and (T*Hkv = 12 on 30 SMs) fp8's 2 splits merged in a cluster of 2 (row 83; NVFP4: 4)
+        for num_sms in (1, 100000, 30):
             # both kernel builds the planner picks from (its split merge), and the 2-CTA one's merge kernel
             for ctas_per_sm, split_merge in [(n, None) for n in CTAS_PER_SM] + [(CLUSTER_MERGE_CTAS_PER_SM, "kernel")]:
                 case = make_case(3, 4, 16, 1, q_dtype=q_dtype, seed=3, device="cuda", adversarial=True,
@@ -32,8 +33,9 @@ for kv_dtype in ("fp8", "nvfp4"):
                 torch.cuda.synchronize()
                 assert not out.isnan().any() and not lse.isnan().any()
                 merge = plan.nvfp4_split_merge if kv_dtype == "nvfp4" else plan.split_merge
-                print(f"sanitizer case {kv_dtype} q={q_dtype} splits={plan.num_splits} {ctas_per_sm}/SM"
-                      f"{' ' + merge + ' merge' if plan.num_splits > 1 else ''} ok")
+                splits = plan.splits("nvfp4" if kv_dtype == "nvfp4" else "float8_e4m3fn")
+                print(f"sanitizer case {kv_dtype} q={q_dtype} splits={splits} {ctas_per_sm}/SM"
+                      f"{' ' + merge + ' merge' if splits > 1 else ''} ok")
 for q_dtype in (torch.bfloat16, torch.float8_e4m3fn):
     for num_sms in (1, 100000):
         for ctas_per_sm in UNION_CTAS_PER_SM:
