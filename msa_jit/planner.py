@@ -19,8 +19,8 @@ import threading
 import torch
 
 from . import env
-from .geometry import (CTAS_PER_SM, HEAD_DIM, KERNELS, SPLIT_MERGES, UNION_CTAS_PER_SM, UNION_ROWS, arch_problem,
-                       cluster_merge_problems, device_arch, union_problems)
+from .geometry import (CLUSTER_MERGE_CTAS_PER_SM, CTAS_PER_SM, HEAD_DIM, KERNELS, SPLIT_MERGES, UNION_CTAS_PER_SM,
+                       UNION_ROWS, arch_problem, cluster_merge_problems, device_arch, union_problems)
 from .plan import PlanKey, SparseDecodePlan
 from .validation import validate_prepare, validate_prepare_tensors, validate_seq_lens_cpu, validate_seq_lens_values
 
@@ -65,15 +65,17 @@ def _normalized(splits: int, topk_blocks: int) -> int:
 
 
 def choose_num_splits(num_rows_heads: int, topk_blocks: int, num_sms: int, kv_dtype: str = "float8_e4m3fn",
-                      kernel: str = "token") -> int:
+                      kernel: str = "token", cluster_merge: bool = True) -> int:
     """Split-KV factor in [1, topk_blocks] for a grid of `num_rows_heads` = T*Hkv CTAs per split
     (the union kernel's grid for kernel="union").
 
     1 when T*Hkv already fills the GPU (>= num_sms). The token kernel also runs unsplit above
     ONE_SPLIT_FILL of the SMs (fp8: half, NVFP4: 0.7), and an fp8 cache in two splits above
-    TWO_SPLITS_FILL (a third): measured on the H200 and H100 (docs/performance.md row 83), one CTA per
-    (token, head) streaming its 16 blocks beats the 3-4 splits of two waves by 8-20% per layer there,
-    and two splits merged in the cluster beat 4-6 by 4-13% at T*Hkv = 48-64 (NVFP4's heavier math
+    TWO_SPLITS_FILL (a third) when those can merge in the cluster (`cluster_merge`: the 2-CTA build on
+    an arch that has it, the cluster merge not turned off): measured on the H200 and H100
+    (docs/performance.md row 83), one CTA per (token, head) streaming its 16 blocks beats the 3-4
+    splits of two waves by 8-20% per layer there, and two splits merged in the cluster beat 4-6 by
+    4-13% at T*Hkv = 48-64, while two merged by the merge kernel were 0.94-1.19x (NVFP4's heavier math
     per block wants the 3-CTA build's warps longer, so its thresholds differ). Below: the smallest
     factor giving about TARGET_WAVES waves (T*Hkv*splits >= 2*num_sms), capped at topk_blocks. The
     count is then normalized so every split gets ceil(topk_blocks/splits) slots and none is empty
@@ -89,7 +91,7 @@ def choose_num_splits(num_rows_heads: int, topk_blocks: int, num_sms: int, kv_dt
     if kernel == "token":
         if num_rows_heads > ONE_SPLIT_FILL[kv_dtype] * num_sms:
             return 1
-        if kv_dtype in TWO_SPLITS_FILL and num_rows_heads > TWO_SPLITS_FILL[kv_dtype] * num_sms:
+        if cluster_merge and kv_dtype in TWO_SPLITS_FILL and num_rows_heads > TWO_SPLITS_FILL[kv_dtype] * num_sms:
             return _normalized(min(2, topk_blocks), topk_blocks)
     return _normalized(min(topk_blocks, -(-TARGET_WAVES * num_sms // num_rows_heads)), topk_blocks)
 
@@ -349,12 +351,16 @@ class SparseDecodePlanner:
         # a split count per cache format (an NVFP4 cache is always the token kernel's): the union's grid
         # where it serves fp8, which splits only when pinned below one wave
         grid = union_grid_ctas(batch, qlen, hq, hkv) if kernel == "union" else T * hkv
-        splits = choose_num_splits(grid, topk_blocks, num_sms, kernel=kernel)
-        nvfp4_splits = choose_num_splits(T * hkv, topk_blocks, num_sms, "nvfp4")
         from .compiler import supported_ctas_per_sm
 
         supported = supported_ctas_per_sm(arch) if arch is not None else CTAS_PER_SM
         pin = self.ctas_per_sm
+        # can a split grid of at most one CTA per SM (the 2-CTA build's) merge in the cluster here?
+        cluster_ok = (pin in (None, CLUSTER_MERGE_CTAS_PER_SM) and CLUSTER_MERGE_CTAS_PER_SM in supported
+                      and not cluster_merge_problems(kernel="token", ctas_per_sm=CLUSTER_MERGE_CTAS_PER_SM, arch=arch)
+                      and (self.split_merge == "cluster" if self.split_merge is not None else env.enable_cluster_merge()))
+        splits = choose_num_splits(grid, topk_blocks, num_sms, kernel=kernel, cluster_merge=cluster_ok)
+        nvfp4_splits = choose_num_splits(T * hkv, topk_blocks, num_sms, "nvfp4", cluster_merge=cluster_ok)
         if kernel == "union":
             ctas_per_sm = pin if pin is not None else choose_union_ctas_per_sm(grid * splits, num_sms)
         elif pin is None:

@@ -204,21 +204,22 @@ def _two_waves(rows: int, topk: int, sms: int) -> int:
 
 @settings(max_examples=300, deadline=None)
 @given(rows=st.integers(1, 100_000), topk=st.integers(1, 32), sms=st.integers(1, 200),
-       kv=st.sampled_from(KV_FORMATS), kernel=st.sampled_from(("token", "union")))
-def test_choose_num_splits_properties(rows, topk, sms, kv, kernel):
+       kv=st.sampled_from(KV_FORMATS), kernel=st.sampled_from(("token", "union")), cluster=st.booleans())
+def test_choose_num_splits_properties(rows, topk, sms, kv, kernel, cluster):
     from msa_jit.planner import ONE_SPLIT_FILL, TWO_SPLITS_FILL
 
-    s = choose_num_splits(rows, topk, sms, kv, kernel)
+    s = choose_num_splits(rows, topk, sms, kv, kernel, cluster)
     assert isinstance(s, int) and 1 <= s <= topk
     if rows >= sms:
         assert s == 1
     per = -(-topk // s)
     assert (s - 1) * per < topk  # no empty split for a full row
     # monotone: more rows never asks for more splits
-    assert choose_num_splits(rows + 1, topk, sms, kv, kernel) <= s
+    assert choose_num_splits(rows + 1, topk, sms, kv, kernel, cluster) <= s
     if rows >= sms:
         return
-    if kernel == "union" or rows <= TWO_SPLITS_FILL.get(kv, ONE_SPLIT_FILL[kv]) * sms:
+    two_zone = cluster and kv in TWO_SPLITS_FILL  # two splits only where they merge in the cluster
+    if kernel == "union" or rows <= (TWO_SPLITS_FILL[kv] if two_zone else ONE_SPLIT_FILL[kv]) * sms:
         assert s == _two_waves(rows, topk, sms)  # a small grid: enough work for ~2 waves
     elif rows > ONE_SPLIT_FILL[kv] * sms:
         assert s == 1  # T*Hkv fills most SMs: one CTA streams all of its (token, head)'s blocks
@@ -243,6 +244,11 @@ def test_choose_num_splits_examples():
     assert choose_num_splits(93, 16, 132, "nvfp4") == 1
     # the union kernel's grid keeps the two-wave rule
     assert choose_num_splits(100, 16, 132, kernel="union") == 3
+    # where 2 splits cannot merge in the cluster the two-wave rule holds up to half the SMs (2 splits merged by
+    # the merge kernel were 0.94-1.19x the two-wave plan, row 83); unsplit above half either way
+    assert choose_num_splits(48, 16, 132, cluster_merge=False) == 6
+    assert choose_num_splits(64, 16, 132, cluster_merge=False) == 4
+    assert choose_num_splits(67, 16, 132, cluster_merge=False) == 1
     with pytest.raises(ValueError, match="kv_dtype"):
         choose_num_splits(4, 16, 132, "bfloat16")
 
@@ -257,6 +263,22 @@ def test_plan_takes_each_formats_split_count(T, fp8, nvfp4):
     assert (p.num_splits, p.split_merge) == fp8
     assert (p.nvfp4_num_splits, p.nvfp4_split_merge) == nvfp4
     assert p.partial_o.shape[0] == T * 4 * max(fp8[0], nvfp4[0])
+
+
+@pytest.mark.parametrize("how", ["split_merge=kernel", "cluster merge off", "sm_100a", "ctas_per_sm=3"])
+def test_two_splits_only_where_they_merge_in_the_cluster(monkeypatch, how):
+    """64/4 B=12 (T*Hkv = 48) on 132 SMs: fp8 takes 2 splits merged in the cluster by default; where the
+    cluster merge cannot serve (pinned off, turned off, an arch without it, the 3-CTA build) the two-wave
+    rule's 6 splits."""
+    c = make_case(12, 1, 64, 4, q_dtype=torch.bfloat16, seed=5)
+    default = SparseDecodePlanner(num_sms=132, arch="sm_90a").prepare(*c.prepare_args(), **c.prepare_kwargs())
+    assert (default.num_splits, default.split_merge) == (2, "cluster")
+    kw = {"split_merge=kernel": dict(split_merge="kernel"), "cluster merge off": {}, "sm_100a": dict(arch="sm_100a"),
+          "ctas_per_sm=3": dict(ctas_per_sm=3)}[how]
+    if how == "cluster merge off":
+        monkeypatch.setenv("MSA_JIT_ENABLE_CLUSTER_MERGE", "0")
+    p = SparseDecodePlanner(**{"num_sms": 132, "arch": "sm_90a", **kw}).prepare(*c.prepare_args(), **c.prepare_kwargs())
+    assert (p.num_splits, p.split_merge) == (6, "kernel")
 
 
 # ----------------------------------------------------------------------------- occupancy
