@@ -81,13 +81,15 @@ def choose_num_splits(num_rows_heads: int, topk_blocks: int, num_sms: int, kv_dt
     count is then normalized so every split gets ceil(topk_blocks/splits) slots and none is empty
     for a full row.
     """
+    if kv_dtype not in ONE_SPLIT_FILL:
+        raise ValueError(f"kv_dtype {kv_dtype!r} not in {tuple(ONE_SPLIT_FILL)}")
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel {kernel!r} not in {KERNELS}")
     topk_blocks = max(1, int(topk_blocks))
     num_rows_heads = max(1, int(num_rows_heads))
     num_sms = max(1, int(num_sms))
     if num_rows_heads >= num_sms:
         return 1
-    if kv_dtype not in ONE_SPLIT_FILL:
-        raise ValueError(f"kv_dtype {kv_dtype!r} not in {tuple(ONE_SPLIT_FILL)}")
     if kernel == "token":
         if num_rows_heads > ONE_SPLIT_FILL[kv_dtype] * num_sms:
             return 1

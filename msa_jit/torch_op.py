@@ -70,10 +70,12 @@ WORKSPACE_FIELDS: tuple[str, ...] = tuple(
     n for n in _tensor_fields(SparseDecodePlan) if n not in _INPUT_FIELDS + _NOT_PASSED
 )
 
-# (Hq, Hkv, page, topk_blocks, arch, ctas_per_sm, nvfp4_ctas_per_sm, kernel, split_merge, nvfp4_split_merge)
-# -> {(q dtype, kv dtype): kernel},
+# (Hq, Hkv, page, topk_blocks, arch, ctas_per_sm, nvfp4_ctas_per_sm, kernel, split_merge, nvfp4_split_merge,
+# num_splits, nvfp4_num_splits) -> {(q dtype, kv dtype): kernel},
 # shared by the rebuilt plans: every SparseDecodeConfig field but the two dtypes (the op keys those per
-# call), so a plan gets the build its config names.
+# call), so a plan gets the build its config names; and the split counts, because a cluster build is kept
+# only where the GPU holds a cluster of that many CTAs (SparseDecodePlan.resolve_kernel: a plan of 16
+# splits must not reuse the build a plan of 2 resolved, nor the reverse).
 _KERNELS: dict[tuple[Any, ...], dict[torch.dtype, Callable[..., Any]]] = {}
 
 
@@ -102,7 +104,7 @@ def _rebuild_plan(
     arch = _arch_of(device)
     kkey = (ints["num_q_heads"], ints["num_kv_heads"], ints["page_size"], ints["topk_blocks"], arch,
             ints["ctas_per_sm"], ints["nvfp4_ctas_per_sm"], ints["kernel"], ints["split_merge"],
-            ints["nvfp4_split_merge"])
+            ints["nvfp4_split_merge"], ints["num_splits"], ints["nvfp4_num_splits"])
     values: dict[str, Any] = dict(
         ints,
         head_dim=HEAD_DIM,

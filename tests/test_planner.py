@@ -249,8 +249,11 @@ def test_choose_num_splits_examples():
     assert choose_num_splits(48, 16, 132, cluster_merge=False) == 6
     assert choose_num_splits(64, 16, 132, cluster_merge=False) == 4
     assert choose_num_splits(67, 16, 132, cluster_merge=False) == 1
-    with pytest.raises(ValueError, match="kv_dtype"):
-        choose_num_splits(4, 16, 132, "bfloat16")
+    for rows in (4, 200):  # checked before any early answer
+        with pytest.raises(ValueError, match="kv_dtype"):
+            choose_num_splits(rows, 16, 132, "fp8")
+        with pytest.raises(ValueError, match="kernel"):
+            choose_num_splits(rows, 16, 132, kernel="unoin")
 
 
 @pytest.mark.parametrize("T,fp8,nvfp4", [(12, (2, "cluster"), (6, "kernel")), (22, (1, "kernel"), (3, "kernel")),

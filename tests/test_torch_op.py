@@ -270,3 +270,30 @@ def test_a_wrong_plan_type_is_named(plan):
     with pytest.raises(TypeError, match=r"^plan: expected a SparseDecodePlan"):
         sparse_decode_op(c.query, c.kv_cache, c.topk, out, plan, sm_scale=c.sm_scale)
     assert torch.isnan(out).all()
+
+
+def test_rebuilt_plans_share_kernels_only_within_a_split_count(monkeypatch):
+    """The op's rebuilt plans share resolved kernels per build, and per split count: a cluster build is
+    kept only where the GPU holds a cluster of the plan's splits (plan.resolve_kernel), so a 16-split
+    plan must not reuse what a 2-split plan of the same build resolved (fp8, 64/4: B=12 takes 2 splits
+    merged in the cluster on 132 SMs, B=1 16; the build pinned, so both plans name the same one)."""
+    from msa_jit import torch_op
+
+    monkeypatch.setattr(torch_op, "_KERNELS", {})
+    planner = SparseDecodePlanner(num_sms=132, arch="sm_90a", ctas_per_sm=2, split_merge="cluster")
+    rebuilt, plans = [], []
+    for batch in (12, 1, 1):
+        c = make_case(batch, 1, 64, 4, q_dtype=torch.bfloat16, seed=batch)
+        plan = _plan(c, planner)
+        plans.append(plan)
+        args = op_args(c.query, c.kv_cache, c.topk, c.new_out(), plan, sm_scale=0.1)
+        ints = dict(num_q_heads=plan.num_q_heads, num_kv_heads=plan.num_kv_heads, page_size=plan.page_size,
+                    topk_blocks=plan.topk_blocks, qlen=plan.qlen, num_splits=plan.num_splits,
+                    nvfp4_num_splits=plan.nvfp4_num_splits, ctas_per_sm=plan.ctas_per_sm,
+                    nvfp4_ctas_per_sm=plan.nvfp4_ctas_per_sm, kernel=plan.kernel, split_merge=plan.split_merge,
+                    nvfp4_split_merge=plan.nvfp4_split_merge)
+        rebuilt.append(torch_op._rebuild_plan(args[5], args[6], args[7], args[8], args[4], args[9], ints))
+    assert [p.num_splits for p in rebuilt] == [2, 16, 16]
+    assert all(p.config(torch.bfloat16) == plans[0].config(torch.bfloat16) for p in plans)  # one build
+    assert rebuilt[0].kernels is not rebuilt[1].kernels  # same build, other split count
+    assert rebuilt[1].kernels is rebuilt[2].kernels  # same build and split count: shared
