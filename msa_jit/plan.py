@@ -85,10 +85,11 @@ class SparseDecodePlan:
                                                           self.partial_lse, self.lse_scratch, self.unit_scale))
         built = ", ".join(f"{dtype_name(q)}/{kv}" for q, kv in self.kernels) or "none"
         return (f"SparseDecodePlan(batch={self.batch}, qlen={self.qlen}, heads={self.num_q_heads}/{self.num_kv_heads}, "
-                f"page_size={self.page_size}, topk_blocks={self.topk_blocks}, num_splits={self.num_splits}, "
-                f"nvfp4_num_splits={self.nvfp4_num_splits}, "
-                f"ctas_per_sm={self.ctas_per_sm}, kernel={self.kernel}, split_merge={self.split_merge}, arch={self.arch}, device={self.device}, "
-                f"workspace={work} bytes, kernels: {built})")
+                f"page_size={self.page_size}, topk_blocks={self.topk_blocks}, "
+                f"fp8: num_splits={self.num_splits}, ctas_per_sm={self.ctas_per_sm}, kernel={self.kernel}, "
+                f"split_merge={self.split_merge}; nvfp4: num_splits={self.nvfp4_num_splits}, "
+                f"ctas_per_sm={self.nvfp4_ctas_per_sm}, split_merge={self.nvfp4_split_merge}; arch={self.arch}, "
+                f"device={self.device}, workspace={work} bytes, kernels: {built})")
 
     @property
     def key(self) -> PlanKey:
