@@ -11,7 +11,9 @@ probe:
 
 Each plan's output is compared with the float64 reference first (poisoned before; a plan that
 fails is not timed). A config is "S/C/M": S splits (or "plan": the planner's count), C CTAs per SM
-("plan": the planner's build), M the split merge ("cluster", "kernel", or "plan").
+("plan": the planner's build), M the split merge ("cluster", "kernel", or "plan"). "plan" is the
+planner of the checkout that runs it: the committed result files predate row 83, which they led to
+(docs/performance.md), so there "plan" is the two-wave rule.
 """
 
 from __future__ import annotations
@@ -145,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
                 name = f"{config} {geo} B={batch} qlen={qlen} {kv}"
                 checks[name] = err
                 ok = err == err and err < 1e-2
-                print(f"check {name}: splits {plan.splits(KV[kv])}, rel L2 {err:.2e} {'ok' if ok else 'FAIL'}", flush=True)
+                print(f"check {name}: splits {plan.splits(KV[kv])}, rel L2 {err:.2e} {'ok' if ok else 'FAIL'}",
+                      flush=True)
                 if ok:
                     timed.append(config)
             res: dict[str, list[float]] = {c: [] for c in timed + ["floor"]}
