@@ -170,7 +170,8 @@ def takes_cluster_merge(num_rows_heads: int, num_splits: int, num_sms: int) -> b
     """Whether the planner's default (MSA_JIT_ENABLE_CLUSTER_MERGE on) asks for the cluster merge for the
     token kernel's grid of `num_rows_heads` = T*Hkv CTAs per split: where the step splits and the split
     grid is at most one CTA per SM (on 132 SMs, T*Hkv <= 8 with 16 splits, and fp8's 2 splits at T*Hkv =
-    45-66), where rows 79 and 83 measured it faster. A ctas_per_sm=2 pin at a larger split grid keeps the merge kernel, which row 79 measured
+    45-66), where rows 79 and 83 measured it faster. A ctas_per_sm=2 pin at a larger split grid keeps
+    the merge kernel, which row 79 measured
     1.6-3.5 us faster there (a cluster waits for a GPC with enough free SMs); `choose_split_merge` then
     decides whether the build can."""
     return num_splits > 1 and num_rows_heads * num_splits <= num_sms
@@ -357,10 +358,11 @@ class SparseDecodePlanner:
 
         supported = supported_ctas_per_sm(arch) if arch is not None else CTAS_PER_SM
         pin = self.ctas_per_sm
+        # the split merge in the cluster: pinned, or the default's (MSA_JIT_ENABLE_CLUSTER_MERGE)
+        cluster_on = self.split_merge == "cluster" if self.split_merge is not None else env.enable_cluster_merge()
         # can a split grid of at most one CTA per SM (the 2-CTA build's) merge in the cluster here?
-        cluster_ok = (pin in (None, CLUSTER_MERGE_CTAS_PER_SM) and CLUSTER_MERGE_CTAS_PER_SM in supported
-                      and not cluster_merge_problems(kernel="token", ctas_per_sm=CLUSTER_MERGE_CTAS_PER_SM, arch=arch)
-                      and (self.split_merge == "cluster" if self.split_merge is not None else env.enable_cluster_merge()))
+        cluster_ok = choose_split_merge(2, CLUSTER_MERGE_CTAS_PER_SM if pin is None else pin, "token", arch,
+                                        cluster_on) == "cluster"
         splits = choose_num_splits(grid, topk_blocks, num_sms, kernel=kernel, cluster_merge=cluster_ok)
         nvfp4_splits = choose_num_splits(T * hkv, topk_blocks, num_sms, "nvfp4", cluster_merge=cluster_ok)
         if kernel == "union":
@@ -376,9 +378,7 @@ class SparseDecodePlanner:
                              choose_ctas_per_sm(T * hkv * nvfp4_splits, num_sms, supported, "nvfp4"))
 
         def cluster(n: int) -> bool:  # a pin, or the default's rule for a split count n
-            if self.split_merge is not None:
-                return self.split_merge == "cluster"
-            return env.enable_cluster_merge() and takes_cluster_merge(T * hkv, n, num_sms)
+            return cluster_on and (self.split_merge is not None or takes_cluster_merge(T * hkv, n, num_sms))
 
         split_merge = choose_split_merge(splits, ctas_per_sm, kernel, arch, cluster(splits))
         nvfp4_split_merge = choose_split_merge(nvfp4_splits, nvfp4_ctas_per_sm, "token", arch, cluster(nvfp4_splits))
