@@ -184,11 +184,15 @@ VARIANTS = {  # name -> (kv dtype, kernel options)
                                             "checkout": "ac1fc60"}),
     # the bf16 2-CTA build with Q's lo tile in registers and a whole V tile (row 74), and its V-unconverted probe
     "f_union_k8_w1_qreg": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "q_lo_regs": True}),
-    # session 25: S's lo chain issued after r of V's 8 converted rows (bench/union_fp8.py lo_at), not beside the hi chain
+    # session 25: S's lo chain issued after r of V's 8 converted rows (bench/union_fp8.py lo_at, retired when
+    # session 27 shipped r = 0 as row 84: the shipped f_union_k8_w1_qreg's SASS is lo 0's), not beside the hi chain
     **{f"f_union_k8_w1_qreg_lo{r}": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "q_lo_regs": True,
-                                                       "lo_at": r}) for r in (0, 4, 8)},
+                                                       "lo_at": r, "checkout": "8871a82"}) for r in (0, 4, 8)},
     "f_union_k8_w1_qreg_lo8_trace": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "q_lo_regs": True,
-                                                       "lo_at": 8, "trace": True}),
+                                                       "lo_at": 8, "trace": True, "checkout": "8871a82"}),
+    # the bf16 2-CTA build before row 84 (S's lo chain beside the hi chain), for an A/B against the shipped one
+    "s26_f_union_k8_w1_qreg": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "q_lo_regs": True,
+                                                 "checkout": "8871a82"}),
     "f_union_k8_w1_qreg_trace": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "q_lo_regs": True,
                                                   "trace": True}),
     "f_union_k8_w1_qreg_noconv": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "q_lo_regs": True,

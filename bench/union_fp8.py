@@ -19,10 +19,8 @@ the shipped module's docstring for the design, the grid and the builds).
 * v_ahead=n: V's shared loads issued n 16-key rows ahead of their conversion and stores instead of
   the shipped kernel's v_loads_ahead (0: each row's load after the row before is stored, as
   before session 18).
-* lo_at=r (a bf16 query, q_lo_regs; session 25): S's lo QGMMA chain is issued after r of V's 8
-  16-key rows are converted (every row's shared loads still issued first), not beside the hi chain
-  before the conversion (row 75: the two chains' shared reads lengthen the conversion's loads).
-  8: after the whole conversion.
+* (retired in session 27, when row 84 shipped lo 0) lo_at=r, S's lo QGMMA chain issued after r of
+  V's 8 16-key rows are converted (row 80): at commit 8871a82.
 
 Its constructor takes the shipped class's options (warpgroups, stages, q_lo_regs)
 as given: occupancy_options adds none (bench/kv_format_ab.py's VARIANTS name every build's).
@@ -56,11 +54,8 @@ class UnionFp8Kernel(SparseDecodeUnionSm90Kernel):
         return {}
 
     def __init__(self, *, union_fp8: bool = True, trace: bool = False, convert: bool = True, mma: bool = True,
-                 lo_chain: bool = True, v_ahead: int | None = None, lo_at: int | None = None, **options):
+                 lo_chain: bool = True, v_ahead: int | None = None, **options):
         super().__init__(**options)
-        if lo_at is not None and not (self.q_lo_regs and 0 <= lo_at <= self.page // 16):
-            raise ValueError(f"lo_at {lo_at} needs q_lo_regs (a bf16 query) and 0..{self.page // 16}")
-        self.lo_at = lo_at
         # trace=True: TRACE_WORDS int32 per CTA over the plan's partial_o (bench/union_trace.py reads them)
         self.trace = trace
         self.convert = convert
@@ -101,21 +96,25 @@ class UnionFp8Kernel(SparseDecodeUnionSm90Kernel):
         cta = (h * nreq + req) * ntile + tile
         st_global_b32(self.trace_po.iterator.toint() + (Int64(cta) * TRACE_WORDS + slot) * 4, value)
 
-    # ---- convert=False: the V tiles stay as they are (only the fence)
-    def convert_v(self, v_stage, dst_smem, tidx, fence=True):
+    # ---- convert=False: the V tiles stay as they are (what runs behind V's loads still runs)
+    def convert_v(self, v_stage, dst_smem, tidx, after_loads=None):
         if self.convert:
-            return super().convert_v(v_stage, dst_smem, tidx, fence)
-        if fence:
-            cute.arch.fence_view_async_shared()
+            super().convert_v(v_stage, dst_smem, tidx, after_loads)
+        elif after_loads is not None:
+            after_loads()
 
     # ---- mma=False: no S, no softmax, no P V; lo_chain=False: S from Q's hi tile only
     def s_mma_issue(self, m, acc_s, s):
         if self.mma:
-            # the shipped s_mma_issue reads split_q at trace time to add the lo chain: hide it while tracing
+            # the shipped s_mma_issue reads split_q at trace time to add a shared-memory lo chain: hide it
             split_q = self.split_q
             self.split_q = split_q and self.lo_chain
             super().s_mma_issue(m, acc_s, s)
             self.split_q = split_q
+
+    def s_lo_issue(self, m, acc_s, s):
+        if self.mma and self.lo_chain:
+            super().s_lo_issue(m, acc_s, s)
 
     def mma_wait(self):
         if self.mma:
@@ -128,51 +127,3 @@ class UnionFp8Kernel(SparseDecodeUnionSm90Kernel):
     def pv_mma(self, *args):
         if self.mma:
             super().pv_mma(*args)
-
-    # ---- lo_at=r: the lo chain issued after r rows of V's conversion (not @cute.jit: super() needs the
-    # plain method; every branch here is decided at trace time)
-    def s_and_v(self, m, acc_s, tma, sPages, first, i, n_union, full_ptr, empty_ptr, bufv, bar, tidx):
-        if cutlass.const_expr(self.lo_at is None):
-            super().s_and_v(m, acc_s, tma, sPages, first, i, n_union, full_ptr, empty_ptr, bufv, bar, tidx)
-        else:
-            s = i % self.stages
-            cute.arch.mbarrier_wait(full_ptr + s, (i // self.stages) & 1)
-            self.mark(i, 0, tidx)
-            split_q = self.split_q
-            self.split_q = False  # the hi chain alone
-            super().s_mma_issue(m, acc_s, s)
-            self.split_q = split_q
-            warpgroup.wait_group(1)  # the previous P V (the hi chain may still run)
-            cute.arch.barrier(barrier_id=bar, number_of_threads=WG_THREADS)
-            self.mark(i, 1, tidx)
-            self.convert_v_lo(m, acc_s, s, bufv + s * self.tile_bytes, m["v_smem"], tidx)
-            self.mark(i, 2, tidx)
-            self.mma_wait()
-            self.mark(i, 3, tidx)
-            cute.arch.fence_view_async_shared()
-            self.release_stage_and_refill(tma, sPages, first, i, n_union, full_ptr, empty_ptr, tidx)
-
-    @cute.jit
-    def convert_v_lo(self, m, acc_s, s, v_stage, dst_smem, tidx):
-        """The shipped convert_v with every row's loads first (its v_loads_ahead = 8) and the lo
-        chain issued after row lo_at's stores; not fenced (s_and_v fences after the wait)."""
-        c8 = tidx % 8
-        rows = self.page // 16
-        words = [ptx.ld_shared_v4(v_stage + swizzled_fp8(tidx // 8 + 16 * r, 16 * c8)) for r in range(rows)]
-        for r in cutlass.range_constexpr(rows + 1):
-            if cutlass.const_expr(r == self.lo_at):
-                self.s_lo_issue(m, acc_s, s)
-            if cutlass.const_expr(r < rows):
-                store_f16_chunks(dst_smem + swizzled_f16(self.page, tidx // 8 + 16 * r, 16 * c8), words[r], c8)
-
-    @cute.jit
-    def s_lo_issue(self, m, acc_s, s):
-        """S += Q_lo K^T of stage s (Q's lo tile from registers), issued and committed."""
-        if self.mma:
-            tSrK = m["tSrK"]
-            warpgroup.fence()
-            atom_lo = cute.make_mma_atom(m["mma_s_lo"].op)
-            atom_lo.set(warpgroup.Field.ACCUMULATE, True)
-            for k in cutlass.range_constexpr(cute.size(m["tSrQ"].shape[2])):
-                cute.gemm(atom_lo, acc_s, m["tSrQlo"][None, None, k], tSrK[None, None, k, s], acc_s)
-            warpgroup.commit_group()

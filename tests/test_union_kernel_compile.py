@@ -6,6 +6,8 @@ that these builds' PTX equals the bench probes' (bench/union_fp8.py, docs/perfor
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from msa_jit import sass
@@ -44,6 +46,8 @@ def test_union_build_compiles_to_fp8_warpgroup_mmas(tmp_path, heads, q_dtype, ct
     # the wgmmas (C7514 would put a wait after each of the 8 HGMMAs)
     assert text.count("WARPGROUP.DEPBAR.LE gsb0, 0x1") == 2 * wgs
     assert text.count("WARPGROUP.DEPBAR.LE gsb0, 0x0") <= 3 * wgs
+    if q_dtype == "bfloat16" and ctas == 2:
+        _assert_lo_chain_behind_v_loads(text)
     assert sum(n for op, n in counts.items() if op.startswith("UTMALDG")) >= 2
     # a TMA cute.copy elects its lane with a full-warp elect.sync (NVIDIA/cutlass#2365): no divergent paths
     assert "BRA.DIV" not in text and "WARPSYNC" not in text
@@ -54,6 +58,25 @@ def test_union_build_compiles_to_fp8_warpgroup_mmas(tmp_path, heads, q_dtype, ct
                  **cls.occupancy_options(ctas, q_dtype))
     assert (kernel.ctas_per_sm, kernel.tile_tokens, kernel.threads) == (ctas, 64 // (heads[0] // heads[1]), 128 * wgs)
     assert kernel.storage_type().size_in_bytes() + 1024 <= 228 * 1024 // ctas  # 1 KiB reserved per CTA
+
+
+def _assert_lo_chain_behind_v_loads(text: str) -> None:
+    """Row 84 (q_lo_regs, a bf16 query's lo tile in registers): in each block's S-and-V section (from S's
+    wait for the previous P V to the wait for S) the hi chain is issued before the wait, and the lo chain
+    (QGMMA with A from registers) after all 8 of V's shared loads and before V's first f16 store."""
+    ops = [line.split(";")[0].split("*/")[-1].strip() for line in text.splitlines() if "*/" in line]
+    starts = [i for i, op in enumerate(ops) if op.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x1")]
+    assert len(starts) == 2  # block 0's, before the loop, and the next block's, in it
+    for start in starts:
+        end = next(i for i in range(start, len(ops)) if ops[i].startswith("WARPGROUP.DEPBAR.LE gsb0, 0x0"))
+        section = ops[start:end]
+        lo = [i for i, op in enumerate(section) if op.startswith("QGMMA") and re.search(r", R\d+, gdesc", op)]
+        loads = [i for i, op in enumerate(section) if op.startswith("LDS.128")]
+        stores = [i for i, op in enumerate(section) if op.startswith("STS.128")]
+        assert len(lo) == 4 and len(loads) == 8 and len(stores) >= 8, section
+        assert max(loads) < min(lo) and max(lo) < min(stores)
+        hi = [i for i, op in enumerate(ops[:start]) if op.startswith("QGMMA") and "gdesc" in op.split(",")[1]]
+        assert len(hi) >= 4 and start - hi[-1] <= 2  # the hi chain's last QGMMA right before the wait
 
 
 def test_union_constraints_raise():
