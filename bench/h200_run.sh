@@ -7,6 +7,7 @@
 #           ceilings host_ab host_ab_union variants trace
 #           per_layer_ab union_k8 union_k8_small union_k8_trace union_skip union_qreg union_qreg_trace
 #           union_lo union_ncu union_final push_merge push_trace union_lo_late small_floor small_w8 epilogue_ab
+#           union_ex2
 #           split_count
 #   VARIANTS="now lsu" bash bench/h200_run.sh variants   # time only these variants
 #   BASELINE=bench/results/bench-....json                # compare with (default: the newest unflagged file
@@ -173,6 +174,21 @@ print("bench/results/" + b.name if b else "none")')}
                 timeout "$(limit 45)" python3 bench/union_trace.py --out $OUT --warpgroups 1 \
                   --so .kv-variants/$v/64x4/sparse_decode.so > $OUT/$v.log 2>&1; echo "trace $v: rc=$?"; tail -n 9 $OUT/$v.log
               done ;;
+    union_ex2) # session 27: row 84's A/B (the shipped bf16 2-CTA union build, lo chain behind V's loads, against
+              # s26_f_union_k8_w1_qreg, the build before it) and row 85's candidate (ex2_poly n: n of every 16 P
+              # elements' 2**x on the FMA pipe), every build checked first, then timed with the token kernel
+              # (build: f_c3 f_union_k8_w1_qreg f_union_k8_w1_qreg_ex2p4 f_union_k8_w1_qreg_ex2p6 f_union_k8_w1_qreg_ex2p8
+              # q8_union_w1 q8_union_w1_ex2p4 q8_union_w1_ex2p8; s26_f_union_k8_w1_qreg from a checkout of 8871a82)
+              ex2_ok=()
+              for v in f_union_k8_w1_qreg f_union_k8_w1_qreg_ex2p4 f_union_k8_w1_qreg_ex2p6 f_union_k8_w1_qreg_ex2p8 \
+                       q8_union_w1_ex2p4 q8_union_w1_ex2p8; do
+                timeout "$(limit 40)" python3 bench/union_check.py --dir .kv-variants --variants "$v" \
+                  > $OUT/union-check-$v.log 2>&1; rc=$?; echo "union check $v: rc=$rc"; tail -n 1 $OUT/union-check-$v.log
+                (( rc == 0 )) && ex2_ok+=("$v")
+              done
+              timeout "$(limit 300)" python3 bench/kv_format_ab.py run --dir .kv-variants --out $OUT --rounds ${ROUNDS:-5} \
+                --variants f_c3 s26_f_union_k8_w1_qreg q8_union_w1 "${ex2_ok[@]}" \
+                --points 64/4:64:4:12 64/4:64:4:0 8/1:256:4:12 64/4:64:2:12 2>&1 | grep -v "^{" | tail -n 4 ;;
     small_floor) # session 25: row 65's decomposition of today's small-batch build (2 CTAs per SM, the cluster merge):
               # full / stream alone (no math) / math alone (no copy) / chain and bytes alone (probe "stream": no math,
               # no epilogue), the merge kernel's build and its stream alone, and #19's floor probe (--floor), one

@@ -19,6 +19,10 @@ the shipped module's docstring for the design, the grid and the builds).
 * v_ahead=n: V's shared loads issued n 16-key rows ahead of their conversion and stores instead of
   the shipped kernel's v_loads_ahead (0: each row's load after the row before is stored, as
   before session 18).
+* ex2_poly=n (session 27, row 85's candidate): of every 16 of a thread's P elements, the first n are
+  2**x on the FMA pipe (ex2_poly3: Cody-Waite split, a degree-3 polynomial, the exponent added as an
+  integer) instead of ex2.approx on the MUFU pipe, whose 16 results per SM and clock make a warp's 64
+  ex2 per block take 512 cycles.
 * (retired in session 27, when row 84 shipped lo 0) lo_at=r, S's lo QGMMA chain issued after r of
   V's 8 16-key rows are converted (row 80): at commit 8871a82.
 
@@ -29,17 +33,66 @@ as given: occupancy_options adds none (bench/kv_format_ab.py's VARIANTS name eve
 # no `from __future__ import annotations`: the DSL reads evaluated annotations
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int64
-from cutlass.cute.nvgpu import warpgroup
+from cutlass import Float32, Int64
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from kernel_probes import globaltimer_lo, smid
 from msa_jit.compiler import kernels_package
 
 kernels_package()
 from msa_jit.kernels.sparse_decode_union_sm90 import SparseDecodeUnionSm90Kernel  # noqa: E402
-from msa_jit.kernels.sparse_decode_union_sm90 import WG_THREADS  # noqa: E402
 from msa_jit.kernels import ptx  # noqa: E402
-from msa_jit.kernels.union_sm90_ops import st_global_b32, store_f16_chunks, swizzled_f16, swizzled_fp8  # noqa: E402
+from msa_jit.kernels.union_sm90_ops import st_global_b32  # noqa: E402
+
+# 2**f on [0, 1) as 1 + f (C1 + f (C2 + f C3)): the minimax fit of the relative error with C0 = 1 exactly (so
+# 2**-127, the clamp of -inf, comes out as +0), max relative error 8.6e-5 in float32 (f16 P rounds at 4.9e-4);
+# fitted by linear programming on 4001 points (tests/test_kernel_options.py checks the model below)
+EX2_POLY3 = (0.6951166391372681, 0.22764497995376587, 0.07706724107265472)
+ROUND_MAGIC = 12582912.0  # 1.5 * 2**23: x + magic rounded down holds floor(x) in its low mantissa bits
+
+
+def _f32_hex(v: float) -> str:
+    import struct
+
+    return "0f%08X" % struct.unpack("<I", struct.pack("<f", v))[0]
+
+
+@dsl_user_op
+def ex2_poly3(x: Float32, *, loc=None, ip=None) -> Float32:
+    """2**x on the FMA and integer pipes, for x <= 127 (-inf and x < -127 give +0 or a denormal, as
+    ex2.approx.ftz gives +0): j = floor(x) by a round-down add of ROUND_MAGIC, 2**(x - j) by the
+    polynomial, j added to the exponent field as an integer."""
+    c1, c2, c3 = (_f32_hex(c) for c in EX2_POLY3)
+    magic = _f32_hex(ROUND_MAGIC)
+    return Float32(ptx._asm(T.f32(), [ptx._f32(x, loc, ip)], "{\n"
+                            ".reg .f32 xc, xr, xb, fr, p;\n.reg .b32 e, pi;\n"
+                            "max.ftz.f32 xc, $1, 0fC2FE0000;\n"  # -127
+                            f"add.rm.ftz.f32 xr, xc, {magic};\n"
+                            f"sub.ftz.f32 xb, xr, {magic};\n"
+                            "sub.ftz.f32 fr, xc, xb;\n"
+                            f"fma.rn.ftz.f32 p, fr, {c3}, {c2};\n"
+                            f"fma.rn.ftz.f32 p, p, fr, {c1};\n"
+                            "fma.rn.ftz.f32 p, p, fr, 0f3F800000;\n"
+                            "mov.b32 e, xr;\nshl.b32 e, e, 23;\n"
+                            "mov.b32 pi, p;\nadd.s32 pi, pi, e;\nmov.b32 $0, pi;\n}",
+                            "=f,f"))
+
+
+def ex2_poly3_model(x):
+    """ex2_poly3 in numpy float32, op for op (the FMAs rounded once through float64), for the CPU tests."""
+    import numpy as np
+
+    f32 = np.float32
+    xc = np.maximum(np.asarray(x, dtype=f32), f32(-127.0))
+    xb = np.floor(xc).astype(f32)  # the round-down add and its subtraction, exact for |x| < 2**22
+    fr = (xc - xb).astype(f32)
+    c1, c2, c3 = (np.float64(f32(c)) for c in EX2_POLY3)
+    p = f32(fr.astype(np.float64) * c3 + c2)
+    p = f32(p.astype(np.float64) * fr + c1)
+    p = f32(p.astype(np.float64) * fr + 1.0)
+    bits = p.view(np.uint32).astype(np.int64) + (xb.astype(np.int64) << 23)
+    return (bits & 0xFFFFFFFF).astype(np.uint32).view(f32)
+
 
 TRACE_BLOCKS = 64  # trace=True: 8 stamps for each of the first 64 blocks, then n_blocks, smid, start
 TRACE_WORDS = TRACE_BLOCKS * 8 + 4
@@ -54,8 +107,11 @@ class UnionFp8Kernel(SparseDecodeUnionSm90Kernel):
         return {}
 
     def __init__(self, *, union_fp8: bool = True, trace: bool = False, convert: bool = True, mma: bool = True,
-                 lo_chain: bool = True, v_ahead: int | None = None, **options):
+                 lo_chain: bool = True, v_ahead: int | None = None, ex2_poly: int = 0, **options):
         super().__init__(**options)
+        if not 0 <= ex2_poly <= 16:
+            raise ValueError(f"ex2_poly={ex2_poly}: 0..16 of every 16 P elements")
+        self.ex2_poly = ex2_poly
         # trace=True: TRACE_WORDS int32 per CTA over the plan's partial_o (bench/union_trace.py reads them)
         self.trace = trace
         self.convert = convert
@@ -102,6 +158,12 @@ class UnionFp8Kernel(SparseDecodeUnionSm90Kernel):
             super().convert_v(v_stage, dst_smem, tidx, after_loads)
         elif after_loads is not None:
             after_loads()
+
+    # ---- ex2_poly=n: the first n of every 16 P elements on the FMA pipe
+    def exp2_p(self, x, k: int):
+        if k % 16 < self.ex2_poly:
+            return ex2_poly3(x)
+        return super().exp2_p(x, k)
 
     # ---- mma=False: no S, no softmax, no P V; lo_chain=False: S from Q's hi tile only
     def s_mma_issue(self, m, acc_s, s):
