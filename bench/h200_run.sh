@@ -177,11 +177,11 @@ print("bench/results/" + b.name if b else "none")')}
     union_ex2) # session 27: row 84's A/B (the shipped bf16 2-CTA union build, lo chain behind V's loads, against
               # s26_f_union_k8_w1_qreg, the build before it) and row 85's candidate (ex2_poly n: n of every 16 P
               # elements' 2**x on the FMA pipe), every build checked first, then timed with the token kernel
-              # (build: f_c3 f_union_k8_w1_qreg f_union_k8_w1_qreg_ex2p4 f_union_k8_w1_qreg_ex2p6 f_union_k8_w1_qreg_ex2p8
-              # q8_union_w1 q8_union_w1_ex2p4 q8_union_w1_ex2p8; s26_f_union_k8_w1_qreg from a checkout of 8871a82)
+              # (build: f_c3 f_union_k8_w1_qreg f_union_k8_w1_qreg_ex2p2 f_union_k8_w1_qreg_ex2p3 f_union_k8_w1_qreg_ex2p4
+              # f_union_k8_w1_qreg_ex2p6 q8_union_w1 q8_union_w1_ex2p3; s26_f_union_k8_w1_qreg from a checkout of 8871a82)
               ex2_ok=()
-              for v in f_union_k8_w1_qreg f_union_k8_w1_qreg_ex2p4 f_union_k8_w1_qreg_ex2p6 f_union_k8_w1_qreg_ex2p8 \
-                       q8_union_w1_ex2p4 q8_union_w1_ex2p8; do
+              for v in f_union_k8_w1_qreg f_union_k8_w1_qreg_ex2p2 f_union_k8_w1_qreg_ex2p3 f_union_k8_w1_qreg_ex2p4 \
+                       f_union_k8_w1_qreg_ex2p6 q8_union_w1_ex2p3; do
                 timeout "$(limit 40)" python3 bench/union_check.py --dir .kv-variants --variants "$v" \
                   > $OUT/union-check-$v.log 2>&1; rc=$?; echo "union check $v: rc=$rc"; tail -n 1 $OUT/union-check-$v.log
                 (( rc == 0 )) && ex2_ok+=("$v")
