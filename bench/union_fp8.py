@@ -20,8 +20,8 @@ the shipped module's docstring for the design, the grid and the builds).
   the shipped kernel's v_loads_ahead (0: each row's load after the row before is stored, as
   before session 18).
 * ex2_poly=n (session 27, row 85's candidate; 2, 3, 4, 6 are built): of every 16 of a thread's P elements, the first n are
-  2**x on the FMA pipe (ex2_poly3: Cody-Waite split, a degree-3 polynomial, the exponent added as an
-  integer) instead of ex2.approx on the MUFU pipe, whose 16 results per SM and clock make a warp's 64
+  2**x on the FMA pipe (ex2_poly3: x split into floor and fraction, a degree-3 polynomial, the exponent
+  added as an integer) instead of ex2.approx on the MUFU pipe, whose 16 results per SM and clock make a warp's 64
   ex2 per block take 512 cycles.
 * (retired in session 27, when row 84 shipped lo 0) lo_at=r, S's lo QGMMA chain issued after r of
   V's 8 16-key rows are converted (row 80): at commit 8871a82.
@@ -46,7 +46,7 @@ from msa_jit.kernels.union_sm90_ops import st_global_b32  # noqa: E402
 
 # 2**f on [0, 1) as 1 + f (C1 + f (C2 + f C3)): the minimax fit of the relative error with C0 = 1 exactly (so
 # 2**-127, the clamp of -inf, comes out as +0), max relative error 8.6e-5 in float32 (f16 P rounds at 4.9e-4);
-# fitted by linear programming on 4001 points (tests/test_kernel_options.py checks the model below)
+# fitted by linear programming on 4001 points
 EX2_POLY3 = (0.6951166391372681, 0.22764497995376587, 0.07706724107265472)
 ROUND_MAGIC = 12582912.0  # 1.5 * 2**23: x + magic rounded down holds floor(x) in its low mantissa bits
 
@@ -57,41 +57,88 @@ def _f32_hex(v: float) -> str:
     return "0f%08X" % struct.unpack("<I", struct.pack("<f", v))[0]
 
 
+# the body of ex2_poly3's asm ($1 = x, $0 = 2**x); ptx_model interprets this very text on the CPU
+EX2_POLY3_PTX = "\n".join([
+    "max.ftz.f32 xc, $1, 0fC2FE0000;",  # -127: -inf and below give +0 at the end
+    f"add.rm.ftz.f32 xr, xc, {_f32_hex(ROUND_MAGIC)};",
+    f"sub.ftz.f32 xb, xr, {_f32_hex(ROUND_MAGIC)};",  # floor(x)
+    "sub.ftz.f32 fr, xc, xb;",  # in [0, 1]
+    f"fma.rn.ftz.f32 p, fr, {_f32_hex(EX2_POLY3[2])}, {_f32_hex(EX2_POLY3[1])};",
+    f"fma.rn.ftz.f32 p, p, fr, {_f32_hex(EX2_POLY3[0])};",
+    "fma.rn.ftz.f32 p, p, fr, 0f3F800000;",
+    "mov.b32 e, xr;",
+    "shl.b32 e, e, 23;",  # the low bits of xr's mantissa are floor(x): (floor(x) << 23) mod 2**32
+    "mov.b32 pi, p;",
+    "add.s32 pi, pi, e;",  # floor(x) added to p's exponent field
+    "mov.b32 $0, pi;",
+])
+
+
 @dsl_user_op
 def ex2_poly3(x: Float32, *, loc=None, ip=None) -> Float32:
-    """2**x on the FMA and integer pipes, for x <= 127 (-inf and x < -127 give +0 or a denormal, as
-    ex2.approx.ftz gives +0): j = floor(x) by a round-down add of ROUND_MAGIC, 2**(x - j) by the
-    polynomial, j added to the exponent field as an integer."""
-    c1, c2, c3 = (_f32_hex(c) for c in EX2_POLY3)
-    magic = _f32_hex(ROUND_MAGIC)
-    return Float32(ptx._asm(T.f32(), [ptx._f32(x, loc, ip)], "{\n"
-                            ".reg .f32 xc, xr, xb, fr, p;\n.reg .b32 e, pi;\n"
-                            "max.ftz.f32 xc, $1, 0fC2FE0000;\n"  # -127
-                            f"add.rm.ftz.f32 xr, xc, {magic};\n"
-                            f"sub.ftz.f32 xb, xr, {magic};\n"
-                            "sub.ftz.f32 fr, xc, xb;\n"
-                            f"fma.rn.ftz.f32 p, fr, {c3}, {c2};\n"
-                            f"fma.rn.ftz.f32 p, p, fr, {c1};\n"
-                            "fma.rn.ftz.f32 p, p, fr, 0f3F800000;\n"
-                            "mov.b32 e, xr;\nshl.b32 e, e, 23;\n"
-                            "mov.b32 pi, p;\nadd.s32 pi, pi, e;\nmov.b32 $0, pi;\n}",
-                            "=f,f"))
+    """2**x on the FMA and integer pipes, for x <= 127: x <= -127 (and -inf) give +0, as ex2.approx.ftz
+    does; -127 < x < -126 a denormal that is not near 2**x (0 once P is rounded to f16). j = floor(x) by a
+    round-down add of ROUND_MAGIC, 2**(x - j) by the polynomial, j added to the exponent field as an integer."""
+    return Float32(ptx._asm(T.f32(), [ptx._f32(x, loc, ip)],
+                            "{\n.reg .f32 xc, xr, xb, fr, p;\n.reg .b32 e, pi;\n" + EX2_POLY3_PTX + "\n}", "=f,f"))
 
 
-def ex2_poly3_model(x):
-    """ex2_poly3 in numpy float32, op for op (the FMAs rounded once through float64), for the CPU tests."""
+def ptx_model(text: str, x):
+    """The PTX `text` (EX2_POLY3_PTX's instructions only) run on a float32 numpy array x ($1) -> $0.
+
+    .ftz flushes denormal inputs and results to signed zero; add.rm rounds toward -inf; fma rounds
+    through float64 (the product of two float32 values is exact there; the sum rounds twice, which can
+    differ from a single rounding in the last bit, rarely)."""
+    import re
+
     import numpy as np
 
-    f32 = np.float32
-    xc = np.maximum(np.asarray(x, dtype=f32), f32(-127.0))
-    xb = np.floor(xc).astype(f32)  # the round-down add and its subtraction, exact for |x| < 2**22
-    fr = (xc - xb).astype(f32)
-    c1, c2, c3 = (np.float64(f32(c)) for c in EX2_POLY3)
-    p = f32(fr.astype(np.float64) * c3 + c2)
-    p = f32(p.astype(np.float64) * fr + c1)
-    p = f32(p.astype(np.float64) * fr + 1.0)
-    bits = p.view(np.uint32).astype(np.int64) + (xb.astype(np.int64) << 23)
-    return (bits & 0xFFFFFFFF).astype(np.uint32).view(f32)
+    f32, f64 = np.float32, np.float64
+    tiny = np.finfo(f32).tiny
+
+    def ftz(v):
+        v = np.asarray(v, dtype=f32)
+        return np.where(np.abs(v) < tiny, np.copysign(f32(0.0), v), v).astype(f32)
+
+    def round_down(exact):  # float64 -> the float32 at or below it
+        r = exact.astype(f32)
+        return np.where(r.astype(f64) > exact, np.nextafter(r, f32(-np.inf)), r).astype(f32)
+
+    regs = {"$1": np.asarray(x, dtype=f32)}
+
+    def val(tok, kind):
+        if tok.startswith("0f"):
+            return np.array(int(tok[2:], 16), dtype=np.uint32).view(f32) if kind == "f" else int(tok[2:], 16)
+        if re.fullmatch(r"-?\d+", tok):
+            return int(tok)
+        v = regs[tok]
+        if kind == "f":
+            return v.view(f32) if v.dtype == np.uint32 else v
+        return v.view(np.uint32) if v.dtype == f32 else v
+
+    for line in text.split("\n"):
+        op, args = line.rstrip(";").split(" ", 1)
+        d, *src = [s.strip() for s in args.split(",")]
+        if op == "max.ftz.f32":
+            regs[d] = ftz(np.maximum(ftz(val(src[0], "f")), ftz(val(src[1], "f"))))
+        elif op in ("add.rm.ftz.f32", "add.rn.ftz.f32", "add.ftz.f32"):
+            exact = ftz(val(src[0], "f")).astype(f64) + ftz(val(src[1], "f")).astype(f64)
+            regs[d] = ftz(round_down(exact) if ".rm" in op else exact.astype(f32))
+        elif op == "sub.ftz.f32":
+            regs[d] = ftz((ftz(val(src[0], "f")).astype(f64) - ftz(val(src[1], "f")).astype(f64)).astype(f32))
+        elif op == "fma.rn.ftz.f32":
+            a, b, c = (ftz(val(s, "f")).astype(f64) for s in src)
+            regs[d] = ftz((a * b + c).astype(f32))
+        elif op == "mov.b32":
+            regs[d] = np.array(val(src[0], "b"), copy=True)
+        elif op == "shl.b32":
+            regs[d] = (val(src[0], "b").astype(np.uint64) << np.uint64(int(src[1])) & 0xFFFFFFFF).astype(np.uint32)
+        elif op == "add.s32":
+            regs[d] = ((val(src[0], "b").astype(np.uint64) + val(src[1], "b").astype(np.uint64)) & 0xFFFFFFFF
+                       ).astype(np.uint32)
+        else:
+            raise ValueError(f"ptx_model does not know {op!r}")
+    return val("$0", "f")
 
 
 TRACE_BLOCKS = 64  # trace=True: 8 stamps for each of the first 64 blocks, then n_blocks, smid, start

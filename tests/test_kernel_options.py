@@ -241,17 +241,28 @@ def test_union_fp8_probe_leaves_its_part_out(tmp_path, options):
 
 def test_union_ex2_poly_probe_moves_p_exps_to_the_fma_pipe(tmp_path):
     # row 85's candidate (bench/union_fp8.py ex2_poly=n): n of every 16 P elements' 2**x by the polynomial,
-    # in the bf16 2-CTA build the planner uses; the numpy model of its PTX is within 1e-4 of 2**x and
-    # gives +0 where ex2.approx.ftz does (-inf, the masked keys)
+    # in the bf16 2-CTA build the planner uses. Its PTX, interpreted on the CPU (ptx_model), is within 1e-4
+    # of 2**x, exact at integers, and gives +0 where ex2.approx.ftz does (-inf: the masked keys); a wrong
+    # shift or a coefficient out of place fails that
     sys.path.insert(0, str(BENCH))
     import numpy as np
-    from union_fp8 import UnionFp8Kernel, ex2_poly3_model
+    from union_fp8 import EX2_POLY3_PTX, UnionFp8Kernel, ptx_model
 
-    x = np.concatenate([np.linspace(-125.0, 8.0, 100_003, dtype=np.float32), np.arange(-20, 9, dtype=np.float32)])
-    assert np.max(np.abs(ex2_poly3_model(x) / np.exp2(x.astype(np.float64)) - 1.0)) < 1e-4
-    assert np.array_equal(ex2_poly3_model(np.arange(-20, 9, dtype=np.float32)), np.exp2(np.arange(-20.0, 9.0)))
-    zeros = ex2_poly3_model(np.array([-np.inf, -1e30, -200.0, -127.0], dtype=np.float32))
+    def worst(text):
+        x = np.linspace(-125.0, 8.0, 100_003, dtype=np.float32)
+        return np.max(np.abs(ptx_model(text, x) / np.exp2(x.astype(np.float64)) - 1.0))
+
+    assert worst(EX2_POLY3_PTX) < 1e-4
+    ints = np.arange(-126, 9, dtype=np.float32)
+    assert np.array_equal(ptx_model(EX2_POLY3_PTX, ints), np.exp2(ints.astype(np.float64)))
+    zeros = ptx_model(EX2_POLY3_PTX, np.array([-np.inf, -1e30, -200.0, -127.0], dtype=np.float32))
     assert np.array_equal(zeros, np.zeros(4)) and not np.signbit(zeros).any()
+    lines = EX2_POLY3_PTX.split("\n")
+    c_first, c_second = lines[4].rstrip(";").split(", ")[2:]
+    mutants = [EX2_POLY3_PTX.replace("shl.b32 e, e, 23", "shl.b32 e, e, 22"),
+               EX2_POLY3_PTX.replace(c_first, "@").replace(c_second, c_first).replace("@", c_second),
+               EX2_POLY3_PTX.replace("add.rm.ftz", "add.rn.ftz")]
+    assert all(m != EX2_POLY3_PTX and worst(m) > 1e-3 for m in mutants)
 
     cfg = SparseDecodeConfig(num_q_heads=64, num_kv_heads=4, q_dtype="bfloat16", arch="sm_90a")
 
