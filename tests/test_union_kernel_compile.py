@@ -62,8 +62,10 @@ def test_union_build_compiles_to_fp8_warpgroup_mmas(tmp_path, heads, q_dtype, ct
 
 def _assert_lo_chain_behind_v_loads(text: str) -> None:
     """Row 84 (q_lo_regs, a bf16 query's lo tile in registers): in each block's S-and-V section (from S's
-    wait for the previous P V to the wait for S) the hi chain is issued before the wait, and the lo chain
-    (QGMMA with A from registers) after all 8 of V's shared loads and before V's first f16 store."""
+    wait for the previous P V to the wait for S) the lo chain (4 QGMMAs with A from registers, each
+    accumulating into S's registers, behind a warpgroup fence) comes after all 8 of V's shared loads and
+    before V's first f16 store; the hi chain (A from shared memory) is issued before the section, with no
+    shared load or store of V's between it and the wait."""
     ops = [line.split(";")[0].split("*/")[-1].strip() for line in text.splitlines() if "*/" in line]
     starts = [i for i, op in enumerate(ops) if op.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x1")]
     assert len(starts) == 2  # block 0's, before the loop, and the next block's, in it
@@ -75,8 +77,12 @@ def _assert_lo_chain_behind_v_loads(text: str) -> None:
         stores = [i for i, op in enumerate(section) if op.startswith("STS.128")]
         assert len(lo) == 4 and len(loads) == 8 and len(stores) >= 8, section
         assert max(loads) < min(lo) and max(lo) < min(stores)
-        hi = [i for i, op in enumerate(ops[:start]) if op.startswith("QGMMA") and "gdesc" in op.split(",")[1]]
-        assert len(hi) >= 4 and start - hi[-1] <= 2  # the hi chain's last QGMMA right before the wait
+        assert all(re.match(r"QGMMA\S* (R\d+), R\d+, gdesc\[[^]]+\], \1\b", section[i]) for i in lo)
+        assert any(op.startswith("WARPGROUP.ARRIVE") for op in section[max(loads):min(lo)])
+        hi = [i for i, op in enumerate(ops[:start]) if re.match(r"QGMMA\S* R\d+, gdesc\[", op)]  # A and B by descriptor
+        hi = hi[-4:] if len(hi) >= 4 else hi
+        assert len(hi) == 4 and not any(op.startswith(("LDS.128", "STS.128", "QGMMA"))
+                                        for op in ops[hi[-1] + 1:start])
 
 
 def test_union_constraints_raise():
