@@ -158,7 +158,8 @@ print("bench/results/" + b.name if b else "none")')}
                 --points 64/4:64:4:12 64/4:64:4:0 2>&1 | grep -v "^{" | tail -n 3 ;;
     union_lo_late) # session 25: the bf16 2-CTA union build with S's lo QGMMA chain issued after r of V's 8 converted
               # rows (lo_at r: 0, 4, 8; bench/union_fp8.py) instead of beside the hi chain, checked, then timed
-              # against main's build, the fp8-query build and the token kernel (build: f_c3 f_union_k8_w1_qreg
+              # against main's build then (s26_f_union_k8_w1_qreg since row 84 shipped lo 0), the fp8-query build and the
+              # token kernel (build: f_c3 s26_f_union_k8_w1_qreg
               # f_union_k8_w1_qreg_lo0 f_union_k8_w1_qreg_lo4 f_union_k8_w1_qreg_lo8 q8_union_w1)
               lo_ok=()
               for v in f_union_k8_w1_qreg_lo0 f_union_k8_w1_qreg_lo4 f_union_k8_w1_qreg_lo8; do
@@ -167,9 +168,10 @@ print("bench/results/" + b.name if b else "none")')}
                 (( rc == 0 )) && lo_ok+=("$v")
               done
               timeout "$(limit 200)" python3 bench/kv_format_ab.py run --dir .kv-variants --out $OUT --rounds 5 \
-                --variants f_c3 f_union_k8_w1_qreg q8_union_w1 "${lo_ok[@]}" \
+                --variants f_c3 s26_f_union_k8_w1_qreg q8_union_w1 "${lo_ok[@]}" \
                 --points 64/4:64:4:12 64/4:64:4:0 8/1:256:4:12 64/4:64:2:12 2>&1 | grep -v "^{" | tail -n 4
-              # where each block's time goes, main's build and lo_at 8 (f_union_k8_w1_qreg_trace, ..._lo8_trace)
+              # where each block's time goes, main's build and lo_at 8 (f_union_k8_w1_qreg_trace, ..._lo8_trace; since
+              # row 84 the first is lo 0's)
               for v in f_union_k8_w1_qreg_trace f_union_k8_w1_qreg_lo8_trace; do
                 timeout "$(limit 45)" python3 bench/union_trace.py --out $OUT --warpgroups 1 \
                   --so .kv-variants/$v/64x4/sparse_decode.so > $OUT/$v.log 2>&1; echo "trace $v: rc=$?"; tail -n 9 $OUT/$v.log

@@ -192,13 +192,14 @@ VARIANTS = {  # name -> (kv dtype, kernel options)
                                                        "lo_at": 8, "trace": True, "checkout": "8871a82"}),
     # the bf16 2-CTA build before row 84 (S's lo chain beside the hi chain), for an A/B against the shipped one
     "s26_f_union_k8_w1_qreg": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "q_lo_regs": True,
-                                                 "checkout": "8871a82"}),
+                                                 "checkout": "8871a82", "as": "f_union_k8_w1_qreg"}),
     # session 27 (row 85's candidate): n of every 16 P elements' 2**x on the FMA pipe (bench/union_fp8.py ex2_poly)
     **{f"f_union_k8_w1_qreg_ex2p{n}": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "q_lo_regs": True,
                                                          "ex2_poly": n}) for n in (2, 3, 4, 6)},
     "q8_union_w1_ex2p3": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "q_dtype": Q8, "ex2_poly": 3}),
     "f_union_k8_w1_qreg_trace": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "q_lo_regs": True,
                                                   "trace": True}),
+    # (since row 84, session 27, these two follow the shipped build: the lo chain behind V's loads)
     "f_union_k8_w1_qreg_noconv": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "q_lo_regs": True,
                                                    "convert": False}),
     # session 18: the 2-CTA union builds before Q's loads moved ahead of the union build (58c756b)
@@ -289,7 +290,8 @@ def build(a: argparse.Namespace) -> int:
     for name in a.variants or VARIANTS:
         kv, opt = VARIANTS[name]
         if "checkout" in opt:  # built by that checkout's own kv_format_ab.py, copied here
-            print(f"{name}: build it in a checkout of {opt['checkout']} and copy it to {Path(a.dir) / name}")
+            print(f"{name}: build {opt.get('as', name)} in a checkout of {opt['checkout']} and copy it to "
+                  f"{Path(a.dir) / name}")
             continue
         for hq, hkv in GEOMS:
             so = _so(Path(a.dir), name, hq, hkv)
