@@ -19,10 +19,10 @@ the shipped module's docstring for the design, the grid and the builds).
 * v_ahead=n: V's shared loads issued n 16-key rows ahead of their conversion and stores instead of
   the shipped kernel's v_loads_ahead (0: each row's load after the row before is stored, as
   before session 18).
-* ex2_poly=n (session 27, row 85's candidate; 2, 3, 4, 6 are built): of every 16 of a thread's P elements, the first n are
-  2**x on the FMA pipe (ex2_poly3: x split into floor and fraction, a degree-3 polynomial, the exponent
-  added as an integer) instead of ex2.approx on the MUFU pipe, whose 16 results per SM and clock make a warp's 64
-  ex2 per block take 512 cycles.
+* ex2_poly=n (session 27, row 85's candidate; n = 2, 3, 4, 6 are built): of every 16 of a thread's P
+  elements, the first n are 2**x on the FMA pipe (ex2_poly3: x split into floor and fraction, a degree-3
+  polynomial, the exponent added as an integer) instead of ex2.approx on the MUFU pipe, whose 16 results
+  per SM and clock make a warp's 64 ex2 per block take 512 cycles.
 * (retired in session 27, when row 84 shipped lo 0) lo_at=r, S's lo QGMMA chain issued after r of
   V's 8 16-key rows are converted (row 80): at commit 8871a82.
 
