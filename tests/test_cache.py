@@ -542,6 +542,32 @@ def test_prune_collects_an_incomplete_entry_only_while_its_lock_is_free(tmp_path
     assert c.lookup(complete.key) is not None
 
 
+def test_an_entry_appears_whole_in_one_rename(tmp_path, monkeypatch):
+    """Lock-free readers rely on it: the entry's path comes into being by one rename of a private
+    directory that already holds meta.json and every artifact at its recorded size; nothing is copied
+    or written under the entry's own path."""
+    from msa_jit.cache import store
+
+    c = ArtifactCache(tmp_path / "cache")
+    config = {"g": "atomic"}
+    dest = c.entry_path(key_of(config))
+    renames = []
+    real_rename = store.os.rename
+
+    def rename(src, dst):
+        if Path(dst) == dest:
+            assert not dest.exists()
+            meta = json.loads((Path(src) / "meta.json").read_text())
+            assert all((Path(src) / a["name"]).stat().st_size == a["size"] for a in meta["artifacts"])
+            renames.append(Path(src))
+        return real_rename(src, dst)
+
+    monkeypatch.setattr(store.os, "rename", rename)
+    monkeypatch.setattr(store.shutil, "copytree", None)  # a publish by copying fails loudly
+    entry, built = get(c, config, fake_build(size=100))
+    assert built and entry.path == dest and len(renames) == 1 and c.root in renames[0].parents  # one filesystem
+
+
 def test_publish_first_valid_writer_wins(tmp_path):
     # Even if mutual exclusion failed (e.g. a lock file deleted by hand), a
     # valid entry already published is never replaced by a second build.

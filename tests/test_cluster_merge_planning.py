@@ -70,6 +70,9 @@ def test_planner_picks_cluster_by_default_and_not_when_disabled(monkeypatch):
     plan = _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 16)
     assert (plan.num_splits, plan.ctas_per_sm, plan.split_merge) == (2, 2, "cluster")
     assert (plan.nvfp4_num_splits, plan.nvfp4_ctas_per_sm, plan.nvfp4_split_merge) == (4, 3, "kernel")
+    # the edge of the cluster zone: T*Hkv = 66 (16/2 B=33) in 2 splits is 132 CTAs, exactly one per SM
+    plan = _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 33, hq=16, hkv=2)
+    assert (plan.num_splits, plan.ctas_per_sm, plan.split_merge) == (2, 2, "cluster")
     # 64/4 B=4 (16 rows): both formats in 16 splits = 256 CTAs, 3 per SM, the merge kernel
     plan = _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 4)
     assert (plan.num_splits, plan.ctas_per_sm, plan.split_merge) == (16, 3, "kernel")

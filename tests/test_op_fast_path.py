@@ -286,6 +286,27 @@ def test_fast_path_passes_the_convention_arguments():
                         assert g is w or g == w, (name, g, w)
 
 
+def test_an_nvfp4_cache_goes_to_the_kernel_with_its_own_split_count(monkeypatch):
+    """A step whose cache formats split differently (64/4 B=12 on 132 SMs: fp8 in 2, NVFP4 in 6): an
+    NVFP4 cache reaches the kernel as uint8 with NVFP4's count, from the fast path and from
+    convention.call_arguments (the checked path's) alike."""
+    rec = Recorder()
+    c = make_case(12, 1, 64, 4, q_dtype=torch.bfloat16, seed=3, device="cpu", kv_dtype="nvfp4")
+    plan = SparseDecodePlanner(num_sms=132, arch="sm_90a", ctas_per_sm=2).prepare(*c.prepare_args(),
+                                                                                 **c.prepare_kwargs())
+    assert (plan.num_splits, plan.nvfp4_num_splits) == (2, 6)
+    plan.is_cuda = True  # stand-in: the fast path only runs on CUDA plans
+    plan.kernels[(torch.bfloat16, "nvfp4")] = rec
+    plan.kernel_tensors()
+    monkeypatch.setattr(op, "_checked_sparse_decode", None)  # the call below must take the fast path
+    sparse_decode(c.query, c.kv_cache, c.topk, c.new_out(), plan, sm_scale=0.3, k_scale=0.5, v_scale=2.0,
+                  backend="kernel")
+    checked = conv.call_arguments(plan, c.query, c.kv_cache, c.topk, c.new_out(), None, None, None, 1.0, 2.0)
+    kv_at, splits_at = conv.ARGUMENT_NAMES.index("kv_cache"), conv.ARGUMENT_NAMES.index("num_splits")
+    for args in (rec.calls.pop(), checked):
+        assert args[kv_at] is c.kv_cache and args[splits_at] == plan.nvfp4_num_splits
+
+
 def test_fast_path_declines_what_only_the_checked_path_handles(monkeypatch):
     """Valid inputs the fast path leaves alone: ints and CPU tensors as scales, a kernel not
     resolved yet (tensor subclasses too: on the GPU, below). They go through the checked path

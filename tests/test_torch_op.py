@@ -112,18 +112,24 @@ def test_compile_fullgraph_matches_eager_cpu():
 
 
 
-def _fake_kernel_path(monkeypatch) -> list[tuple[str, object]]:
+def _fake_kernel_path(monkeypatch, launches: list | None = None) -> list[tuple[str, object]]:
     """The kernel path on CPU, infrastructure faked, op code real: rebuilt plans get arch sm_90a (as a
     CUDA device would give them), validation (run in full for the reference backend) answers
     "kernel", and the resolver `compiler.get_sparse_decode_kernel` returns a stand-in kernel that
-    records the config it was built for. Returns the list of ("asked" | "launched", config)."""
+    records the config it was built for. Returns the list of ("asked" | "launched", config); each
+    launch's (config, arguments) also goes to `launches` when given."""
     from msa_jit import compiler, op, torch_op
 
     events: list[tuple[str, object]] = []
 
     def resolve(cfg):
         events.append(("asked", cfg))
-        return lambda *args: events.append(("launched", cfg))
+
+        def launch(*args):
+            events.append(("launched", cfg))
+            if launches is not None:
+                launches.append((cfg, args))
+        return launch
 
     real_validate = op.validate_sparse_decode
     monkeypatch.setattr(compiler, "get_sparse_decode_kernel", resolve)
@@ -165,6 +171,31 @@ def test_op_and_compiled_op_launch_the_plans_build(monkeypatch, planner_kw, ctas
     )
     compiled(c.query, c.kv_cache, c.topk, c.new_out())
     assert events == [("launched", want)]  # the op's cached build of this plan's config
+
+@pytest.mark.parametrize("kv_dtype", ["fp8", "nvfp4"])
+def test_op_launches_the_cache_formats_build_with_its_split_count(monkeypatch, kv_dtype):
+    """Through the custom op, a step's cache format picks its own build and split count: on 132 SMs a
+    64/4 step at B=12 splits fp8 in 2 and NVFP4 in 6, and at B=128 runs fp8 at 2 CTAs per SM and NVFP4 at
+    3, so a swap of the two formats' ints anywhere between the plan and the launch shows."""
+    from msa_jit.compiler import convention
+
+    num_splits_at = convention().ARGUMENT_NAMES.index("num_splits")
+    launches: list = []
+    _fake_kernel_path(monkeypatch, launches)
+    fmt = "nvfp4" if kv_dtype == "nvfp4" else "float8_e4m3fn"
+    planner = SparseDecodePlanner(num_sms=132, arch="sm_90a")
+    plans = []
+    for batch in (12, 128):
+        c = make_case(batch, 1, 64, 4, q_dtype=torch.bfloat16, seed=batch, kv_dtype=kv_dtype, page_size=64)
+        plan = _plan(c, planner)
+        plans.append(plan)
+        launches.clear()
+        sparse_decode_op(c.query, c.kv_cache, c.topk, c.new_out(), plan, backend="kernel", **c.scales())
+        ((cfg, args),) = launches
+        assert cfg == plan.config(torch.bfloat16, fmt) and args[num_splits_at] == plan.splits(fmt)
+    assert plans[0].num_splits != plans[0].nvfp4_num_splits
+    assert plans[1].ctas_per_sm != plans[1].nvfp4_ctas_per_sm
+
 
 # ----------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
@@ -297,3 +328,8 @@ def test_rebuilt_plans_share_kernels_only_within_a_split_count(monkeypatch):
     assert all(p.config(torch.bfloat16) == plans[0].config(torch.bfloat16) for p in plans)  # one build
     assert rebuilt[0].kernels is not rebuilt[1].kernels  # same build, other split count
     assert rebuilt[1].kernels is rebuilt[2].kernels  # same build and split count: shared
+    # a cluster build and the merge kernel's at the same split count are two builds (a GPU that cannot
+    # hold the cluster falls back to the second): they do not share either
+    ints["split_merge"] = "kernel" if ints["split_merge"] == "cluster" else "cluster"
+    other = torch_op._rebuild_plan(args[5], args[6], args[7], args[8], args[4], args[9], ints)
+    assert other.kernels is not rebuilt[2].kernels

@@ -11,7 +11,7 @@ from helpers import make_case
 import msa_jit
 from msa_jit import SparseDecodePlanner, compiler
 from msa_jit.geometry import SparseDecodeConfig, check_config
-from msa_jit.planner import choose_kernel, choose_union_ctas_per_sm, union_grid_ctas
+from msa_jit.planner import choose_kernel, choose_num_splits, choose_union_ctas_per_sm, union_grid_ctas
 from msa_jit.torch_op import sparse_decode_op
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -102,6 +102,11 @@ def test_union_pin_serves_every_step_shape(monkeypatch):
     assert plan.partial_o.shape[0] == 1 * 4 * 16
     plan = _prepare(pinned, 2, 8)  # 16 CTAs per split (two 4-token tiles)
     assert plan.kernel == "union" and plan.num_splits == 16
+    # an NVFP4 cache is the token kernel's: its split count follows the token grid (B=4 qlen 4: T*Hkv = 64),
+    # not the union's (16 CTAs per split)
+    plan = _prepare(pinned, 4, 4)
+    assert (plan.kernel, plan.num_splits) == ("union", 16)
+    assert plan.nvfp4_num_splits == choose_num_splits(64, 16, 132, "nvfp4") != 16
     plan = _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a", kernel="union", ctas_per_sm=2), 64, 4)
     assert (plan.ctas_per_sm, plan.config(torch.bfloat16, "nvfp4").ctas_per_sm) == (2, 2)
     plan = _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a", kernel="union", ctas_per_sm=1), 64, 4)

@@ -565,6 +565,30 @@ def test_prepare_refuses_meta_tensors():
     assert not planner.plans
 
 
+def test_tensors_on_another_device_are_named():
+    """A block_table on another device than seq_lens (the cached step's one-pass check included), a
+    k_scale / v_scale tensor on another device than the plan, and an fp8 tensor in the NVFP4 layout
+    are each named, not left to a kernel or the reference to trip over."""
+    cached = SparseDecodePlanner()
+    _call_prepare(cached, _prepare_base())
+    for planner in (SparseDecodePlanner(), cached):
+        a = _prepare_base()
+        a.update(block_table=a["block_table"].to("meta"))
+        plans = dict(planner.plans)
+        with pytest.raises(ValueError, match="^block_table: expected a tensor on cpu"):
+            _call_prepare(planner, a)
+        assert planner.plans == plans
+    for name in ("k_scale", "v_scale"):
+        a = _op_base()
+        a[name] = torch.ones(1, device="meta")
+        with pytest.raises(ValueError, match=f"^{name}: expected a tensor on cpu"):
+            sparse_decode(**a)
+    c = make_case(2, 1, 16, 1, q_dtype=torch.bfloat16, seed=1, device="cpu", kv_dtype="nvfp4")
+    plan = SparseDecodePlanner().prepare(*c.prepare_args(), **c.prepare_kwargs())
+    with pytest.raises(TypeError, match="^kv_cache: the NVFP4 layout"):
+        sparse_decode(c.query, c.kv_cache.view(FP8), c.topk, c.new_out(), plan, **c.scales())
+
+
 def test_out_of_range_page_names_block_table():
     c, plan = base()
     bt = c.block_table.clone()
