@@ -416,3 +416,11 @@ def test_cuda_writer_and_reader_match_the_cpu_bit_for_bit():
     part = torch.full_like(gpu, 0xAB)
     write_kv_nvfp4(part, torch.tensor([5, 1], device="cuda"), k[[5, 1]].cuda(), v[[5, 1]].cuda(), *scales)
     assert torch.equal(part[[1, 5]].cpu(), cpu[[1, 5]]) and (part[[0, 2, 3, 4]] == 0xAB).all()
+
+
+def test_dequantize_takes_a_zero_global_scale():
+    """The reader takes any finite global scale, 0 included (the writer needs one > 0): all zeros."""
+    k = torch.randn(1, 1, 4, 128, dtype=torch.float64)
+    cache, _, _ = quantize_kv_nvfp4(k, k)
+    kd, vd = dequantize_kv_nvfp4(cache, 0.0, 0.0)
+    assert (kd == 0).all() and (vd == 0).all()

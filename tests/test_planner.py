@@ -56,6 +56,23 @@ def test_prologue_triton_matches_torch(batch, qlen):
     assert kv_a.cpu().tolist() == exp_kv and qo_a.cpu().tolist() == exp_qo
 
 
+@pytest.mark.parametrize("batch,qlen", [(128, 1), (64, 4), (129, 1), (1, 256), (383, 1)])
+def test_prologue_writes_exactly_its_rows(batch, qlen):
+    """Row counts at and around multiples of the prologue's rows per program, into buffers that go on
+    past T: every row is written, and nothing after the last."""
+    prologue = _prologue()
+    g = torch.Generator().manual_seed(batch + qlen)
+    seq = torch.randint(0, 5000, (batch,), generator=g, dtype=torch.int32)
+    seq[0] = 0
+    T, pad = batch * qlen, prologue.BLOCK_ROWS
+    kv = torch.full((T + pad,), -99, dtype=torch.int32, device=DEV)
+    qo = torch.full((T + pad,), -99, dtype=torch.int32, device=DEV)
+    prologue.refresh_plan_tensors(seq.to(DEV), kv[:T], qo[:T], qlen)
+    exp_kv, exp_qo = _expected(seq.tolist(), qlen)
+    assert kv[:T].cpu().tolist() == exp_kv and qo[:T].cpu().tolist() == exp_qo
+    assert (kv[T:] == -99).all() and (qo[T:] == -99).all()
+
+
 def test_prepare_runs_the_triton_prologue(monkeypatch):
     prologue = _prologue()
 

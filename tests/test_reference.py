@@ -142,3 +142,29 @@ def test_reference_rejects_broken_block_table():
     bt[0, 0] = 10_000
     with pytest.raises(ValueError, match="block_table"):
         sparse_decode_reference(c.query, c.kv_cache, c.topk, bt, c.seq_lens, 1, **c.scales())
+
+
+@pytest.mark.parametrize("sm_scale", [0.37, 1.0])
+def test_reference_takes_the_given_sm_scale(sm_scale):
+    """Every other case passes sm_scale = 1/sqrt(128): a reference that used 1/sqrt(D) instead of its
+    argument would pass all of them."""
+    c = make_case(2, 2, 4, 2, q_dtype=FP8, seed=3, ctx_lens=[70, 300], page_size=64, topk_blocks=4)
+    c.sm_scale = sm_scale
+    out, lse = sparse_decode_reference(*c.reference_args(), **c.scales())
+    want_out, want_lse = loop_reference(c)
+    np.testing.assert_allclose(out.numpy(), want_out, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(lse.numpy(), want_lse, rtol=1e-12, atol=1e-12)
+
+
+def test_reference_skips_blocks_past_the_table_width():
+    """Called directly (the op's validation rejects seq_len > width * page), the reference skips a
+    selected block past the block table's width, as its docstring says."""
+    c = make_case(1, 1, 2, 1, q_dtype=torch.bfloat16, seed=4, ctx_lens=[300], page_size=64, topk_blocks=5)
+    assert c.topk[0, 0].tolist() == [0, 1, 2, 3, 4]
+    args = list(c.reference_args())
+    args[3] = c.block_table[:, :3]
+    out, lse = sparse_decode_reference(*args, **c.scales())
+    c.topk = torch.where(c.topk >= 3, -1, c.topk)
+    want_out, want_lse = loop_reference(c)
+    np.testing.assert_allclose(out.numpy(), want_out, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(lse.numpy(), want_lse, rtol=1e-12, atol=1e-12)

@@ -92,3 +92,74 @@ def test_share_slots_makes_draft_tokens_share_within_the_contract(seed):
             shared += len(first & set(valid))
             assert len(first & set(valid)) >= min(len(first), nvalid - 1)
     assert shared > 0
+
+
+def test_rejects_one_wrong_lse_row():
+    """The LSE check takes the worst row, not the mean: one row off by 0.01 fails it."""
+    case = make_case(3, 2, 16, 1, q_dtype=torch.bfloat16, seed=2, padded=True, page_size=64, topk_blocks=4)
+    out, lse = _reference_run(case)
+    assert compare_with_reference(case, out, lse)[1] == []
+    t, h = (~torch.isinf(lse)).nonzero()[0].tolist()
+    lse[t, h] += 0.01
+    assert any("lse max abs error" in p for p in compare_with_reference(case, out, lse)[1])
+
+
+def _has_repeats(case) -> bool:
+    """Whether some (token, head) row selects a visible block twice, recomputed from the case's tensors."""
+    topk, seq_lens, page, k = case.topk.cpu(), case.seq_lens_cpu.tolist(), case.page_size, case.topk_blocks
+    for t in range(case.num_tokens):
+        r, j = divmod(t, case.qlen)
+        kv_len = max(seq_lens[r] - case.qlen + j + 1, 0)
+        for h in range(case.num_kv_heads):
+            valid = [b for b in topk[t, h, :min(k, -(-kv_len // page))].tolist() if b >= 0 and b * page < kv_len]
+            if len(valid) != len(set(valid)):
+                return True
+    return False
+
+
+def test_has_duplicates_says_what_topk_holds():
+    """GPU tests compare an adversarial case with the reference only without duplicates (the reference
+    counts a repeated block once): the flag must be right, and adversarial cases must come both ways."""
+    seen = set()
+    for seed in range(6):
+        for adversarial in (False, True):
+            c = make_case(4, 3, 4, 2, q_dtype=torch.float8_e4m3fn, seed=seed, adversarial=adversarial,
+                          padded=True, page_size=64, topk_blocks=6)
+            assert c.has_duplicates == _has_repeats(c), (seed, adversarial)
+            seen.add((adversarial, c.has_duplicates))
+    for seed in range(4):  # smaller adversarial cases, some without a repeat
+        c = make_case(2, 1, 4, 1, q_dtype=torch.bfloat16, seed=seed, adversarial=True, page_size=64, topk_blocks=4)
+        assert c.has_duplicates == _has_repeats(c), seed
+        seen.add((True, c.has_duplicates))
+    assert {(True, True), (True, False), (False, False)} <= seen
+
+
+def test_adversarial_block_table_is_strided_and_holds_garbage():
+    """An adversarial case's block table has a row stride wider than its columns and out-of-range
+    pages past each request's blocks, so the GPU tests' strides and skipped pages are exercised."""
+    c = make_case(4, 2, 4, 2, q_dtype=torch.bfloat16, seed=1, adversarial=True, page_size=64, topk_blocks=4,
+                  ctx_lens=[70, 300, 5, 130])
+    bt, pages, page = c.block_table, c.kv_cache.shape[0], c.page_size
+    assert bt.stride(0) > bt.shape[1]
+    full = torch.as_strided(bt, (c.batch, bt.stride(0)), (bt.stride(0), 1))
+    for r, n in enumerate(c.seq_lens_cpu.tolist()):
+        past = full[r, -(-n // page):]
+        assert len(past) and ((past < 0) | (past >= pages)).all(), (r, past.tolist())
+
+
+def test_graph_inputs_give_each_case_its_own_pages():
+    """tests/helpers.py GraphInputs (the GPU graph-replay tests' inputs), on the CPU: case i through the
+    shared cache and its shifted block table, and through load(i), has case i's own reference."""
+    from helpers import GraphInputs
+
+    cases = [make_case(3, 2, 4, 2, q_dtype=torch.bfloat16, seed=s, page_size=64, topk_blocks=4) for s in range(3)]
+    inputs = GraphInputs(cases)
+    for i, c in enumerate(cases):
+        want = msa_jit.sparse_decode_reference(*c.reference_args(), **c.scales())
+        shifted = msa_jit.sparse_decode_reference(c.query, inputs.kv, c.topk, inputs.block_tables[i], c.seq_lens,
+                                                  c.qlen, **c.scales())
+        inputs.load(i)
+        loaded = msa_jit.sparse_decode_reference(inputs.query, inputs.kv, inputs.topk, inputs.block_table,
+                                                 inputs.seq_lens, c.qlen, **c.scales())
+        for got in (shifted, loaded):
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), i
