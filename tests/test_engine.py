@@ -179,6 +179,16 @@ def test_should_prepare_has_no_batch_floor(monkeypatch, batch, qlen, ok):
     assert should_prepare_decode_metadata(batch, qlen, **_OK) is ok
 
 
+def test_should_prepare_takes_exactly_the_largest_output(monkeypatch):
+    """The edge of the int32 element count of out: T * Hq == _MAX_QUERY_HEAD_ROWS is taken, one more is not."""
+    monkeypatch.setattr(engine, "_device_capability", lambda: (9, 0))
+    rows = engine._MAX_QUERY_HEAD_ROWS
+    assert rows * 128 <= 2**31 - 1
+    edge = {**_OK, "num_q_heads": 1, "num_kv_heads": 1}
+    assert should_prepare_decode_metadata(rows, 1, **edge) is True
+    assert should_prepare_decode_metadata(rows + 1, 1, **edge) is False
+
+
 def test_no_cuda_means_unsupported(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert not supports_cutlass_sparse_decode(**_OK)
@@ -627,3 +637,27 @@ def test_decode_names_a_wrong_metadata_type(metadata):
     with pytest.raises(TypeError, match=match):
         _decode_call(c, bad, c.kv_cache, out)
     assert torch.isnan(out).all()
+
+
+def test_prefill_padding_rows_read_nothing_on_a_reused_plan():
+    """A prefill chunk's padded rows must have seq_len 0 even when an earlier call on the same plan
+    cache left real rows there: here the earlier call's pages (>= 100, a larger cache) are out of
+    range of this call's cache, so stale seq_lens make the reference fail (on a GPU: a read out of
+    bounds)."""
+    c = make_case(1, 1, 16, 1, q_dtype=FP8, seed=46, ctx_lens=[300])
+    cache = MSACutlassDecodePlanCache()
+    kw = dict(page_size=128, scale=c.sm_scale, q_scale_float=c.q_scale, k_scale_float=c.k_scale,
+              v_scale_float=c.v_scale, plan_cache=cache, chunk_tokens=4)
+    pad = torch.zeros(100, *c.kv_cache.shape[1:], dtype=c.kv_cache.dtype)
+    n = 3
+    out = torch.full((n, 16, 128), float("nan"), dtype=torch.bfloat16)
+    engine.msa_sparse_prefill(c.query.expand(n, -1, -1).contiguous(), torch.cat([pad, c.kv_cache]),
+                              c.topk.expand(n, -1, -1).contiguous(), out, block_table=c.block_table + 100,
+                              cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32),
+                              context_lens=torch.tensor([297], dtype=torch.int32), **kw)
+    _check(c, out[2:3])
+    out = torch.full((1, 16, 128), float("nan"), dtype=torch.bfloat16)
+    engine.msa_sparse_prefill(c.query, c.kv_cache, c.topk, out, block_table=c.block_table,
+                              cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32),
+                              context_lens=torch.tensor([299], dtype=torch.int32), **kw)
+    _check(c, out)

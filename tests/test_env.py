@@ -154,3 +154,21 @@ def test_dsl_runtime_is_read_through_env(monkeypatch, tmp_path):
         loader.find_runtime_library()
     monkeypatch.setenv("MSA_JIT_DSL_RUNTIME", "")
     assert env.dsl_runtime() is None
+
+
+def test_blank_values_mean_the_default(monkeypatch):
+    """A value of blanks is empty, i.e. the default, for the non-boolean variables too."""
+    for var, read, default in ((env.CACHE_MAX_BYTES, env.cache_max_bytes, env.DEFAULT_CACHE_MAX_BYTES),
+                               (env.LOCK_TIMEOUT, env.lock_timeout_s, env.DEFAULT_LOCK_TIMEOUT_S),
+                               (env.ARCH, env.target_arch, None), (env.LOG_LEVEL, env.log_level, logging.WARNING)):
+        monkeypatch.setenv(var, "   ")
+        assert read() == default, var
+    assert env.problems() == []
+
+
+def test_log_level_below_zero_is_refused(monkeypatch):
+    monkeypatch.setenv(env.LOG_LEVEL, "-1")
+    with pytest.raises(ValueError, match=env.LOG_LEVEL):
+        env.log_level()
+    monkeypatch.setenv(env.LOG_LEVEL, "0")
+    assert env.log_level() == 0

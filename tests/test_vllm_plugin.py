@@ -214,3 +214,33 @@ def test_selector_routes(monkeypatch, caplog):
         pick("nvfp4_4over6")
     ns.config.vllm_config = None  # no current config: the engine's default backend ("triton")
     assert sel(topk_blocks=16, kv_cache_dtype="fp8", num_kv_heads=1) == triton
+
+
+def test_mixed_step_puts_the_metadata_back_when_the_decode_raises():
+    """A mixed step swaps a decode-only view into the forward context's metadata dict for the decode
+    part; it must be put back whatever the decode does, an exception included."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    import torch
+
+    @dataclasses.dataclass
+    class Metadata:
+        num_actual_tokens: int = 5
+        num_decode_tokens: int = 2
+        num_decodes: int = 2
+        num_prefills: int = 1
+        num_prefill_tokens: int = 3
+        prefill: object = "p"
+
+    class FailingEngine:
+        def forward(self, layer, query, kv_cache, output, *, query_fp8=None):
+            raise RuntimeError("decode failed")
+
+    md = Metadata()
+    ctx = SimpleNamespace(attn_metadata={"layer0": md})
+    impl = type("Impl", (vllm_plugin.MsaJitPrefillMixin, FailingEngine),
+                {"_msa": SimpleNamespace(get_forward_context=lambda: ctx), "_common": None})()
+    with pytest.raises(RuntimeError, match="decode failed"):
+        impl.forward(SimpleNamespace(layer_name="layer0"), torch.empty(0), torch.empty(0), torch.empty(0))
+    assert ctx.attn_metadata["layer0"] is md
