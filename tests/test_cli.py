@@ -440,3 +440,60 @@ def test_warmup_nvfp4_compiles(tmp_path):
     assert rc == 0 and sorted(line.split()[4] for line in out.splitlines()[2:5]) == ["nvfp4"] * 3
     assert {e["kv_dtype"] for e in json.loads(run_main(["cache", "list", "--json", "--cache-dir", str(root)])[1])} == {
         "nvfp4"}
+
+
+# ----------------------------------------------------------------------------- warmup without builds
+def _stub_lookups(monkeypatch, tmp_path, cached: bool):
+    """Cache keys without the DSL; every lookup a hit (an artifact outside the cache) or a miss."""
+    from types import SimpleNamespace
+
+    from msa_jit import compiler
+
+    monkeypatch.setattr(compiler, "cache_key", lambda cfg: f"{abs(hash(repr(cfg.to_dict()))):064d}"[-64:])
+    hit = SimpleNamespace(artifact_path=lambda: tmp_path / "elsewhere" / "kernel.so")
+    monkeypatch.setattr(cache.ArtifactCache, "lookup",
+                        lambda self, key, verify=True, corrupt=None: hit if cached else None)
+
+
+def test_warmup_configs_are_listed_once():
+    """A geometry, query dtype or arch named twice builds each config once."""
+    once = warmup.warmup_configs([(8, 1)], ["bfloat16"], ["sm_90a"])
+    assert warmup.warmup_configs([(8, 1), (8, 1)], ["bfloat16", "bfloat16"], ["sm_90a", "sm_90a"]) == once
+    assert len(set(once)) == len(once)
+
+
+def test_warmup_progress_counts_cached_rows(isolated_env, monkeypatch, tmp_path, capsys):
+    """Without a TTY every row has its `[i/N] label: status` line, cached ones included, so the count
+    reaches N on a partly warm cache."""
+    cfgs = warmup.warmup_configs([(8, 1)], ["bfloat16"], ["sm_90a"])
+    _stub_lookups(monkeypatch, tmp_path, cached=True)
+    rows = warmup.run_warmup(cfgs, cache_dir=str(tmp_path / "cache"), quiet=False)
+    err = capsys.readouterr().err
+    assert [r.status for r in rows] == ["cached"] * len(cfgs)
+    for i, r in enumerate(rows, 1):
+        assert f"[{i}/{len(cfgs)}] {r.label}: cached" in err, err
+
+
+def test_warmup_whose_workers_cannot_start_fails_and_exits_1(isolated_env, monkeypatch, tmp_path):
+    """A worker pool that cannot start fails every build not done, and `msa-jit warmup` exits 1."""
+    _stub_lookups(monkeypatch, tmp_path, cached=False)
+
+    def cannot_fork(self):
+        raise OSError("cannot fork")
+
+    monkeypatch.setattr(warmup._Pool, "start", cannot_fork)
+    cfgs = warmup.warmup_configs([(8, 1)], ["bfloat16"], ["sm_90a"])
+    rows = warmup.run_warmup(cfgs, cache_dir=str(tmp_path / "c1"), quiet=True)
+    assert {r.status for r in rows} == {"failed"} and all("worker pool failed" in r.error for r in rows)
+    logger = logging.getLogger("msa_jit")
+    level, handlers = logger.level, list(logger.handlers)
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = cli.main(["warmup", "--heads", "8/1", "--q-dtype", "bf16", "--arch", "sm_90a", "--quiet",
+                           "--cache-dir", str(tmp_path / "c2")])
+    finally:
+        logger.setLevel(level)
+        logger.handlers[:] = handlers
+    assert rc == 1, out.getvalue() + err.getvalue()
+    assert f"0 compiled, 0 cached, {len(cfgs)} failed" in out.getvalue()
