@@ -462,7 +462,7 @@ def test_warmup_configs_are_listed_once():
     assert len(set(once)) == len(once)
 
 
-def test_warmup_progress_counts_cached_rows(isolated_env, monkeypatch, tmp_path, capsys):
+def test_warmup_progress_counts_cached_rows(monkeypatch, tmp_path, capsys):
     """Without a TTY every row has its `[i/N] label: status` line, cached ones included, so the count
     reaches N on a partly warm cache."""
     cfgs = warmup.warmup_configs([(8, 1)], ["bfloat16"], ["sm_90a"])
@@ -474,7 +474,7 @@ def test_warmup_progress_counts_cached_rows(isolated_env, monkeypatch, tmp_path,
         assert f"[{i}/{len(cfgs)}] {r.label}: cached" in err, err
 
 
-def test_warmup_whose_workers_cannot_start_fails_and_exits_1(isolated_env, monkeypatch, tmp_path):
+def test_warmup_whose_workers_cannot_start_fails_and_exits_1(monkeypatch, tmp_path):
     """A worker pool that cannot start fails every build not done, and `msa-jit warmup` exits 1."""
     _stub_lookups(monkeypatch, tmp_path, cached=False)
 
@@ -485,15 +485,6 @@ def test_warmup_whose_workers_cannot_start_fails_and_exits_1(isolated_env, monke
     cfgs = warmup.warmup_configs([(8, 1)], ["bfloat16"], ["sm_90a"])
     rows = warmup.run_warmup(cfgs, cache_dir=str(tmp_path / "c1"), quiet=True)
     assert {r.status for r in rows} == {"failed"} and all("worker pool failed" in r.error for r in rows)
-    logger = logging.getLogger("msa_jit")
-    level, handlers = logger.level, list(logger.handlers)
-    out, err = io.StringIO(), io.StringIO()
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            rc = cli.main(["warmup", "--heads", "8/1", "--q-dtype", "bf16", "--arch", "sm_90a", "--quiet",
-                           "--cache-dir", str(tmp_path / "c2")])
-    finally:
-        logger.setLevel(level)
-        logger.handlers[:] = handlers
-    assert rc == 1, out.getvalue() + err.getvalue()
-    assert f"0 compiled, 0 cached, {len(cfgs)} failed" in out.getvalue()
+    rc, out, err = run_main(["warmup", *WARM_ARGS, "--quiet", "--cache-dir", str(tmp_path / "c2")])
+    assert rc == 1, out + err
+    assert f"0 compiled, 0 cached, {len(cfgs)} failed" in out
