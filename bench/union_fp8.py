@@ -57,8 +57,11 @@ def _f32_hex(v: float) -> str:
     return "0f%08X" % struct.unpack("<I", struct.pack("<f", v))[0]
 
 
-# the body of ex2_poly3's asm ($1 = x, $0 = 2**x); ptx_model interprets this very text on the CPU
+# ex2_poly3's asm ($1 = x, $0 = 2**x); tests/ptx_model.py interprets this very text on the CPU
 EX2_POLY3_PTX = "\n".join([
+    "{",
+    ".reg .f32 xc, xr, xb, fr, p;",
+    ".reg .b32 e, pi;",
     "max.ftz.f32 xc, $1, 0fC2FE0000;",  # -127: -inf and below give +0 at the end
     f"add.rm.ftz.f32 xr, xc, {_f32_hex(ROUND_MAGIC)};",
     f"sub.ftz.f32 xb, xr, {_f32_hex(ROUND_MAGIC)};",  # floor(x)
@@ -71,6 +74,7 @@ EX2_POLY3_PTX = "\n".join([
     "mov.b32 pi, p;",
     "add.s32 pi, pi, e;",  # floor(x) added to p's exponent field
     "mov.b32 $0, pi;",
+    "}",
 ])
 
 
@@ -79,66 +83,7 @@ def ex2_poly3(x: Float32, *, loc=None, ip=None) -> Float32:
     """2**x on the FMA and integer pipes, for x <= 127: x <= -127 (and -inf) give +0, as ex2.approx.ftz
     does; -127 < x < -126 a denormal that is not near 2**x (0 once P is rounded to f16). j = floor(x) by a
     round-down add of ROUND_MAGIC, 2**(x - j) by the polynomial, j added to the exponent field as an integer."""
-    return Float32(ptx._asm(T.f32(), [ptx._f32(x, loc, ip)],
-                            "{\n.reg .f32 xc, xr, xb, fr, p;\n.reg .b32 e, pi;\n" + EX2_POLY3_PTX + "\n}", "=f,f"))
-
-
-def ptx_model(text: str, x):
-    """The PTX `text` (EX2_POLY3_PTX's instructions only) run on a float32 numpy array x ($1) -> $0.
-
-    .ftz flushes denormal inputs and results to signed zero; add.rm rounds toward -inf; fma rounds
-    through float64 (the product of two float32 values is exact there; the sum rounds twice, which can
-    differ from a single rounding in the last bit, rarely)."""
-    import re
-
-    import numpy as np
-
-    f32, f64 = np.float32, np.float64
-    tiny = np.finfo(f32).tiny
-
-    def ftz(v):
-        v = np.asarray(v, dtype=f32)
-        return np.where(np.abs(v) < tiny, np.copysign(f32(0.0), v), v).astype(f32)
-
-    def round_down(exact):  # float64 -> the float32 at or below it
-        r = exact.astype(f32)
-        return np.where(r.astype(f64) > exact, np.nextafter(r, f32(-np.inf)), r).astype(f32)
-
-    regs = {"$1": np.asarray(x, dtype=f32)}
-
-    def val(tok, kind):
-        if tok.startswith("0f"):
-            return np.array(int(tok[2:], 16), dtype=np.uint32).view(f32) if kind == "f" else int(tok[2:], 16)
-        if re.fullmatch(r"-?\d+", tok):
-            return int(tok)
-        v = regs[tok]
-        if kind == "f":
-            return v.view(f32) if v.dtype == np.uint32 else v
-        return v.view(np.uint32) if v.dtype == f32 else v
-
-    for line in text.split("\n"):
-        op, args = line.rstrip(";").split(" ", 1)
-        d, *src = [s.strip() for s in args.split(",")]
-        if op == "max.ftz.f32":
-            regs[d] = ftz(np.maximum(ftz(val(src[0], "f")), ftz(val(src[1], "f"))))
-        elif op in ("add.rm.ftz.f32", "add.rn.ftz.f32", "add.ftz.f32"):
-            exact = ftz(val(src[0], "f")).astype(f64) + ftz(val(src[1], "f")).astype(f64)
-            regs[d] = ftz(round_down(exact) if ".rm" in op else exact.astype(f32))
-        elif op == "sub.ftz.f32":
-            regs[d] = ftz((ftz(val(src[0], "f")).astype(f64) - ftz(val(src[1], "f")).astype(f64)).astype(f32))
-        elif op == "fma.rn.ftz.f32":
-            a, b, c = (ftz(val(s, "f")).astype(f64) for s in src)
-            regs[d] = ftz((a * b + c).astype(f32))
-        elif op == "mov.b32":
-            regs[d] = np.array(val(src[0], "b"), copy=True)
-        elif op == "shl.b32":
-            regs[d] = (val(src[0], "b").astype(np.uint64) << np.uint64(int(src[1])) & 0xFFFFFFFF).astype(np.uint32)
-        elif op == "add.s32":
-            regs[d] = ((val(src[0], "b").astype(np.uint64) + val(src[1], "b").astype(np.uint64)) & 0xFFFFFFFF
-                       ).astype(np.uint32)
-        else:
-            raise ValueError(f"ptx_model does not know {op!r}")
-    return val("$0", "f")
+    return Float32(ptx._asm(T.f32(), [ptx._f32(x, loc, ip)], EX2_POLY3_PTX, "=f,f"))
 
 
 TRACE_BLOCKS = 64  # trace=True: 8 stamps for each of the first 64 blocks, then n_blocks, smid, start

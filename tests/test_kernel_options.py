@@ -241,24 +241,29 @@ def test_union_fp8_probe_leaves_its_part_out(tmp_path, options):
 
 def test_union_ex2_poly_probe_moves_p_exps_to_the_fma_pipe(tmp_path):
     # row 85's candidate (bench/union_fp8.py ex2_poly=n): n of every 16 P elements' 2**x by the polynomial,
-    # in the bf16 2-CTA build the planner uses. Its PTX, interpreted on the CPU (ptx_model), is within 1e-4
+    # in the bf16 2-CTA build the planner uses. Its PTX, interpreted on the CPU as written (tests/ptx_model.py), is within 1e-4
     # of 2**x, exact at integers, and gives +0 where ex2.approx.ftz does (-inf: the masked keys); a wrong
     # shift or a coefficient out of place fails that
     sys.path.insert(0, str(BENCH))
     import numpy as np
-    from union_fp8 import EX2_POLY3_PTX, UnionFp8Kernel, ptx_model
+    from ptx_model import run_ptx
+    from union_fp8 import EX2_POLY3_PTX, UnionFp8Kernel
+
+    def run(text, x):
+        (out,) = run_ptx(text, "=f,f", np.asarray(x, dtype=np.float32))
+        return out.view(np.float32)
 
     def worst(text):
         x = np.linspace(-125.0, 8.0, 100_003, dtype=np.float32)
-        return np.max(np.abs(ptx_model(text, x) / np.exp2(x.astype(np.float64)) - 1.0))
+        return np.max(np.abs(run(text, x) / np.exp2(x.astype(np.float64)) - 1.0))
 
     assert worst(EX2_POLY3_PTX) < 1e-4
     ints = np.arange(-126, 9, dtype=np.float32)
-    assert np.array_equal(ptx_model(EX2_POLY3_PTX, ints), np.exp2(ints.astype(np.float64)))
-    zeros = ptx_model(EX2_POLY3_PTX, np.array([-np.inf, -1e30, -200.0, -127.0], dtype=np.float32))
+    assert np.array_equal(run(EX2_POLY3_PTX, ints), np.exp2(ints.astype(np.float64)))
+    zeros = run(EX2_POLY3_PTX, [-np.inf, -1e30, -200.0, -127.0])
     assert np.array_equal(zeros, np.zeros(4)) and not np.signbit(zeros).any()
-    lines = EX2_POLY3_PTX.split("\n")
-    c_first, c_second = lines[4].rstrip(";").split(", ")[2:]
+    (c3_c2,) = [line for line in EX2_POLY3_PTX.split("\n") if line.startswith("fma.rn.ftz.f32 p, fr, ")]
+    c_first, c_second = c3_c2.rstrip(";").split(", ")[2:]
     mutants = [EX2_POLY3_PTX.replace("shl.b32 e, e, 23", "shl.b32 e, e, 22"),
                EX2_POLY3_PTX.replace(c_first, "@").replace(c_second, c_first).replace("@", c_second),
                EX2_POLY3_PTX.replace("add.rm.ftz", "add.rn.ftz")]

@@ -4,7 +4,6 @@ accepted ones (its correctness runs on the H200: tests/test_kernel_gpu.py)."""
 
 from __future__ import annotations
 
-import ast
 import collections
 import tempfile
 from pathlib import Path
@@ -13,6 +12,8 @@ import pytest
 
 from msa_jit import compiler, sass
 from msa_jit.geometry import DEFAULT_ARCHES, MINIMAX_M3_GEOMETRIES, SparseDecodeConfig
+
+from ptx_model import ptx_of, run_ptx
 
 pytestmark = pytest.mark.slow
 
@@ -77,60 +78,8 @@ def test_the_umma_kernel_never_serves_nvfp4(monkeypatch):
     assert compiler.kernel_family(SparseDecodeConfig(8, 1, arch="sm_100a", kv_dtype="nvfp4")) == "portable"
 
 
-PTX_PY = Path(__file__).resolve().parents[1] / "kernels" / "ptx.py"
-_M32 = 0xFFFFFFFF
-
-
-def ptx_of(function: str) -> tuple[str, str]:
-    """(asm text, constraints) of the `_asm(...)` in kernels/ptx.py's `function`, read from the source
-    (no DSL import): what the tests below run is what the kernels emit."""
-    tree = ast.parse(PTX_PY.read_text())
-    (fn,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == function]
-    (call,) = [n for n in ast.walk(fn) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "_asm"]
-    return ast.literal_eval(call.args[2]), ast.literal_eval(call.args[3])
-
-
-def run_ptx(text: str, constraints: str, *inputs: int) -> list[int]:
-    """The outputs ($0 ..) of the b32 integer PTX `text` on `inputs` (the operands after the outputs).
-    Models shl / shr / and / lop3 (any LUT) / prmt (default mode); any other instruction fails."""
-    n_out = sum(c.startswith("=") for c in constraints.split(","))
-    regs = {f"${n_out + i}": v & _M32 for i, v in enumerate(inputs)}
-
-    def val(x: str) -> int:
-        return regs[x] if x in regs else int(x, 0) & _M32
-
-    for stmt in text.split(";"):
-        stmt = stmt.strip().strip("{}").strip()
-        if not stmt or stmt.startswith(".reg"):
-            continue
-        op, rest = stmt.split(None, 1)
-        dst, *src = [a.strip() for a in rest.split(",")]
-        v = [val(x) for x in src]
-        if op == "shl.b32":
-            r = (v[0] << v[1]) & _M32 if v[1] < 32 else 0
-        elif op in ("shr.u32", "shr.b32"):
-            r = v[0] >> v[1] if v[1] < 32 else 0
-        elif op == "and.b32":
-            r = v[0] & v[1]
-        elif op == "lop3.b32":  # bit i: LUT bit (a_i << 2 | b_i << 1 | c_i), PTX's 0xF0 / 0xCC / 0xAA encoding
-            a, b, c, lut = v
-            r = sum(((lut >> (((a >> i) & 1) << 2 | ((b >> i) & 1) << 1 | ((c >> i) & 1))) & 1) << i for i in range(32))
-        elif op == "prmt.b32":  # byte k: byte (sel >> 4k) & 7 of {b:a}, its sign replicated when bit 3 is set
-            a, b, sel = v
-            src_bytes = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
-            r = 0
-            for k in range(4):
-                n = (sel >> (4 * k)) & 15
-                byte = src_bytes[n & 7]
-                r |= ((0xFF if byte & 0x80 else 0) if n & 8 else byte) << (8 * k)
-        else:
-            raise AssertionError(f"kernels/ptx.py: {op} is not modelled here ({stmt!r}): extend run_ptx")
-        regs[dst] = r
-    return [regs[f"${i}"] for i in range(n_out)]
-
-
 def test_run_ptx_models_the_instructions():
-    """The interpreter itself, on cases worked by hand from the PTX ISA's definitions."""
+    """The interpreter itself (tests/ptx_model.py), on cases worked by hand from the PTX ISA's definitions."""
     assert run_ptx("shl.b32 $0, $1, 4;", "=r,r", 0xF000000F) == [0xF0]
     assert run_ptx("shr.u32 $0, $1, 3;", "=r,r", 0x80000000) == [0x10000000]
     assert run_ptx("lop3.b32 $0, $1, $2, $3, 0xEC;", "=r,r,r,r", 0b1100, 0b0011, 0b1010) == [0b1011]  # (a & c) | b
