@@ -241,9 +241,9 @@ def test_union_fp8_probe_leaves_its_part_out(tmp_path, options):
 
 def test_union_ex2_poly_probe_moves_p_exps_to_the_fma_pipe(tmp_path):
     # row 85's candidate (bench/union_fp8.py ex2_poly=n): n of every 16 P elements' 2**x by the polynomial,
-    # in the bf16 2-CTA build the planner uses. Its PTX, interpreted on the CPU as written (tests/ptx_model.py), is within 1e-4
-    # of 2**x, exact at integers, and gives +0 where ex2.approx.ftz does (-inf: the masked keys); a wrong
-    # shift or a coefficient out of place fails that
+    # in the bf16 2-CTA build the planner uses. Its PTX, interpreted on the CPU as written (tests/ptx_model.py),
+    # is within 1e-4 of 2**x, exact at integers, and gives +0 where ex2.approx.ftz does (-inf: the masked keys);
+    # a wrong shift or a coefficient out of place fails that
     sys.path.insert(0, str(BENCH))
     import numpy as np
     from ptx_model import run_ptx
