@@ -100,11 +100,11 @@ def run_ptx(text: str, constraints: str, *inputs):
         op, rest = stmt.split(None, 1)
         dst, *src = [a.strip() for a in rest.split(",")]
         if op == "shl.b32":
-            s = imm(src[1])
-            r = (word(src[0]).astype(np.uint64) << np.uint64(s) & _M32).astype(_U32) if s < 32 else 0 * word(src[0])
+            s, a = imm(src[1]), word(src[0])
+            r = (a.astype(np.uint64) << np.uint64(s) & _M32).astype(_U32) if s < 32 else np.zeros_like(a)
         elif op in ("shr.u32", "shr.b32"):
-            s = imm(src[1])
-            r = word(src[0]) >> _U32(s) if s < 32 else 0 * word(src[0])
+            s, a = imm(src[1]), word(src[0])
+            r = a >> _U32(s) if s < 32 else np.zeros_like(a)
         elif op == "and.b32":
             r = word(src[0]) & word(src[1])
         elif op == "lop3.b32":
