@@ -22,6 +22,7 @@ from pathlib import Path
 
 EM_CUDA = 190
 SHT_NOBITS = 8
+ELF64_HEADER_BYTES = 64
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ def extract_cubins(path: str | os.PathLike) -> list[bytes]:
     out, i = [], 1
     while (i := data.find(b"\x7fELF", i)) >= 0:
         if data[i + 4] == 2 and struct.unpack_from("<H", data, i + 0x12)[0] == EM_CUDA:
-            end = _elf_end(data, i)
+            end = max(_elf_end(data, i), ELF64_HEADER_BYTES)  # a header without sections still moves i on
             out.append(data[i : i + end])
             i += end
         else:

@@ -150,6 +150,15 @@ def test_key_rejects_ambiguous_values():
     assert make_key({"m": Mode.A}, FP) == make_key({"m": "a"}, FP)
 
 
+def test_key_tells_bools_from_ints_and_takes_enum_keys():
+    """jsonable: True / False are not 1 / 0 (json writes true / 1), and an enum as a mapping key is
+    its value, like an enum value."""
+    assert make_key({"x": True}, FP) != make_key({"x": 1}, FP)
+    assert make_key({"x": False}, FP) != make_key({"x": 0}, FP)
+    assert make_key({"x": [True]}, {"f": False}) != make_key({"x": [1]}, {"f": 0})
+    assert make_key({Mode.A: 1}, FP) == make_key({"a": 1}, FP)
+
+
 def test_source_fingerprint(tmp_path):
     a = tmp_path / "a" / "kernels"
     b = tmp_path / "b" / "kernels"
@@ -171,6 +180,17 @@ def test_source_fingerprint(tmp_path):
     assert source_fingerprint([b]) != fa  # names matter
     with pytest.raises(FileNotFoundError):
         source_fingerprint([tmp_path / "missing.py"])
+
+
+def test_source_fingerprint_names_files_relative_to_root(tmp_path):
+    """`root` anchors the hashed names: the same tree under two roots hashes alike, and the same
+    file named from another anchor ("x.py", not "pkg/x.py") hashes differently."""
+    for side in ("a", "b"):
+        (tmp_path / side / "pkg").mkdir(parents=True)
+        (tmp_path / side / "pkg" / "x.py").write_text("print(1)\n")
+    fa = source_fingerprint([tmp_path / "a" / "pkg" / "x.py"], root=tmp_path / "a")
+    assert fa == source_fingerprint([tmp_path / "b" / "pkg" / "x.py"], root=tmp_path / "b")
+    assert fa != source_fingerprint([tmp_path / "a" / "pkg" / "x.py"])
 
 
 # =========================================================================== build / hit
@@ -235,7 +255,8 @@ def test_key_mismatch_and_bad_key_rejected(tmp_path):
     c = ArtifactCache(tmp_path / "c")
     with pytest.raises(ValueError, match="does not match"):
         c.get_or_build(key_of({"a": 1}), fake_build(), config={"a": 2}, fingerprint=FP, describe="x")
-    for bad in ("../etc", "ABC", "0" * 63, "g" * 64):
+    # upper case is not what make_key returns; "$" would take the trailing newline as the end
+    for bad in ("../etc", "ABC", "0" * 63, "g" * 64, "A" * 64, "a" * 64 + "\n"):
         with pytest.raises(ValueError):
             c.lookup(bad)
 

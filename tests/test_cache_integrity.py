@@ -124,6 +124,18 @@ def test_meta_without_config_is_corrupt(tmp_path):
     assert ArtifactCache(tmp_path / "c").lookup(e.key) is None
 
 
+def test_meta_with_an_unkeyable_config_is_corrupt(tmp_path):
+    """A meta.json whose config cannot be keyed (a NaN, which json reads back) is a corrupt entry
+    that verify names and lookup misses, not a TypeError out of the cache."""
+    c = ArtifactCache(tmp_path / "c")
+    e, _ = get(c, {"g": 1})
+    meta = json.loads((e.path / "meta.json").read_text())
+    meta["config"]["g"] = float("nan")
+    (e.path / "meta.json").write_text(json.dumps(meta))
+    assert "cannot be keyed" in dict((x.key, why) for x, why in ArtifactCache(tmp_path / "c").verify())[e.key]
+    assert ArtifactCache(tmp_path / "c").lookup(e.key) is None
+
+
 # =========================================================================== a broken layout heals (§2)
 
 

@@ -60,6 +60,7 @@ def test_unwritable_root_falls_back_with_one_warning(tmp_path, monkeypatch):
     assert c.root == cache.user_temp_root() and not c.ephemeral
     assert built and not built2 and e1.path.is_relative_to(c.root)
     assert c.fallback_reason == msg
+    assert c.readonly_roots == () and "read-only" not in msg  # `bad` holds no v1/ to read from
     assert (os.stat(c.root).st_mode & 0o777) == 0o700
     # default_cache warns once per process for the same configuration
     with warnings.catch_warnings(record=True) as rec:
@@ -211,3 +212,66 @@ def test_readonly_prewarmed_root_still_used(tmp_path, monkeypatch):
     assert not built and entry.readonly and entry.path == warm.path
     assert [e.key for e in c.entries()] == [warm.key]
     assert c.clear() == [] and warm.path.exists()  # read-only roots are never touched
+
+
+def test_home_of_dot_is_no_cache_location(monkeypatch):
+    """A HOME of "." (a container user without a home) would put the cache under whatever the working
+    directory is: the per-user temp dir is the preferred root then."""
+    monkeypatch.setenv("HOME", ".")
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    assert cache.preferred_root() == (cache.user_temp_root(), "per-user temp dir")
+
+
+def test_cache_dir_arguments_are_made_absolute(tmp_path, monkeypatch):
+    """An argument root (and a pinned root's read-only roots) is expanded ("~") and made absolute
+    against the working directory at resolution, so a later chdir cannot move the cache."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(tmp_path)
+    assert ArtifactCache("~/msa-cache").root == home / "msa-cache"
+    assert ArtifactCache("rel").root == tmp_path / "rel"
+    c = ArtifactCache("~/p", fallback=False, readonly_roots=["ro", "~/ro2"])
+    assert c.root == home / "p" and c.readonly_roots == (tmp_path / "ro", home / "ro2")
+
+
+def test_preferred_root_that_is_the_user_temp_dir_is_named_once(monkeypatch):
+    """Where the configured root is the per-user temp dir itself and it is unusable, the warning
+    names it once (it is one candidate, not two) before the in-process temp dir."""
+    d = cache.user_temp_root()
+    d.write_text("not a directory")
+    monkeypatch.setenv("MSA_JIT_CACHE_DIR", str(d))
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        c = ArtifactCache()
+    (w,) = _fallbacks(rec)
+    msg = str(w.message)
+    assert c.ephemeral and msg.count(f"cannot use {d} ") == 1, msg
+
+
+def test_in_process_temp_root_is_removed_at_exit(tmp_path, monkeypatch):
+    """The last-resort in-process temp dir is registered for removal at exit: otherwise every
+    process that falls back to it leaves its compiled kernels behind in the system temp dir."""
+    registered = []
+    monkeypatch.setattr(cache_location.atexit, "register", lambda fn, *args: registered.append((fn, args)))
+    blocker = tmp_path / "f"
+    blocker.write_text("x")
+    cache.user_temp_root().write_text("not a directory")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CacheFallbackWarning)
+        c = ArtifactCache(blocker / "cache")
+    assert c.ephemeral and c.root.is_dir()
+    assert len(registered) == 1, registered
+    fn, args = registered[0]
+    fn(*args)  # what the interpreter runs at exit
+    assert not c.root.exists()
+
+
+def test_readonly_root_needs_a_searchable_v1(tmp_path, monkeypatch):
+    """readable_v1: a v1/ that this process may read but not search (no execute permission) is
+    no read-only root. The permission answer is a stand-in: these tests may run as root."""
+    ro = tmp_path / "ro"
+    (ro / "v1").mkdir(parents=True)
+    assert cache_location.readable_v1(ro)
+    assert not cache_location.readable_v1(tmp_path / "absent")
+    monkeypatch.setattr(cache_location.os, "access", lambda path, mode: not mode & os.X_OK)  # r--: no search
+    assert not cache_location.readable_v1(ro)

@@ -423,6 +423,23 @@ def test_nvdisasm_of_the_core_install(monkeypatch, tmp_path):
     assert sass.find_nvdisasm() == str(tool)
 
 
+def test_a_non_executable_nvdisasm_in_triton_is_skipped(monkeypatch, tmp_path):
+    """Triton's nvdisasm is taken only where it can run: a copy without its execute bit is none."""
+    from msa_jit import sass
+
+    tool = tmp_path / "site" / "triton" / "backends" / "nvidia" / "bin" / "nvdisasm"
+    tool.parent.mkdir(parents=True)
+    tool.write_text("#!/bin/sh\n")
+    tool.chmod(0o644)
+    monkeypatch.setattr(sys, "path", [str(tmp_path / "site")])
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    for v in ("CUDA_HOME", "CUDA_PATH"):
+        monkeypatch.delenv(v, raising=False)
+    if Path("/usr/local/cuda/bin/nvdisasm").is_file():
+        pytest.skip("this host has a CUDA toolkit's nvdisasm, found before Triton's")
+    assert sass.find_nvdisasm() is None
+
+
 @pytest.mark.slow
 def test_warmup_nvfp4_compiles(tmp_path):
     """#18: `msa-jit warmup --heads 64/4 --q-dtype bf16 --kv-dtype nvfp4 --arch sm_90a` builds the

@@ -428,6 +428,17 @@ def test_warmup_command_of_an_opt_in_build_sets_its_flag(cfg, fake_run, monkeypa
     assert cfg in fake_run[0]
 
 
+def test_warmup_command_says_to_set_the_dsl_version_where_it_is_unknown(monkeypatch):
+    """On a host without CuTe DSL metadata the hint also says to set MSA_JIT_DSL_VERSION (else the
+    keys of the warmed cache are not the ones this host computes); with metadata it does not."""
+    cfg = SparseDecodeConfig(64, 4)
+    monkeypatch.setattr(compiler, "dsl_version", lambda: "unknown")
+    hint = compiler.warmup_command(cfg)
+    assert hint.startswith("msa-jit warmup --heads 64/4") and env.DSL_VERSION in hint.splitlines()[1]
+    monkeypatch.setattr(compiler, "dsl_version", lambda: "4.8.1")
+    assert env.DSL_VERSION not in compiler.warmup_command(cfg)
+
+
 # every MSA_JIT_* variable a command checks, each with a value that does not parse (cache_dir_policy.md §8)
 BAD_VALUES = {
     env.NO_COMPILE: "perhaps", env.CACHE_MAX_BYTES: "garbage", env.LOCK_TIMEOUT: "soon", env.ARCH: "sm_80",

@@ -266,6 +266,42 @@ def test_cluster_launch_fits_asks_once_and_keeps_the_cluster_when_it_cannot_tell
     assert compiler.cluster_launch_fits(cfg, 16, 0) is False and looked_up == []  # a known answer: no disk lookup
 
 
+def test_one_cluster_that_fits_is_enough(monkeypatch):
+    """cluster_launch_fits: a GPU that can hold one cluster at a time can launch the cluster build."""
+    from types import SimpleNamespace
+
+    from msa_jit import cluster_fit
+
+    entry = SimpleNamespace(key="k1", meta={"extra": {"threads": 160, "smem_bytes": 107592}},
+                            artifact_path=lambda name: f"/a/{name}")
+    monkeypatch.setattr(compiler, "ensure_compiled", lambda cfg: (entry, False))
+    monkeypatch.setattr(cluster_fit, "max_active_clusters", lambda *a: 1)
+    monkeypatch.setattr(compiler, "_CLUSTER_FITS", {})
+    assert compiler.cluster_launch_fits(SparseDecodeConfig(64, 4, split_merge="cluster"), 16, 0) is True
+
+
+def test_decode_kernel_name_and_the_one_cubin(monkeypatch):
+    """decode_kernel_name: the cubin's kernel that is not the split merge, wherever it is listed, and
+    an error where there is none; max_active_clusters asks nothing of an artifact whose cubin is
+    ambiguous (several cubins)."""
+    from msa_jit import cluster_fit, sass
+
+    def kernels(*names):
+        return lambda cubin: [sass.KernelResources(n, 64, 0, 90) for n in names]
+
+    monkeypatch.setattr(cluster_fit.sass, "kernel_resources", kernels("kernel_SplitMergeKernel_0", "kernel_SparseDecodeMma_1"))
+    assert cluster_fit.decode_kernel_name(b"cubin") == "kernel_SparseDecodeMma_1"
+    monkeypatch.setattr(cluster_fit.sass, "kernel_resources", kernels("kernel_SplitMergeKernel_0"))
+    with pytest.raises(ValueError, match="no decode kernel"):
+        cluster_fit.decode_kernel_name(b"cubin")
+    monkeypatch.setattr(cluster_fit.sass, "kernel_resources", kernels("kernel_SparseDecodeMma_1"))
+    monkeypatch.setattr(cluster_fit.sass, "extract_cubins", lambda path: [b"cubin-a", b"cubin-b"])
+    lib = _FakeDriverLib(clusters=3)
+    with pytest.raises(ValueError):
+        cluster_fit.max_active_clusters("x.so", 16, 160, 107592, 0, lib=lib)
+    assert lib.calls == []
+
+
 def test_plan_merges_by_kernel_where_the_gpu_cannot_hold_the_cluster(launched_configs, monkeypatch, caplog):
     events = launched_configs
     fits = {"answer": False}

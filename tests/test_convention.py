@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import inspect
 import shutil
+import sys
+from dataclasses import replace
 from pathlib import Path
+from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
@@ -18,7 +21,7 @@ from helpers import make_case
 
 from msa_jit import SparseDecodePlanner, compiler
 from msa_jit.cache import source_fingerprint
-from msa_jit.geometry import SparseDecodeConfig
+from msa_jit.geometry import SparseDecodeConfig, check_config
 from msa_jit.validation import kernel_call_ok, validate_kernel_layout, validate_sparse_decode
 
 conv = compiler.convention()
@@ -212,3 +215,176 @@ def test_device_scale_tensors_are_checked_and_shaped_like_the_convention(monkeyp
 
     with pytest.raises(ValueError, match="plan's device"):
         check_kv_scale("v_scale", meta0, OtherPlan, "kernel")
+
+
+def test_the_key_names_the_kernel_family_and_the_toolchain(monkeypatch):
+    """The same config served by another kernel family (MSA_JIT_ENABLE_SM100_UMMA), or built with
+    another CuTe DSL or tvm-ffi version, has another cache key: never the other's artifact."""
+    cfg = SparseDecodeConfig(8, 1, arch="sm_100a")
+    monkeypatch.delenv("MSA_JIT_ENABLE_SM100_UMMA", raising=False)
+    portable = compiler.cache_key(cfg)
+    with monkeypatch.context() as m:
+        m.setenv("MSA_JIT_ENABLE_SM100_UMMA", "1")
+        assert compiler.kernel_family(cfg) == "sm100" and compiler.cache_key(cfg) != portable
+    for name in ("dsl_version", "tvm_ffi_version"):
+        with monkeypatch.context() as m:
+            m.setattr(compiler, name, lambda: "0.0.0-other")
+            assert compiler.cache_key(cfg) != portable, name
+    assert compiler.cache_key(cfg) == portable
+
+
+def test_toolchain_versions_fall_back_in_order(monkeypatch):
+    """dsl_version: the first DSL distribution found (compiler or runtime libs), else
+    MSA_JIT_DSL_VERSION, else "unknown"; tvm_ffi_version: the metadata, else tvm_ffi.__version__."""
+    import importlib.metadata as md
+
+    found = {"nvidia-cutlass-dsl-libs-cu12": "4.8.1"}
+
+    def version(name):  # stand-in for the installed distributions' metadata
+        if name in found:
+            return found[name]
+        raise md.PackageNotFoundError(name)
+
+    monkeypatch.setattr(compiler.md, "version", version)
+    monkeypatch.delenv("MSA_JIT_DSL_VERSION", raising=False)
+    assert compiler.dsl_version() == "4.8.1"  # not the first name tried
+    found.clear()
+    assert compiler.dsl_version() == "unknown"
+    monkeypatch.setenv("MSA_JIT_DSL_VERSION", "4.7.0")
+    assert compiler.dsl_version() == "4.7.0"
+    monkeypatch.setitem(sys.modules, "tvm_ffi", SimpleNamespace(__version__="0.1.99"))  # no dist-info (GPU bundle)
+    assert compiler.tvm_ffi_version() == "0.1.99"
+
+
+def test_linker_is_cc_first_and_must_exist(monkeypatch, tmp_path):
+    """compiler._linker: $CC when it names a program, else the first of cc / gcc / clang on PATH;
+    none at all is an error that says to set CC."""
+    tool = tmp_path / "bin" / "my-cc"
+    tool.parent.mkdir()
+    tool.write_text("#!/bin/sh\n")
+    tool.chmod(0o755)
+    for name in ("gcc", "clang"):
+        (tool.parent / name).symlink_to(tool)
+    monkeypatch.setenv("PATH", str(tool.parent))
+    monkeypatch.setenv("CC", str(tool))
+    assert compiler._linker() == str(tool)
+    monkeypatch.setenv("CC", str(tmp_path / "absent-cc"))
+    assert compiler._linker() == "gcc"  # no cc on this PATH
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(RuntimeError, match="set CC"):
+        compiler._linker()
+
+
+def test_compile_refuses_what_it_cannot_build(tmp_path, monkeypatch):
+    """compile_sparse_decode refuses a config check_config refuses, and make_kernel an occupancy
+    the serving kernel family has no build for, before a kernel is constructed or traced."""
+    reached = []
+    stub = SimpleNamespace(make_kernel=lambda *a: reached.append("make_kernel"), build=lambda *a: reached.append("build"))
+    monkeypatch.setattr(compiler, "_build_module", lambda: stub)
+
+    class Kernel:  # stand-in kernel class: never constructed here
+        pass
+
+    with pytest.raises(ValueError, match="cannot compile .*sm_90"):
+        compiler.compile_sparse_decode(SparseDecodeConfig(8, 1, arch="sm_90"), tmp_path, kernel_class=Kernel)
+    monkeypatch.setenv("MSA_JIT_ENABLE_SM100_UMMA", "1")
+    cfg = SparseDecodeConfig(8, 1, arch="sm_100a", ctas_per_sm=3)  # valid, but the sm100 family has no 3-CTA build
+    assert check_config(cfg) is None and compiler.kernel_family(cfg) == "sm100"
+    with pytest.raises(ValueError, match="sm100 kernel has no build for 3 CTAs per SM"):
+        compiler.make_kernel(cfg, kernel_class=Kernel)
+    assert reached == []
+
+
+def test_build_maps_the_config_onto_the_constructor():
+    """kernels/build.py make_kernel: the config's fields, then the class's occupancy and arch options,
+    the split merge option, and last the experiment's kernel_options (which win)."""
+    build = compiler._build_module()
+
+    class Kernel:  # stand-in kernel class: records its constructor arguments
+        def __init__(self, **kw):
+            self.kw = kw
+
+        @staticmethod
+        def occupancy_options(n, q_dtype, kv_dtype):
+            return {"occupancy": n, "source": "occupancy"}
+
+        @staticmethod
+        def arch_options(arch, kv_dtype):
+            return {"arch": arch, "source": "arch"}
+
+    cfg = SparseDecodeConfig(64, 4, topk_blocks=8, ctas_per_sm=3, arch="sm_100a", kv_dtype="nvfp4")
+    assert build.make_kernel(Kernel, cfg).kw == dict(
+        num_q_heads=64, num_kv_heads=4, page_size=128, topk=8, q_dtype="bfloat16", kv_dtype="nvfp4",
+        occupancy=3, arch="sm_100a", source="arch")
+    kw = build.make_kernel(Kernel, replace(cfg, split_merge="cluster"), {"source": "experiment", "arch": "x"}).kw
+    assert (kw["source"], kw["arch"], kw["split_merge"], kw["occupancy"]) == ("experiment", "x", "cluster", 3)
+
+
+def test_build_traces_for_the_arch_links_and_reports_a_failed_link(tmp_path, monkeypatch):
+    """kernels/build.py build, with a stand-in DSL: traced with the convention's options for the
+    config's arch, exported under its name, linked by the given linker into ARTIFACT_NAME alone (the
+    object file removed); a failing link is an error carrying the linker's output."""
+    build = compiler._build_module()
+    calls = []
+
+    class Compiled:
+        def export_to_c(self, path, function_name):
+            calls.append(("export", function_name))
+            Path(path).write_bytes(b"object")
+
+    def fake_compile(kernel, *args, options):
+        calls.append(("compile", kernel, args, options))
+        return Compiled()
+
+    cute = SimpleNamespace(compile=fake_compile,
+                           runtime=SimpleNamespace(find_runtime_libraries=lambda enable_tvm_ffi: ["libfake.so"]))
+    pkg = ModuleType("cutlass")
+    pkg.cute = cute
+    monkeypatch.setitem(sys.modules, "cutlass", pkg)
+    monkeypatch.setitem(sys.modules, "cutlass.cute", cute)
+    monkeypatch.setattr(build.convention, "fake_arguments", lambda cfg: ["fake-args"])
+    linker = tmp_path / "ld-ok"
+    linker.write_text('#!/bin/sh\nwhile [ $# -gt 0 ]; do [ "$1" = -o ] && { shift; echo linked > "$1"; }; shift; done\n')
+    linker.chmod(0o755)
+    cfg = SparseDecodeConfig(8, 1, arch="sm_100a")
+    out = tmp_path / "out"
+    out.mkdir()
+    seconds = build.build("kernel", cfg, out, str(linker))
+    assert set(seconds) == {"compile_s", "total_s"} and seconds["total_s"] >= seconds["compile_s"] >= 0
+    assert calls[0] == ("compile", "kernel", ("fake-args",), f"{conv.COMPILE_OPTIONS} --gpu-arch sm_100a")
+    assert calls[1] == ("export", conv.EXPORT_NAME)
+    assert sorted(p.name for p in out.iterdir()) == [conv.ARTIFACT_NAME]
+    failing = tmp_path / "ld-fail"
+    failing.write_text("#!/bin/sh\necho 'undefined reference to cuda_dialect_init' >&2\nexit 1\n")
+    failing.chmod(0o755)
+    with pytest.raises(RuntimeError, match=f"linking {conv.ARTIFACT_NAME} failed:\n.*undefined reference"):
+        build.build("kernel", cfg, tmp_path / "out", str(failing))
+
+
+def test_kernel_base_checks_its_geometry_and_sizes_the_cluster_buffer():
+    """SparseDecodeKernelBase: the group size and topk ranges (bounds included), the default
+    build's occupancy only, and smem_bytes: the storage struct, then with a cluster merge its
+    receive buffer at 16-byte alignment."""
+    pytest.importorskip("cutlass")
+    from msa_jit.kernels.base import SparseDecodeKernelBase
+    from msa_jit.kernels.cluster_merge import RECV_BYTES
+
+    ok = dict(num_q_heads=64, num_kv_heads=4, page_size=128, topk=32, q_dtype="float8_e4m3fn")
+    k = SparseDecodeKernelBase(**ok)
+    assert (k.group, k.topk, k.q_fp8) == (16, 32, True)
+    for bad, says in ((dict(num_q_heads=6), "multiple"), (dict(num_q_heads=128), "group size 32"),
+                      (dict(topk=33), "topk 33"), (dict(topk=0), "topk 0")):
+        with pytest.raises(ValueError, match=says):
+            SparseDecodeKernelBase(**{**ok, **bad})
+    assert SparseDecodeKernelBase.occupancy_options(2, "bfloat16") == {}
+    with pytest.raises(ValueError, match="3 CTAs per SM"):
+        SparseDecodeKernelBase.occupancy_options(3, "bfloat16")
+
+    class Sized(SparseDecodeKernelBase):  # a storage struct of 1000 bytes
+        def storage_type(self):
+            return SimpleNamespace(size_in_bytes=lambda: 1000)
+
+    k = Sized(**ok)
+    assert k.smem_bytes() == 1000
+    k.cluster_merge = object()
+    assert k.smem_bytes() == 1008 + RECV_BYTES

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -154,6 +155,31 @@ def test_dsl_runtime_is_read_through_env(monkeypatch, tmp_path):
         loader.find_runtime_library()
     monkeypatch.setenv("MSA_JIT_DSL_RUNTIME", "")
     assert env.dsl_runtime() is None
+
+
+def test_dsl_runtime_is_found_on_sys_path_cu13_first(monkeypatch, tmp_path):
+    """Without MSA_JIT_DSL_RUNTIME: nvidia_cutlass_dsl/cu13/lib before cu12/lib on sys.path (the
+    first entry that has one), a directory named like the library is no library, and nothing
+    found says what to install or set."""
+    from msa_jit import loader
+
+    monkeypatch.delenv("MSA_JIT_DSL_RUNTIME", raising=False)
+    site = tmp_path / "site"
+    libs = {f: site / "nvidia_cutlass_dsl" / f / "lib" / loader.RUNTIME_LIB for f in ("cu12", "cu13")}
+    libs["cu12"].parent.mkdir(parents=True)
+    libs["cu12"].write_bytes(b"")
+    monkeypatch.setattr(sys, "path", [str(tmp_path / "empty"), str(site)])
+    assert loader.find_runtime_library() == libs["cu12"]
+    libs["cu13"].parent.mkdir(parents=True)
+    libs["cu13"].write_bytes(b"")
+    assert loader.find_runtime_library() == libs["cu13"]
+    monkeypatch.setenv("MSA_JIT_DSL_RUNTIME", str(libs["cu13"].parent))  # a directory
+    with pytest.raises(FileNotFoundError, match="MSA_JIT_DSL_RUNTIME"):
+        loader.find_runtime_library()
+    monkeypatch.delenv("MSA_JIT_DSL_RUNTIME")
+    monkeypatch.setattr(sys, "path", [str(tmp_path / "empty")])
+    with pytest.raises(FileNotFoundError, match="nvidia-cutlass-dsl-libs-cu13.*MSA_JIT_DSL_RUNTIME"):
+        loader.find_runtime_library()
 
 
 def test_blank_values_mean_the_default(monkeypatch):

@@ -436,6 +436,36 @@ def test_check_config_reasons():
                     decode_query_len=33).reason.startswith("decode_query_len")
 
 
+def test_geometry_bounds_are_inclusive_and_ints_are_ints():
+    """The limits themselves are served (topk 32, decode_query_len 32, batch 1, group 16) and the
+    next values are not; a bool or a float is no int (ctas_per_sm=True is no 1-CTA union build, 2.0
+    would key apart from 2); a dtype name may carry its "torch." prefix."""
+    geo = dict(num_q_heads=64, num_kv_heads=4, page_size=128, topk_blocks=32)
+    assert supports(**geo, batch=1, decode_query_len=32, q_dtype="torch.bfloat16")
+    assert check_config(SparseDecodeConfig(64, 4, topk_blocks=32)) is None
+    for bad, says in ((dict(topk_blocks=33), "topk_blocks"), (dict(batch=0), "batch"),
+                      (dict(decode_query_len=33), "decode_query_len"), (dict(num_kv_heads=True), "bool"),
+                      (dict(q_dtype="torch.float16"), "q_dtype")):
+        r = supports(**{**geo, **bad})
+        assert not r and says in r.reason, (bad, r)
+    for cfg in (SparseDecodeConfig(64, 4, kernel="union", ctas_per_sm=True), SparseDecodeConfig(64, 4, ctas_per_sm=2.0)):
+        assert "ctas_per_sm" in (check_config(cfg) or ""), cfg
+
+
+def test_dtype_names_and_device_arch(monkeypatch):
+    """torch_dtype refuses a torch attribute that is no dtype; device_arch adds the "a" from SM90 on
+    (the capability is a stand-in: no GPU here)."""
+    from msa_jit import geometry
+
+    assert geometry.torch_dtype("torch.float8_e4m3fn") is torch.float8_e4m3fn
+    for name in ("cuda", "Tensor", "no_such_dtype"):
+        with pytest.raises(ValueError, match="unknown dtype name"):
+            geometry.torch_dtype(name)
+    for cap, arch in (((9, 0), "sm_90a"), ((10, 0), "sm_100a"), ((8, 0), "sm_80"), ((8, 9), "sm_89")):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, cap=cap: cap)
+        assert geometry.device_arch("cuda:0") == arch
+
+
 # ----------------------------------------------------------------------------- kernel layouts
 def test_kernel_layout_rules():
     """Layouts the compiled kernel assumes (checked only on the kernel path; tested here on CPU)."""

@@ -32,7 +32,7 @@ __all__ = [
 ]
 
 _KEY_SCHEMA = 1
-KEY_RE = re.compile(r"^[0-9a-f]{64}$")
+KEY_RE = re.compile(r"\A[0-9a-f]{64}\Z")  # \Z: "$" would also take a trailing newline
 
 
 def jsonable(obj: Any, where: str = "$") -> Any:

@@ -64,7 +64,7 @@ __all__ = [
 log = logging.getLogger("msa_jit.cache")
 
 STALE_TMP_AGE_S = 3600.0  # unrecognised files in tmp/ older than this are garbage
-_SHARD_RE = re.compile(r"^[0-9a-f]{2}$")
+_SHARD_RE = re.compile(r"\A[0-9a-f]{2}\Z")
 
 
 # --------------------------------------------------------------------------- stats
