@@ -10,6 +10,7 @@ import io
 import json
 import math
 import os
+import re
 import signal
 
 import numpy as np
@@ -116,6 +117,8 @@ def test_latest_result_picks_the_newest_recorded_date(tmp_path):
     for name, date in (("bench-a.json", "2026-01-03T00:00:00"), ("bench-b.json", "2026-01-01T00:00:00")):
         (tmp_path / name).write_text(json.dumps(_result(date, [1.0, 2.0])))
     (tmp_path / "bench-broken.json").write_text("{")
+    (tmp_path / "bench-nodate.json").write_text('{"environment": {}}')  # another JSON: skipped too
+    (tmp_path / "bench-list.json").write_text('{"environment": []}')
     assert bench.latest_result(tmp_path).name == "bench-a.json"
     assert bench.latest_result(tmp_path / "missing") is None
 
@@ -193,6 +196,25 @@ def test_grid_rows_cover_the_issue_grid_in_pairs():
         bench.grid_rows(kv_dtypes=("fp4",))
 
 
+def test_grid_order_and_speedups_of_neighbours():
+    """Per qlen the rows go geometry by geometry, batch by batch; an NVFP4 row's speed-ups are over
+    the fp8 row of the same point (a shared-block row over its shared fp8 row), per layer and one
+    layer alike; a row with no time gets none."""
+    plain = [(r.geometry, r.batch) for r in bench.grid_rows(qlens=(1,), kv_dtypes=(FP8_KV,), shared_points=())]
+    assert plain == [(g, b) for g in bench.GRID_GEOMETRIES for b in bench.GRID_BATCHES]
+    specs = [bench.RowSpec("64/4", 64, 4, s, kv, False) for s in (0, 12) for kv in (FP8_KV, NVFP4_KV)]
+    rows = [_row(spec, m) for spec, m in zip(specs, (10.0, 5.0, 8.0, 2.0))]
+    for r, one in zip(rows, (20.0, 16.0, 12.0, 3.0)):
+        r["one_layer_us"] = one
+    bench.add_speedups(rows)
+    assert [r.get("speedup_vs_fp8") for r in rows] == [None, 2.0, None, 4.0]
+    assert [r.get("one_layer_speedup_vs_fp8") for r in rows] == [None, 1.25, None, 4.0]
+    rows = [_row(spec, 10.0) for spec in specs[:2]]
+    rows[1]["marginal_us"] = 0.0  # a row with no time (t(L) == t(1))
+    bench.add_speedups(rows)
+    assert "speedup_vs_fp8" not in rows[1]
+
+
 def test_block_bytes_are_one_page_of_one_kv_head_in_each_layout():
     fp8_page = 128 * 256  # [P, Hkv, 128, 256] fp8: one byte per element
     assert bench.block_bytes(FP8_KV) == fp8_page == 32 * 1024
@@ -209,15 +231,18 @@ def test_make_indices_follow_the_contract_and_count_bytes():
         assert idx.topk.shape == (3 * qlen, 2, 16) and idx.block_table.shape == (3, nblk)
         assert sorted(idx.block_table.flatten().tolist()) == list(range(3 * nblk))
         assert (idx.seq_lens == 4096).all()
-        distinct = 0
+        distinct, overlaps = 0, []
         for r in range(3):
             for h in range(2):
                 rows = [idx.topk[r * qlen + j, h].tolist() for j in range(qlen)]
                 for row in rows:
                     assert row == sorted(set(row)) and row[-1] == nblk - 1 and 0 <= row[0]
                     assert len(set(row) & set(rows[0])) >= (shared if shared else 1)
+                overlaps += [len(set(row) & set(rows[0])) for row in rows[1:]]
                 distinct += len({b for row in rows for b in row})
         assert idx.distinct_blocks == distinct and idx.logical_blocks == 3 * qlen * 2 * 16
+        if shared:  # `shared` blocks in common (the last one included), not one more: more only by chance
+            assert min(overlaps) == shared, overlaps
     a, b = bench.make_indices(2, 1, 2, seed=1), bench.make_indices(2, 1, 2, seed=1)
     assert torch.equal(a.topk, b.topk) and torch.equal(a.block_table, b.block_table)
     with pytest.raises(ValueError, match="shared_blocks"):
@@ -244,6 +269,27 @@ def test_make_step_builds_both_cache_formats_on_the_same_blocks():
     assert torch.equal(kv[5], kv[1]) and not torch.equal(kv[1], kv[2]) and ks > 0 and vs > 0
     with pytest.raises(ValueError, match="indices"):
         bench.make_step(16, 1, 2, 1, "bfloat16", indices=idx, device="cpu")
+
+
+def test_step_query_dtype_planner_args_and_decode_call(monkeypatch):
+    """An fp8-query step has an fp8 query; prepare_args names the step's own top-k; decode passes
+    the cache's global scales (an NVFP4 cache is read wrong without them); a context that is no
+    whole number of pages is refused."""
+    from msa_jit import op
+    from msa_jit.bench import steps
+
+    idx = bench.make_indices(2, 1, 2, ctx_len=2048, topk=4, seed=3)
+    step = bench.make_step(16, 1, 2, 2, "float8_e4m3fn", indices=idx, topk=4, device="cpu", kv_dtype=NVFP4_KV)
+    assert step["query"].dtype == torch.float8_e4m3fn and step["out"].dtype == torch.bfloat16
+    args, kw = bench.prepare_args(step, 16, 1, 2)
+    assert args[3] == 2 and kw == dict(num_q_heads=16, num_kv_heads=1, page_size=128, topk_blocks=4)
+    seen = []
+    monkeypatch.setattr(op, "sparse_decode", lambda *a, **k: seen.append(k))
+    steps.decode(step, plan="plan")
+    assert seen == [dict(sm_scale=128 ** -0.5, k_scale=step["k_scale"], v_scale=step["v_scale"])]
+    assert step["k_scale"] != 1.0
+    with pytest.raises(ValueError, match="ctx_len"):
+        bench.make_indices(1, 1, 1, ctx_len=16 * 128 + 64)
 
 
 # ---------------------------------------------------------------- the floor probe
@@ -289,6 +335,10 @@ def test_floor_probe_rejects_what_it_cannot_read():
             readers.floor_layer({**step, key: bad})
     with pytest.raises(ValueError, match="kv_cache"):  # a cache whose size is no whole page of this format
         readers.floor_layer({**step, "kv_dtype": NVFP4_KV})
+    with pytest.raises(ValueError, match="not a multiple of the block table's 2 requests"):  # 3 tokens, 2 requests
+        readers.floor_layer({**step, "topk": step["topk"].repeat(2, 1, 1)[:3].contiguous()})
+    with pytest.raises(ValueError, match="nbytes"):  # checked before anything is allocated on the GPU
+        readers.read_bandwidth(nbytes=readers.BLOCK_BYTES + 4)
 
 
 # ---------------------------------------------------------------- measure_row / run_grid, GPU timing faked
@@ -448,10 +498,28 @@ def test_readme_table_shows_per_layer_first_then_shared_then_per_step():
     assert "union: the union kernel ran" in union_text and "union: the union kernel ran" not in text
 
 
+def test_readme_table_follows_the_files_grid():
+    """A --quick file (qlen 1 and 4 in its `grid`) gets tables of those qlens only, not rows of
+    dashes for the qlens it did not run."""
+    result = _grid_result()
+    quick = {1, 4}
+    for key in ("per_layer", "points"):
+        result[key] = [r for r in result[key] if r["qlen"] in quick]
+    result["grid"]["qlens"] = sorted(quick)
+    text = bench.readme_table(result)
+    qlens = {int(m) for m in re.findall(r"^\| \d+/\d+ \| (?:fp8|nvfp4) \| (\d+) \| ", text, re.M)}
+    assert qlens == quick and "—" not in text, text
+
+
 def test_readme_table_of_an_old_file_is_its_per_step_table():
     text = bench.readme_table(_result("2026-01-01T00:00:00", [10.0, 100.0]), geometries=("64/4",), batches=(1, 64),
                               qlens=(1,))
     assert text == "| geometry | qlen | B=1 | B=64 |\n|---|---|---|---|\n| 64/4 | 1 | 10.0 µs (25%) | 100.0 µs (25%) |"
+    # the committed file of that format: qlen 1 and 4 (its grid), every geometry
+    path = os.path.join(os.path.dirname(__file__), "..", "bench", "results", "bench-2026-12-03T1342.json")
+    with open(path, encoding="utf-8") as f:
+        rows = re.findall(r"^\| (\d+/\d+) \| (\d) \| ", bench.readme_table(json.load(f)), re.M)
+    assert rows == [(g, q) for g in bench.GRID_GEOMETRIES for q in "14"], rows
 
 
 # ---------------------------------------------------------------- targets
@@ -579,6 +647,20 @@ def test_no_regression_targets_need_a_baseline_that_compares():
     st = check(slower, result)
     assert st[big]["status"] == targets.MET
     assert st[every]["status"] == targets.NOT_MET and "64/4 B=64 q2" in st[every]["measured"]
+
+
+def test_result_problem_and_run_flags():
+    """A per_layer that is no array is named; a run's recorded flags (msa_jit_flags) win over its
+    raw variables, which older files only have (an unreadable one means the default)."""
+    ok = {"environment": {}, "copy_tbps": 3.0, "points": [], "per_layer": []}
+    assert report.result_problem(ok) is None
+    assert report.result_problem(dict(ok, per_layer={})) == "'per_layer' is not a JSON array"
+    both = {"environment": {"msa_jit_flags": {"enable_sm90_union": True},
+                            "msa_jit_env": {"MSA_JIT_ENABLE_CLUSTER_MERGE": "0"}}}
+    assert report.run_flags(both) == {**report.DEFAULT_FLAGS, "enable_sm90_union": True}
+    raw = {"environment": {"msa_jit_env": {"MSA_JIT_ENABLE_CLUSTER_MERGE": "0", "MSA_JIT_ENABLE_SM90_UNION": "junk"}}}
+    assert report.run_flags(raw) == {**report.DEFAULT_FLAGS, "enable_cluster_merge": False}
+    assert report.opt_in_flags(raw) == ["MSA_JIT_ENABLE_CLUSTER_MERGE=0"] and report.opt_in_flags({}) == []
 
 
 def test_latest_result_skips_an_opt_in_builds_file(tmp_path):

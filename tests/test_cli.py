@@ -16,6 +16,7 @@ import re
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -215,6 +216,9 @@ def test_logging_follows_env(monkeypatch, tmp_path):
     monkeypatch.setenv("MSA_JIT_LOG_LEVEL", "chatty")
     rc, _, err = run_main(["cache", "info", "--cache-dir", str(tmp_path / "c")])
     assert rc == 0 and "MSA_JIT_LOG_LEVEL" in err and logger.level == logging.WARNING
+    # one line, in the format every msa_jit log line has (the compile workers' included)
+    line = r"^WARNING msa_jit: MSA_JIT_LOG_LEVEL='chatty' is not a log level .*\(using WARNING\)$"
+    assert re.search(line, err, re.M), err
 
 
 # ----------------------------------------------------------------------------- cache
@@ -273,11 +277,51 @@ def test_cache_verify_prune_clear(warm, tmp_path):
     assert rc == 0 and "cleared 3 path(s)" in out and cache.ArtifactCache(root3).entries() == []
 
 
+def test_cache_list_row_of_an_old_or_odd_entry(tmp_path):
+    """`cache list` of an entry written before kernel / split_merge / kv_dtype joined the config
+    (a token, merge-kernel, fp8 build), and of one with a non-default page size or top-k (named in
+    the geometry cell, as warmup names it)."""
+    from msa_jit.cli.cache import entry_row
+
+    old = {"config": {"num_q_heads": 8, "num_kv_heads": 1, "arch": "sm_90a", "ctas_per_sm": 2,
+                      "q_dtype": "bfloat16", "page_size": 128, "topk_blocks": 16}}
+    row = entry_row(cache.CacheEntry(tmp_path, "ab" * 32, old))
+    assert (row["geometry"], row["kernel"], row["split_merge"], row["q_dtype"], row["kv_dtype"]) == (
+        "8/1", "token", "kernel", "bf16", "fp8")
+    for page, topk in ((64, 16), (128, 8)):
+        odd = {"config": {**old["config"], "page_size": page, "topk_blocks": topk, "kv_dtype": "nvfp4"}}
+        row = entry_row(cache.CacheEntry(tmp_path, "cd" * 32, odd))
+        assert row["geometry"] == f"8/1 page{page} top{topk}" and row["kv_dtype"] == "nvfp4"
+        assert row["geometry"] == warmup.WarmupRow(SparseDecodeConfig(8, 1, page_size=page, topk_blocks=topk)).geometry
+
+
+def test_cache_verify_remove_keeps_a_read_only_entry(monkeypatch, tmp_path):
+    """`cache verify --remove` says "(removed)" only for a bad entry of the writable root: one of a
+    read-only (pre-warmed) root is reported, and left where it is."""
+    ro, rw = tmp_path / "ro" / "ee", tmp_path / "c" / "ff"
+    bad = [(cache.CacheEntry(ro, "ee" * 32, {}, readonly=True), "sha256 mismatch"),
+           (cache.CacheEntry(rw, "ff" * 32, {}), "sha256 mismatch")]
+    monkeypatch.setattr(cache.ArtifactCache, "verify", lambda self, remove=False: bad)
+    (tmp_path / "c").mkdir()
+    rc, out, _ = run_main(["cache", "verify", "--remove", "--cache-dir", str(tmp_path / "c")])
+    lines = [line for line in out.splitlines() if line.startswith("BAD")]
+    assert rc == 1 and len(lines) == 2 and "0 ok, 2 bad" in out, out
+    assert lines[0] == f"BAD {'ee' * 6} {ro}: sha256 mismatch" and lines[1].endswith("sha256 mismatch (removed)")
+
+
 def test_parse_size():
     assert [common.parse_size(s) for s in ("0", "1024", "512M", "2G", "2GiB", "1.5k")] == [
         0, 1024, 512 << 20, 2 << 30, 2 << 30, 1536]
     with pytest.raises(argparse.ArgumentTypeError):
         common.parse_size("lots")
+
+
+def test_human_size_and_when():
+    """The size and time cells of `cache list` / `cache info`: binary units, '-' for no time."""
+    assert [common.human_size(n) for n in (0, 1023, 1024, 1536, 5 << 20, 3 << 30, 5 << 40)] == [
+        "0 B", "1023 B", "1.0 KiB", "1.5 KiB", "5.0 MiB", "3.0 GiB", "5120.0 GiB"]
+    assert common.when(None) == "-" and common.when(0) == "-"
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", common.when(1_700_000_000.0))
 
 
 # ----------------------------------------------------------------------------- doctor
@@ -320,6 +364,85 @@ def test_doctor_survives_broken_probes(monkeypatch):
     monkeypatch.setattr(doctor, "probe_toolchain", boom)
     rc, out, _ = run_main(["doctor"])
     assert rc == 0 and out.count("probe failed: RuntimeError: probe exploded") == 2
+
+
+def test_doctor_target_arches_and_env_values(monkeypatch):
+    """The arches readiness is checked for: MSA_JIT_ARCH, else the GPUs' that msa-jit builds for,
+    else all of them; env rows keep a parsed bool / int as such (JSON true, 1024), a path as text."""
+    from msa_jit import doctor
+
+    gpus = {"devices": [{"arch": "sm_90a", "arch_problem": None}, {"arch": "sm_120a", "arch_problem": "not built for"}]}
+    assert doctor.target_arches(gpus) == ["sm_90a"]
+    assert doctor.target_arches({"devices": gpus["devices"][1:]}) == doctor.target_arches({}) == list(DEFAULT_ARCHES)
+    monkeypatch.setenv("MSA_JIT_ARCH", "10.0a")
+    assert doctor.target_arches(gpus) == ["sm_100a"]
+    monkeypatch.setenv("MSA_JIT_NO_COMPILE", "1")
+    monkeypatch.setenv("MSA_JIT_CACHE_MAX_BYTES", "1K")
+    rows = {r["name"]: r for r in doctor.probe_env()}
+    assert rows["MSA_JIT_NO_COMPILE"]["parsed"] is True and rows["MSA_JIT_CACHE_MAX_BYTES"]["parsed"] == 1024
+    assert rows["MSA_JIT_ARCH"]["parsed"] == "sm_100a" and "error" not in rows["MSA_JIT_ARCH"]
+
+
+def test_doctor_names_a_fallback_cache_and_a_failed_version_probe(monkeypatch, tmp_path):
+    """The Cache section says the root is a fallback and why; a version that could not be read
+    shows its error, not a dict."""
+    from msa_jit import compiler
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("MSA_JIT_CACHE_DIR", str(blocker / "cache"))
+
+    def no_dsl():
+        raise RuntimeError("no DSL here")
+
+    monkeypatch.setattr(compiler, "dsl_version", no_dsl)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rc, out, _ = run_main(["doctor"])
+        rep = json.loads(run_main(["doctor", "--json"])[1])
+    assert rc == 0 and rep["cache"]["state"] == "fallback" and Path(rep["cache"]["root"]).is_dir()
+    assert f"  root: {rep['cache']['root']} (fallback)" in out
+    assert f"  fallback: {rep['cache']['fallback_reason']}" in out
+    assert str(blocker) in rep["cache"]["fallback_reason"]
+    assert "  cute-dsl  RuntimeError: no DSL here" in out
+    assert "  sm_90a: portable kernel (portable mma.sync)" in out  # no GPU, no MSA_JIT_ARCH: every arch
+
+
+def test_doctor_gpu_and_toolchain_messages(monkeypatch):
+    """Without a GPU the message says whether torch is a CPU-only build; without the DSL compiler the
+    toolchain says this host can only load pre-warmed artifacts (not when it is there)."""
+    import importlib.util
+    import types
+
+    import torch
+
+    from msa_jit import doctor
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for cuda, cpu_only in ((None, True), ("12.8", False)):
+        monkeypatch.setattr(torch.version, "cuda", cuda)
+        gpu = doctor.probe_gpu()
+        assert gpu["available"] is False and gpu["message"].endswith("(this torch is a CPU-only build)") is cpu_only
+    monkeypatch.delitem(sys.modules, "cutlass", raising=False)
+    for spec, says in ((None, True), (types.SimpleNamespace(origin="/site/cutlass/__init__.py"), False)):
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, spec=spec: spec)
+        dc = doctor.probe_toolchain()["dsl_compiler"]
+        assert dc["importable"] is (spec is not None) and ("pre-warmed artifacts" in dc.get("message", "")) is says
+
+
+def test_doctor_shows_the_report_when_rendering_fails(monkeypatch, tmp_path):
+    """A bug in doctor.render must not hide the report: one line says so, the JSON follows, exit 0."""
+    from msa_jit import doctor
+
+    def broken(report):
+        raise KeyError("gpu")
+
+    monkeypatch.setattr(doctor, "render", broken)
+    rc, out, _ = run_main(["doctor", "--cache-dir", str(tmp_path / "c")])
+    head, _, rest = out.partition("\n")
+    assert rc == 0 and head == "(rendering failed: KeyError: 'gpu')", out
+    rep = json.loads(rest)
+    assert rep["cache"]["root"] == str(tmp_path / "c") and {"gpu", "env", "presets"} <= set(rep)
 
 
 @pytest.mark.slow

@@ -103,6 +103,31 @@ def test_json_means_the_same_everywhere(fake_run, tmp_path, monkeypatch):
         assert not list(tmp_path.glob(f".{target.name}.*")), "the temporary file is left"
 
 
+@pytest.mark.parametrize("argv", [["cache", "list"], ["cache", "info"], ["doctor"]], ids=" ".join)
+def test_json_path_is_checked_by_cache_and_doctor_too(argv, tmp_path):
+    """cache list / info and doctor check --json FILE first, as warmup and inspect do: one line
+    naming the flag, exit 2 (not the OSError of a write into a directory after the work)."""
+    (tmp_path / "c").mkdir()
+    rc, out, err = run_main([*argv, "--cache-dir", str(tmp_path / "c"), "--json", str(tmp_path)])
+    says = f"msa-jit {' '.join(argv)}: --json {tmp_path}: {tmp_path} is a directory"
+    assert rc == 2 and out == "" and err.strip() == says, err
+
+
+def test_warmup_flags_reach_the_warmup(monkeypatch, tmp_path):
+    """--jobs, --quiet and --cache-dir are what run_warmup gets."""
+    seen: list[dict] = []
+
+    def run(configs, **kw):
+        seen.append(kw)
+        return [warmup.WarmupRow(c, status="cached", key="ab" * 32) for c in configs]
+
+    monkeypatch.setattr(warmup, "run_warmup", run)
+    for extra, jobs, quiet in ((["--jobs", "3", "-q"], 3, True), ([], None, False)):
+        rc, _, err = run_main(["warmup", "--heads", "8/1", "--arch", "sm_90a", "--cache-dir", str(tmp_path), *extra])
+        assert rc == 0, err
+        assert (seen[-1]["jobs"], seen[-1]["quiet"], seen[-1]["cache_dir"]) == (jobs, quiet, str(tmp_path))
+
+
 def test_plan_prints_short():
     import torch
 
@@ -170,6 +195,66 @@ def test_selftest_without_a_gpu():
     for argv in (["selftest"], ["selftest", "--quick"]):
         rc, out, err = run_main(argv)
         assert rc == 2 and "needs a CUDA GPU" in err and out == "" and "Traceback" not in err, (out, err)
+
+
+@pytest.fixture
+def fake_gpu_selftest(monkeypatch):
+    """A stand-in H100 (sm_90a) for `msa-jit selftest`: its correctness grid returns the rows in
+    calls["rows"] (recording `quick`), and the bench records its arguments."""
+    import torch
+
+    from msa_jit import bench, geometry, selftest
+
+    calls: dict = {"grid": [], "bench": [], "rows": []}
+
+    def grid(*, quick=False, log=print):
+        calls["grid"].append(quick)
+        return calls["rows"]
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Stand-in H100")
+    monkeypatch.setattr(geometry, "device_arch", lambda index=0: "sm_90a")
+    monkeypatch.setattr(selftest, "correctness_grid", grid)
+    monkeypatch.setattr(bench, "main", lambda out, **kw: calls["bench"].append((out, kw)))
+    return calls
+
+
+def _case(problems=()):
+    return {"rel_l2": 1e-3, "worst_row_rel_l2": 2e-3, "problems": list(problems)}
+
+
+def test_selftest_checks_then_benches(fake_gpu_selftest, tmp_path):
+    """All cases pass: exit 0, then the bench into --out with --iters; --quick is the grid's quick;
+    --no-bench stops after the grid."""
+    calls = fake_gpu_selftest
+    calls["rows"] = [_case(), _case()]
+    rc, out, err = run_main(["selftest", "--quick", "--iters", "7", "--out", str(tmp_path)])
+    assert rc == 0 and calls["grid"] == [True] and calls["bench"] == [(str(tmp_path), {"iters": 7})], err
+    assert "correctness: 2/2 cases passed" in out and "Stand-in H100 (sm_90a)" in out
+    rc, _, err = run_main(["selftest", "--no-bench", "--arch", "9.0a"])
+    assert rc == 0 and calls["grid"] == [True, False] and len(calls["bench"]) == 1, err
+
+
+def test_selftest_fails_on_a_failed_case_or_another_arch(fake_gpu_selftest, tmp_path):
+    """A failed case: exit 1 and no bench. --arch of another GPU: exit 2 before the grid."""
+    calls = fake_gpu_selftest
+    calls["rows"] = [_case(), dict(_case(["rel L2 too large"]), rel_l2=float("nan"))]
+    rc, out, err = run_main(["selftest", "--out", str(tmp_path)])
+    assert rc == 1 and "correctness: 1/2 cases passed, worst rel L2 1.00e-03" in out and not calls["bench"], err
+    rc, out, err = run_main(["selftest", "--arch", "sm_100a"])
+    assert rc == 2 and "--arch sm_100a given, but this GPU is sm_90a" in err and len(calls["grid"]) == 1, err
+
+
+def test_selftest_grid_quick_and_forced_splits():
+    """--quick is qlen 1 and 4 at batch 1 and 16; both grids force 1 split and topk splits on one case."""
+    from msa_jit import selftest
+
+    for quick, qlens, batches in ((False, selftest.QLENS, selftest.BATCHES), (True, [1, 4], [1, 16])):
+        cases = selftest.grid_cases("sm_90a", quick=quick)
+        plain = [c for c in cases if c[4] is None]
+        assert {c[2] for c in plain} == set(qlens) and {c[3] for c in plain} == set(batches)
+        assert {c[:5] for c in cases if c[4] is not None} == {
+            ((64, 4), "bfloat16", 4, 3, 1), ((64, 4), "bfloat16", 4, 3, selftest.FORCE_SPLITS)}
 
 
 def test_bench_bad_flags_and_out(tmp_path):
@@ -317,6 +402,57 @@ def test_readme_inspect_line_inspects_the_preset(monkeypatch):
 
     assert {(c.num_q_heads, c.num_kv_heads) for c in seen[0]} == set(MINIMAX_M3_GEOMETRIES)
     assert rc == 1 and "stand-in: nothing built" in out  # the stand-in's failed rows, shown
+
+
+def test_inspect_json_on_stdout_leaves_the_table_on_stderr(fake_run):
+    """`msa-jit inspect --json` (no FILE): stdout is the JSON only, as in every command."""
+    rc, out, err = run_main(["inspect", "--heads", "8/1", "--q-dtype", "bf16", "--arch", "sm_90a", "-q", "--json"])
+    doc = json.loads(out)  # fake_run's rows have no artifact: error rows, exit 1
+    assert rc == 1 and len(doc["kernels"]) == 3 and "geometry" in err and "3 kernel(s)" in err
+
+
+def test_inspect_kernel_names_are_short():
+    """The kernel column: the kernels module of a DSL symbol, with a method other than `kernel`
+    appended; any other long name cut to 40 characters."""
+    from msa_jit.cli.inspect import short_kernel_name
+
+    tail = "_object_at_0x7f3a2c1d"
+    symbol = "kernel_cutlass_{}_msa_jitkernelssplit_mergeSplitMergeKernel" + tail
+    assert short_kernel_name(symbol.format("kernel")) == "split_merge"
+    assert short_kernel_name(symbol.format("merge")) == "split_merge.merge"
+    assert short_kernel_name("x" * 50) == "x" * 37 + "..." and short_kernel_name("short") == "short"
+
+
+def _inspected(monkeypatch, local_ops: int) -> tuple[int, str]:
+    """`msa-jit inspect` of the sm_100a fp8 3-CTA build (6 local-memory instructions accepted) whose
+    SASS summary says `local_ops`; no compile, no nvdisasm run."""
+    from msa_jit import sass
+
+    def run(configs, **kw):
+        return [warmup.WarmupRow(c, status="cached", key="ab" * 32, artifact="/nowhere/sparse_decode.so")
+                for c in configs if c.ctas_per_sm == 3]
+
+    kernel = {"kernel": "kernel_cutlass_kernel_msa_jitkernelssparse_decode_mmaSparseDecodeMmaKernel_object_at_0",
+              "sm": 100, "registers": 128, "static_smem": 1024, "local_ops": local_ops, "mma_ops": {"HMMA": 8},
+              "bulk_copy_ops": 0}
+    monkeypatch.setattr(warmup, "run_warmup", run)
+    monkeypatch.setattr(sass, "find_nvdisasm", lambda: "/usr/bin/nvdisasm")
+    monkeypatch.setattr(sass, "summarize", lambda path, with_sass=True: [dict(kernel)])
+    monkeypatch.setattr(compiler, "dynamic_smem_bytes", lambda cfg: 100_000)
+    rc, out, _ = run_main(["inspect", "--heads", "64/4", "--q-dtype", "fp8", "--arch", "sm_100a", "-q"])
+    return rc, out
+
+
+def test_inspect_accepts_a_builds_known_local_memory_use(monkeypatch):
+    """compiler.accepted_local_ops is what a build may use without it being a spill: up to it exit 0
+    (the table says so), one more is a SPILL, exit 1."""
+    cfg = SparseDecodeConfig(64, 4, q_dtype="float8_e4m3fn", arch="sm_100a", ctas_per_sm=3)
+    assert compiler.accepted_local_ops(cfg) == 6
+    rc, out = _inspected(monkeypatch, 6)
+    assert rc == 0 and "6 (<= 6 accepted)" in out and "SPILL" not in out, out
+    assert "1 kernel(s), 0 with local-memory ops beyond the accepted" in out and "101024" in out
+    rc, out = _inspected(monkeypatch, 7)
+    assert rc == 1 and "SPILL 64/4 q fp8 kv fp8 sm_100a 3/SM sparse_decode_mma: 7 LDL/STL (accepted: 6)" in out, out
 
 
 # ----------------------------------------------------------------------------- item 12: output

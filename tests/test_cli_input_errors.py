@@ -99,6 +99,61 @@ def test_bench_unknown_kv_dtype_names_the_flag(fake_bench, tmp_path):
     assert rc == 2 and "--kv-dtypes 'fp4'" in err and "fp8 or nvfp4" in err and not fake_bench, err
 
 
+# ----------------------------------------------------------------------------- bench: what reaches the grid
+def test_bench_flags_reach_the_grid(fake_bench, tmp_path):
+    """--quick's qlens and shared point, --no-shared, --no-host, --in-graph, --iters and
+    --floor-batches are what bench.main gets; without them the full grid."""
+    rc, _, err = run_main(["bench", "--out", str(tmp_path)])
+    assert rc == 0, err
+    kw = fake_bench[-1]
+    assert (kw["qlens"], kw["shared_points"], kw["floor_batches"], kw["host"], kw["in_graph"], kw["iters"]) == (
+        bench.GRID_QLENS, bench.SHARED_POINTS, bench.FLOOR_BATCHES, True, False, 50)
+    rc, _, err = run_main(["bench", "--quick", "--no-host", "--in-graph", "--iters", "7", "--floor-batches", "1,4",
+                           "--out", str(tmp_path)])
+    assert rc == 0, err
+    kw = fake_bench[-1]
+    assert (kw["qlens"], kw["shared_points"], kw["floor_batches"], kw["host"], kw["in_graph"], kw["iters"]) == (
+        bench.QUICK_QLENS, bench.QUICK_SHARED_POINTS, (1, 4), False, True, 7)
+    for flags in (["--no-shared"], ["--quick", "--no-shared"]):
+        assert run_main(["bench", *flags, "--out", str(tmp_path)])[0] == 0 and fake_bench[-1]["shared_points"] == ()
+
+
+@pytest.mark.parametrize("result, rc", [({}, 0), ({"regressions": ["step ...: 2.0 us vs 1.0 us before"]}, 1),
+                                        ({"errors": [{"kv_dtype": "nvfp4"}]}, 1),
+                                        ({"incomplete": {"rows_done": 1, "rows": 2}}, 1)],
+                         ids=["clean", "regression", "error", "stopped"])
+def test_bench_exit_status_and_baseline(result, rc, monkeypatch, tmp_path):
+    """Exit 1 on a regression, a failed row or a run stopped early (SIGTERM); --baseline is passed on."""
+    import torch
+
+    seen: list[tuple] = []
+
+    def main(out_dir, baseline="auto", **kw):
+        seen.append((out_dir, baseline))
+        return result
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench, "main", main)
+    got, _, err = run_main(["bench", "--out", str(tmp_path), "--baseline", "none"])
+    assert got == rc and seen == [(str(tmp_path), "none")], err
+
+
+def test_bench_out_that_is_not_writable_is_refused(fake_bench, tmp_path, monkeypatch):
+    """--out under a directory this user cannot write is refused before the grid runs."""
+    import os
+
+    from msa_jit.cli import bench as bench_cli
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(bench_cli.os, "access",  # as a non-root user sees 0o500 (root passes every bit)
+                        lambda path, mode, *a, **k: False if os.fspath(path) == str(ro) and mode & os.W_OK
+                        else real_access(path, mode, *a, **k))
+    rc, _, err = run_main(["bench", "--out", str(ro / "results")])
+    assert rc == 2 and f"{ro} is not a writable directory" in err and not fake_bench, err
+
+
 # ----------------------------------------------------------------------------- bench --summary / --table
 @pytest.mark.parametrize("flag", ["--summary", "--table"])
 @pytest.mark.parametrize("content", [None, "{}", "[1]", '"text"', "3", "null", '{"points": []}',
@@ -118,6 +173,32 @@ def test_summary_and_table_of_a_bench_result(flag):
     assert rc == 0 and out.strip() and err == "", err
     if flag == "--summary":
         assert "targets:" in out and " met" in out
+
+
+def test_summary_follows_the_baseline_the_result_names(monkeypatch, tmp_path):
+    """--summary's default baseline (auto) is the file the result names, loaded; a name that is
+    gone means no baseline (exit 0, the no-regression targets are "no data"), not an error."""
+    seen: list = []
+    monkeypatch.setattr(bench, "check_targets", lambda result, baseline=None: seen.append(baseline) or [])
+    doc = json.loads(GOOD_RESULT.read_text())
+    base = tmp_path / "base.json"
+    base.write_text(json.dumps(dict(doc, copy_tbps=1.25)))
+    for named, want in ((str(base), 1.25), (str(tmp_path / "gone.json"), None)):
+        (tmp_path / "r.json").write_text(json.dumps(dict(doc, baseline=named)))
+        rc, out, err = run_main(["bench", "--summary", str(tmp_path / "r.json")])
+        assert rc == 0 and "targets:" in out, err
+        assert (seen[-1] and seen[-1]["copy_tbps"]) == want
+
+
+@pytest.mark.parametrize("flag", ["--summary", "--table"])
+def test_summary_and_table_of_a_result_with_broken_rows(flag, tmp_path):
+    """A file with a bench result's keys but rows missing theirs: exit 2 and one line, no traceback."""
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"environment": {"device": "NVIDIA H200", "date": "2026-12-05"}, "copy_tbps": 3.0,
+                                "points": [], "per_layer": [{"kv_dtype": "nvfp4"}]}))
+    rc, out, err = run_main(["bench", flag, str(path), "--baseline", "none"])
+    assert rc == 2 and f"{flag} {path}: not a bench result (missing " in err and out == "", err
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_stored_files_bench_or_not():

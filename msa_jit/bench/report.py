@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import env as _env
-from ..geometry import Q_DTYPE_SHORT
+from ..geometry import KV_DTYPE_SHORT
 from .grid import GRID_BATCHES, GRID_GEOMETRIES, GRID_QLENS
 from .steps import FP8_KV, GEOMETRIES
 
@@ -85,7 +85,7 @@ def kv_dtype_of(r: dict[str, Any]) -> str:
 
 def short_kv(kv_dtype: str) -> str:
     """"fp8" / "nvfp4": the name in tables."""
-    return Q_DTYPE_SHORT.get(kv_dtype, kv_dtype)
+    return KV_DTYPE_SHORT.get(kv_dtype, kv_dtype)
 
 
 def t_hkv(r: dict[str, Any]) -> int:
