@@ -177,8 +177,8 @@ print("bench/results/" + b.name if b else "none")')}
                   --so .kv-variants/$v/64x4/sparse_decode.so > $OUT/$v.log 2>&1; echo "trace $v: rc=$?"; tail -n 9 $OUT/$v.log
               done ;;
     union_ex2) # session 27: row 84's A/B (the shipped bf16 2-CTA union build, lo chain behind V's loads, against
-              # s26_f_union_k8_w1_qreg, the build before it) and row 85's candidate (ex2_poly n: n of every 16 P
-              # elements' 2**x on the FMA pipe), every build checked first, then timed with the token kernel
+              # s26_f_union_k8_w1_qreg, the build before it) and row 85 (ex2_poly n: n of every 16 P elements' 2**x
+              # on the FMA pipe; slower on the H200, session 29), every build checked first, then timed with the token kernel
               # (build: f_c3 f_union_k8_w1_qreg f_union_k8_w1_qreg_ex2p2 f_union_k8_w1_qreg_ex2p3 f_union_k8_w1_qreg_ex2p4
               # f_union_k8_w1_qreg_ex2p6 q8_union_w1 q8_union_w1_ex2p3; s26_f_union_k8_w1_qreg from a checkout of 8871a82)
               ex2_ok=()

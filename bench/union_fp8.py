@@ -19,7 +19,8 @@ the shipped module's docstring for the design, the grid and the builds).
 * v_ahead=n: V's shared loads issued n 16-key rows ahead of their conversion and stores instead of
   the shipped kernel's v_loads_ahead (0: each row's load after the row before is stored, as
   before session 18).
-* ex2_poly=n (session 27, row 85's candidate; n = 2, 3, 4, 6 are built): of every 16 of a thread's P
+* ex2_poly=n (session 27, row 85; n = 2, 3, 4, 6 are built; 0.3-3.4% slower on the H200 in session 29, not
+  shipped, kept to reproduce that result): of every 16 of a thread's P
   elements, the first n are 2**x on the FMA pipe (ex2_poly3: x split into floor and fraction, a degree-3
   polynomial, the exponent added as an integer) instead of ex2.approx on the MUFU pipe, whose 16 results
   per SM and clock make a warp's 64 ex2 per block take 512 cycles.
