@@ -529,38 +529,23 @@ def test_inspect_without_nvdisasm_shows_resources(warm, monkeypatch):
     assert "(not checked)" in out
 
 
-def test_nvdisasm_of_the_core_install(monkeypatch, tmp_path):
-    """Triton (a core dependency) ships nvdisasm: found when neither the wheel nor a toolkit is there."""
+@pytest.mark.parametrize("mode, found", [(0o755, True), (0o644, False)], ids=["executable", "not-executable"])
+def test_nvdisasm_of_the_core_install(mode, found, monkeypatch, tmp_path):
+    """Triton (a core dependency) ships nvdisasm: found when neither the wheel nor a toolkit is there,
+    and only where it can run (a copy without its execute bit is none)."""
     from msa_jit import sass
 
     tool = tmp_path / "site" / "triton" / "backends" / "nvidia" / "bin" / "nvdisasm"
     tool.parent.mkdir(parents=True)
     tool.write_text("#!/bin/sh\n")
-    tool.chmod(0o755)
+    tool.chmod(mode)
     monkeypatch.setattr(sys, "path", [str(tmp_path / "site")])
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     for v in ("CUDA_HOME", "CUDA_PATH"):
         monkeypatch.delenv(v, raising=False)
     if Path("/usr/local/cuda/bin/nvdisasm").is_file():
         pytest.skip("this host has a CUDA toolkit's nvdisasm, found before Triton's")
-    assert sass.find_nvdisasm() == str(tool)
-
-
-def test_a_non_executable_nvdisasm_in_triton_is_skipped(monkeypatch, tmp_path):
-    """Triton's nvdisasm is taken only where it can run: a copy without its execute bit is none."""
-    from msa_jit import sass
-
-    tool = tmp_path / "site" / "triton" / "backends" / "nvidia" / "bin" / "nvdisasm"
-    tool.parent.mkdir(parents=True)
-    tool.write_text("#!/bin/sh\n")
-    tool.chmod(0o644)
-    monkeypatch.setattr(sys, "path", [str(tmp_path / "site")])
-    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
-    for v in ("CUDA_HOME", "CUDA_PATH"):
-        monkeypatch.delenv(v, raising=False)
-    if Path("/usr/local/cuda/bin/nvdisasm").is_file():
-        pytest.skip("this host has a CUDA toolkit's nvdisasm, found before Triton's")
-    assert sass.find_nvdisasm() is None
+    assert sass.find_nvdisasm() == (str(tool) if found else None)
 
 
 @pytest.mark.slow
