@@ -71,6 +71,10 @@ def test_unwritable_root_falls_back_with_one_warning(tmp_path, monkeypatch):
 
 
 def test_fallback_to_in_process_tempdir(tmp_path, monkeypatch):
+    """The last resort: an in-process temp dir, registered for removal at exit (otherwise every process
+    that falls back to it leaves its compiled kernels behind in the system temp dir)."""
+    registered = []
+    monkeypatch.setattr(cache_location.atexit, "register", lambda fn, *args: registered.append((fn, args)))
     blocker = tmp_path / "f"
     blocker.write_text("x")
     cache.user_temp_root().write_text("someone else's file")  # per-user temp dir unusable too
@@ -84,6 +88,10 @@ def test_fallback_to_in_process_tempdir(tmp_path, monkeypatch):
     assert str(blocker / "cache") in msg and str(cache.user_temp_root()) in msg and "deleted at exit" in msg
     assert c.ephemeral and built and entry.artifact_path().exists()
     assert c.root.parent == tmp_path / "systmp" and c.root != cache.user_temp_root()
+    assert len(registered) == 1, registered
+    fn, args = registered[0]
+    fn(*args)  # what the interpreter runs at exit
+    assert not c.root.exists()
 
 
 def test_foreign_or_open_user_temp_dir_rejected(tmp_path, monkeypatch):
@@ -246,24 +254,6 @@ def test_preferred_root_that_is_the_user_temp_dir_is_named_once(monkeypatch):
     (w,) = _fallbacks(rec)
     msg = str(w.message)
     assert c.ephemeral and msg.count(f"cannot use {d} ") == 1, msg
-
-
-def test_in_process_temp_root_is_removed_at_exit(tmp_path, monkeypatch):
-    """The last-resort in-process temp dir is registered for removal at exit: otherwise every
-    process that falls back to it leaves its compiled kernels behind in the system temp dir."""
-    registered = []
-    monkeypatch.setattr(cache_location.atexit, "register", lambda fn, *args: registered.append((fn, args)))
-    blocker = tmp_path / "f"
-    blocker.write_text("x")
-    cache.user_temp_root().write_text("not a directory")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", CacheFallbackWarning)
-        c = ArtifactCache(blocker / "cache")
-    assert c.ephemeral and c.root.is_dir()
-    assert len(registered) == 1, registered
-    fn, args = registered[0]
-    fn(*args)  # what the interpreter runs at exit
-    assert not c.root.exists()
 
 
 def test_readonly_root_needs_a_searchable_v1(tmp_path, monkeypatch):
