@@ -7,7 +7,7 @@
 #           ceilings host_ab host_ab_union variants trace
 #           per_layer_ab union_k8 union_k8_small union_k8_trace union_skip union_qreg union_qreg_trace
 #           union_lo union_ncu union_final push_merge push_trace union_lo_late small_floor small_w8 epilogue_ab
-#           union_ex2
+#           union_ex2 union_cv
 #           split_count
 #   VARIANTS="now lsu" bash bench/h200_run.sh variants   # time only these variants
 #   BASELINE=bench/results/bench-....json                # compare with (default: the newest unflagged file
@@ -191,6 +191,22 @@ print("bench/results/" + b.name if b else "none")')}
               timeout "$(limit 300)" python3 bench/kv_format_ab.py run --dir .kv-variants --out $OUT --rounds ${ROUNDS:-5} \
                 --variants f_c3 s26_f_union_k8_w1_qreg q8_union_w1 "${ex2_ok[@]}" \
                 --points 64/4:64:4:12 64/4:64:4:0 8/1:256:4:12 64/4:64:2:12 2>&1 | grep -v "^{" | tail -n 4 ;;
+    union_cv) # session 30 (row 86): V converted by a second warpgroup of the 2-CTA union build (v_converter), checked,
+              # then timed against the shipped builds and the token kernel, then traced
+              # (build: f_c3 f_union_k8_w1_qreg q8_union_w1 f_union_k8_w1_qreg_cv q8_union_w1_cv f_union_k8_w1_qreg_cv_trace)
+              cv_ok=()
+              for v in f_union_k8_w1_qreg_cv q8_union_w1_cv; do
+                timeout "$(limit 40)" python3 bench/union_check.py --dir .kv-variants --variants "$v" \
+                  > $OUT/union-check-$v.log 2>&1; rc=$?; echo "union check $v: rc=$rc"; tail -n 1 $OUT/union-check-$v.log
+                (( rc == 0 )) && cv_ok+=("$v")
+              done
+              timeout "$(limit 200)" python3 bench/kv_format_ab.py run --dir .kv-variants --out $OUT --rounds ${ROUNDS:-5} \
+                --variants f_c3 f_union_k8_w1_qreg q8_union_w1 "${cv_ok[@]}" \
+                --points 64/4:64:4:12 64/4:64:4:0 8/1:256:4:12 64/4:64:2:12 64/4:64:8:12 2>&1 | grep -v "^{" | tail -n 4
+              for v in f_union_k8_w1_qreg_cv_trace; do
+                timeout "$(limit 45)" python3 bench/union_trace.py --out $OUT --warpgroups 1 \
+                  --so .kv-variants/$v/64x4/sparse_decode.so > $OUT/$v.log 2>&1; echo "trace $v: rc=$?"; tail -n 9 $OUT/$v.log
+              done ;;
     small_floor) # session 25: row 65's decomposition of today's small-batch build (2 CTAs per SM, the cluster merge):
               # full / stream alone (no math) / math alone (no copy) / chain and bytes alone (probe "stream": no math,
               # no epilogue), the merge kernel's build and its stream alone, and #19's floor probe (--floor), one

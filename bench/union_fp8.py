@@ -146,9 +146,9 @@ class UnionFp8Kernel(SparseDecodeUnionSm90Kernel):
         st_global_b32(self.trace_po.iterator.toint() + (Int64(cta) * TRACE_WORDS + slot) * 4, value)
 
     # ---- convert=False: the V tiles stay as they are (what runs behind V's loads still runs)
-    def convert_v(self, v_stage, dst_smem, tidx, after_loads=None):
+    def convert_v(self, v_stage, dst_smem, tidx, after_loads=None, ahead: int = 0):
         if self.convert:
-            super().convert_v(v_stage, dst_smem, tidx, after_loads)
+            super().convert_v(v_stage, dst_smem, tidx, after_loads, ahead)
         elif after_loads is not None:
             after_loads()
 

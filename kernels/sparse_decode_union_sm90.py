@@ -78,6 +78,8 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
     # V's conversion: 16-key rows whose shared loads are in flight before a row's stores (all 8: 252-255
     # registers, no local memory)
     v_loads_ahead = 8
+    # v_converter: the converter's V loads ahead (16 registers)
+    cv_loads_ahead = 4
     # programmatic dependent launch, as the portable kernel: each kernel of the launch waits
     # (griddepcontrol.wait) before its first global-memory access
     pdl = True
@@ -115,6 +117,7 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
         warpgroups: int = 2,
         stages: int | None = None,
         q_lo_regs: bool = False,
+        v_converter: bool = False,
     ):
         super().__init__(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, page_size=page_size,
                          topk=topk, q_dtype=q_dtype, kv_dtype=kv_dtype)
@@ -151,12 +154,22 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
         self.q_lo_regs = bool(q_lo_regs)
         if warpgroups == 1 and self.split_q and not q_lo_regs:  # two Q tiles: 1.6 KiB over
             raise ValueError("warpgroups=1 (2 CTAs per SM) takes an fp8 query, or a bf16 one with q_lo_regs")
+        # v_converter (2 CTAs per SM): a second warpgroup converts every block's V into the MMA
+        # warpgroup's f16 tile while that one runs S and the softmax, handed over by two mbarriers;
+        # setmaxnreg gives the MMA warpgroup the registers the converter does not need
+        if v_converter and warpgroups != 1:
+            raise ValueError("v_converter needs warpgroups=1 (the converter takes the second warpgroup's place)")
+        self.v_converter = bool(v_converter)
+        # setmaxnreg's registers per thread of the MMA and the converter warpgroup (2 CTAs of 256 threads
+        # share 65536, so the two sum to 256): the MMA's S, P, O and Q's lo tile take ~200 with a bf16
+        # query, ~184 with an fp8 one (SASS); the converter's loop then spills nothing
+        self.cv_regs = (208, 48) if self.q_lo_regs else (192, 64)
         self.tile_tokens = ROWS // self.group  # query tokens per CTA
         self.union_max = self.tile_tokens * self.topk  # union blocks of a tile, at most
         self.stage_bytes = self.page * ROW_BYTES  # K and V of a (page, KV head)
         self.tile_bytes = self.page * HEAD_DIM  # a K or V tile of a stage (fp8)
-        self.empty_arrivals = WG_THREADS  # the threads that read a stage
-        self.threads = WG_THREADS * warpgroups
+        self.empty_arrivals = WG_THREADS * (1 + int(self.v_converter))  # the threads that read a stage
+        self.threads = WG_THREADS * (warpgroups + int(self.v_converter))
         self.ctas_per_sm = 2 if warpgroups == 1 else 1
         smem = self.storage_type().size_in_bytes()
         if smem > SMEM_PER_SM // self.ctas_per_sm - 1024:
@@ -192,6 +205,10 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
             kvlen: cute.struct.MemRange[Int32, self.tile_tokens]
             rowm: cute.struct.MemRange[Float32, ROWS * self.wgs]
             rowl: cute.struct.MemRange[Float32, ROWS * self.wgs]
+            if self.v_converter:  # last, so the other builds' layout stays as it was
+                # the f16 V tile: converted (arrivals: the converter's 128 threads), free (the MMA's 128)
+                tile_full: cute.struct.Align[cute.struct.MemRange[Int64, 1], 8]
+                tile_free: cute.struct.Align[cute.struct.MemRange[Int64, 1], 8]
 
         return Storage
 
@@ -266,6 +283,9 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
                 for s in cutlass.range_constexpr(self.stages):
                     cute.arch.mbarrier_init(full_ptr + s, 1)
                     cute.arch.mbarrier_init(empty_ptr + s, self.empty_arrivals)
+                if cutlass.const_expr(self.v_converter):
+                    cute.arch.mbarrier_init(storage.tile_full.data_ptr(), WG_THREADS)
+                    cute.arch.mbarrier_init(storage.tile_free.data_ptr(), WG_THREADS)
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()  # the split merge may be scheduled now
         qk_scale_log2 = qk_scale_log2 * mKScale[0]
@@ -304,7 +324,14 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
         cute.arch.sync_threads()  # sQ (fenced) is complete
         args = (mOut, mLse, mPO, mPL, storage, sPages, sBlocks, sMasks, sKvLen, full_ptr, empty_ptr, tma,
                 req, h, tile, split, num_splits, qlen, n_tok, first, n_split, qk_scale_log2, v_scale)
-        if warp < 4:
+        if cutlass.const_expr(self.v_converter):
+            if warp < 4:
+                cute.arch.setmaxregister_increase(self.cv_regs[0])
+                self.mma_loop(*args, tidx, 0)
+            else:
+                cute.arch.setmaxregister_decrease(self.cv_regs[1])
+                self.convert_loop(storage, tma, sPages, first, n_split, full_ptr, empty_ptr, tidx - 128)
+        elif warp < 4:
             self.mma_loop(*args, tidx, 0)
         elif cutlass.const_expr(self.wgs > 1):
             self.mma_loop(*args, tidx - 128, 1)
@@ -330,16 +357,18 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
         cute.copy(tma_v, tVg[None, page], tVs[None, s], tma_bar_ptr=full_ptr + s)
 
     @cute.jit
-    def release_stage_and_refill(self, tma, sPages, first, i, n_union, full_ptr, empty_ptr, tidx):
-        """This thread has read block i's stage: arrive on its empty barrier; warp 0 of the caller's
-        warpgroup (all 32 lanes: the TMA copy elects one) then waits for every reader and copies
-        block i + stages into it."""
+    def release_stage_and_refill(self, tma, sPages, first, i, n_union, full_ptr, empty_ptr, tidx,
+                                 refill: cutlass.Constexpr = True):
+        """This thread has read block i's stage: arrive on its empty barrier; with `refill`, warp 0
+        of the caller's warpgroup (all 32 lanes: the TMA copy elects one) then waits for every reader
+        and copies block i + stages into it."""
         s = i % self.stages
         cute.arch.mbarrier_arrive(empty_ptr + s)
-        if cute.arch.make_warp_uniform(tidx // 32) == 0:
-            if i + self.stages < n_union:
-                cute.arch.mbarrier_wait(empty_ptr + s, (i // self.stages) & 1)
-                self.issue_block(tma, sPages, first, i + self.stages, full_ptr)
+        if cutlass.const_expr(refill):
+            if cute.arch.make_warp_uniform(tidx // 32) == 0:
+                if i + self.stages < n_union:
+                    cute.arch.mbarrier_wait(empty_ptr + s, (i // self.stages) & 1)
+                    self.issue_block(tma, sPages, first, i + self.stages, full_ptr)
 
     # ---- Q of the tile
     @cute.jit
@@ -405,7 +434,7 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
 
     # ---- V: fp8 stage -> f16 tile
     @cute.jit
-    def convert_v(self, v_stage, dst_smem, tidx, after_loads=None):
+    def convert_v(self, v_stage, dst_smem, tidx, after_loads=None, ahead: int = 0):
         """The stage's fp8 V tile (TMA-swizzled key rows) -> an f16 tile (f16_tile_layout), by 128
         threads: thread = 16 dims of keys tidx // 8 + 16 r; not fenced (the caller fences for the
         MMAs that read it). Row r's loads are issued v_loads_ahead rows before its stores: ptxas
@@ -414,7 +443,7 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
         issues more work behind the first v_loads_ahead rows' loads, before the first store."""
         c8 = tidx % 8
         rows = self.page // 16
-        ahead = min(self.v_loads_ahead, rows)
+        ahead = min(ahead or self.v_loads_ahead, rows)
         words = [ptx.ld_shared_v4(v_stage + swizzled_fp8(tidx // 8 + 16 * r, 16 * c8)) for r in range(ahead)]
         if cutlass.const_expr(after_loads is not None):
             after_loads()
@@ -422,6 +451,24 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
             if cutlass.const_expr(r + ahead < rows):
                 words.append(ptx.ld_shared_v4(v_stage + swizzled_fp8(tidx // 8 + 16 * (r + ahead), 16 * c8)))
             store_f16_chunks(dst_smem + swizzled_f16(self.page, tidx // 8 + 16 * r, 16 * c8), words[r], c8)
+
+    @cute.jit
+    def convert_loop(self, storage, tma, sPages, first, n_union, full_ptr, empty_ptr, tidx):
+        """v_converter's warpgroup (thread tidx of its 128): block i's V -> the MMA warpgroup's f16
+        tile once its P V of block i - 1 is done (tile_free), handed over by tile_full; then it
+        releases the stage, and its warp 0 refills it once the MMA warpgroup has read K too."""
+        bufv = ptx.smem_addr(storage.bufv.data_ptr())
+        v_smem = ptx.smem_addr(storage.sv0.data_ptr())
+        tile_full = storage.tile_full.data_ptr()
+        tile_free = storage.tile_free.data_ptr()
+        for i in range(n_union):
+            s = i % self.stages
+            cute.arch.mbarrier_wait(full_ptr + s, (i // self.stages) & 1)
+            cute.arch.mbarrier_wait(tile_free, i & 1)
+            self.convert_v(bufv + s * self.tile_bytes, v_smem, tidx, ahead=self.cv_loads_ahead)
+            cute.arch.fence_view_async_shared()  # the tile's stores, before the MMA's async-proxy reads
+            cute.arch.mbarrier_arrive(tile_full)
+            self.release_stage_and_refill(tma, sPages, first, i, n_union, full_ptr, empty_ptr, tidx)
 
     # ---- the MMA warpgroups
     def o_setup(self, sv_field, tidx):
@@ -505,18 +552,21 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
         # accumulators would be read while one runs)
         acc_s = cute.make_rmem_tensor(m["thr_s"].partition_shape_C((ROWS, self.page)), Float32)
         if wg < n_union:
-            self.s_and_v(m, acc_s, tma, sPages, first, wg, n_union, full_ptr, empty_ptr, bufv, bar, tidx)
+            self.s_and_v(m, acc_s, tma, sPages, first, wg, n_union, full_ptr, empty_ptr, bufv, bar, tidx, storage)
         for i in range(wg, n_union, self.wgs):
             self.softmax(acc_s, acc_o, p_words, row_max, row_sum, sBlocks[first + i], sMasks[first + i], sKvLen,
                          sQScale, qk_scale_log2, warp, g, c)
             self.mark(i, 4, tidx)  # softmax done (and warp 0's refill issued)
-            cute.arch.barrier(barrier_id=bar, number_of_threads=WG_THREADS)  # every thread's part of the V tile is in
+            if cutlass.const_expr(self.v_converter):
+                cute.arch.mbarrier_wait(storage.tile_full.data_ptr(), i & 1)  # the converter's V tile is in
+            else:
+                cute.arch.barrier(barrier_id=bar, number_of_threads=WG_THREADS)  # every thread's part of the V tile is in
             self.mark(i, 5, tidx)  # the V tile is complete
             self.pv_mma(m["mma_o"], acc_o, tOrP, tOrV)
             self.mark(i, 6, tidx)  # P V issued
             if i + self.wgs < n_union:
                 self.s_and_v(m, acc_s, tma, sPages, first, i + self.wgs, n_union, full_ptr, empty_ptr, bufv, bar,
-                             tidx)
+                             tidx, storage)
             else:
                 self.mma_wait()
         # MMA warpgroup 1's O goes over the K stages (every stage is read by now)
@@ -524,29 +574,38 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
                     qlen, n_tok, v_scale, tidx, warp, g, c, wg)
 
     @cute.jit
-    def s_and_v(self, m, acc_s, tma, sPages, first, i, n_union, full_ptr, empty_ptr, bufv, bar, tidx):
+    def s_and_v(self, m, acc_s, tma, sPages, first, i, n_union, full_ptr, empty_ptr, bufv, bar, tidx, storage):
         """Block i's S into acc_s, issued behind the warpgroup's P V of its previous block, and, once
         every warp's P V is done (the f16 tile is free), its V converted into the tile while S runs;
         returns with S done and the stage released. With Q's lo tile in registers, S's lo chain is
         issued behind V's shared loads, not beside the hi chain (row 84: its shared reads of K no
         longer queue ahead of the conversion's loads; -0.6 us per layer at the spec-decode point on
-        the H200, row 80)."""
+        the H200, row 80). With v_converter: S only (both chains), the tile handed to the converter
+        once P V is done."""
         s = i % self.stages
         cute.arch.mbarrier_wait(full_ptr + s, (i // self.stages) & 1)
         self.mark(i, 0, tidx)  # the stage is full
         self.s_mma_issue(m, acc_s, s)
         warpgroup.wait_group(1)  # this thread's share of the previous P V is done (S may still run)
-        cute.arch.barrier(barrier_id=bar, number_of_threads=WG_THREADS)  # every warp's: the V tile is free
-        self.mark(i, 1, tidx)  # S issued, the previous P V done
-        # its proxy fence comes after the wait: ptxas 12.9 (the DSL's) segfaults on a fence.proxy.async
-        # between a wgmma commit and its wait
-        lo_chain = functools.partial(self.s_lo_issue, m, acc_s, s) if self.q_lo_regs else None
-        self.convert_v(bufv + s * self.tile_bytes, m["v_smem"], tidx, after_loads=lo_chain)
-        self.mark(i, 2, tidx)  # this thread's V conversion done
-        self.mma_wait()
-        self.mark(i, 3, tidx)  # S done
-        cute.arch.fence_view_async_shared()
-        self.release_stage_and_refill(tma, sPages, first, i, n_union, full_ptr, empty_ptr, tidx)
+        if cutlass.const_expr(self.v_converter):
+            # release: this thread's reads of the tile (P V's, and Q's lo tile before block 0) come first
+            cute.arch.mbarrier_arrive(storage.tile_free.data_ptr())
+            self.mark(i, 1, tidx)
+            self.mma_wait()
+            self.mark(i, 3, tidx)  # S done
+            self.release_stage_and_refill(tma, sPages, first, i, n_union, full_ptr, empty_ptr, tidx, refill=False)
+        else:
+            cute.arch.barrier(barrier_id=bar, number_of_threads=WG_THREADS)  # every warp's: the V tile is free
+            self.mark(i, 1, tidx)  # S issued, the previous P V done
+            # its proxy fence comes after the wait: ptxas 12.9 (the DSL's) segfaults on a fence.proxy.async
+            # between a wgmma commit and its wait
+            lo_chain = functools.partial(self.s_lo_issue, m, acc_s, s) if self.q_lo_regs else None
+            self.convert_v(bufv + s * self.tile_bytes, m["v_smem"], tidx, after_loads=lo_chain)
+            self.mark(i, 2, tidx)  # this thread's V conversion done
+            self.mma_wait()
+            self.mark(i, 3, tidx)  # S done
+            cute.arch.fence_view_async_shared()
+            self.release_stage_and_refill(tma, sPages, first, i, n_union, full_ptr, empty_ptr, tidx)
 
     @cute.jit
     def s_mma_issue(self, m, acc_s, s):
@@ -563,6 +622,11 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
         if cutlass.const_expr(self.split_q and not self.q_lo_regs):
             for k in cutlass.range_constexpr(cute.size(tSrQ.shape[2])):
                 cute.gemm(atom_s, acc_s, m["tSrQlo"][None, None, k], tSrK[None, None, k, s], acc_s)
+        if cutlass.const_expr(self.q_lo_regs and self.v_converter):  # no conversion here to hide it behind
+            atom_lo = cute.make_mma_atom(m["mma_s_lo"].op)
+            atom_lo.set(warpgroup.Field.ACCUMULATE, True)
+            for k in cutlass.range_constexpr(cute.size(tSrQ.shape[2])):
+                cute.gemm(atom_lo, acc_s, m["tSrQlo"][None, None, k], tSrK[None, None, k, s], acc_s)
         warpgroup.commit_group()
 
     @cute.jit
