@@ -131,3 +131,42 @@ def test_every_geometry_the_planner_may_give_the_union_kernel_fits():
         assert accepted == (g in (8, 16)), g
     with pytest.raises(ValueError, match="shared memory"):  # G 4: an fp8 query at 2 CTAs per SM, topk 32
         cls(num_q_heads=16, num_kv_heads=4, topk=32, q_dtype="float8_e4m3fn", **cls.occupancy_options(2, "float8_e4m3fn"))
+
+
+# row 86: V converted by a second warpgroup of the 2-CTA build (v_converter)
+@pytest.mark.slow  # compiles 2 kernels
+@pytest.mark.parametrize("heads,q_dtype,regs", [((64, 4), "bfloat16", (208, 48)), ((8, 1), "float8_e4m3fn", (192, 64))])
+def test_v_converter_build_hands_v_over_by_mbarriers(tmp_path, heads, q_dtype, regs):
+    cfg = SparseDecodeConfig(num_q_heads=heads[0], num_kv_heads=heads[1], q_dtype=q_dtype, arch="sm_90a",
+                             kernel="union", ctas_per_sm=2)
+    cls = _cls()
+    options = dict(cls.occupancy_options(2, q_dtype), v_converter=True)
+    compile_sparse_decode(cfg, tmp_path, kernel_options=options, kernel_class=cls)
+    (cubin,) = sass.extract_cubins(tmp_path / "sparse_decode.so")
+    text = "\n".join(body for name, body in sass.split_functions(sass.disassemble(cubin)).items()
+                     if "merge" not in name.lower())
+    ops = [line.split(";")[0].split("*/")[-1].strip() for line in text.splitlines() if "*/" in line]
+    # the MMA warpgroup takes what the converter gives back: the two sum to 256 per thread (2 CTAs x 256 threads)
+    alloc = [i for i, op in enumerate(ops) if op.startswith("USETMAXREG.TRY_ALLOC.CTAPOOL")]
+    dealloc = [i for i, op in enumerate(ops) if op.startswith("USETMAXREG.DEALLOC.CTAPOOL")]
+    assert len(alloc) == 1 and ops[alloc[0]].endswith(hex(regs[0])), ops[alloc[0]]
+    assert len(dealloc) == 1 and ops[dealloc[0]].endswith(hex(regs[1])), ops[dealloc[0]]
+    assert sum(regs) == 256
+    assert "LDL" not in text and "STL" not in text
+    # S's chains (a bf16 query: hi and lo in one group, nothing between them) twice, P V once, all in the MMA
+    # warpgroup's part; V's 8 shared loads and their f16 stores only in the converter's part
+    mma, conv = ops[alloc[0]:dealloc[0]], ops[dealloc[0]:]
+    chains = 2 if q_dtype == "bfloat16" else 1
+    qgmma = [i for i, op in enumerate(mma) if op.startswith("QGMMA")]
+    assert len(qgmma) == 2 * 4 * chains and sum(op.startswith("HGMMA") for op in mma) == 8
+    for group in (qgmma[:4 * chains], qgmma[4 * chains:]):  # one commit group each: only its last QGMMA ends it
+        assert [mma[i].endswith("gsb0") for i in group] == [False] * (4 * chains - 1) + [True]
+        assert not any(op.startswith("WARPGROUP.DEPBAR") for op in mma[group[0]:group[-1]])
+    assert not any(op.startswith(("LDS.128", "STS.128")) for op in mma)
+    assert sum(op.startswith("LDS.128") for op in conv) == 8 and sum(op.startswith("STS.128") for op in conv) >= 8
+    assert not any(op.startswith(("QGMMA", "HGMMA")) for op in conv)
+    kernel = cls(num_q_heads=heads[0], num_kv_heads=heads[1], q_dtype=q_dtype, **options)
+    assert (kernel.threads, kernel.empty_arrivals, kernel.cv_regs) == (256, 256, regs)
+    assert kernel.storage_type().size_in_bytes() + 1024 <= 228 * 1024 // 2
+    with pytest.raises(ValueError, match="v_converter needs warpgroups=1"):
+        cls(num_q_heads=64, num_kv_heads=4, v_converter=True)
