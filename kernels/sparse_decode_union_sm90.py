@@ -591,6 +591,7 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
             # release: this thread's reads of the tile (P V's, and Q's lo tile before block 0) come first
             cute.arch.mbarrier_arrive(storage.tile_free.data_ptr())
             self.mark(i, 1, tidx)
+            self.mark(i, 2, tidx)  # (no conversion here: the trace's wait for the converter is event 4 -> 5)
             self.mma_wait()
             self.mark(i, 3, tidx)  # S done
             self.release_stage_and_refill(tma, sPages, first, i, n_union, full_ptr, empty_ptr, tidx, refill=False)
