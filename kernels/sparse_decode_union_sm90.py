@@ -24,18 +24,19 @@ Per union block (one page of KV head h: 128 keys of 256 bytes, K in bytes [0, 12
     S runs, and O += P V on `wgmma.m64n128k16` f16 MMAs with P from registers.
 
 Roles: `warpgroups` MMA warpgroups take the union blocks in turn (block i: warpgroup i % 2);
-each converts its block's V and its warp 0 refills the stage once the warpgroup has read it
-(no producer warp: ptxas allots registers per warpgroup). A warpgroup's P V of block i runs on
-the tensor cores while it waits for block i + wgs's stage and issues that block's S; it waits for
-P V only before V's conversion overwrites the f16 tile. At the end the MMA warpgroups merge their
-(m, l, O) through shared memory. (A third, V-converting warpgroup was retired in session 18: at
-commit c8f3b16.)
+each converts its block's V and its warp 0 refills the stage once the warpgroup has read it (no
+producer warp: ptxas allots registers per warpgroup). A warpgroup's P V of block i runs on the
+tensor cores while it waits for block i + wgs's stage and issues that block's S; it waits for P V
+only before V's conversion overwrites the f16 tile. At the end the MMA warpgroups merge their
+(m, l, O) through shared memory. With `v_converter` (the 2-CTA builds since row 86) a second
+warpgroup converts every V instead, handed over by two mbarriers (tile free / tile full), while
+the one MMA warpgroup runs S and the softmax; setmaxnreg moves its spare registers to the MMA side.
 
 Builds (occupancy_options): 1 CTA per SM = 2 MMA warpgroups and 4 stages (G = 16 or 8, topk
 16: 212-214 KiB of shared memory with a bf16 query, 204-206 KiB with an fp8 one); 2 CTAs per
-SM = 1 MMA warpgroup and 2 stages, 108-110 KiB: a bf16 query's lo tile is then the A operand of
-its QGMMAs from registers (q_lo_regs=True), so the CTA holds one Q tile as with an fp8 query
-(the build before, V in two 64-key halves, is at ffc4ff4: docs/performance.md rows 73-74).
+SM = 1 MMA warpgroup, the V converter and 2 stages, 108-110 KiB: a bf16 query's lo tile is then
+the A operand of its QGMMAs from registers (q_lo_regs=True), so the CTA holds one Q tile as with
+an fp8 query (docs/performance.md rows 73-74, 84, 86).
 
 Constraints (ValueError in the constructor, or in arch_options): sm_90a only (wgmma, TMA);
 an fp8 cache with 128-token pages (256-byte key rows); G divides 64 and 64 // G <= 32 (the
@@ -58,10 +59,10 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from . import common, ptx
 from .base import SparseDecodeKernelBase
 from .sparse_decode_mma import HEAD_DIM, LN2, ROW_BYTES
-from .union_sm90_ops import (AMAX_MIN, BAR_ALL, BAR_WG, E4M3_MAX, RESCALE_LOG2, ROWS, bf16x2_absmax,
-                             bf16x4_to_e4m3_hi_lo, build_union, f16_tile_layout, fp8_tile_layout, ld_shared_f32,
-                             row_state, st_global_b32, st_global_v2_f32, st_shared_f32, store_f16_chunks, swizzled_f16,
-                             swizzled_fp8, tree)
+from .union_sm90_ops import (BAR_ALL, BAR_WG, RESCALE_LOG2, ROWS, build_union, f16_tile_layout, fp8_tile_layout,
+                             ld_shared_f32, merged_row_stats, row_state, st_global_b32, st_global_v2_f32,
+                             st_shared_f32, stage_q_fp8, stage_q_split, store_f16_chunks, swizzled_f16, swizzled_fp8,
+                             tree)
 
 WG_THREADS = 128  # threads of a warpgroup
 PAGE_SIZE = 128  # keys of a block: one TMA box of K and one of V per stage
@@ -88,14 +89,13 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
     def occupancy_options(ctas_per_sm: int, q_dtype: str, kv_dtype: str = "float8_e4m3fn") -> dict:
         """Constructor options of the build for `ctas_per_sm` CTAs per SM (SparseDecodeConfig.ctas_per_sm).
 
-        1: 2 MMA warpgroups and 4 stages (the defaults). 2: one MMA warpgroup and 2 stages (the
-        same warpgroups and stages per SM, in one wave of twice the CTAs), a bf16 query with V in
-        two 64-key halves so that its two Q tiles fit.
+        1: 2 MMA warpgroups and 4 stages (the defaults). 2: one MMA warpgroup, the V converter and 2
+        stages (one wave of twice the CTAs), a bf16 query's lo tile in registers so that one Q tile fits.
         """
         if ctas_per_sm == 1:
             return {}
         if ctas_per_sm == 2:
-            return {"warpgroups": 1} if q_dtype == "float8_e4m3fn" else {"warpgroups": 1, "q_lo_regs": True}
+            return {"warpgroups": 1, "v_converter": True, **({} if q_dtype == "float8_e4m3fn" else {"q_lo_regs": True})}
         raise ValueError(f"no union build for {ctas_per_sm} CTAs per SM (1 or 2)")
 
     @staticmethod
@@ -316,11 +316,11 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
                 for j in range(cutlass.min(n_split, Int32(self.stages))):
                     self.issue_block(tma, sPages, first, j, full_ptr)
             if cutlass.const_expr(self.split_q):
-                self.stage_q_split(q_words, ptx.smem_addr(storage.sq.data_ptr()),
+                stage_q_split(q_words, ptx.smem_addr(storage.sq.data_ptr()),
                                    ptx.smem_addr(self.q_lo_field(storage).data_ptr()),
                                    storage.qscale.get_tensor(cute.make_layout(ROWS)), tidx)
             else:
-                self.stage_q_fp8(q_words, ptx.smem_addr(storage.sq.data_ptr()), tidx)
+                stage_q_fp8(q_words, ptx.smem_addr(storage.sq.data_ptr()), tidx)
         cute.arch.sync_threads()  # sQ (fenced) is complete
         args = (mOut, mLse, mPO, mPL, storage, sPages, sBlocks, sMasks, sKvLen, full_ptr, empty_ptr, tma,
                 req, h, tile, split, num_splits, qlen, n_tok, first, n_split, qk_scale_log2, v_scale)
@@ -391,46 +391,6 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
                 for k in cutlass.range_constexpr(4):
                     words[4 * p + k] = wv[k]
         return words
-
-    @cute.jit
-    def stage_q_fp8(self, words, q_smem, tidx):
-        """Q of the tile (q_half_row's words) -> sQ (fp8 as given, 128B-swizzled): thread tidx (< 128)
-        writes half (64 bytes) of row tidx // 2."""
-        for p in cutlass.range_constexpr(4):
-            ptx.st_shared_v4(q_smem + swizzled_fp8(tidx // 2, 64 * (tidx % 2) + 16 * p),
-                             words[4 * p], words[4 * p + 1], words[4 * p + 2], words[4 * p + 3])
-        cute.arch.fence_view_async_shared()
-
-    @cute.jit
-    def stage_q_split(self, words, q_hi, q_lo, sScale, tidx):
-        """Q of the tile (q_half_row's bf16 words) -> sQ (hi) and sQ_lo (lo), e4m3, 128B-swizzled, and
-        each row's scale: thread tidx (< 128) takes half (64 dims) of row tidx // 2; zero rows get
-        scale 0."""
-        qrow = tidx // 2
-        qhalf = tidx % 2
-        amax = Float32(0.0)
-        for k in cutlass.range_constexpr(32):
-            amax = cute.arch.fmax(amax, bf16x2_absmax(words[k]))
-        amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, 1))  # the row's other half
-        inv = Float32(0.0)
-        scale = Float32(0.0)
-        if amax > Float32(0.0):
-            amax = cute.arch.fmax(amax, Float32(AMAX_MIN))  # 448 / a bf16 denormal would overflow
-            inv = Float32(E4M3_MAX) / amax
-            scale = amax / Float32(E4M3_MAX)
-        hi = cute.make_rmem_tensor(16, Int32)
-        lo = cute.make_rmem_tensor(16, Int32)
-        for k in cutlass.range_constexpr(16):
-            a, b = bf16x4_to_e4m3_hi_lo(words[2 * k], words[2 * k + 1], inv)
-            hi[k] = a
-            lo[k] = b
-        for p in cutlass.range_constexpr(4):
-            off = swizzled_fp8(qrow, 64 * qhalf + 16 * p)
-            ptx.st_shared_v4(q_hi + off, hi[4 * p], hi[4 * p + 1], hi[4 * p + 2], hi[4 * p + 3])
-            ptx.st_shared_v4(q_lo + off, lo[4 * p], lo[4 * p + 1], lo[4 * p + 2], lo[4 * p + 3])
-        if qhalf == 0:
-            sScale[qrow] = scale
-        cute.arch.fence_view_async_shared()
 
     # ---- V: fp8 stage -> f16 tile
     @cute.jit
@@ -794,7 +754,7 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
                 m_row = 16 * warp + g + 8 * hh
                 j_row = m_row // G
                 if j_row < n_tok:
-                    m_all, l_all = self.merged_stats(sRowM, sRowL, m_row)
+                    m_all, l_all = merged_row_stats(sRowM, sRowL, m_row, self.wgs)
                     m_use = m_all
                     if m_all == -Float32.inf:
                         m_use = Float32(0.0)
@@ -831,21 +791,6 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
                             st_global_b32(row + 16 * j, ptx.f32x2_to_bf16x2(v[0], v[1]))
                         else:
                             st_global_v2_f32(prow + 32 * j, v[0], v[1])
-
-    @cute.jit
-    def merged_stats(self, sRowM, sRowL, n):
-        """(max, sum) of tile row n over the MMA warpgroups (log2 units, sums rescaled to the max)."""
-        m_all = sRowM[n]
-        l_all = sRowL[n]
-        if cutlass.const_expr(self.wgs > 1):
-            m1 = sRowM[ROWS + n]
-            m_new = cute.arch.fmax(m_all, m1)
-            m_use = m_new
-            if m_new == -Float32.inf:
-                m_use = Float32(0.0)
-            l_all = l_all * ptx.ex2(m_all - m_use) + sRowL[ROWS + n] * ptx.ex2(m1 - m_use)
-            m_all = m_new
-        return m_all, l_all
 
     # ---- hooks: no code here; an instrumented subclass (bench/union_fp8.py) stamps timers in them
     def mark_cta(self, mPO, n_blocks, tidx):

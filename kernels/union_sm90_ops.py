@@ -251,3 +251,61 @@ def build_union(mTopk, mBT, mKvLens, num_pages, storage, union_lists, sKvLen, re
                 sMasks[rank] = my_mask[k]
     cute.arch.sync_threads()
     return n_union
+
+
+@cute.jit
+def stage_q_fp8(words, q_smem, tidx):
+    """Q of the tile (the kernel's q_half_row words) -> sQ (fp8 as given, 128B-swizzled): thread tidx (< 128)
+    writes half (64 bytes) of row tidx // 2."""
+    for p in cutlass.range_constexpr(4):
+        ptx.st_shared_v4(q_smem + swizzled_fp8(tidx // 2, 64 * (tidx % 2) + 16 * p),
+                         words[4 * p], words[4 * p + 1], words[4 * p + 2], words[4 * p + 3])
+    cute.arch.fence_view_async_shared()
+
+@cute.jit
+def stage_q_split(words, q_hi, q_lo, sScale, tidx):
+    """Q of the tile (the kernel's q_half_row bf16 words) -> sQ (hi) and sQ_lo (lo), e4m3, 128B-swizzled, and
+    each row's scale: thread tidx (< 128) takes half (64 dims) of row tidx // 2; zero rows get
+    scale 0."""
+    qrow = tidx // 2
+    qhalf = tidx % 2
+    amax = Float32(0.0)
+    for k in cutlass.range_constexpr(32):
+        amax = cute.arch.fmax(amax, bf16x2_absmax(words[k]))
+    amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, 1))  # the row's other half
+    inv = Float32(0.0)
+    scale = Float32(0.0)
+    if amax > Float32(0.0):
+        amax = cute.arch.fmax(amax, Float32(AMAX_MIN))  # 448 / a bf16 denormal would overflow
+        inv = Float32(E4M3_MAX) / amax
+        scale = amax / Float32(E4M3_MAX)
+    hi = cute.make_rmem_tensor(16, Int32)
+    lo = cute.make_rmem_tensor(16, Int32)
+    for k in cutlass.range_constexpr(16):
+        a, b = bf16x4_to_e4m3_hi_lo(words[2 * k], words[2 * k + 1], inv)
+        hi[k] = a
+        lo[k] = b
+    for p in cutlass.range_constexpr(4):
+        off = swizzled_fp8(qrow, 64 * qhalf + 16 * p)
+        ptx.st_shared_v4(q_hi + off, hi[4 * p], hi[4 * p + 1], hi[4 * p + 2], hi[4 * p + 3])
+        ptx.st_shared_v4(q_lo + off, lo[4 * p], lo[4 * p + 1], lo[4 * p + 2], lo[4 * p + 3])
+    if qhalf == 0:
+        sScale[qrow] = scale
+    cute.arch.fence_view_async_shared()
+
+
+@cute.jit
+def merged_row_stats(sRowM, sRowL, n, wgs: cutlass.Constexpr):
+    """(max, sum) of tile row n over the kernel's wgs MMA warpgroups (log2 units, sums rescaled to the
+    max): the rows' (m, l) in sRowM / sRowL, warpgroup w's at w * ROWS."""
+    m_all = sRowM[n]
+    l_all = sRowL[n]
+    if cutlass.const_expr(wgs > 1):
+        m1 = sRowM[ROWS + n]
+        m_new = cute.arch.fmax(m_all, m1)
+        m_use = m_new
+        if m_new == -Float32.inf:
+            m_use = Float32(0.0)
+        l_all = l_all * ptx.ex2(m_all - m_use) + sRowL[ROWS + n] * ptx.ex2(m1 - m_use)
+        m_all = m_new
+    return m_all, l_all

@@ -46,49 +46,53 @@ def test_union_build_compiles_to_fp8_warpgroup_mmas(tmp_path, heads, q_dtype, ct
     # the wgmmas (C7514 would put a wait after each of the 8 HGMMAs)
     assert text.count("WARPGROUP.DEPBAR.LE gsb0, 0x1") == 2 * wgs
     assert text.count("WARPGROUP.DEPBAR.LE gsb0, 0x0") <= 3 * wgs
-    if q_dtype == "bfloat16" and ctas == 2:
-        _assert_lo_chain_behind_v_loads(text)
+    if ctas == 2:
+        _assert_v_converter(text, q_dtype)
+    else:
+        assert "USETMAXREG" not in text
     assert sum(n for op, n in counts.items() if op.startswith("UTMALDG")) >= 2
     # a TMA cute.copy elects its lane with a full-warp elect.sync (NVIDIA/cutlass#2365): no divergent paths
     assert "BRA.DIV" not in text and "WARPSYNC" not in text
     assert "LDL" not in text and "STL" not in text
-    assert "USETMAXREG" not in text
     cls = _cls()
     kernel = cls(num_q_heads=heads[0], num_kv_heads=heads[1], q_dtype=q_dtype,
                  **cls.occupancy_options(ctas, q_dtype))
-    assert (kernel.ctas_per_sm, kernel.tile_tokens, kernel.threads) == (ctas, 64 // (heads[0] // heads[1]), 128 * wgs)
+    assert (kernel.ctas_per_sm, kernel.tile_tokens, kernel.threads) == (ctas, 64 // (heads[0] // heads[1]), 256)
+    assert kernel.empty_arrivals == 128 * (1 if ctas == 1 else 2)  # 2 CTAs per SM: the converter reads V
     assert kernel.storage_type().size_in_bytes() + 1024 <= 228 * 1024 // ctas  # 1 KiB reserved per CTA
 
 
-def _assert_lo_chain_behind_v_loads(text: str) -> None:
-    """Row 84 (q_lo_regs, a bf16 query's lo tile in registers): in each block's S-and-V section (from S's
-    wait for the previous P V to the wait for S) the lo chain (4 QGMMAs with A from registers, each
-    accumulating into S's registers, behind a warpgroup fence) comes after all 8 of V's shared loads and
-    before V's first f16 store; the hi chain (A from shared memory) is issued before the section, with no
-    shared load or store of V's between it and the wait."""
+def _assert_v_converter(text: str, q_dtype: str) -> None:
+    """Row 86 (the 2-CTA builds): V converted by a second warpgroup. The MMA warpgroup takes the registers
+    the converter gives back (setmaxnreg; the two sum to 256 per thread: 2 CTAs x 256 threads share 64 Ki),
+    issues S's chains as one group (a bf16 query's lo chain, A from registers, right behind the hi chain:
+    nothing to hide it behind), and neither loads nor stores V; the converter does V's 8 shared loads and
+    f16 stores and no MMA."""
     ops = [line.split(";")[0].split("*/")[-1].strip() for line in text.splitlines() if "*/" in line]
-    starts = [i for i, op in enumerate(ops) if op.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x1")]
-    assert len(starts) == 2  # block 0's, before the loop, and the next block's, in it
-    for start in starts:
-        end = next(i for i in range(start, len(ops)) if ops[i].startswith("WARPGROUP.DEPBAR.LE gsb0, 0x0"))
-        section = ops[start:end]
-        lo = [i for i, op in enumerate(section) if op.startswith("QGMMA") and re.search(r", R\d+, gdesc", op)]
-        loads = [i for i, op in enumerate(section) if op.startswith("LDS.128")]
-        stores = [i for i, op in enumerate(section) if op.startswith("STS.128")]
-        assert len(lo) == 4 and len(loads) == 8 and len(stores) >= 8, section
-        assert max(loads) < min(lo) and max(lo) < min(stores)
-        assert all(re.match(r"QGMMA\S* (R\d+), R\d+, gdesc\[[^]]+\], \1\b", section[i]) for i in lo)
-        assert any(op.startswith("WARPGROUP.ARRIVE") for op in section[max(loads):min(lo)])
-        hi = [i for i, op in enumerate(ops[:start]) if re.match(r"QGMMA\S* R\d+, gdesc\[", op)]  # A and B by descriptor
-        hi = hi[-4:] if len(hi) >= 4 else hi
-        assert len(hi) == 4 and not any(op.startswith(("LDS.128", "STS.128", "QGMMA"))
-                                        for op in ops[hi[-1] + 1:start])
+    regs = (208, 48) if q_dtype == "bfloat16" else (192, 64)
+    alloc = [i for i, op in enumerate(ops) if op.startswith("USETMAXREG.TRY_ALLOC.CTAPOOL")]
+    dealloc = [i for i, op in enumerate(ops) if op.startswith("USETMAXREG.DEALLOC.CTAPOOL")]
+    assert len(alloc) == 1 and ops[alloc[0]].endswith(hex(regs[0])), ops[alloc[0]]
+    assert len(dealloc) == 1 and ops[dealloc[0]].endswith(hex(regs[1])), ops[dealloc[0]]
+    mma, conv = ops[alloc[0]:dealloc[0]], ops[dealloc[0]:]
+    chains = 2 if q_dtype == "bfloat16" else 1
+    qgmma = [i for i, op in enumerate(mma) if op.startswith("QGMMA")]
+    assert len(qgmma) == 2 * 4 * chains and sum(op.startswith("HGMMA") for op in mma) == 8
+    for group in (qgmma[:4 * chains], qgmma[4 * chains:]):  # one commit group each: only its last QGMMA ends it
+        assert [mma[i].endswith("gsb0") for i in group] == [False] * (4 * chains - 1) + [True]
+        assert not any(op.startswith("WARPGROUP.DEPBAR") for op in mma[group[0]:group[-1]])
+    if chains == 2:  # the lo chain: A from registers, accumulating into S's registers
+        assert all(re.match(r"QGMMA\S* (R\d+), R\d+, gdesc\[[^]]+\], \1\b", mma[i]) for i in qgmma[4:8])
+    assert not any(op.startswith(("LDS.128", "STS.128")) for op in mma)
+    assert sum(op.startswith("LDS.128") for op in conv) == 8 and sum(op.startswith("STS.128") for op in conv) >= 8
+    assert not any(op.startswith(("QGMMA", "HGMMA")) for op in conv)
 
 
 def test_union_constraints_raise():
     cls = _cls()
-    assert cls.occupancy_options(1, "bfloat16") == {} and cls.occupancy_options(2, "float8_e4m3fn") == {"warpgroups": 1}
-    assert cls.occupancy_options(2, "bfloat16") == {"warpgroups": 1, "q_lo_regs": True}
+    assert cls.occupancy_options(1, "bfloat16") == {}
+    assert cls.occupancy_options(2, "float8_e4m3fn") == {"warpgroups": 1, "v_converter": True}
+    assert cls.occupancy_options(2, "bfloat16") == {"warpgroups": 1, "v_converter": True, "q_lo_regs": True}
     with pytest.raises(ValueError, match="CTAs per SM"):
         cls.occupancy_options(3, "bfloat16")
     assert cls.arch_options("sm_90a", "float8_e4m3fn") == {}
@@ -97,7 +101,7 @@ def test_union_constraints_raise():
     for options, match in (({"kv_dtype": "nvfp4"}, "fp8 cache"), ({"warpgroups": 1}, "fp8 query"),
                            ({"stages": 3}, "even stage count"),
                            ({"q_lo_regs": True, "q_dtype": "float8_e4m3fn"}, "bf16 query"),
-                           ({"q_lo_regs": True}, "warpgroups=1"),
+                           ({"q_lo_regs": True}, "warpgroups=1"), ({"v_converter": True}, "v_converter needs"),
                            ({"page_size": 64}, "page_size"), ({"warpgroups": 3}, "warpgroups")):
         with pytest.raises(ValueError, match=match):
             cls(num_q_heads=64, num_kv_heads=4, **options)
@@ -131,42 +135,3 @@ def test_every_geometry_the_planner_may_give_the_union_kernel_fits():
         assert accepted == (g in (8, 16)), g
     with pytest.raises(ValueError, match="shared memory"):  # G 4: an fp8 query at 2 CTAs per SM, topk 32
         cls(num_q_heads=16, num_kv_heads=4, topk=32, q_dtype="float8_e4m3fn", **cls.occupancy_options(2, "float8_e4m3fn"))
-
-
-# row 86: V converted by a second warpgroup of the 2-CTA build (v_converter)
-@pytest.mark.slow  # compiles 2 kernels
-@pytest.mark.parametrize("heads,q_dtype,regs", [((64, 4), "bfloat16", (208, 48)), ((8, 1), "float8_e4m3fn", (192, 64))])
-def test_v_converter_build_hands_v_over_by_mbarriers(tmp_path, heads, q_dtype, regs):
-    cfg = SparseDecodeConfig(num_q_heads=heads[0], num_kv_heads=heads[1], q_dtype=q_dtype, arch="sm_90a",
-                             kernel="union", ctas_per_sm=2)
-    cls = _cls()
-    options = dict(cls.occupancy_options(2, q_dtype), v_converter=True)
-    compile_sparse_decode(cfg, tmp_path, kernel_options=options, kernel_class=cls)
-    (cubin,) = sass.extract_cubins(tmp_path / "sparse_decode.so")
-    text = "\n".join(body for name, body in sass.split_functions(sass.disassemble(cubin)).items()
-                     if "merge" not in name.lower())
-    ops = [line.split(";")[0].split("*/")[-1].strip() for line in text.splitlines() if "*/" in line]
-    # the MMA warpgroup takes what the converter gives back: the two sum to 256 per thread (2 CTAs x 256 threads)
-    alloc = [i for i, op in enumerate(ops) if op.startswith("USETMAXREG.TRY_ALLOC.CTAPOOL")]
-    dealloc = [i for i, op in enumerate(ops) if op.startswith("USETMAXREG.DEALLOC.CTAPOOL")]
-    assert len(alloc) == 1 and ops[alloc[0]].endswith(hex(regs[0])), ops[alloc[0]]
-    assert len(dealloc) == 1 and ops[dealloc[0]].endswith(hex(regs[1])), ops[dealloc[0]]
-    assert sum(regs) == 256
-    assert "LDL" not in text and "STL" not in text
-    # S's chains (a bf16 query: hi and lo in one group, nothing between them) twice, P V once, all in the MMA
-    # warpgroup's part; V's 8 shared loads and their f16 stores only in the converter's part
-    mma, conv = ops[alloc[0]:dealloc[0]], ops[dealloc[0]:]
-    chains = 2 if q_dtype == "bfloat16" else 1
-    qgmma = [i for i, op in enumerate(mma) if op.startswith("QGMMA")]
-    assert len(qgmma) == 2 * 4 * chains and sum(op.startswith("HGMMA") for op in mma) == 8
-    for group in (qgmma[:4 * chains], qgmma[4 * chains:]):  # one commit group each: only its last QGMMA ends it
-        assert [mma[i].endswith("gsb0") for i in group] == [False] * (4 * chains - 1) + [True]
-        assert not any(op.startswith("WARPGROUP.DEPBAR") for op in mma[group[0]:group[-1]])
-    assert not any(op.startswith(("LDS.128", "STS.128")) for op in mma)
-    assert sum(op.startswith("LDS.128") for op in conv) == 8 and sum(op.startswith("STS.128") for op in conv) >= 8
-    assert not any(op.startswith(("QGMMA", "HGMMA")) for op in conv)
-    kernel = cls(num_q_heads=heads[0], num_kv_heads=heads[1], q_dtype=q_dtype, **options)
-    assert (kernel.threads, kernel.empty_arrivals, kernel.cv_regs) == (256, 256, regs)
-    assert kernel.storage_type().size_in_bytes() + 1024 <= 228 * 1024 // 2
-    with pytest.raises(ValueError, match="v_converter needs warpgroups=1"):
-        cls(num_q_heads=64, num_kv_heads=4, v_converter=True)
