@@ -28,6 +28,17 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
 
 # limit STEP_SECONDS: the step's own cap, cut to what is left before DEADLINE
 limit() { local left=$(( DEADLINE - ($(date +%s) - START) )); (( left < $1 )) && echo $(( left > 5 ? left : 5 )) || echo "$1"; }
+# checked_union_builds BUILD...: bench/union_check.py on each .kv-variants build (log union-check-BUILD.log);
+# the builds that pass go into CHECKED, for the timing that follows
+checked_union_builds() {
+  CHECKED=()
+  local v rc
+  for v in "$@"; do
+    timeout "$(limit 40)" python3 bench/union_check.py --dir .kv-variants --variants "$v" \
+      > $OUT/union-check-$v.log 2>&1; rc=$?; echo "union check $v: rc=$rc"; tail -n 1 $OUT/union-check-$v.log
+    (( rc == 0 )) && CHECKED+=("$v")
+  done
+}
 
 for step in "$@"; do
   t0=$(date +%s); touch $OUT/.step-start
@@ -161,14 +172,9 @@ print("bench/results/" + b.name if b else "none")')}
               # against main's build then (s26_f_union_k8_w1_qreg since row 84 shipped lo 0), the fp8-query build and the
               # token kernel (build: f_c3 s26_f_union_k8_w1_qreg
               # f_union_k8_w1_qreg_lo0 f_union_k8_w1_qreg_lo4 f_union_k8_w1_qreg_lo8 q8_union_w1)
-              lo_ok=()
-              for v in f_union_k8_w1_qreg_lo0 f_union_k8_w1_qreg_lo4 f_union_k8_w1_qreg_lo8; do
-                timeout "$(limit 40)" python3 bench/union_check.py --dir .kv-variants --variants "$v" \
-                  > $OUT/union-check-$v.log 2>&1; rc=$?; echo "union check $v: rc=$rc"; tail -n 1 $OUT/union-check-$v.log
-                (( rc == 0 )) && lo_ok+=("$v")
-              done
+              checked_union_builds f_union_k8_w1_qreg_lo0 f_union_k8_w1_qreg_lo4 f_union_k8_w1_qreg_lo8
               timeout "$(limit 200)" python3 bench/kv_format_ab.py run --dir .kv-variants --out $OUT --rounds 5 \
-                --variants f_c3 s26_f_union_k8_w1_qreg q8_union_w1 "${lo_ok[@]}" \
+                --variants f_c3 s26_f_union_k8_w1_qreg q8_union_w1 "${CHECKED[@]}" \
                 --points 64/4:64:4:12 64/4:64:4:0 8/1:256:4:12 64/4:64:2:12 2>&1 | grep -v "^{" | tail -n 4
               # where each block's time goes, main's build and lo_at 8 (f_union_k8_w1_qreg_trace, ..._lo8_trace; since
               # row 84 the first is lo 0's)
@@ -181,27 +187,17 @@ print("bench/results/" + b.name if b else "none")')}
               # on the FMA pipe; slower on the H200, session 29), every build checked first, then timed with the token kernel
               # (build: f_c3 f_union_k8_w1_qreg f_union_k8_w1_qreg_ex2p2 f_union_k8_w1_qreg_ex2p3 f_union_k8_w1_qreg_ex2p4
               # f_union_k8_w1_qreg_ex2p6 q8_union_w1 q8_union_w1_ex2p3; s26_f_union_k8_w1_qreg from a checkout of 8871a82)
-              ex2_ok=()
-              for v in f_union_k8_w1_qreg f_union_k8_w1_qreg_ex2p2 f_union_k8_w1_qreg_ex2p3 f_union_k8_w1_qreg_ex2p4 \
-                       f_union_k8_w1_qreg_ex2p6 q8_union_w1_ex2p3; do
-                timeout "$(limit 40)" python3 bench/union_check.py --dir .kv-variants --variants "$v" \
-                  > $OUT/union-check-$v.log 2>&1; rc=$?; echo "union check $v: rc=$rc"; tail -n 1 $OUT/union-check-$v.log
-                (( rc == 0 )) && ex2_ok+=("$v")
-              done
+              checked_union_builds f_union_k8_w1_qreg f_union_k8_w1_qreg_ex2p2 f_union_k8_w1_qreg_ex2p3 f_union_k8_w1_qreg_ex2p4 \
+                       f_union_k8_w1_qreg_ex2p6 q8_union_w1_ex2p3
               timeout "$(limit 300)" python3 bench/kv_format_ab.py run --dir .kv-variants --out $OUT --rounds ${ROUNDS:-5} \
-                --variants f_c3 s26_f_union_k8_w1_qreg q8_union_w1 "${ex2_ok[@]}" \
+                --variants f_c3 s26_f_union_k8_w1_qreg q8_union_w1 "${CHECKED[@]}" \
                 --points 64/4:64:4:12 64/4:64:4:0 8/1:256:4:12 64/4:64:2:12 2>&1 | grep -v "^{" | tail -n 4 ;;
     union_cv) # session 30 (row 86): V converted by a second warpgroup of the 2-CTA union build (v_converter), checked,
               # then timed against the shipped builds and the token kernel, then traced
               # (build: f_c3 f_union_k8_w1_qreg q8_union_w1 f_union_k8_w1_qreg_cv q8_union_w1_cv f_union_k8_w1_qreg_cv_trace)
-              cv_ok=()
-              for v in f_union_k8_w1_qreg_cv q8_union_w1_cv; do
-                timeout "$(limit 40)" python3 bench/union_check.py --dir .kv-variants --variants "$v" \
-                  > $OUT/union-check-$v.log 2>&1; rc=$?; echo "union check $v: rc=$rc"; tail -n 1 $OUT/union-check-$v.log
-                (( rc == 0 )) && cv_ok+=("$v")
-              done
+              checked_union_builds f_union_k8_w1_qreg_cv q8_union_w1_cv
               timeout "$(limit 200)" python3 bench/kv_format_ab.py run --dir .kv-variants --out $OUT --rounds ${ROUNDS:-5} \
-                --variants f_c3 f_union_k8_w1_qreg q8_union_w1 "${cv_ok[@]}" \
+                --variants f_c3 f_union_k8_w1_qreg q8_union_w1 "${CHECKED[@]}" \
                 --points 64/4:64:4:12 64/4:64:4:0 8/1:256:4:12 64/4:64:2:12 64/4:64:8:12 2>&1 | grep -v "^{" | tail -n 4
               for v in f_union_k8_w1_qreg_cv_trace; do
                 timeout "$(limit 45)" python3 bench/union_trace.py --out $OUT --warpgroups 1 \
