@@ -317,8 +317,8 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
                     self.issue_block(tma, sPages, first, j, full_ptr)
             if cutlass.const_expr(self.split_q):
                 stage_q_split(q_words, ptx.smem_addr(storage.sq.data_ptr()),
-                                   ptx.smem_addr(self.q_lo_field(storage).data_ptr()),
-                                   storage.qscale.get_tensor(cute.make_layout(ROWS)), tidx)
+                              ptx.smem_addr(self.q_lo_field(storage).data_ptr()),
+                              storage.qscale.get_tensor(cute.make_layout(ROWS)), tidx)
             else:
                 stage_q_fp8(q_words, ptx.smem_addr(storage.sq.data_ptr()), tidx)
         cute.arch.sync_threads()  # sQ (fenced) is complete
@@ -400,7 +400,8 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
         MMAs that read it). Row r's loads are issued v_loads_ahead rows before its stores: ptxas
         cannot hoist a load above stores that may alias it, so a load per row in series would wait
         out each one's latency (ncu, session 18). `after_loads` (a trace-time callable, or None)
-        issues more work behind the first v_loads_ahead rows' loads, before the first store."""
+        issues more work behind the first v_loads_ahead rows' loads, before the first store; `ahead`
+        (0: v_loads_ahead) sets that count instead (the converter's, cv_loads_ahead)."""
         c8 = tidx % 8
         rows = self.page // 16
         ahead = min(ahead or self.v_loads_ahead, rows)
@@ -584,22 +585,22 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
             for k in cutlass.range_constexpr(cute.size(tSrQ.shape[2])):
                 cute.gemm(atom_s, acc_s, m["tSrQlo"][None, None, k], tSrK[None, None, k, s], acc_s)
         if cutlass.const_expr(self.q_lo_regs and self.v_converter):  # no conversion here to hide it behind
-            atom_lo = cute.make_mma_atom(m["mma_s_lo"].op)
-            atom_lo.set(warpgroup.Field.ACCUMULATE, True)
-            for k in cutlass.range_constexpr(cute.size(tSrQ.shape[2])):
-                cute.gemm(atom_lo, acc_s, m["tSrQlo"][None, None, k], tSrK[None, None, k, s], acc_s)
+            self.s_lo_chain(m, acc_s, s)
         warpgroup.commit_group()
 
     @cute.jit
     def s_lo_issue(self, m, acc_s, s):
         """S += Q_lo K^T of stage s (q_lo_regs: Q's lo tile from registers), issued and committed."""
-        tSrK = m["tSrK"]
         warpgroup.fence()
+        self.s_lo_chain(m, acc_s, s)
+        warpgroup.commit_group()
+
+    def s_lo_chain(self, m, acc_s, s):
+        """The QGMMAs of S += Q_lo K^T of stage s from registers, into the open group (traced inline)."""
         atom_lo = cute.make_mma_atom(m["mma_s_lo"].op)
         atom_lo.set(warpgroup.Field.ACCUMULATE, True)
-        for k in cutlass.range_constexpr(cute.size(m["tSrQ"].shape[2])):
-            cute.gemm(atom_lo, acc_s, m["tSrQlo"][None, None, k], tSrK[None, None, k, s], acc_s)
-        warpgroup.commit_group()
+        for k in range(cute.size(m["tSrQ"].shape[2])):
+            cute.gemm(atom_lo, acc_s, m["tSrQlo"][None, None, k], m["tSrK"][None, None, k, s], acc_s)
 
     def mma_wait(self):
         """Wait for every MMA this warpgroup has issued (S, and P V before it)."""
