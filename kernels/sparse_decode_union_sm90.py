@@ -79,8 +79,7 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
     # V's conversion: 16-key rows whose shared loads are in flight before a row's stores (all 8: 252-255
     # registers, no local memory)
     v_loads_ahead = 8
-    # v_converter: the converter's V loads ahead (16 registers)
-    cv_loads_ahead = 4
+    cv_loads_ahead = 4  # v_converter: the converter's V loads ahead (16 registers)
     # programmatic dependent launch, as the portable kernel: each kernel of the launch waits
     # (griddepcontrol.wait) before its first global-memory access
     pdl = True
