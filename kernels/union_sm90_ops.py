@@ -1,7 +1,8 @@
 """Device helpers of the sm_90a union kernel (kernels/sparse_decode_union_sm90.py): the union
 of a tile's blocks (`build_union`), its tile layouts and swizzles, the query split into e4m3
-halves, the fp8 -> f16 V chunk store, the online softmax's row state and tree reductions, and the
-scalar shared / global accesses of its epilogue.
+halves and the tile's Q staged (`stage_q_fp8`, `stage_q_split`), the fp8 -> f16 V chunk store, the
+online softmax's row state and tree reductions, the MMA warpgroups' row merge (`merged_row_stats`),
+and the scalar shared / global accesses of its epilogue.
 
 Two shared-memory tile kinds, both 128B-swizzled (the 16-byte chunk index of a byte address
 xor its bits 7-9; every tile 1024-byte aligned):
@@ -261,6 +262,7 @@ def stage_q_fp8(words, q_smem, tidx):
         ptx.st_shared_v4(q_smem + swizzled_fp8(tidx // 2, 64 * (tidx % 2) + 16 * p),
                          words[4 * p], words[4 * p + 1], words[4 * p + 2], words[4 * p + 3])
     cute.arch.fence_view_async_shared()
+
 
 @cute.jit
 def stage_q_split(words, q_hi, q_lo, sScale, tidx):
