@@ -7,8 +7,8 @@
 #           ceilings host_ab host_ab_union variants trace
 #           per_layer_ab union_k8 union_k8_small union_k8_trace union_skip union_qreg union_qreg_trace
 #           union_lo union_ncu union_final push_merge push_trace union_lo_late small_floor small_w8 epilogue_ab
-#           union_ex2 union_cv
-#           split_count
+#           union_ex2 union_cv union_waves
+#           split_count union_splits dims_ab
 #   VARIANTS="now lsu" bash bench/h200_run.sh variants   # time only these variants
 #   BASELINE=bench/results/bench-....json                # compare with (default: the newest unflagged file
 #                                                        # in bench/results from a GPU of the same name)
@@ -75,8 +75,9 @@ for f in glob.glob("bench/results/bench-*.json"):
     any(t in f for t in ("-union", "-cluster", "-opt-in", "-kernel-merge")) or shutil.copy(f, d)
 b = latest_result(d, torch.cuda.get_device_name())
 print("bench/results/" + b.name if b else "none")')}
-           # bench_union: the planner may pick the union kernel (MSA_JIT_ENABLE_SM90_UNION=1; rows say "kernel")
-           UNION=$([ "$step" = bench_union ] && echo 1 || echo 0)
+           # bench_union: the planner may give the union kernel every draft length (MSA_JIT_ENABLE_SM90_UNION=1;
+           # rows say "kernel"); the other steps leave it unset: the planner's rule, the op as shipped
+           UNION=$([ "$step" = bench_union ] && echo 1 || echo "")
            # bench_kernel_merge: the default before session 21, every split merged by the second kernel
            # (MSA_JIT_ENABLE_CLUSTER_MERGE=0; rows say "split_merge")
            CLUSTER=$([ "$step" = bench_kernel_merge ] && echo 0 || echo 1)
@@ -85,7 +86,8 @@ print("bench/results/" + b.name if b else "none")')}
            # log is named before the run, so a later bench step cannot overwrite an earlier one's log
            sfx=""; [[ $step == bench_union || $step == bench_kernel_merge ]] && { sfx=${step#bench_}; sfx=-${sfx//_/-}; }
            log=$OUT/bench$sfx.log
-           MSA_JIT_ENABLE_SM90_UNION=$UNION MSA_JIT_ENABLE_CLUSTER_MERGE=$CLUSTER timeout "$(limit 330)" python3 -m msa_jit bench --out $OUT --baseline "$BASELINE" \
+           env -u MSA_JIT_ENABLE_SM90_UNION ${UNION:+MSA_JIT_ENABLE_SM90_UNION=$UNION} MSA_JIT_ENABLE_CLUSTER_MERGE=$CLUSTER \
+             timeout "$(limit 330)" python3 -m msa_jit bench --out $OUT --baseline "$BASELINE" \
              $([ "$step" = bench_quick ] && echo --quick) > $log 2>&1
            echo "bench rc=$?" | tee -a $log; grep -E "^REGRESSION|FAILED" $log | head -n 20
            sed -n '/^| issue | target/,$p' $log
@@ -194,7 +196,8 @@ print("bench/results/" + b.name if b else "none")')}
                 --points 64/4:64:4:12 64/4:64:4:0 8/1:256:4:12 64/4:64:2:12 2>&1 | grep -v "^{" | tail -n 4 ;;
     union_cv) # session 30 (row 86): V converted by a second warpgroup of the 2-CTA union build (v_converter), checked,
               # then timed against the shipped builds and the token kernel, then traced
-              # (build: f_c3 f_union_k8_w1_qreg q8_union_w1 f_union_k8_w1_qreg_cv q8_union_w1_cv f_union_k8_w1_qreg_cv_trace)
+              # (build: f_c3 f_union_k8_w1_qreg q8_union_w1 f_union_k8_w1_qreg_cv q8_union_w1_cv f_union_k8_w1_qreg_cv_trace;
+              # f_union_k8_w1_qreg in a checkout of 5986f3e since session 31)
               checked_union_builds f_union_k8_w1_qreg_cv q8_union_w1_cv
               timeout "$(limit 200)" python3 bench/kv_format_ab.py run --dir .kv-variants --out $OUT --rounds ${ROUNDS:-5} \
                 --variants f_c3 f_union_k8_w1_qreg q8_union_w1 "${CHECKED[@]}" \
@@ -203,6 +206,9 @@ print("bench/results/" + b.name if b else "none")')}
                 timeout "$(limit 45)" python3 bench/union_trace.py --out $OUT --warpgroups 1 \
                   --so .kv-variants/$v/64x4/sparse_decode.so > $OUT/$v.log 2>&1; echo "trace $v: rc=$?"; tail -n 9 $OUT/$v.log
               done ;;
+    union_waves) # session 31: the union against the token kernel by the union grid's share of a wave, no block
+              # shared (the data of planner.choose_kernel's rule): one union-waves-<date>-<gpu>.json
+              timeout "$(limit 200)" python3 bench/union_waves.py run --out $OUT 2>&1 | tail -n 62 ;;
     small_floor) # session 25: row 65's decomposition of today's small-batch build (2 CTAs per SM, the cluster merge):
               # full / stream alone (no math) / math alone (no copy) / chain and bytes alone (probe "stream": no math,
               # no epilogue), the merge kernel's build and its stream alone, and #19's floor probe (--floor), one
@@ -212,6 +218,18 @@ print("bench/results/" + b.name if b else "none")')}
                 --variants f_c2_cm f_c2_cm_nomath f_c2_cm_nocopy f_c2_cm_stream f_c2 f_c2_stream f_c2_cm_reduce f_c2_cm_push f_c2_cm_bars f_c2_cm_alu_unrolled f_c2_cm_alu_loop \
                 --keep f_c2_cm_nomath f_c2_cm_nocopy f_c2_cm_stream f_c2_stream f_c2_cm_reduce f_c2_cm_push f_c2_cm_bars f_c2_cm_alu_unrolled f_c2_cm_alu_loop \
                 --points 64/4:1:1 8/1:1:1 8/1:4:1 64/4:4:1 2>&1 | grep -v "^{" | tail -n 3 ;;
+    dims_ab) # session 33 (row 89, bench/dims_split.py): P V split by head dims (no 4-warp reduction) against today's
+              # cluster build at the points the planner gives it, and at two it does not (64/4 B=4: merge kernel path;
+              # qlen 2), each checked first, with #19's floor probe (build: f_c2_cm f_c2_cm_dims f_c2_cm_dims_pad
+              # f_c2_cm_dims_pad32 q8_c2_cm q8_c2_cm_dims_pad q8_c2_cm_dims_pad32); DIMS_VARIANTS / DIMS_POINTS override them
+              timeout "$(limit 260)" python3 bench/kv_format_ab.py run --dir .kv-variants --out $OUT --rounds 7 --floor \
+                --variants ${DIMS_VARIANTS:-f_c2_cm f_c2_cm_dims f_c2_cm_dims_pad f_c2_cm_dims_pad32 q8_c2_cm \
+                q8_c2_cm_dims_pad q8_c2_cm_dims_pad32} --points ${DIMS_POINTS:-64/4:1:1 8/1:1:1 8/1:4:1 64/4:1:2 64/4:4:1} 2>&1 \
+                | python3 -c "import sys,json
+for l in sys.stdin:
+    if l.startswith('{'):
+        r=json.loads(l); print(r['variant'], r['geometry'], r['batch'], r['qlen'], r['num_splits'], r['step_us'], r['marginal_us'])
+    else: print(l.rstrip())" | tail -n 45 ;;
     small_w8) # session 25: row 50's 8 consumer warps (1 CTA per SM) with the cluster merge against today's 2-CTA build,
               # and both without math, at the points the cluster merge serves (build: f_c2_cm f_w8_cm f_c2_cm_nomath
               # f_w8_cm_nomath)
@@ -301,6 +319,10 @@ print("bench/results/" + b.name if b else "none")')}
               timeout "$(limit 300)" python3 bench/split_count_ab.py --out $OUT --rounds ${ROUNDS:-5} ${SPLIT_KV:+--kv $SPLIT_KV} \
                 ${SPLIT_SET:+--set $SPLIT_SET} \
                 2>&1 | tee $OUT/split-count-ab.log | grep -v "^{" | tail -n 30 ;;
+    union_splits) # session 32: the union kernel in 1-8 splits where its unsplit grid is a partial wave, against the
+              # token kernel, no block shared and 12/16 (docs/open-targets.md item 1; bench/split_count_ab.py --set union)
+              timeout "$(limit 300)" python3 bench/split_count_ab.py --out $OUT --rounds ${ROUNDS:-5} --set union --shared 0 12 \
+                2>&1 | tee $OUT/union-splits.log | grep -v "^{" | tail -n 40 ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
   echo "== $step: $(( $(date +%s) - t0 )) s (total $(( $(date +%s) - START )) s)"

@@ -291,7 +291,7 @@ class ProbeMmaKernel(SparseDecodeMmaKernel):
         warp = cute.arch.make_warp_uniform(tidx // 32)
         lane = tidx % 32
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(Storage)
         buf_addr = ptx.smem_addr(storage.buf.data_ptr())
         full_ptr = storage.full.data_ptr()

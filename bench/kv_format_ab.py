@@ -138,6 +138,17 @@ VARIANTS = {  # name -> (kv dtype, kernel options)
     "f_w8_cm_nomath": ("float8_e4m3fn", {"consumer_warps": 8, "ctas_per_sm": 1, "split_merge": "cluster",
                                          "probe": "no_math"}),
     "n_c2_nomath": ("nvfp4", {"probe": "no_math"}),
+    # session 33 (row 89, bench/dims_split.py): P V split by head dims (no 4-warp reduction of O), V rows as they
+    # lie (4-way bank conflicts) or every 4 rows 32 bytes apart (32 bulk copies per block)
+    "f_c2_cm_dims": ("float8_e4m3fn", {"split_merge": "cluster", "pv_split": "dims", "pad_rows": 0}),
+    "f_c2_cm_dims_pad": ("float8_e4m3fn", {"split_merge": "cluster", "pv_split": "dims", "pad_rows": 4}),
+    "q8_c2_cm_dims_pad": ("float8_e4m3fn", {"split_merge": "cluster", "pv_split": "dims", "pad_rows": 4,
+                                            "q_dtype": Q8}),
+    # the same with 4 copies of 32 rows 32 bytes apart, each lane's keys of a k-step in 4 groups
+    "f_c2_cm_dims_pad32": ("float8_e4m3fn", {"split_merge": "cluster", "pv_split": "dims", "pad_rows": 32}),
+    "f_c2_cm_dims_s3": ("float8_e4m3fn", {"split_merge": "cluster", "pv_split": "dims", "pad_rows": 32, "stages": 3}),
+    "q8_c2_cm_dims_pad32": ("float8_e4m3fn", {"split_merge": "cluster", "pv_split": "dims", "pad_rows": 32,
+                                              "q_dtype": Q8}),
     "f_c2_nocopy": ("float8_e4m3fn", {"probe": "no_copy"}),
     "n_c2_nocopy": ("nvfp4", {"probe": "no_copy"}),
     # the same loop's math alone at 1 and 2 CTAs per SM (4 and 8 consumer warps per SM against 12)
@@ -206,7 +217,7 @@ VARIANTS = {  # name -> (kv dtype, kernel options)
                                                      "v_converter": True, "trace": True}),
     "f_union_k8_w1_qreg_trace": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "q_lo_regs": True,
                                                   "trace": True}),
-    # (since row 84, session 27, these two follow the shipped build: the lo chain behind V's loads)
+    # (rows 84-85: the lo chain behind V's loads; a checkout of 5986f3e since session 31, below)
     "f_union_k8_w1_qreg_noconv": ("float8_e4m3fn", {"union_fp8": True, "warpgroups": 1, "q_lo_regs": True,
                                                    "convert": False}),
     # session 18: the 2-CTA union builds before Q's loads moved ahead of the union build (58c756b)
@@ -263,6 +274,11 @@ VARIANTS = {  # name -> (kv dtype, kernel options)
 # small-batch builds, built in a checkout of a09cf24 and copied here as s24_*
 VARIANTS.update({f"s24_{n}": (VARIANTS[n][0], dict(VARIANTS[n][1], checkout="a09cf24"))
                  for n in ("f_c2_cm", "f_c3", "n_c2_cm", "n_c3s3", "q8_c2_cm")})
+# row 84's bf16 2-CTA path without the V converter (S's lo chain behind V's loads) left the kernel in session 31
+# (q_lo_regs needs v_converter since): its builds, the baseline of rows 85-86's A/Bs, come from a checkout of
+# 5986f3e, the last commit with it
+VARIANTS.update({n: (kv, dict(opt, checkout="5986f3e")) for n, (kv, opt) in VARIANTS.items()
+                 if opt.get("q_lo_regs") and not opt.get("v_converter") and "checkout" not in opt})
 GEOMS = [(64, 4), (8, 1)]
 POINTS = [("64/4", 256, 1), ("64/4", 64, 1), ("8/1", 256, 1), ("64/4", 16, 1), ("64/4", 1, 1), ("64/4", 64, 4),
           ("64/4", 4, 1), ("8/1", 1, 1), ("8/1", 16, 1)]

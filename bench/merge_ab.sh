@@ -8,7 +8,7 @@
 #   ROUNDS=2 bash bench/merge_ab.sh
 set -uo pipefail
 source bench/device_env.sh
-export MSA_JIT_ENABLE_SM90_UNION=0
+unset MSA_JIT_ENABLE_SM90_UNION  # the planner's rule (its union takes no grid under a wave: none here)
 for round in $(seq 1 "${ROUNDS:-2}"); do
   for merge in cluster kernel; do
     d=$OUT/merge-ab/$round-$merge; mkdir -p "$d"

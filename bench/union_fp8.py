@@ -26,6 +26,8 @@ the shipped module's docstring for the design, the grid and the builds).
   per SM and clock make a warp's 64 ex2 per block take 512 cycles.
 * (retired in session 27, when row 84 shipped lo 0) lo_at=r, S's lo QGMMA chain issued after r of
   V's 8 16-key rows are converted (row 80): at commit 8871a82.
+* (retired from the kernel in session 31) the bf16 2-CTA build without the V converter (row 84: S's lo
+  chain behind V's shared loads) and every probe of it (q_lo_regs without v_converter): at commit 5986f3e.
 
 Its constructor takes the shipped class's options (warpgroups, stages, q_lo_regs)
 as given: occupancy_options adds none (bench/kv_format_ab.py's VARIANTS name every build's).
@@ -145,12 +147,10 @@ class UnionFp8Kernel(SparseDecodeUnionSm90Kernel):
         cta = (h * nreq + req) * ntile + tile
         st_global_b32(self.trace_po.iterator.toint() + (Int64(cta) * TRACE_WORDS + slot) * 4, value)
 
-    # ---- convert=False: the V tiles stay as they are (what runs behind V's loads still runs)
-    def convert_v(self, v_stage, dst_smem, tidx, after_loads=None, ahead: int = 0):
+    # ---- convert=False: the V tiles stay as they are
+    def convert_v(self, v_stage, dst_smem, tidx, ahead: int = 0):
         if self.convert:
-            super().convert_v(v_stage, dst_smem, tidx, after_loads, ahead)
-        elif after_loads is not None:
-            after_loads()
+            super().convert_v(v_stage, dst_smem, tidx, ahead)
 
     # ---- ex2_poly=n: the first n of every 16 P elements on the FMA pipe
     def exp2_p(self, x, k: int):
@@ -167,9 +167,9 @@ class UnionFp8Kernel(SparseDecodeUnionSm90Kernel):
             super().s_mma_issue(m, acc_s, s)
             self.split_q = split_q
 
-    def s_lo_issue(self, m, acc_s, s):
-        if self.mma and self.lo_chain:
-            super().s_lo_issue(m, acc_s, s)
+    def s_lo_chain(self, m, acc_s, s):
+        if self.lo_chain:  # (s_mma_issue, its only caller, runs only with mma)
+            super().s_lo_chain(m, acc_s, s)
 
     def mma_wait(self):
         if self.mma:

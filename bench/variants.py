@@ -105,6 +105,10 @@ def _kernel_class(options: dict[str, Any]):
         from union_fp8 import UnionFp8Kernel
 
         return UnionFp8Kernel
+    if options.get("pv_split"):
+        from dims_split import DimsLayoutKernel
+
+        return DimsLayoutKernel
     if not set(options) & PROBE_OPTIONS:
         return None
     from kernel_probes import ProbeMmaKernel

@@ -236,7 +236,7 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
         warp = cute.arch.make_warp_uniform(tidx // 32)
         lane = tidx % 32
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(Storage)
         buf_addr = ptx.smem_addr(storage.buf.data_ptr())
         full_ptr = storage.full.data_ptr()
@@ -780,20 +780,20 @@ class SparseDecodeMmaKernel(SparseDecodeKernelBase):
                 if d0 == 0:
                     mLse[t, hq] = lse2 * LN2
             elif cutlass.const_expr(self.cluster_merge is None):
-                self.store_partial(mPO, mPL, vals, lse2, t, h, split, row, d0, num_splits)
+                self.store_partial(mPO, mPL, vals, lse2, t, h, split, row, d0, num_splits, self.out_elems)
             elif self.cluster_merge.in_cluster():  # into the merging CTA's shared memory
                 self.cluster_merge.push(recv, split, num_splits, row, d0, vals, lse2, self.out_elems)
             else:
-                self.store_partial(mPO, mPL, vals, lse2, t, h, split, row, d0, num_splits)
+                self.store_partial(mPO, mPL, vals, lse2, t, h, split, row, d0, num_splits, self.out_elems)
         if cutlass.const_expr(self.cluster_merge is not None):
             self.cluster_merge.merge(mOut, mLse, recv, t, h * G, split, num_splits, tid)
 
     @cute.jit
-    def store_partial(self, mPO, mPL, vals, lse2, t, h, split, row, d0, num_splits):
-        """The split's normalized partial row (4 fp32 per store) and log2-LSE, for the merge kernel."""
+    def store_partial(self, mPO, mPL, vals, lse2, t, h, split, row, d0, num_splits, n_vals: cutlass.Constexpr):
+        """Dims [d0, d0 + n_vals) of the split's normalized partial row (4 fp32 per store) and its log2-LSE."""
         idx = (t * self.hkv + h) * num_splits + split
         dst = mPO.iterator.toint() + (Int64(idx) * Int64(mPO.stride[0]) + Int64(row * HEAD_DIM + d0)) * 4
-        for q in cutlass.range_constexpr(self.out_elems // 4):
+        for q in cutlass.range_constexpr(n_vals // 4):
             ptx.st_global_v4_f32(dst + 16 * q, vals[4 * q], vals[4 * q + 1], vals[4 * q + 2], vals[4 * q + 3])
         if d0 == 0:
             mPL[idx, row] = lse2

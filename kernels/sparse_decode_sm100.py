@@ -265,7 +265,7 @@ class SparseDecodeSm100Kernel(SparseDecodeKernelBase):
         warp = cute.arch.make_warp_uniform(tidx // 32)
         lane = tidx % 32
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(Storage)
         stage_addr = ptx.smem_addr(storage.stages.data_ptr())
         sk_addr = ptx.smem_addr(storage.sk.data_ptr())

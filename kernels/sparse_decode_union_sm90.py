@@ -47,7 +47,6 @@ not fit).
 
 # no `from __future__ import annotations`: the DSL reads evaluated annotations
 
-import functools
 import operator
 
 import cutlass
@@ -145,11 +144,12 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
         # two QGMMA chains into one accumulator, then scaled per row (~8 significant bits of Q, as bf16)
         self.split_q = not self.q_fp8
         # q_lo_regs (a bf16 query): Q's lo tile is the A operand of its QGMMAs from registers (16 per
-        # thread), staged once through the f16 V tile, so the CTA holds one Q tile, as with an fp8 query
+        # thread), staged once through the f16 V tile, so the CTA holds one Q tile, as with an fp8 query;
+        # its chain follows the hi chain in S's commit group
         if q_lo_regs and not self.split_q:
             raise ValueError("q_lo_regs takes a bf16 query (an fp8 one has no lo tile)")
-        if q_lo_regs and warpgroups != 1:  # staged through warpgroup 0's V tile, which only it may overwrite
-            raise ValueError("q_lo_regs needs warpgroups=1")
+        if q_lo_regs and not v_converter:  # staged through the MMA warpgroup's V tile, which only it may overwrite
+            raise ValueError("q_lo_regs needs v_converter (and so warpgroups=1)")
         self.q_lo_regs = bool(q_lo_regs)
         if warpgroups == 1 and self.split_q and not q_lo_regs:  # two Q tiles: 1.6 KiB over
             raise ValueError("warpgroups=1 (2 CTAs per SM) takes an fp8 query, or a bf16 one with q_lo_regs")
@@ -268,7 +268,7 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
         lane = tidx % 32
         TT = self.tile_tokens
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(Storage)
         full_ptr = storage.full.data_ptr()
         empty_ptr = storage.empty.data_ptr()
@@ -393,20 +393,17 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
 
     # ---- V: fp8 stage -> f16 tile
     @cute.jit
-    def convert_v(self, v_stage, dst_smem, tidx, after_loads=None, ahead: int = 0):
+    def convert_v(self, v_stage, dst_smem, tidx, ahead: int = 0):
         """The stage's fp8 V tile (TMA-swizzled key rows) -> an f16 tile (f16_tile_layout), by 128
         threads: thread = 16 dims of keys tidx // 8 + 16 r; not fenced (the caller fences for the
         MMAs that read it). Row r's loads are issued v_loads_ahead rows before its stores: ptxas
         cannot hoist a load above stores that may alias it, so a load per row in series would wait
-        out each one's latency (ncu, session 18). `after_loads` (a trace-time callable, or None)
-        issues more work behind the first v_loads_ahead rows' loads, before the first store; `ahead`
-        (0: v_loads_ahead) sets that count instead (the converter's, cv_loads_ahead)."""
+        out each one's latency (ncu, session 18); `ahead` (0: v_loads_ahead) sets that count instead
+        (the converter's, cv_loads_ahead)."""
         c8 = tidx % 8
         rows = self.page // 16
         ahead = min(ahead or self.v_loads_ahead, rows)
         words = [ptx.ld_shared_v4(v_stage + swizzled_fp8(tidx // 8 + 16 * r, 16 * c8)) for r in range(ahead)]
-        if cutlass.const_expr(after_loads is not None):
-            after_loads()
         for r in cutlass.range_constexpr(rows):
             if cutlass.const_expr(r + ahead < rows):
                 words.append(ptx.ld_shared_v4(v_stage + swizzled_fp8(tidx // 8 + 16 * (r + ahead), 16 * c8)))
@@ -537,11 +534,8 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
     def s_and_v(self, m, acc_s, tma, sPages, first, i, n_union, full_ptr, empty_ptr, bufv, bar, tidx, storage):
         """Block i's S into acc_s, issued behind the warpgroup's P V of its previous block, and, once
         every warp's P V is done (the f16 tile is free), its V converted into the tile while S runs;
-        returns with S done and the stage released. With Q's lo tile in registers, S's lo chain is
-        issued behind V's shared loads, not beside the hi chain (row 84: its shared reads of K no
-        longer queue ahead of the conversion's loads; -0.6 us per layer at the spec-decode point on
-        the H200, row 80). With v_converter: S only (both chains), the tile handed to the converter
-        once P V is done."""
+        returns with S done and the stage released. With v_converter: S only (a bf16 query's two
+        chains), the tile handed to the converter once P V is done."""
         s = i % self.stages
         cute.arch.mbarrier_wait(full_ptr + s, (i // self.stages) & 1)
         self.mark(i, 0, tidx)  # the stage is full
@@ -560,8 +554,7 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
             self.mark(i, 1, tidx)  # S issued, the previous P V done
             # its proxy fence comes after the wait: ptxas 12.9 (the DSL's) segfaults on a fence.proxy.async
             # between a wgmma commit and its wait
-            lo_chain = functools.partial(self.s_lo_issue, m, acc_s, s) if self.q_lo_regs else None
-            self.convert_v(bufv + s * self.tile_bytes, m["v_smem"], tidx, after_loads=lo_chain)
+            self.convert_v(bufv + s * self.tile_bytes, m["v_smem"], tidx)
             self.mark(i, 2, tidx)  # this thread's V conversion done
             self.mma_wait()
             self.mark(i, 3, tidx)  # S done
@@ -572,7 +565,7 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
     def s_mma_issue(self, m, acc_s, s):
         """S = Q K^T of stage s on QGMMA, issued and committed: asynchronous until mma_wait. A bf16
         query with its lo tile in shared memory: the hi chain, then the lo chain into the same
-        accumulator; with the lo tile in registers (q_lo_regs) the hi chain only (s_lo_issue adds the lo)."""
+        accumulator; with the lo tile in registers (q_lo_regs), the lo chain from there."""
         tSrQ, tSrK = m["tSrQ"], m["tSrK"]
         warpgroup.fence()
         atom_s = cute.make_mma_atom(m["mma_s"].op)
@@ -583,15 +576,8 @@ class SparseDecodeUnionSm90Kernel(SparseDecodeKernelBase):
         if cutlass.const_expr(self.split_q and not self.q_lo_regs):
             for k in cutlass.range_constexpr(cute.size(tSrQ.shape[2])):
                 cute.gemm(atom_s, acc_s, m["tSrQlo"][None, None, k], tSrK[None, None, k, s], acc_s)
-        if cutlass.const_expr(self.q_lo_regs and self.v_converter):  # no conversion here to hide it behind
+        if cutlass.const_expr(self.q_lo_regs):
             self.s_lo_chain(m, acc_s, s)
-        warpgroup.commit_group()
-
-    @cute.jit
-    def s_lo_issue(self, m, acc_s, s):
-        """S += Q_lo K^T of stage s (q_lo_regs: Q's lo tile from registers), issued and committed."""
-        warpgroup.fence()
-        self.s_lo_chain(m, acc_s, s)
         warpgroup.commit_group()
 
     def s_lo_chain(self, m, acc_s, s):

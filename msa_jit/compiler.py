@@ -23,8 +23,8 @@ from typing import Any, Callable, Mapping
 
 from . import cache as _cache
 from . import env
-from .geometry import (KV_DTYPE_SHORT, Q_DTYPE_SHORT, UNION_CTAS_PER_SM, SparseDecodeConfig, cluster_merge_problems,
-                       union_problems)
+from .geometry import (KV_DTYPE_SHORT, Q_DTYPE_SHORT, UNION_CTAS_PER_SM, UNION_PLANNED_CTAS_PER_SM, SparseDecodeConfig,
+                       cluster_merge_problems, union_problems)
 from .loader import load_artifact
 
 log = logging.getLogger("msa_jit")
@@ -95,22 +95,28 @@ KERNEL_REGISTRY: dict[str, KernelFamily] = {
     # keep one loop-carried word there (5 LDL/STL); the sm_100a build never ran on hardware
     "portable": KernelFamily("sparse_decode_mma", "SparseDecodeMmaKernel", (2, 3),
                              accepted_local_ops={("sm_100a", 3): 6}),
+    # the cluster build of the fp8 cache (SparseDecodeConfig.split_merge == "cluster", page 128): the portable
+    # kernel with P V split by head dims, no 4-warp reduction of O (docs/performance.md rows 89-90)
+    "portable_dims": KernelFamily("sparse_decode_dims", "SparseDecodeDimsKernel", (2,)),
     # tcgen05 kernel: compiles and its SASS is checked in CI, never run on hardware yet, so
     # kernel_family() picks it only with MSA_JIT_ENABLE_SM100_UMMA=1 on sm_100*.
     "sm100": KernelFamily("sparse_decode_sm100", "SparseDecodeSm100Kernel", (2,)),
-    # SparseDecodeConfig.kernel == "union" (sm_90a, fp8 cache): verified on the H200; faster only where
-    # draft tokens share blocks, so the planner picks it only with MSA_JIT_ENABLE_SM90_UNION=1
+    # SparseDecodeConfig.kernel == "union" (sm_90a, fp8 cache): verified on the H200; the planner picks it
+    # by planner.choose_kernel's rule (MSA_JIT_ENABLE_SM90_UNION)
     "union_sm90": KernelFamily("sparse_decode_union_sm90", "SparseDecodeUnionSm90Kernel", UNION_CTAS_PER_SM),
 }
 
 
 def kernel_family(config: SparseDecodeConfig) -> str:
-    """Which registered kernel serves this config (see KERNEL_REGISTRY): its `kernel` and arch."""
+    """Which registered kernel serves this config (see KERNEL_REGISTRY): its `kernel` and arch, and for
+    the token kernel's cluster build (split_merge="cluster") its cache format and page size."""
     if config.kernel == "union":
         return "union_sm90"
     if (config.arch.startswith("sm_100") and env.enable_sm100_umma() and config.kv_dtype == "float8_e4m3fn"
             and "sm100" in KERNEL_REGISTRY):  # the tcgen05 kernel reads fp8 caches only
         return "sm100"
+    if config.split_merge == "cluster" and config.kv_dtype == "float8_e4m3fn" and config.page_size == 128:
+        return "portable_dims"
     return "portable"
 
 
@@ -149,14 +155,24 @@ def cluster_merge_configs(config: SparseDecodeConfig) -> list[SparseDecodeConfig
             if not cluster_merge_problems(kernel="token", ctas_per_sm=n, arch=config.arch)]
 
 
+def warmed_union_ctas_per_sm(arch: str | None, flag: bool | None) -> tuple[int, ...]:
+    """The union kernel's occupancies a warmup builds (and selftest checks) for MSA_JIT_ENABLE_SM90_UNION's
+    value `flag` (env.enable_sm90_union): none for False, the planner's (UNION_PLANNED_CTAS_PER_SM) when
+    unset (None), every one for True (a pin may take any)."""
+    if flag is False:
+        return ()
+    return tuple(n for n in supported_ctas_per_sm(arch, "union") if flag or n == UNION_PLANNED_CTAS_PER_SM)
+
+
 def plannable_configs(config: SparseDecodeConfig) -> list[SparseDecodeConfig]:
     """`config` at every occupancy the planner may pick for its arch (what a warmup builds), and
-    the union kernel's builds where the planner may pick it (MSA_JIT_ENABLE_SM90_UNION=1), and the
+    the union kernel's builds where the planner may pick it (unset: its planned occupancy, 2 CTAs per SM;
+    MSA_JIT_ENABLE_SM90_UNION=1: both, as a pin may take 1; 0: none), and the
     cluster split merge's where it may (MSA_JIT_ENABLE_CLUSTER_MERGE, on unless set to 0)."""
     token = replace(config, kernel="token", split_merge="kernel")
     out = [replace(token, ctas_per_sm=n) for n in supported_ctas_per_sm(config.arch)]
-    if env.enable_sm90_union():
-        out += union_configs(config)
+    union_ctas = warmed_union_ctas_per_sm(config.arch, env.enable_sm90_union())
+    out += [c for c in union_configs(config) if c.ctas_per_sm in union_ctas]
     if env.enable_cluster_merge():
         out += cluster_merge_configs(config)
     return out

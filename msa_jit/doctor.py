@@ -25,9 +25,12 @@ SM100_POLICY = (
 )
 UNION_POLICY = (
     "On sm_90a the union kernel (one CTA per request's token tile, each shared block read once) "
-    "serves fp8-cache steps with decode_query_len >= 2 and a grid of at least one wave only when "
-    "MSA_JIT_ENABLE_SM90_UNION=1 (or a planner pins kernel='union'): faster where draft tokens share "
-    "most blocks, slower where they share none."
+    "serves fp8-cache steps where one tile holds a request's draft (decode_query_len 2..64/G: 2-4 at "
+    "G = 16, 2-8 at G = 8) and its grid is one full wave at 2 CTAs per SM; MSA_JIT_ENABLE_SM90_UNION=1 "
+    "gives it every qlen >= 2 step whose grid has at least one CTA per SM, 0 none (a planner pin "
+    "kernel='token' / 'union' decides for itself). The rule keeps it no slower where draft tokens share "
+    "no blocks; with 1 it is faster where they share most blocks and up to 1.5x slower where they share "
+    "none (docs/performance.md rows 87-88)."
 )
 CLUSTER_MERGE_POLICY = (
     "On sm_90a a step whose KV splits are served at 2 CTAs per SM merges them inside the decode "
@@ -311,7 +314,7 @@ def render(r: dict[str, Any]) -> str:
         add(f"  {k['policy']}")
         add(f"  MSA_JIT_ENABLE_SM100_UMMA -> {k['enable_sm100_umma']}; registered kernels: {', '.join(k['registered'])}")
         add(f"  {k['union_policy']}")
-        add(f"  MSA_JIT_ENABLE_SM90_UNION -> {k['enable_sm90_union']}")
+        add(f"  MSA_JIT_ENABLE_SM90_UNION -> {'unset (the planner rule)' if k['enable_sm90_union'] is None else k['enable_sm90_union']}")
         add(f"  {k['cluster_merge_policy']}")
         add(f"  MSA_JIT_ENABLE_CLUSTER_MERGE -> {k['enable_cluster_merge']}")
         for arch, fam in k["families"].items():

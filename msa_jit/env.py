@@ -101,18 +101,23 @@ VARIABLES: dict[str, str] = {
     ),
     ENABLE_SM100_UMMA: "Bool, default 0. Enable the SM100 UMMA (tcgen05) kernel path.",
     ENABLE_SM90_UNION: (
-        "Bool, default 0. Let the planner pick the sm_90a union kernel for fp8-cache steps with "
-        "decode_query_len >= 2 and a grid of at least one wave (each block the tile's tokens share "
-        "read once): faster where draft tokens share most blocks (MTP), slower where they share none "
-        "(docs/performance.md row 70). Warmups then build it too."
+        "Bool, unset by default. Unset: the planner gives the sm_90a union kernel (each block a tile's "
+        "draft tokens share read once) the fp8-cache steps with decode_query_len 2..64/G (one tile holds "
+        "a request's tokens: 2-4 at G = 16, 2-8 at G = 8) whose grid is one full wave at 2 CTAs per SM "
+        "(251-264 CTAs on 132 SMs), where it is no slower even when draft tokens share no blocks. 1: every "
+        "qlen >= 2 step whose grid has at least one CTA per SM (faster where drafts share blocks, up to 1.5x "
+        "slower where they share none: docs/performance.md rows 87-88). 0: never (the token kernel, whose LSE is exact "
+        "to 2e-3 with a bf16 query where the union's is to 2e-2). Warmups build it unless 0."
     ),
     ENABLE_CLUSTER_MERGE: (
         "Bool, default 1. Let the planner pick the token kernel build that merges a step's KV "
         "splits inside the decode launch, through the shared memory of a thread-block cluster "
         "(one launch per op call instead of two), for split steps served at 2 CTAs per SM on "
-        "sm_90a (on an H100 / H200: T*Hkv <= 8, clusters of 16 CTAs; docs/performance.md row 79: "
-        "2.6-9.1% faster per layer there, the op call's CPU 1.45x -> 1.09x a torch.add launch). "
-        "Warmups build it while it is on; 0 keeps every split merge in the second kernel."
+        "sm_90a (on an H100 / H200: T*Hkv <= 8 in clusters of 16 CTAs, docs/performance.md row 79: "
+        "2.6-9.1% faster per layer there, the op call's CPU 1.45x -> 1.09x a torch.add launch; and every "
+        "fp8 split step, in one wave of 2-16 splits, rows 83 and 90). "
+        "Warmups build it while it is on; 0 keeps every split merge in the second kernel (and fp8 split "
+        "steps in two waves)."
     ),
     LOG_LEVEL: "Logging level of the msa_jit loggers: debug/info/warning/error/critical or an int. Default warning.",
     DSL_VERSION: (
@@ -138,8 +143,8 @@ _TRUE = frozenset({"1", "true", "yes", "on", "y", "t"})
 _FALSE = frozenset({"0", "false", "no", "off", "n", "f"})
 
 # the kernel-choice variables and their defaults: the op as shipped (bench files record the values a
-# run had, and the issue targets count only a run with these)
-KERNEL_FLAG_DEFAULTS = {ENABLE_SM90_UNION: False, ENABLE_CLUSTER_MERGE: True, ENABLE_SM100_UMMA: False}
+# run had, and the issue targets count only a run with these). None: unset, the planner's own rule
+KERNEL_FLAG_DEFAULTS = {ENABLE_SM90_UNION: None, ENABLE_CLUSTER_MERGE: True, ENABLE_SM100_UMMA: False}
 
 
 def _raw(name: str) -> str | None:
@@ -163,7 +168,7 @@ def parse_bool(value: str | None) -> bool | None:
     raise ValueError(f"{value!r} is not a boolean (use one of 1/true/yes/on or 0/false/no/off)")
 
 
-def _bool(name: str, default: bool = False) -> bool:
+def _bool(name: str, default: bool | None = False) -> bool | None:
     try:
         value = parse_bool(os.environ.get(name))
     except ValueError as e:
@@ -303,8 +308,10 @@ def enable_sm100_umma() -> bool:
     return _bool(ENABLE_SM100_UMMA, KERNEL_FLAG_DEFAULTS[ENABLE_SM100_UMMA])
 
 
-def enable_sm90_union() -> bool:
-    """``MSA_JIT_ENABLE_SM90_UNION``: let the planner pick the sm_90a union kernel (default False)."""
+def enable_sm90_union() -> bool | None:
+    """``MSA_JIT_ENABLE_SM90_UNION``: None when unset (the planner's rule: the union kernel where one
+    tile holds a request's draft and its grid is one full wave), True to let it serve every draft
+    length at any grid of at least one CTA per SM, False never (`planner.choose_kernel`)."""
     return _bool(ENABLE_SM90_UNION, KERNEL_FLAG_DEFAULTS[ENABLE_SM90_UNION])
 
 

@@ -45,7 +45,7 @@ CTAS_PER_SM = (2, 3)
 # every arch (kernels/sparse_decode_mma.py, sparse_decode_sm100.py). "union": one CTA per (request, KV
 # head, tile of UNION_ROWS // G consecutive query tokens, split) over the union of the tile's blocks,
 # each block read once (kernels/sparse_decode_union_sm90.py: sm_90a, fp8 cache, decode_query_len >= 2;
-# opt-in with MSA_JIT_ENABLE_SM90_UNION=1 until measured on a GPU, planner.choose_kernel)
+# the planner's where one tile holds a request's draft, planner.choose_kernel)
 KERNELS = ("token", "union")
 UNION_ARCHES = ("sm_90a",)
 UNION_ROWS = 64  # MMA rows of a union CTA: its tile's tokens x the group's G query heads
@@ -55,6 +55,9 @@ UNION_PAGE_SIZES = (128,)  # a stage is one 128-key TMA box of K and one of V
 # G 1's 64-token tiles overflow the kernel's 32-bit token masks
 UNION_GROUP_SIZES = (8, 16)
 UNION_CTAS_PER_SM = (1, 2)  # 2 MMA warpgroups and 4 stages per CTA, or 1 warpgroup and 2 stages
+# the union's occupancy the planner picks (planner.choose_union_ctas_per_sm); 1 only by a pin, which
+# MSA_JIT_ENABLE_SM90_UNION=1's warmups build for
+UNION_PLANNED_CTAS_PER_SM = 2
 # SparseDecodeConfig.split_merge: how a step's KV splits are merged. "kernel": by the split merge
 # kernel launched after the decode kernel (kernels/split_merge.py), every build. "cluster": inside
 # the decode launch, the split CTAs of a (token, KV head) being one thread-block cluster
@@ -65,6 +68,10 @@ UNION_CTAS_PER_SM = (1, 2)  # 2 MMA warpgroups and 4 stages per CTA, or 1 warpgr
 SPLIT_MERGES = ("kernel", "cluster")
 CLUSTER_MERGE_ARCHES = ("sm_90a",)
 CLUSTER_MERGE_CTAS_PER_SM = 2  # its 8 KiB receive buffer fits beside 3 stages at 2 CTAs per SM, not at 3
+# the most splits a cluster merges (kernels/cluster_merge.py's RECV_SLOTS: its receive buffer's rows, and the
+# largest cluster the DSL launches); a power of two up to it puts ceil(G / splits) * splits <= 16 rows in
+# each merging CTA for every G <= MAX_GROUP_SIZE
+MAX_CLUSTER_SPLITS = 16
 _ARCH_RE = re.compile(r"sm_(\d+)([af]?)")
 
 

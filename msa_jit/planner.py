@@ -19,8 +19,9 @@ import threading
 import torch
 
 from . import env
-from .geometry import (CLUSTER_MERGE_CTAS_PER_SM, CTAS_PER_SM, HEAD_DIM, KERNELS, SPLIT_MERGES, UNION_CTAS_PER_SM,
-                       UNION_ROWS, arch_problem, cluster_merge_problems, device_arch, union_problems)
+from .geometry import (CLUSTER_MERGE_CTAS_PER_SM, CTAS_PER_SM, HEAD_DIM, KERNELS, MAX_CLUSTER_SPLITS, SPLIT_MERGES,
+                       UNION_CTAS_PER_SM, UNION_PLANNED_CTAS_PER_SM, UNION_ROWS, arch_problem, cluster_merge_problems,
+                       device_arch, union_problems)
 from .plan import PlanKey, SparseDecodePlan
 from .validation import validate_prepare, validate_prepare_tensors, validate_seq_lens_cpu, validate_seq_lens_values
 
@@ -45,9 +46,13 @@ DEFAULT_NUM_SMS = 132
 TARGET_WAVES = 2
 # The token kernel's fewer, longer splits where T*Hkv fills a good part of the GPU (docs/performance.md
 # row 83, bench/split_count_ab.py, H200 and H100): ONE split above this fraction of the SMs per cache
-# format, TWO (merged in the cluster: a grid of at most one CTA per SM) above TWO_SPLITS_FILL for fp8.
+# format.
 ONE_SPLIT_FILL = {"float8_e4m3fn": 1 / 2, "nvfp4": 0.7}
-TWO_SPLITS_FILL = {"float8_e4m3fn": 1 / 3}
+# Below it, the cache formats whose split steps fill ONE wave of CTAs merged in the cluster: the largest
+# power-of-two split count (at most geometry.MAX_CLUSTER_SPLITS) whose grid is at most one CTA per SM (rows 83
+# and 89: with the dims-split cluster build, 3-15% per layer faster than two waves and the merge kernel at
+# T*Hkv = 12-40 on an H100).
+CLUSTER_WAVE_FORMATS = ("float8_e4m3fn",)
 _Tensor, _I32 = torch.Tensor, torch.int32
 
 
@@ -70,16 +75,18 @@ def choose_num_splits(num_rows_heads: int, topk_blocks: int, num_sms: int, kv_dt
     (the union kernel's grid for kernel="union").
 
     1 when T*Hkv already fills the GPU (>= num_sms). The token kernel also runs unsplit above
-    ONE_SPLIT_FILL of the SMs (fp8: half, NVFP4: 0.7), and an fp8 cache in two splits above
-    TWO_SPLITS_FILL (a third) when those can merge in the cluster (`cluster_merge`: the 2-CTA build on
-    an arch that has it, the cluster merge not turned off): measured on the H200 and H100
-    (docs/performance.md row 83), one CTA per (token, head) streaming its 16 blocks beats the 3-4
-    splits of two waves by 8-20% per layer there, and two splits merged in the cluster beat 4-6 by
-    4-13% at T*Hkv = 48-64, while two merged by the merge kernel were 0.94-1.19x (NVFP4's heavier math
-    per block wants the 3-CTA build's warps longer, so its thresholds differ). Below: the smallest
-    factor giving about TARGET_WAVES waves (T*Hkv*splits >= 2*num_sms), capped at topk_blocks. The
-    count is then normalized so every split gets ceil(topk_blocks/splits) slots and none is empty
-    for a full row.
+    ONE_SPLIT_FILL of the SMs (fp8: half, NVFP4: 0.7): measured on the H200 and H100 (docs/performance.md
+    row 83), one CTA per (token, head) streaming its 16 blocks beats the 3-4 splits of two waves by 8-20%
+    per layer there. Below that an fp8 cache (CLUSTER_WAVE_FORMATS) takes one wave of splits merged in
+    the cluster when the cluster merge can take them (`cluster_merge`: the 2-CTA build on an arch that
+    has it, the merge not turned off): the largest power of two with T*Hkv*splits <= num_sms, at most
+    topk_blocks and MAX_CLUSTER_SPLITS, when it stays a power of two once normalized (on 132 SMs with 16
+    blocks: 16 splits at T*Hkv <= 8, 8 at 9-16, 4 at 17-33, 2 at 34-66), which beat the two-wave plans by
+    4-13% at T*Hkv = 48-64 (row 83) and, with the dims-split cluster build, by 3-15% at 12-40 (row 89);
+    two splits merged by the merge kernel were 0.94-1.19x (NVFP4's heavier math per block wants the 3-CTA
+    build's warps longer, and its cluster build keeps the key split). Otherwise the smallest factor
+    giving about TARGET_WAVES waves (T*Hkv*splits >= 2*num_sms), capped at topk_blocks. The count is then
+    normalized so every split gets ceil(topk_blocks/splits) slots and none is empty for a full row.
     """
     if kv_dtype not in ONE_SPLIT_FILL:
         raise ValueError(f"kv_dtype {kv_dtype!r} not in {tuple(ONE_SPLIT_FILL)}")
@@ -93,8 +100,11 @@ def choose_num_splits(num_rows_heads: int, topk_blocks: int, num_sms: int, kv_dt
     if kernel == "token":
         if num_rows_heads > ONE_SPLIT_FILL[kv_dtype] * num_sms:
             return 1
-        if cluster_merge and kv_dtype in TWO_SPLITS_FILL and num_rows_heads > TWO_SPLITS_FILL[kv_dtype] * num_sms:
-            return _normalized(min(2, topk_blocks), topk_blocks)
+        if cluster_merge and kv_dtype in CLUSTER_WAVE_FORMATS:  # num_sms // num_rows_heads >= 2 here
+            one_wave = 1 << ((num_sms // num_rows_heads).bit_length() - 1)
+            splits = _normalized(min(one_wave, topk_blocks, MAX_CLUSTER_SPLITS), topk_blocks)
+            if splits & (splits - 1) == 0:  # else (a topk that is no power of two) it may not merge in the cluster
+                return splits
     return _normalized(min(topk_blocks, -(-TARGET_WAVES * num_sms // num_rows_heads)), topk_blocks)
 
 
@@ -123,20 +133,35 @@ def union_grid_ctas(batch: int, qlen: int, num_q_heads: int, num_kv_heads: int) 
     return batch * num_kv_heads * -(-qlen // tile_tokens)
 
 
-def choose_kernel(batch: int, qlen: int, num_q_heads: int, num_kv_heads: int, page_size: int,
-                  arch: str | None, num_sms: int, enabled: bool) -> str:
-    """SparseDecodeConfig.kernel for an fp8 cache: "union" when `enabled` (MSA_JIT_ENABLE_SM90_UNION),
-    the union kernel serves the geometry on `arch`, qlen >= 2 and its grid fills the GPU at least
-    once (>= num_sms CTAs, so neither kernel splits: T*Hkv >= that grid); else "token".
+# the planner's union rule (MSA_JIT_ENABLE_SM90_UNION unset) takes grids that fill at least this share
+# of one wave at the union's occupancy (bench/results/union-waves-2026-12-06*.json)
+UNION_WAVE_FILL = 0.95
 
-    Measured on the H200 (docs/performance.md rows 66-74): 78% of copy at 64/4 B=64 qlen 4 with 12/16
-    blocks shared against the token kernel's 58% (bf16 query; 84% with an fp8 one), but up to 1.35x
-    slower with none shared at G = 16 (which a plan cannot see: hence opt-in), and slower at every
-    split shape (row 67)."""
-    if not enabled or qlen < 2 or union_problems(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-                                                  page_size=page_size, kv_dtype="float8_e4m3fn", arch=arch):
+
+def choose_kernel(batch: int, qlen: int, num_q_heads: int, num_kv_heads: int, page_size: int,
+                  arch: str | None, num_sms: int, enabled: bool | None) -> str:
+    """SparseDecodeConfig.kernel for an fp8 cache: "union" where the union kernel serves the geometry
+    on `arch`, qlen >= 2 and `enabled` (MSA_JIT_ENABLE_SM90_UNION) allows the step; else "token".
+    None (unset): where one tile holds a request's draft (qlen <= UNION_ROWS // G: 4 at G = 16, 8 at
+    G = 8) and the grid is one wave at the union's occupancy, filled to UNION_WAVE_FILL (251-264 CTAs
+    on 132 SMs). True: wherever its grid fills the GPU once (>= num_sms CTAs). False: never.
+
+    Why one full wave: a union CTA reads every block of its tile's tokens, so a partial wave costs a
+    whole CTA's time. With no block shared (which a plan cannot see) the union is 0.94-0.99x the token
+    kernel at one full wave on the H200 (64/4 B=64, 16/1 and 8/1 B=256, qlen 2-8), but 1.04-1.05x at four
+    waves (64/4 B=256), and on an H100 1.03-1.10x at 0.73-0.85 of a wave, 0.99-1.02x at 0.91-0.94
+    (0.99-1.003x from 0.95) and 1.16-1.25x just past one (the H200 1.32-1.52x); with two tiles per
+    request (qlen 8 at G = 16) 1.1-1.45x at every grid. With 12/16 blocks shared it reads 44% of the
+    bytes: 64/4 B=64 qlen 4 at 64.0 us against 93.1 on the H200 (docs/performance.md rows 66-88)."""
+    if enabled is False or qlen < 2 or union_problems(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                                                      page_size=page_size, kv_dtype="float8_e4m3fn", arch=arch):
         return "token"
-    return "union" if union_grid_ctas(batch, qlen, num_q_heads, num_kv_heads) >= num_sms else "token"
+    grid = union_grid_ctas(batch, qlen, num_q_heads, num_kv_heads)
+    if enabled:
+        return "union" if grid >= num_sms else "token"
+    wave = choose_union_ctas_per_sm(grid, num_sms) * num_sms
+    one_tile = qlen <= UNION_ROWS // (num_q_heads // num_kv_heads)
+    return "union" if one_tile and UNION_WAVE_FILL * wave <= grid <= wave else "token"
 
 
 def choose_union_ctas_per_sm(grid_ctas: int, num_sms: int) -> int:
@@ -144,7 +169,7 @@ def choose_union_ctas_per_sm(grid_ctas: int, num_sms: int) -> int:
     2 stages per CTA) at every grid. Measured on the H200 (bench/results/kv-format-ab-2026-12-05T0205.json,
     docs/performance.md row 70): the 2-CTA build beat the 1-CTA one (2 MMA warpgroups, 4 stages) at
     every point, 256 to 1024 CTAs, 12/16 or 0/16 shared, both query dtypes: by 4-20%."""
-    return 2
+    return UNION_PLANNED_CTAS_PER_SM
 
 
 def choose_split_merge(num_splits: int, ctas_per_sm: int, kernel: str, arch: str | None, enabled: bool) -> str:
@@ -154,7 +179,8 @@ def choose_split_merge(num_splits: int, ctas_per_sm: int, kernel: str, arch: str
     per SM on sm_90a); else "kernel". One-split steps keep the plain build: nothing to merge.
     With 16 topk blocks on an H100 / H200 (132 SMs) a split step runs at 2 CTAs per SM when
     T*Hkv <= 8 (16 splits: clusters of 16 CTAs, a non-portable size the DSL allows on every kernel;
-    Hopper schedules it within one GPC) and, with an fp8 cache, at T*Hkv = 45-66 (2 splits, row 83).
+    Hopper schedules it within one GPC) and, with an fp8 cache, at every split step (one wave of 2-16
+    splits, choose_num_splits; rows 83 and 90).
     The planner's default asks for it (`enabled`) only where the grid is at most one CTA per SM, so a
     ctas_per_sm=2 pin at a larger grid keeps the merge kernel; a split_merge="cluster" pin does not.
 
@@ -169,11 +195,10 @@ def choose_split_merge(num_splits: int, ctas_per_sm: int, kernel: str, arch: str
 def takes_cluster_merge(num_rows_heads: int, num_splits: int, num_sms: int) -> bool:
     """Whether the planner's default (MSA_JIT_ENABLE_CLUSTER_MERGE on) asks for the cluster merge for the
     token kernel's grid of `num_rows_heads` = T*Hkv CTAs per split: where the step splits and the split
-    grid is at most one CTA per SM (on 132 SMs, T*Hkv <= 8 with 16 splits, and fp8's 2 splits at T*Hkv =
-    45-66), where rows 79 and 83 measured it faster. A ctas_per_sm=2 pin at a larger split grid keeps
-    the merge kernel, which row 79 measured
-    1.6-3.5 us faster there (a cluster waits for a GPC with enough free SMs); `choose_split_merge` then
-    decides whether the build can."""
+    grid is at most one CTA per SM (on 132 SMs every fp8 split step, choose_num_splits' one wave, and
+    NVFP4's at T*Hkv <= 8 with 16 splits), where rows 79, 83 and 90 measured it faster. A ctas_per_sm=2
+    pin at a larger split grid keeps the merge kernel, which row 79 measured 1.6-3.5 us faster there (a
+    cluster waits for a GPC with enough free SMs); `choose_split_merge` then decides whether the build can."""
     return num_splits > 1 and num_rows_heads * num_splits <= num_sms
 
 
@@ -231,7 +256,7 @@ class SparseDecodePlanner:
     devices (CUDA plans use the device's own, e.g. "sm_90a"). ctas_per_sm: pin the kernel's
     occupancy (2 or 3 for the token kernel, 1 or 2 for the union kernel) instead of choosing it per
     step shape. kernel: pin the fp8 cache's kernel ("token" or "union", KERNELS) instead of
-    `choose_kernel` (None: the union only with MSA_JIT_ENABLE_SM90_UNION=1 and no ctas_per_sm pin); a
+    `choose_kernel` (None: its rule, MSA_JIT_ENABLE_SM90_UNION's, and no union under a ctas_per_sm pin); a
     union pin serves every step shape, qlen 1 and split grids included, and raises ValueError at the
     first prepare of a geometry it cannot serve. split_merge: "cluster" merges the KV splits inside
     the decode launch wherever `choose_split_merge` allows it, "kernel" never; None: "cluster" where
@@ -345,7 +370,7 @@ class SparseDecodePlanner:
         kernel = self.kernel
         if kernel is None:
             kernel = choose_kernel(batch, qlen, hq, hkv, page, arch, num_sms,
-                                   env.enable_sm90_union() and self.ctas_per_sm is None)
+                                   env.enable_sm90_union() if self.ctas_per_sm is None else False)
         elif kernel == "union":
             problems = union_problems(num_q_heads=hq, num_kv_heads=hkv, page_size=page,
                                       kv_dtype="float8_e4m3fn", arch=arch)

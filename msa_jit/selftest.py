@@ -4,11 +4,11 @@
 portable kernel unless MSA_JIT_ENABLE_SM100_UMMA=1) against the float64 reference on the full
 grid: every MiniMax-M3 geometry x qlen x query dtype x batch, plus forced split-KV factors,
 each on every occupancy the planner may pick (2 and 3 CTAs per SM for the portable kernel);
-with MSA_JIT_ENABLE_SM90_UNION=1 on sm_90a, also every qlen >= 2 case on the union kernel (the
-planner pinned to it) at its occupancies (1 and 2 CTAs per SM). On sm_90a the 2-CTA cases whose
-split grid is at most one CTA per SM merge in a cluster (the planner's choice unless
-MSA_JIT_ENABLE_CLUSTER_MERGE=0), so exactly those also run with the merge kernel pinned; each row says
-which merge ran.
+on sm_90a (unless MSA_JIT_ENABLE_SM90_UNION=0), also every qlen >= 2 case on the union kernel (the
+planner pinned to it) at the occupancies a warmup builds for it (2 CTAs per SM; with the flag at 1,
+1 and 2). On sm_90a the 2-CTA cases whose split grid is at most one CTA per SM merge in a cluster
+(the planner's choice unless MSA_JIT_ENABLE_CLUSTER_MERGE=0), so exactly those also run with the merge
+kernel pinned; each row says which merge ran.
 `msa_jit.cli.selftest` runs it, then the benchmark grid.
 """
 
@@ -25,14 +25,15 @@ QUICK = dict(qlens=[1, 4], batches=[1, 16])
 FORCE_SPLITS = 100000  # a num_sms that makes the planner split every step topk_blocks ways
 
 
-def grid_cases(arch: str, *, quick: bool = False, union: bool = False, cluster: bool = False,
+def grid_cases(arch: str, *, quick: bool = False, union: bool | None = None, cluster: bool = False,
                device_sms: int = 132) -> list[tuple]:
     """The cases of `correctness_grid` on `arch`: ((Hq, Hkv), q dtype, qlen, batch, num_sms or None,
     kernel, ctas_per_sm, split_merge pin or None for the planner's choice). cluster: the planner may
     merge 2-CTA splits in a cluster (MSA_JIT_ENABLE_CLUSTER_MERGE), so the cases where it does (on a
-    GPU of `device_sms` SMs where num_sms is None) also run with the merge kernel pinned. Pure Python
-    (no GPU)."""
-    from .compiler import supported_ctas_per_sm
+    GPU of `device_sms` SMs where num_sms is None) also run with the merge kernel pinned. union:
+    MSA_JIT_ENABLE_SM90_UNION's value (None: unset, the default; False: 0), whose union builds
+    (compiler.warmed_union_ctas_per_sm) run every qlen >= 2 case. Pure Python (no GPU)."""
+    from .compiler import supported_ctas_per_sm, warmed_union_ctas_per_sm
     from .geometry import DEFAULT_TOPK_BLOCKS, cluster_merge_problems, union_problems
     from .planner import choose_num_splits, takes_cluster_merge
 
@@ -42,8 +43,7 @@ def grid_cases(arch: str, *, quick: bool = False, union: bool = False, cluster: 
     cases += [((64, 4), "bfloat16", 4, 3, ns) for ns in (1, FORCE_SPLITS)]  # force 1 and topk splits
     # every case on every occupancy the planner may pick on this GPU (same inputs)
     builds = [("token", n, None) for n in supported_ctas_per_sm(arch)]
-    if union:
-        builds += [("union", n, None) for n in supported_ctas_per_sm(arch, "union")]
+    builds += [("union", n, None) for n in warmed_union_ctas_per_sm(arch, union)]
     if cluster:
         builds += [("token", n, "kernel") for n in supported_ctas_per_sm(arch)
                    if not cluster_merge_problems(kernel="token", ctas_per_sm=n, arch=arch)]

@@ -637,15 +637,18 @@ def test_issue_us_raises_when_the_gpu_never_holds(monkeypatch):
 
 def test_environment_records_what_the_flags_mean(monkeypatch):
     """A bench file says which kernel choices its flags made, defaults included: an unset
-    MSA_JIT_ENABLE_CLUSTER_MERGE means on since session 21 and off before it."""
+    MSA_JIT_ENABLE_CLUSTER_MERGE means on since session 21 and off before it; an unset
+    MSA_JIT_ENABLE_SM90_UNION is recorded as null (the planner's rule), 0 as false."""
     from msa_jit.bench.measure import environment
 
     for name in ("MSA_JIT_ENABLE_SM90_UNION", "MSA_JIT_ENABLE_CLUSTER_MERGE", "MSA_JIT_ENABLE_SM100_UMMA"):
         monkeypatch.delenv(name, raising=False)
     env_ = environment()
     assert env_["msa_jit_env"] == {}
-    assert env_["msa_jit_flags"] == {"enable_sm90_union": False, "enable_cluster_merge": True, "enable_sm100_umma": False}
+    assert env_["msa_jit_flags"] == {"enable_sm90_union": None, "enable_cluster_merge": True, "enable_sm100_umma": False}
     assert env_["msa_jit_flags"] == report.DEFAULT_FLAGS  # what the targets take as the shipped op
+    monkeypatch.setenv("MSA_JIT_ENABLE_SM90_UNION", "0")
+    assert environment()["msa_jit_flags"]["enable_sm90_union"] is False
     monkeypatch.setenv("MSA_JIT_ENABLE_CLUSTER_MERGE", "0")
     monkeypatch.setenv("MSA_JIT_ENABLE_SM90_UNION", "1")
     env_ = environment()

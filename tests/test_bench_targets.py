@@ -237,6 +237,23 @@ def test_result_problem_and_run_flags():
     assert report.opt_in_flags(raw) == ["MSA_JIT_ENABLE_CLUSTER_MERGE=0"] and report.opt_in_flags({}) == []
 
 
+def test_run_flags_read_a_union_flag_of_0_by_its_date():
+    """Until the planner's union rule (report.UNION_RULE_SINCE) MSA_JIT_ENABLE_SM90_UNION=0 chose what an
+    unset one did (the token kernel), so the default runs of h200_run.sh, which set 0, are default runs;
+    since, 0 turns the union off against the default and is flagged."""
+    def result(date: str, union) -> dict:
+        return {"environment": {"date": date, "msa_jit_flags": {"enable_sm90_union": union, "enable_cluster_merge": True,
+                                                                "enable_sm100_umma": False}}}
+    before, since = "2026-12-06T02:47:00+00:00", "2026-12-06T08:00:00+00:00"
+    assert before < report.UNION_RULE_SINCE <= since
+    assert report.run_flags(result(before, False)) == report.DEFAULT_FLAGS and report.opt_in_flags(result(before, False)) == []
+    assert report.opt_in_flags(result(since, False)) == ["MSA_JIT_ENABLE_SM90_UNION=0"]
+    assert report.run_flags(result(since, None)) == report.DEFAULT_FLAGS
+    assert report.opt_in_flags(result(before, True)) == report.opt_in_flags(result(since, True)) == ["MSA_JIT_ENABLE_SM90_UNION=1"]
+    raw = {"environment": {"date": before, "msa_jit_env": {"MSA_JIT_ENABLE_SM90_UNION": "0"}}}  # sessions 16-21
+    assert report.run_flags(raw)["enable_sm90_union"] is None
+
+
 def test_latest_result_skips_an_opt_in_builds_file(tmp_path):
     """`msa-jit bench`'s automatic baseline is the newest file of the same GPU and kernel flags: a
     union run's file, newer, is not the baseline of a default run."""
@@ -246,7 +263,7 @@ def test_latest_result_skips_an_opt_in_builds_file(tmp_path):
         if flags:
             result["environment"]["msa_jit_env"] = flags
         (tmp_path / name).write_text(json.dumps(result))
-    defaults = {"enable_sm90_union": False, "enable_cluster_merge": True, "enable_sm100_umma": False}
+    defaults = {"enable_sm90_union": None, "enable_cluster_merge": True, "enable_sm100_umma": False}
     assert bench.latest_result(tmp_path).name == "bench-union.json"
     assert bench.latest_result(tmp_path, flags=defaults).name == "bench-default.json"
     assert bench.latest_result(tmp_path, flags={**defaults, "enable_sm90_union": True}).name == "bench-union.json"

@@ -265,3 +265,33 @@ def test_readonly_root_needs_a_searchable_v1(tmp_path, monkeypatch):
     assert not cache_location.readable_v1(tmp_path / "absent")
     monkeypatch.setattr(cache_location.os, "access", lambda path, mode: not mode & os.X_OK)  # r--: no search
     assert not cache_location.readable_v1(ro)
+
+
+def test_maintenance_view_falls_back_where_the_root_cannot_be_created(tmp_path, monkeypatch):
+    """§6: `cache list` / `info` / `clear` (resolve(create=False)) show the root a process would use.
+    A missing root whose nearest existing directory refuses a mkdir (root under /sys: every access
+    check passes, the mkdir gets EPERM) falls back as at run time; a creatable one is reported empty,
+    nothing left behind."""
+    import errno
+
+    blocked = tmp_path / "blocked"
+    blocked.mkdir()
+    real_mkdir = os.mkdir
+
+    def mkdir(path, *a, **k):
+        if Path(path).parent == blocked:
+            raise PermissionError(errno.EPERM, "Operation not permitted", str(path))
+        return real_mkdir(path, *a, **k)
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    for want in (blocked / "cache", blocked / "cache" / "deeper", blocked):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", CacheFallbackWarning)
+            c = cache.open_cache(want, create=False)
+        assert c.root != want and c.fallback_reason and f"cannot use {want}" in c.fallback_reason, want
+    ok = tmp_path / "fresh" / "cache"
+    c = cache.open_cache(ok, create=False)
+    assert c.root == ok and not c.fallback_reason and not ok.parent.exists()
+    (tmp_path / "empty").mkdir()
+    c = cache.open_cache(tmp_path / "empty", create=False)
+    assert c.root == tmp_path / "empty" and os.listdir(tmp_path / "empty") == []

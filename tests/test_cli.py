@@ -80,24 +80,27 @@ def test_warmup_compiles_and_reports(warm):
     lines = warm["out"].splitlines()
     assert lines[0].split() == ["geometry", "q", "kv", "arch", "CTAs/SM", "status", "seconds", "key"]
     doc = warm["json"]
-    # one geometry: a build for each occupancy the planner may pick (2 and 3 CTAs per SM), and the 2-CTA
-    # build that merges its splits in a cluster (the planner's default on sm_90a)
-    builds = ((2, "kernel", "2"), (3, "kernel", "3"), (2, "cluster", "2 cluster merge"))
-    for line, (n, merge, cell), r in zip(lines[2:5], builds, doc["rows"]):
+    # one geometry: a build for each occupancy the planner may pick (2 and 3 CTAs per SM), the union
+    # kernel's at its planned 2 CTAs per SM and the 2-CTA build that merges its splits in a cluster (the
+    # planner's defaults on sm_90a)
+    builds = ((2, "kernel", "2", "token"), (3, "kernel", "3", "token"), (2, "kernel", "2 union", "union"),
+              (2, "cluster", "2 cluster merge", "token"))
+    for line, (n, merge, cell, _), r in zip(lines[2:6], builds, doc["rows"]):
         row = cells(line)
         assert row[:6] == ["8/1", "bf16", "fp8", "sm_90a", cell, "compiled"] and row[7] == r["key"][:12]
     # the artifacts' root once, not a full path per row (the table fits a terminal)
-    assert lines[5] == f"artifacts in {warm['root']} (`msa-jit cache list` shows every entry)"
+    assert lines[6] == f"artifacts in {warm['root']} (`msa-jit cache list` shows every entry)"
     assert max(len(line) for line in lines if str(warm["root"]) not in line) <= 80, warm["out"]
-    assert lines[-1] == "3 compiled, 0 cached, 0 failed"
-    for n, _, cell in builds:  # not a TTY: one line per item
+    assert lines[-1] == "4 compiled, 0 cached, 0 failed"
+    for n, _, cell, _ in builds:  # not a TTY: one line per item
         assert f"8/1 q bf16 kv fp8 sm_90a {n}/SM{cell[1:]}: compiled" in warm["err"]
-    assert "[3/3]" in warm["err"]
-    assert doc["compiled"] == 3 and doc["cached"] == 0 and doc["failed"] == 0
-    assert len({r["key"] for r in doc["rows"]}) == 3
-    for r, (n, merge, _) in zip(doc["rows"], builds):
+    assert "[4/4]" in warm["err"]
+    assert doc["compiled"] == 4 and doc["cached"] == 0 and doc["failed"] == 0
+    assert len({r["key"] for r in doc["rows"]}) == 4
+    for r, (n, merge, _, kernel) in zip(doc["rows"], builds):
         assert (r["num_q_heads"], r["num_kv_heads"], r["q_dtype"], r["kv_dtype"], r["arch"], r["ctas_per_sm"],
-                r["split_merge"], r["status"]) == (8, 1, "bfloat16", "float8_e4m3fn", "sm_90a", n, merge, "compiled")
+                r["split_merge"], r["kernel"], r["status"]) == (8, 1, "bfloat16", "float8_e4m3fn", "sm_90a", n, merge,
+                                                                kernel, "compiled")
         assert r["artifact"].startswith(str(warm["root"])) and r["seconds"] > 0 and len(r["key"]) == 64
         assert Path(r["artifact"]).is_file()
 
@@ -106,9 +109,9 @@ def test_warmup_compiles_and_reports(warm):
 def test_warmup_again_is_cached_and_quiet(warm, tmp_path):
     js = tmp_path / "again.json"
     rc, out, err = run_main(["warmup", *WARM_ARGS, "--cache-dir", str(warm["root"]), "--json", str(js), "--quiet"])
-    assert rc == 0 and out.splitlines()[-1] == "0 compiled, 3 cached, 0 failed"
-    assert "[1/3]" not in err
-    assert [r["status"] for r in json.loads(js.read_text())["rows"]] == ["cached"] * 3
+    assert rc == 0 and out.splitlines()[-1] == "0 compiled, 4 cached, 0 failed"
+    assert "[1/4]" not in err
+    assert [r["status"] for r in json.loads(js.read_text())["rows"]] == ["cached"] * 4
 
 
 def ns(**kw) -> argparse.Namespace:
@@ -128,9 +131,11 @@ def test_geometry_flags(monkeypatch):
             bad()
     cfgs = common.configs_from_args(ns(heads=["64/4,16/1"], q_dtype=["bf16,fp8"], arch=["sm_90a,sm_100a"], topk_blocks=8))
     # x 2 occupancies (2 and 3 CTAs per SM: the planner picks per step shape), and on sm_90a the 2-CTA
-    # build that merges its splits in a cluster (MSA_JIT_ENABLE_CLUSTER_MERGE, on by default)
-    assert len(cfgs) == 20 and all(c.topk_blocks == 8 for c in cfgs)
-    assert {c.ctas_per_sm for c in cfgs} == {2, 3}
+    # build that merges its splits in a cluster (MSA_JIT_ENABLE_CLUSTER_MERGE, on by default) and the
+    # union kernel's build at its planned 2 CTAs per SM (MSA_JIT_ENABLE_SM90_UNION unset: the planner's rule)
+    assert len(cfgs) == 24 and all(c.topk_blocks == 8 for c in cfgs)
+    assert sorted((c.arch, c.ctas_per_sm) for c in cfgs if c.kernel == "union") == [("sm_90a", 2)] * 4
+    assert {c.ctas_per_sm for c in cfgs if c.kernel == "token"} == {2, 3}
     assert sorted((c.arch, c.ctas_per_sm) for c in cfgs if c.split_merge == "cluster") == [("sm_90a", 2)] * 4
     assert SparseDecodeConfig(16, 1, topk_blocks=8, q_dtype="float8_e4m3fn", arch="sm_100a", ctas_per_sm=3) in cfgs
     assert {c.kv_dtype for c in cfgs} == {"float8_e4m3fn"}  # without --kv-dtype: fp8 only
@@ -141,7 +146,8 @@ def test_geometry_flags(monkeypatch):
     assert {(c.q_dtype, c.kv_dtype) for c in preset} == {(q, kv) for q in ("bfloat16", "float8_e4m3fn")
                                                          for kv in ("float8_e4m3fn", "nvfp4")}
     only = common.configs_from_args(ns(preset="minimax-m3", arch=["sm_90a"], q_dtype=["fp8"]))
-    assert len(only) == 24 and {c.q_dtype for c in only} == {"float8_e4m3fn"}  # 16 + 8 cluster-merge builds
+    # 16 + 8 cluster-merge builds + 4 union builds (fp8 cache only)
+    assert len(only) == 28 and {c.q_dtype for c in only} == {"float8_e4m3fn"}
     fp4 = common.configs_from_args(ns(preset="minimax-m3", arch=["sm_90a"], kv_dtype=["nvfp4"], q_dtype=["bf16"]))
     assert len(fp4) == 12 and {(c.q_dtype, c.kv_dtype) for c in fp4} == {("bfloat16", "nvfp4")}
     with pytest.raises(ValueError, match="--heads"):
@@ -176,14 +182,19 @@ def test_failed_rows_exit_1(monkeypatch, tmp_path):
     def fake_run(configs, **kw):
         rows = [warmup.WarmupRow(c) for c in configs]
         rows[0].status, rows[0].error = "failed", res["error"]
+        rows[1].status, rows[1].error = "failed", "RuntimeError: boom"
         return rows
 
     monkeypatch.setattr(warmup, "run_warmup", fake_run)
     js = tmp_path / "f.json"
     rc, out, _ = run_main(["warmup", *WARM_ARGS, "--json", str(js)])
-    assert rc == 1 and "0 compiled, 0 cached, 1 failed" in out
-    assert "FAILED 8/1 q bf16 kv fp8 sm_90a 2/SM: ArtifactMissingError" in out
-    assert json.loads(js.read_text())["rows"][0]["error"].startswith("ArtifactMissingError")
+    assert rc == 1 and "0 compiled, 0 cached, 2 failed" in out
+    # a miss under MSA_JIT_NO_COMPILE=1 in one line, and one hint that is not the warmup that just ran
+    assert "FAILED 8/1 q bf16 kv fp8 sm_90a 2/SM: not in the cache\n" in out and "msa-jit warmup --heads" not in out
+    assert out.splitlines()[-1].startswith("MSA_JIT_NO_COMPILE=1: this warmup only looked the kernels up; unset it "
+                                           "to build the 1 missing here")
+    assert "FAILED 8/1 q bf16 kv fp8 sm_90a 3/SM: RuntimeError: boom" in out  # other failures as they are
+    assert json.loads(js.read_text())["rows"][0]["error"] == res["error"]
 
 
 def test_progress_bar_on_a_tty(monkeypatch):
@@ -226,34 +237,34 @@ def test_logging_follows_env(monkeypatch, tmp_path):
 def test_cache_list_and_info(warm, tmp_path):
     root = copy_of(warm, tmp_path)
     rc, out, _ = run_main(["cache", "list", "--cache-dir", str(root)])
-    # one geometry: 2 occupancies and the 2-CTA cluster-merge build
+    # one geometry: 2 occupancies, the union's 2-CTA build and the 2-CTA cluster-merge build
     keys = {r["key"]: r["ctas_per_sm"] for r in warm["json"]["rows"]}
     cell = {r["key"]: f"{r['ctas_per_sm']}{' cluster merge' if r['split_merge'] == 'cluster' else ''}"
-            for r in warm["json"]["rows"]}
+                      f"{' union' if r['kernel'] == 'union' else ''}" for r in warm["json"]["rows"]}
     assert rc == 0 and out.splitlines()[0].split()[:7] == ["key", "geometry", "arch", "q", "kv", "CTAs/SM", "dsl"]
-    rows = sorted(cells(line)[:7] for line in out.splitlines()[2:5])
+    rows = sorted(cells(line)[:7] for line in out.splitlines()[2:6])
     # the dsl column: what each entry was built with (its meta.json), a real version on this host
     dsl = {k: json.loads((root / "v1" / k[:2] / k / "meta.json").read_text())["fingerprint"]["cutlass_dsl"]
            for k in cell}
     assert all(v and v != "unknown" for v in dsl.values()), dsl
     assert rows == sorted([k[:12], "8/1", "sm_90a", "bf16", "fp8", c, dsl[k]] for k, c in cell.items())
-    assert "3 entries in" in out
+    assert "4 entries in" in out
     rc, out, _ = run_main(["cache", "list", "--json", "--cache-dir", str(root)])
     entries = json.loads(out)
     assert {e["key"]: e["ctas_per_sm"] for e in entries} == keys
     assert all(e["size"] > 0 and e["created"] and e["last_used"] for e in entries)
     rc, out, _ = run_main(["cache", "info", "--cache-dir", str(root)])
-    assert rc == 0 and str(root) in out and "entries:        3" in out and "cap:" in out and "fallback:       none" in out
+    assert rc == 0 and str(root) in out and "entries:        4" in out and "cap:" in out and "fallback:       none" in out
     rc, out, _ = run_main(["cache", "info", "--json", "--cache-dir", str(root)])
     info = json.loads(out)
-    assert info["entries"] == 3 and info["cap_bytes"] == 2 << 30 and info["fallback_reason"] is None  # the 2 GiB default
+    assert info["entries"] == 4 and info["cap_bytes"] == 2 << 30 and info["fallback_reason"] is None  # the 2 GiB default
 
 
 @pytest.mark.slow
 def test_cache_verify_prune_clear(warm, tmp_path):
     root = copy_of(warm, tmp_path)
     rc, out, _ = run_main(["cache", "verify", "--cache-dir", str(root)])
-    assert rc == 0 and "3 ok, 0 bad" in out
+    assert rc == 0 and "4 ok, 0 bad" in out
     so = Path(warm["json"]["rows"][0]["artifact"].replace(str(warm["root"]), str(root)))
     data = bytearray(so.read_bytes())
     data[100] ^= 1
@@ -268,13 +279,13 @@ def test_cache_verify_prune_clear(warm, tmp_path):
     rc, out, _ = run_main(["cache", "prune", "--cache-dir", str(root2)])  # default cap: 2 GiB
     assert rc == 0 and "pruned 0 path(s)" in out
     rc, out, _ = run_main(["cache", "prune", "--max-bytes", "0", "--cache-dir", str(root2)])
-    assert rc == 0 and "pruned 3 path(s)" in out and cache.ArtifactCache(root2).entries() == []
+    assert rc == 0 and "pruned 4 path(s)" in out and cache.ArtifactCache(root2).entries() == []
 
     root3 = copy_of(warm, tmp_path / "c")
     rc, out, err = run_main(["cache", "clear", "--cache-dir", str(root3)])
-    assert rc == 2 and "--yes" in err and len(cache.ArtifactCache(root3).entries()) == 3
+    assert rc == 2 and "--yes" in err and len(cache.ArtifactCache(root3).entries()) == 4
     rc, out, _ = run_main(["cache", "clear", "--yes", "--cache-dir", str(root3)])
-    assert rc == 0 and "cleared 3 path(s)" in out and cache.ArtifactCache(root3).entries() == []
+    assert rc == 0 and "cleared 4 path(s)" in out and cache.ArtifactCache(root3).entries() == []
 
 
 def test_cache_list_row_of_an_old_or_odd_entry(tmp_path):
@@ -343,15 +354,16 @@ def test_doctor_without_gpu(warm, monkeypatch):
     assert "cute-dsl" in out and "libcute_dsl_runtime.so: /" in out and "DSL compiler (cutlass): importable" in out
     assert "8/1   q bf16 kv fp8   sm_90a   2/SM ready" in out and "8/1   q bf16 kv fp8   sm_90a   3/SM ready" in out
     assert "8/1   q bf16 kv fp8   sm_90a   2/SM cluster merge ready" in out
+    assert "8/1   q bf16 kv fp8   sm_90a   2/SM union ready" in out and "1/SM union" not in out
     assert "8/1   q bf16 kv nvfp4 sm_90a   2/SM missing" in out  # the preset has both KV formats
-    assert "3/48 ready" in out and "sm_100a" not in out.split("readiness")[1].split("Kernel")[0]
+    assert "4/56 ready" in out and "sm_100a" not in out.split("readiness")[1].split("Kernel")[0]
     rc, out, _ = run_main(["doctor", "--json", "--cache-dir", str(warm["root"])])
     rep = json.loads(out)
     assert rc == 0 and rep["gpu"]["available"] is False and rep["target_arches"] == ["sm_90a"]
     assert rep["kernel_selection"]["families"] == {"sm_90a": "portable"}
-    assert rep["kernel_selection"]["enable_sm90_union"] is False and "MSA_JIT_ENABLE_SM90_UNION" in out
+    assert rep["kernel_selection"]["enable_sm90_union"] is None and "MSA_JIT_ENABLE_SM90_UNION" in out
     assert rep["kernel_selection"]["enable_cluster_merge"] is True
-    assert sum(r["ready"] for r in rep["presets"]) == 3 and rep["cache"]["entries"] == 3
+    assert sum(r["ready"] for r in rep["presets"]) == 4 and rep["cache"]["entries"] == 4
 
 
 def test_doctor_survives_broken_probes(monkeypatch):
@@ -477,6 +489,13 @@ def test_inspect_one_geometry(warm, tmp_path, monkeypatch):
     assert {k["ctas_per_sm"] for k in kernels} == {2, 3}
     assert all(k["local_ops"] == 0 == k["accepted_local_ops"] for k in kernels)
     assert all(k["registers"] <= 128 for k in kernels if k["ctas_per_sm"] == 3)
+    # the cluster-merge build's two decode kernels (cluster and plain launch) are numbered, not twin rows; the
+    # fp8 cluster build is the dims-split kernel (kernels/sparse_decode_dims.py)
+    cluster_rows = [line for line in out.splitlines() if "cluster merge" in line and "sparse_decode_" in line]
+    assert [re.search(r"sparse_decode_dims( #\d)?", line).group(0) for line in cluster_rows] == [
+        "sparse_decode_dims #1", "sparse_decode_dims #2"], out
+    assert "#1 / #2: a cluster-merge build compiles its decode kernel for two launches" in out
+    assert not re.search(r"(?<!cluster merge)  sparse_decode_(mma|dims) #", out)  # other builds: one kernel
 
     from msa_jit import sass
 
@@ -498,16 +517,21 @@ def test_inspect_smem_is_what_the_launch_uses(warm, tmp_path):
     rc, out, _ = run_main(["inspect", *WARM_ARGS, "--cache-dir", str(warm["root"]), "--json", str(js), "-q"])
     assert rc == 0, out
     kernels = json.loads(js.read_text())["kernels"]
-    decode = [k for k in kernels if "split_merge" not in k["kernel"]]
+    decode = [k for k in kernels if "split_merge" not in k["kernel"] and k["config_kernel"] == "token"]
     merge = [k for k in kernels if "split_merge" in k["kernel"]]
+    union = [k for k in kernels if "split_merge" not in k["kernel"] and k["config_kernel"] == "union"]
     # the 2- and 3-CTA builds, and the cluster-merge build's two (with and without its cluster launch)
     assert sorted((k["ctas_per_sm"], k["split_merge"]) for k in decode) == [(2, "cluster"), (2, "cluster"), (2, "kernel"),
                                                                            (3, "kernel")] and merge
+    # the union's 2-CTA build: 2 stages of a 128-token page's K and V tiles, within half the SM's 228 KiB
+    assert [k["ctas_per_sm"] for k in union] == [2] and 2 * 128 * 256 <= union[0]["smem"] <= 114 * 1024, union
     for k in decode:
         assert k["smem"] == k["dynamic_smem"] + k["static_smem"]
         assert 2 * 128 * 256 <= k["smem"] and k["smem"] * k["ctas_per_sm"] <= 228 * 1024, k
     smem = {(k["ctas_per_sm"], k["split_merge"]): k["smem"] for k in decode}
-    assert smem[2, "cluster"] > smem[2, "kernel"] > smem[3, "kernel"]  # + the receive buffer; 3 stages vs 2
+    # 2-CTA: 3 stages against the 3-CTA build's 2; the fp8 cluster build (the dims split): 2 padded stages, P's
+    # fragments and the receive buffer
+    assert smem[2, "kernel"] > smem[2, "cluster"] > smem[3, "kernel"]
     assert all(k["dynamic_smem"] == 0 and k["smem"] == k["static_smem"] for k in merge)
     for k in decode:  # the table shows the same number
         assert any(cells(line)[8] == str(k["smem"]) for line in out.splitlines()[2:]

@@ -90,7 +90,8 @@ def test_json_means_the_same_everywhere(fake_run, tmp_path, monkeypatch):
         rc, out, err = run_main(["warmup", "--heads", "8/1", "--q-dtype", "bf16", "--arch", "sm_90a",
                                  "--cache-dir", root, "-q", *flag])
         doc = json.loads(out)  # stdout is the JSON only, the table went to stderr
-        assert rc == 0 and doc["cached"] == 3 and "8/1" in err  # 2 occupancies + the cluster-merge build
+        # 2 occupancies, the union's 2-CTA build and the cluster-merge build
+        assert rc == 0 and doc["cached"] == 4 and "8/1" in err
         for sub in (["cache", "list"], ["cache", "info"], ["doctor"]):
             rc, out, _ = run_main([*sub, "--cache-dir", root, *flag])
             assert rc == 0 and json.loads(out) is not None, sub
@@ -250,7 +251,7 @@ def test_selftest_grid_quick_and_forced_splits():
     from msa_jit import selftest
 
     for quick, qlens, batches in ((False, selftest.QLENS, selftest.BATCHES), (True, [1, 4], [1, 16])):
-        cases = selftest.grid_cases("sm_90a", quick=quick)
+        cases = selftest.grid_cases("sm_90a", quick=quick, union=False)
         plain = [c for c in cases if c[4] is None]
         assert {c[2] for c in plain} == set(qlens) and {c[3] for c in plain} == set(batches)
         assert {c[:5] for c in cases if c[4] is not None} == {
@@ -338,14 +339,14 @@ def test_json_into_a_special_file_or_a_symlink_writes_through(fake_run, tmp_path
         reader.join(10)
     assert rc == 0, err
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode), "the FIFO was replaced by a regular file"
-    assert json.loads(got[0])["cached"] == 3
+    assert json.loads(got[0])["cached"] == 4
     real = tmp_path / "real.json"
     real.write_text("old")
     link = tmp_path / "link.json"
     link.symlink_to(real)
     rc, _, err = run_main([*args, "--json", str(link)])
     assert rc == 0 and link.is_symlink() and os.readlink(link) == str(real), err
-    assert json.loads(real.read_text())["cached"] == 3
+    assert json.loads(real.read_text())["cached"] == 4
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary file left
 
 
@@ -381,7 +382,8 @@ def test_inspect_shows_a_failed_builds_first_line(monkeypatch, tmp_path):
     rc, out, _ = run_main(["inspect", "--heads", "8/1", "--q-dtype", "bf16", "--arch", "sm_90a", "--json", str(js)])
     assert rc == 1 and "ERROR" in out and "DSLUserCodeError: ..." in out and "PHASE" not in out
     assert max(len(line) for line in out.splitlines()) < 120
-    assert [k["error"] for k in json.loads(js.read_text())["kernels"]] == [error] * 3  # 2/SM, 3/SM, 2/SM cluster
+    # 2/SM, 3/SM, the union's 2/SM, 2/SM cluster
+    assert [k["error"] for k in json.loads(js.read_text())["kernels"]] == [error] * 4
 
 
 # ----------------------------------------------------------------------------- item 11: inspect
@@ -408,7 +410,7 @@ def test_inspect_json_on_stdout_leaves_the_table_on_stderr(fake_run):
     """`msa-jit inspect --json` (no FILE): stdout is the JSON only, as in every command."""
     rc, out, err = run_main(["inspect", "--heads", "8/1", "--q-dtype", "bf16", "--arch", "sm_90a", "-q", "--json"])
     doc = json.loads(out)  # fake_run's rows have no artifact: error rows, exit 1
-    assert rc == 1 and len(doc["kernels"]) == 3 and "geometry" in err and "3 kernel(s)" in err
+    assert rc == 1 and len(doc["kernels"]) == 4 and "geometry" in err and "4 kernel(s)" in err
 
 
 def test_inspect_kernel_names_are_short():
@@ -515,7 +517,7 @@ def test_no_numpy_warning_without_numpy(tmp_path):
     # a warm-up whose two workers start (and fail: no-compile mode, empty cache)
     p = subprocess.run([sys.executable, "-m", "msa_jit", "warmup", "--heads", "8/1", "--q-dtype", "bf16", "--arch",
                         "sm_90a", "--jobs", "2"], capture_output=True, text=True, env=e, timeout=300)
-    assert p.returncode == 1 and "ArtifactMissingError" in p.stdout, p.stdout + p.stderr
+    assert p.returncode == 1 and ": not in the cache" in p.stdout, p.stdout + p.stderr
     assert "NumPy" not in p.stderr, p.stderr
 
 
@@ -523,16 +525,18 @@ def test_no_numpy_warning_without_numpy(tmp_path):
 def test_kv_dtype_flag(fake_run):
     rc, out, _ = run_main(["warmup", "--heads", "64/4", "--q-dtype", "bf16", "--kv-dtype", "fp8,nvfp4",
                            "--arch", "sm_90a", "-q"])
-    assert rc == 0 and len(fake_run[0]) == 6
-    assert [(c.kv_dtype, c.ctas_per_sm, c.split_merge) for c in fake_run[0]] == [
-        ("float8_e4m3fn", 2, "kernel"), ("float8_e4m3fn", 3, "kernel"), ("float8_e4m3fn", 2, "cluster"),
-        ("nvfp4", 2, "kernel"), ("nvfp4", 3, "kernel"), ("nvfp4", 2, "cluster")]
-    assert [line.split()[2] for line in out.splitlines()[2:8]] == ["fp8"] * 3 + ["nvfp4"] * 3
+    assert rc == 0 and len(fake_run[0]) == 7  # the union's build: an fp8 cache only
+    assert [(c.kv_dtype, c.kernel, c.ctas_per_sm, c.split_merge) for c in fake_run[0]] == [
+        ("float8_e4m3fn", "token", 2, "kernel"), ("float8_e4m3fn", "token", 3, "kernel"),
+        ("float8_e4m3fn", "union", 2, "kernel"), ("float8_e4m3fn", "token", 2, "cluster"),
+        ("nvfp4", "token", 2, "kernel"), ("nvfp4", "token", 3, "kernel"), ("nvfp4", "token", 2, "cluster")]
+    assert [line.split()[2] for line in out.splitlines()[2:9]] == ["fp8"] * 4 + ["nvfp4"] * 3
     rc, _, err = run_main(["warmup", "--heads", "64/4", "--kv-dtype", "int4", "--arch", "sm_90a"])
     assert rc == 2 and "--kv-dtype 'int4'" in err and "fp8 or nvfp4" in err
     rc, _, _ = run_main(["warmup", "--preset", "minimax-m3", "--arch", "sm_90a,sm_100a", "-q"])
-    # 4 geometries x 2 q x 2 kv x 2 occupancies x 2 arches, and sm_90a's cluster-merge builds (4 x 2 x 2)
-    assert rc == 0 and len(fake_run[-1]) == 80
+    # 4 geometries x 2 q x 2 kv x 2 occupancies x 2 arches, and sm_90a's cluster-merge builds (4 x 2 x 2) and
+    # union builds (4 x 2 q, fp8 cache, its planned occupancy)
+    assert rc == 0 and len(fake_run[-1]) == 88
 
 
 @pytest.mark.parametrize("kv", ["float8_e4m3fn", "nvfp4"])
@@ -634,3 +638,18 @@ def test_env_problems_lists_each_bad_variable(monkeypatch):
     monkeypatch.setenv("MSA_JIT_ARCH", "sm_90")
     found = env.problems()
     assert len(found) == 2 and found[0].startswith("MSA_JIT_NO_COMPILE=") and found[1].startswith("MSA_JIT_ARCH=")
+
+
+def test_a_reader_that_goes_away_is_no_error(tmp_path):
+    """`msa-jit ... | head`: when stdout's reader closes the pipe the command ends quietly with 141 (128 +
+    SIGPIPE, what a shell reports for a Unix tool), not 'msa-jit doctor: BrokenPipeError' and exit 2."""
+    code = ("import sys, msa_jit.cli as c, msa_jit.cli.doctor as d\n"
+            "d.run = lambda args: [print('x' * 100) for _ in range(100000)] and 0\n"
+            "sys.exit(c.main(['doctor']))\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env=_subprocess_env(MSA_JIT_CACHE_DIR=str(tmp_path / "c")))
+    assert p.stdout.readline() == b"x" * 100 + b"\n"
+    p.stdout.close()
+    err = p.stderr.read()
+    p.stderr.close()
+    assert p.wait(timeout=120) == 141 and err == b"", err

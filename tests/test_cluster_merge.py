@@ -71,6 +71,19 @@ def test_every_split_factor_of_a_2_cta_grid_merges_in_a_cluster():
     assert (16, 16) in seen and (8, 16) in seen  # batch 1 at every geometry
 
 
+def test_the_planners_cluster_bound_is_the_receive_buffers():
+    # geometry.MAX_CLUSTER_SPLITS (the planner's one-wave rule) and the kernels' RECV_SLOTS are one bound: every
+    # power of two up to it fits the receive buffer at every group size
+    kernels_package()
+    from msa_jit.geometry import MAX_CLUSTER_SPLITS, MAX_GROUP_SIZE
+    from msa_jit.kernels.cluster_merge import RECV_SLOTS
+
+    assert MAX_CLUSTER_SPLITS == RECV_SLOTS
+    for group in range(1, MAX_GROUP_SIZE + 1):
+        m = _merge(group)
+        assert all(m.fits(1 << b) for b in range(1, MAX_CLUSTER_SPLITS.bit_length())), group
+
+
 def test_cluster_merge_needs_the_2_cta_build():
     kernels_package()
     from msa_jit.kernels.sparse_decode_mma import SparseDecodeMmaKernel
@@ -89,25 +102,29 @@ def _base_opcodes(body: str) -> Counter:
     return out
 
 
-def _functions(tmp_path, options, hq, hkv, kv_dtype="float8_e4m3fn"):
-    cfg = SparseDecodeConfig(num_q_heads=hq, num_kv_heads=hkv, kv_dtype=kv_dtype, arch="sm_90a")
+def _functions(tmp_path, split_merge, hq, hkv, kv_dtype="float8_e4m3fn"):
+    """The shipped build of the config (the fp8 cluster build: kernels/sparse_decode_dims.py)."""
+    cfg = SparseDecodeConfig(num_q_heads=hq, num_kv_heads=hkv, kv_dtype=kv_dtype, arch="sm_90a", split_merge=split_merge)
     tmp_path.mkdir(parents=True, exist_ok=True)
-    compile_sparse_decode(cfg, tmp_path, kernel_options=options)
+    compile_sparse_decode(cfg, tmp_path)
     (cubin,) = sass.extract_cubins(tmp_path / "sparse_decode.so")
     return cubin, sass.split_functions(sass.disassemble(cubin))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("hq, hkv, kv_dtype", [(64, 4, "float8_e4m3fn"), (8, 1, "float8_e4m3fn"), (64, 4, "nvfp4")])
-def test_cluster_build_pushes_and_waits_without_fences(tmp_path, hq, hkv, kv_dtype):
-    cubin, funcs = _functions(tmp_path, {"split_merge": "cluster"}, hq, hkv, kv_dtype)
+@pytest.mark.parametrize("hq, hkv, kv_dtype, pushes", [(64, 4, "float8_e4m3fn", 6), (8, 1, "float8_e4m3fn", 3),
+                                                      (64, 4, "nvfp4", 5)])
+def test_cluster_build_pushes_and_waits_without_fences(tmp_path, hq, hkv, kv_dtype, pushes):
+    # pushes: the key split (NVFP4) pushes 4 x 16 bytes of a thread's row + its log2-LSE; the dims split (fp8)
+    # 2 x 16 bytes of each of a lane's 2 rows + their log2-LSEs (one row at G = 8)
+    cubin, funcs = _functions(tmp_path, "cluster", hq, hkv, kv_dtype)
     decode = {n: b for n, b in funcs.items() if "merge" not in n.lower()}
     # two launch sites of the same decode kernel: in a cluster, or before the merge kernel (a split
     # factor whose rows do not fit the receive buffer), which stays in the artifact
     assert len(decode) == 2 and any("merge" in n.lower() for n in funcs)
     for body in decode.values():
         ops = _base_opcodes(body)
-        assert ops["STAS"] == 5, ops  # 4 x 16 bytes of a thread's partial row + its log2-LSE
+        assert ops["STAS"] == pushes, ops
         assert ops["UCGABAR_ARV"] == 1 and ops["UCGABAR_WAIT"] == 1, ops
         assert ops["MEMBAR"] == 0 and ops["LDL"] + ops["STL"] == 0, ops
         # the arrive right after the setup, the wait before the first push, the merge after it
@@ -119,7 +136,7 @@ def test_cluster_build_pushes_and_waits_without_fences(tmp_path, hq, hkv, kv_dty
 
 @pytest.mark.slow
 def test_default_build_has_no_cluster_code(tmp_path):
-    _, funcs = _functions(tmp_path, None, 64, 4)
+    _, funcs = _functions(tmp_path, "kernel", 64, 4)
     decode = [b for n, b in funcs.items() if "merge" not in n.lower()]
     assert len(decode) == 1
     ops = _base_opcodes(decode[0])
@@ -143,4 +160,6 @@ def test_dynamic_smem_is_what_the_launch_asks_for(split_merge):
                             options=f"{conv.COMPILE_OPTIONS} --gpu-arch {cfg.arch}")
     n = dynamic_smem_bytes(cfg)
     assert re.search(rf"llvm\.mlir\.constant\({n} : i64\)", str(compiled.ir_module)), n
-    assert (n > 107_000) == (split_merge == "cluster")  # 99328 + 8264 bytes of receive buffer at 64/4
+    # 64/4: 3 stages (99328); the cluster build's dims-split kernel: 2 padded stages, P's fragments and the
+    # 8264 bytes of its receive buffer (kernels/sparse_decode_dims.py)
+    assert n == {"kernel": 99328, "cluster": 79944}[split_merge]

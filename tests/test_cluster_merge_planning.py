@@ -44,7 +44,12 @@ def test_check_config_cluster_rules():
     assert "split_merge=cluster" in ok.describe() and "split_merge" not in SparseDecodeConfig(64, 4).describe()
     # its own artifact: the field is in the cache key
     assert compiler.cache_key(ok) != compiler.cache_key(SparseDecodeConfig(64, 4))
-    assert compiler.kernel_family(ok) == "portable"
+    # the fp8 cluster build splits P V by head dims (kernels/sparse_decode_dims.py, row 89); NVFP4's and other
+    # page sizes' keep the portable kernel's key split
+    assert compiler.kernel_family(ok) == "portable_dims"
+    assert compiler.kernel_family(SparseDecodeConfig(8, 1, kv_dtype="nvfp4", split_merge="cluster")) == "portable"
+    assert compiler.kernel_family(SparseDecodeConfig(64, 4, page_size=64, split_merge="cluster")) == "portable"
+    assert compiler.kernel_family(SparseDecodeConfig(64, 4)) == "portable"
 
 
 def test_planner_picks_cluster_by_default_and_not_when_disabled(monkeypatch):
@@ -73,16 +78,22 @@ def test_planner_picks_cluster_by_default_and_not_when_disabled(monkeypatch):
     # the edge of the cluster zone: T*Hkv = 66 (16/2 B=33) in 2 splits is 132 CTAs, exactly one per SM
     plan = _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 33, hq=16, hkv=2)
     assert (plan.num_splits, plan.ctas_per_sm, plan.split_merge) == (2, 2, "cluster")
-    # 64/4 B=4 (16 rows): both formats in 16 splits = 256 CTAs, 3 per SM, the merge kernel
+    # 64/4 B=4 (16 rows): fp8 in one wave of 8 splits = 128 CTAs merged in the cluster (row 89); NVFP4 in 16
+    # splits = 256 CTAs, 3 per SM, the merge kernel
     plan = _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 4)
-    assert (plan.num_splits, plan.ctas_per_sm, plan.split_merge) == (16, 3, "kernel")
+    assert (plan.num_splits, plan.ctas_per_sm, plan.split_merge) == (8, 2, "cluster")
     assert (plan.nvfp4_num_splits, plan.nvfp4_ctas_per_sm, plan.nvfp4_split_merge) == (16, 3, "kernel")
+    # 64/4 B=8 (32 rows): 4 splits = 128 CTAs; 64/4 B=9 (36 rows): 2 splits = 72 CTAs, both in the cluster
+    for batch, splits in ((8, 4), (9, 2)):
+        plan = _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), batch)
+        assert (plan.num_splits, plan.ctas_per_sm, plan.split_merge) == (splits, 2, "cluster"), batch
     # a 2-CTA pin at a grid above one CTA per SM keeps the merge kernel, which row 79 measured faster
-    # there (64/4 B=4, 8/1 B=16: 256-CTA grids); a split_merge pin still takes the cluster
+    # there (64/4 B=4, 8/1 B=16: NVFP4's 256-CTA grids); fp8 splits there into one wave, in the cluster;
+    # a split_merge pin still takes the cluster
     for batch, hq, hkv in ((4, 64, 4), (16, 8, 1)):
         plan = _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a", ctas_per_sm=2), batch, hq=hq, hkv=hkv)
-        assert plan.ctas_per_sm == 2 and plan.num_splits > 1 and batch * hkv * plan.num_splits > 132
-        assert (plan.split_merge, plan.nvfp4_split_merge) == ("kernel", "kernel"), (batch, hq, hkv)
+        assert plan.ctas_per_sm == 2 and plan.nvfp4_num_splits > 1 and batch * hkv * plan.nvfp4_num_splits > 132
+        assert (plan.num_splits, plan.split_merge, plan.nvfp4_split_merge) == (8, "cluster", "kernel"), (batch, hq, hkv)
     plan = _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a", ctas_per_sm=2, split_merge="cluster"), 16)
     assert (plan.split_merge, plan.nvfp4_split_merge) == ("cluster", "cluster")
     # at one CTA per SM the 2-CTA pin takes it (8/1 B=8: 8 x 16 = 128 CTAs)
@@ -107,7 +118,7 @@ def test_split_merge_pins(monkeypatch):
 def test_warmup_builds_cluster_only_where_the_planner_may_pick_it(monkeypatch):
     base = SparseDecodeConfig(64, 4, arch="sm_90a")
     monkeypatch.setenv(ENABLE, "0")
-    monkeypatch.delenv("MSA_JIT_ENABLE_SM90_UNION", raising=False)
+    monkeypatch.setenv("MSA_JIT_ENABLE_SM90_UNION", "0")
     assert [c.split_merge for c in compiler.plannable_configs(base)] == ["kernel", "kernel"]
     monkeypatch.delenv(ENABLE)  # on by default
     got = [(c.ctas_per_sm, c.split_merge) for c in compiler.plannable_configs(base)]
@@ -332,10 +343,11 @@ def test_cluster_artifact_carries_its_launch_figures(tmp_path):
 
     cfg = SparseDecodeConfig(64, 4, arch="sm_90a", split_merge="cluster")
     extra = compiler.compile_sparse_decode(cfg, tmp_path)["extra"]
-    assert extra["threads"] == 160 and extra["smem_bytes"] == compiler.dynamic_smem_bytes(cfg) == 107592
+    # the dims-split kernel (row 89): 2 stages of 4 padded 32-row groups, P's fragments, the receive buffer
+    assert extra["threads"] == 160 and extra["smem_bytes"] == compiler.dynamic_smem_bytes(cfg) == 79944
     (cubin,) = sass.extract_cubins(tmp_path / "sparse_decode.so")
     name = decode_kernel_name(cubin)
-    assert "merge" not in name.lower() and "SparseDecodeMmaKernel" in name
+    assert "merge" not in name.lower() and "SparseDecodeDimsKernel" in name
 
 
 def test_selftest_keeps_the_merge_kernel_covered_where_the_cluster_is_the_default(monkeypatch):
@@ -344,8 +356,8 @@ def test_selftest_keeps_the_merge_kernel_covered_where_the_cluster_is_the_defaul
     from msa_jit.selftest import grid_cases
 
     monkeypatch.delenv(ENABLE, raising=False)
-    plain = grid_cases("sm_90a")
-    both = grid_cases("sm_90a", cluster=True, device_sms=132)
+    plain = grid_cases("sm_90a", union=False)
+    both = grid_cases("sm_90a", union=False, cluster=True, device_sms=132)
     pinned = {c[:5] for c in both if c[7] == "kernel"}
     assert set(plain) <= set(both) and len(both) - len(plain) == len(pinned)
     assert {(c[5], c[6]) for c in both if c[7] == "kernel"} == {("token", 2)}

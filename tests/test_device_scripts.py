@@ -53,14 +53,15 @@ def test_device_script_keeps_each_bench_steps_log_and_files(tmp_path):
         'echo "ran $* union=$MSA_JIT_ENABLE_SM90_UNION cluster=$MSA_JIT_ENABLE_CLUSTER_MERGE"\n')
     for f in stubs.iterdir():
         f.chmod(0o755)
-    env = dict(os.environ, OUT=str(out), PATH=f"{stubs}:{os.environ['PATH']}", DEADLINE="60")
+    # a caller's MSA_JIT_ENABLE_SM90_UNION does not leak into the steps that measure the defaults
+    env = dict(os.environ, OUT=str(out), PATH=f"{stubs}:{os.environ['PATH']}", DEADLINE="60", MSA_JIT_ENABLE_SM90_UNION="0")
     run = subprocess.run(["bash", "bench/h200_run.sh", "bench", "bench_kernel_merge", "bench_union"],
                          cwd=repo, env=env, capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
     logs = {p.name: p.read_text() for p in out.glob("*.log")}
     assert set(logs) == {"bench.log", "bench-kernel-merge.log", "bench-union.log"}
-    assert "union=0 cluster=1" in logs["bench.log"]
-    assert "union=0 cluster=0" in logs["bench-kernel-merge.log"]
+    assert "union= cluster=1" in logs["bench.log"]  # unset: the planner's rule
+    assert "union= cluster=0" in logs["bench-kernel-merge.log"]
     assert "union=1 cluster=1" in logs["bench-union.log"]
     assert all("bench rc=0" in text for text in logs.values())
     assert sorted(p.name for p in out.glob("*.json")) == [
@@ -93,3 +94,28 @@ def test_merge_ab_summary_pairs_each_cluster_point_with_its_merge_kernel_runs():
     assert (row["batch"], row["cluster_us"], row["kernel_us"]) == (1, [5.0, 5.2], [5.5, 5.4])
     assert row["ratio_of_fastest"] == round(5.0 / 5.4, 3)
     assert (row["cluster_spread"], row["kernel_spread"]) == (1.04, round(5.5 / 5.4, 3))
+
+
+def test_union_waves_pairs_the_two_runs_and_reads_a_bench_log(tmp_path):
+    """bench/union_waves.py: each point both runs have, the union's grid and its share of a wave, the
+    ratio and the planner's default pick; the union side can come from a bench log's progress lines
+    (the session 31 H100 run's =1 JSONs did not come back)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "union_waves.py"
+    spec = importlib.util.spec_from_file_location("union_waves", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    log = tmp_path / "u1.log"  # two lines as `msa-jit bench` printed them on the H100
+    log.write_text("copy bandwidth: 2.983 TB/s (read + write)\n"
+                   "[4/24     3 s]  64/4 float q4 B64   sh0  S1  C2U step   156.82 us | per layer   154.84 us  93.0% of copy\n"
+                   "[6/24     4 s]  64/4 float q4 B67   sh0  S1  C2U step   203.74 us | per layer   201.39 us  74.9% of copy\n")
+    union = mod._rows_of_log(log)
+    assert [(r["batch"], r["kernel"], r["marginal_us"], r["marginal_pct_of_copy"]) for r in union] == [
+        (64, "union", 154.84, 93.0), (67, "union", 201.39, 74.9)]
+    token = [dict(geometry="64/4", qlen=4, batch=b, shared_blocks=0, kernel="token", marginal_us=us, marginal_pct_of_copy=p)
+             for b, us, p in ((64, 154.7, 92.4), (67, 161.52, 92.7), (128, 298.37, 95.8))]
+    rows = mod.pair(token, union, 132)
+    assert [(r["batch"], r["union_grid_ctas"], r["wave_fill"], r["union_over_token"], r["planner_default"]) for r in rows] == [
+        (64, 256, 0.97, 1.001, "union"), (67, 268, 1.015, 1.247, "token")]  # B=128: no union row, left out

@@ -23,14 +23,14 @@ def test_env_defaults():
     assert env.lock_timeout_s() == 600.0
     assert env.target_arch() is None
     assert env.enable_sm100_umma() is False
-    assert env.enable_sm90_union() is False
+    assert env.enable_sm90_union() is None  # unset: the planner's rule (planner.choose_kernel)
     assert env.enable_cluster_merge() is True  # on by default since session 21 (performance.md row 79)
     assert env.log_level() == logging.WARNING
 
 
 @pytest.mark.parametrize("fn,var,default", [(env.no_compile, "MSA_JIT_NO_COMPILE", False),
                                             (env.enable_sm100_umma, "MSA_JIT_ENABLE_SM100_UMMA", False),
-                                            (env.enable_sm90_union, "MSA_JIT_ENABLE_SM90_UNION", False),
+                                            (env.enable_sm90_union, "MSA_JIT_ENABLE_SM90_UNION", None),
                                             (env.enable_cluster_merge, "MSA_JIT_ENABLE_CLUSTER_MERGE", True)])
 def test_env_booleans(monkeypatch, fn, var, default):
     for v in ("1", "true", "TRUE", "yes", "on", " On ", "y", "t"):

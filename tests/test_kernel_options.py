@@ -274,7 +274,7 @@ def test_union_ex2_poly_probe_moves_p_exps_to_the_fma_pipe(tmp_path):
     def counts(opts, where):
         where.mkdir()
         compile_sparse_decode(cfg, where, kernel_options={"union_fp8": True, "warpgroups": 1, "q_lo_regs": True,
-                                                          **opts}, kernel_class=UnionFp8Kernel)
+                                                          "v_converter": True, **opts}, kernel_class=UnionFp8Kernel)
         (cubin,) = sass.extract_cubins(where / "sparse_decode.so")
         text = "\n".join(body for name, body in sass.split_functions(sass.disassemble(cubin)).items()
                          if "merge" not in name.lower())
@@ -284,3 +284,25 @@ def test_union_ex2_poly_probe_moves_p_exps_to_the_fma_pipe(tmp_path):
     base, poly = counts({}, tmp_path / "shipped"), counts({"ex2_poly": 4}, tmp_path / "poly")
     # the softmax is inlined once: 64 P elements per thread, 16 of them by the polynomial (one round-down add each)
     assert base["MUFU.EX2"] - poly["MUFU.EX2"] == 16 and poly["FADD.FTZ.RM"] - base["FADD.FTZ.RM"] == 16
+
+
+@pytest.mark.parametrize("pad_rows, copies", [(0, 1), (4, 32), (32, 4)], ids=["as-it-lies", "4-rows", "shipped"])
+def test_dims_split_layouts_copy_and_load_as_described(tmp_path, pad_rows, copies):
+    # bench/dims_split.py's stage layouts of the dims-split kernel (row 89; 32 is the shipped one): the
+    # copies per block, one 32-bit shared load per V row and n-tile column (8 k-steps x 4 rows), no spill
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from dims_split import DimsLayoutKernel
+
+    cfg = SparseDecodeConfig(num_q_heads=64, num_kv_heads=4, arch="sm_90a")
+    compile_sparse_decode(cfg, tmp_path, kernel_class=DimsLayoutKernel,
+                          kernel_options={"split_merge": "cluster", "pv_split": "dims", "pad_rows": pad_rows})
+    (cubin,) = sass.extract_cubins(tmp_path / "sparse_decode.so")
+    funcs = sass.split_functions(sass.disassemble(cubin))
+    decode = [body for name, body in funcs.items() if "merge" not in name.lower()]
+    assert len(decode) == 2  # the cluster launch and the plain one
+    for body in decode:
+        ops = sass.opcode_counts(body)
+        assert ops["LDL"] + ops["STL"] == 0 and ops["LDS"] >= 32, ops
+        # the producer's loop over blocks is unrolled a few times (under 8): a multiple of the copies per block
+        assert ops["UBLKCP.S.G"] % copies == 0 and copies <= ops["UBLKCP.S.G"] < 8 * copies, ops
+    assert max(r.registers for r in sass.kernel_resources(cubin)) <= 168  # 2 CTAs x 160 threads

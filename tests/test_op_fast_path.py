@@ -521,7 +521,11 @@ def test_gpu_declined_calls_give_the_same_result():
     sparse_decode(c.query, c.kv_cache, c.topk, ref, plan, **s)
     torch.cuda.synchronize()
     assert not ref.isnan().any()  # a poison left in both would compare equal
-    for change in (dict(q_scale=torch.tensor(s["q_scale"])), dict(k_scale=torch.tensor([s["k_scale"]])),
+    # the CPU tensors hold the same numbers (float64: a float32 tensor would round k_scale, and a build that scales S
+    # in fp32, as the fp8 cluster build does, then gives other bits for another number)
+    f64 = torch.float64
+    for change in (dict(q_scale=torch.tensor(s["q_scale"], dtype=f64)),
+                   dict(k_scale=torch.tensor([s["k_scale"]], dtype=f64)),
                    dict(out=torch.full_like(ref, math.nan).as_subclass(_Sub)),
                    dict(topk=c.topk.as_subclass(_Sub))):
         a = dict(query=c.query, kv_cache=c.kv_cache, topk=c.topk, out=torch.full_like(ref, math.nan), **s)

@@ -223,7 +223,8 @@ def _two_waves(rows: int, topk: int, sms: int) -> int:
 @given(rows=st.integers(1, 100_000), topk=st.integers(1, 32), sms=st.integers(1, 200),
        kv=st.sampled_from(KV_FORMATS), kernel=st.sampled_from(("token", "union")), cluster=st.booleans())
 def test_choose_num_splits_properties(rows, topk, sms, kv, kernel, cluster):
-    from msa_jit.planner import ONE_SPLIT_FILL, TWO_SPLITS_FILL
+    from msa_jit.geometry import MAX_CLUSTER_SPLITS
+    from msa_jit.planner import CLUSTER_WAVE_FORMATS, ONE_SPLIT_FILL
 
     s = choose_num_splits(rows, topk, sms, kv, kernel, cluster)
     assert isinstance(s, int) and 1 <= s <= topk
@@ -235,23 +236,35 @@ def test_choose_num_splits_properties(rows, topk, sms, kv, kernel, cluster):
     assert choose_num_splits(rows + 1, topk, sms, kv, kernel, cluster) <= s
     if rows >= sms:
         return
-    two_zone = cluster and kv in TWO_SPLITS_FILL  # two splits only where they merge in the cluster
-    if kernel == "union" or rows <= (TWO_SPLITS_FILL[kv] if two_zone else ONE_SPLIT_FILL[kv]) * sms:
-        assert s == _two_waves(rows, topk, sms)  # a small grid: enough work for ~2 waves
-    elif rows > ONE_SPLIT_FILL[kv] * sms:
+    wave = None
+    if kernel == "token" and cluster and kv in CLUSTER_WAVE_FORMATS:
+        # one wave merged in the cluster: the largest power of two with rows * p <= sms, capped, normalized,
+        # taken when it stays a power of two (its rows then fit the cluster merge at every G <= 16)
+        p = max(p for p in (1, 2, 4, 8, 16, 32, 64, 128) if rows * p <= sms)
+        wave = -(-topk // -(-topk // min(p, topk, MAX_CLUSTER_SPLITS)))
+        wave = wave if wave & (wave - 1) == 0 else None
+    if kernel == "token" and rows > ONE_SPLIT_FILL[kv] * sms:
         assert s == 1  # T*Hkv fills most SMs: one CTA streams all of its (token, head)'s blocks
+    elif wave is not None:
+        assert s == wave and rows * s <= sms  # at most one CTA per SM: the cluster merge's grid
     else:
-        assert s == -(-topk // -(-topk // min(2, topk)))  # fp8 between the fills: two splits
-        assert rows * s <= sms  # at most one CTA per SM: the cluster merge's grid (takes_cluster_merge)
+        assert s == _two_waves(rows, topk, sms)  # a small grid: enough work for ~2 waves
 
 
 def test_choose_num_splits_examples():
     assert choose_num_splits(1, 16, 132) == 16
     assert choose_num_splits(4, 16, 132) == 16
-    assert choose_num_splits(32, 16, 132) == 8      # 9 wanted -> 2 slots per split -> 8 splits
-    assert choose_num_splits(44, 16, 132) == 6      # the last two-wave grid of fp8 (6 splits of 3, 3, .., 1)
-    assert choose_num_splits(45, 16, 132) == 2      # fp8 above a third of the SMs: 2 splits (90 CTAs)
-    assert choose_num_splits(66, 16, 132) == 2      # 132 CTAs: one per SM
+    # fp8 with the cluster merge: one wave of power-of-two splits (row 89)
+    assert choose_num_splits(8, 16, 132) == 16      # 128 CTAs
+    assert choose_num_splits(9, 16, 132) == 8 == choose_num_splits(16, 16, 132)
+    assert choose_num_splits(17, 16, 132) == 4 == choose_num_splits(33, 16, 132)  # 132 CTAs
+    assert choose_num_splits(34, 16, 132) == 2 == choose_num_splits(66, 16, 132)  # 132 CTAs: one per SM
+    # a topk that is no power of two: one wave only where it normalizes to a power of two (its rows fit the
+    # cluster merge at every G), else the two-wave rule
+    assert choose_num_splits(17, 12, 132) == 4      # 4 wanted -> 3 slots per split -> 4 splits (68 CTAs)
+    assert choose_num_splits(12, 12, 132) == 12     # 8 wanted -> 6 splits, not a power of two: two waves
+    assert choose_num_splits(1, 32, 132) == 16      # at most MAX_CLUSTER_SPLITS (a cluster of 16 CTAs)
+    assert choose_num_splits(1, 24, 132) == 24      # 16 -> 12 splits of 2 slots, no power of two: two waves
     assert choose_num_splits(67, 16, 132) == 1      # fp8 above half the SMs: unsplit
     assert choose_num_splits(132, 16, 132) == 1
     assert choose_num_splits(10_000, 16, 132) == 1
@@ -263,6 +276,8 @@ def test_choose_num_splits_examples():
     assert choose_num_splits(100, 16, 132, kernel="union") == 3
     # where 2 splits cannot merge in the cluster the two-wave rule holds up to half the SMs (2 splits merged by
     # the merge kernel were 0.94-1.19x the two-wave plan, row 83); unsplit above half either way
+    assert choose_num_splits(16, 16, 132, cluster_merge=False) == 16
+    assert choose_num_splits(32, 16, 132, cluster_merge=False) == 8  # 9 wanted -> 2 slots per split -> 8 splits
     assert choose_num_splits(48, 16, 132, cluster_merge=False) == 6
     assert choose_num_splits(64, 16, 132, cluster_merge=False) == 4
     assert choose_num_splits(67, 16, 132, cluster_merge=False) == 1
@@ -317,7 +332,7 @@ def test_choose_ctas_per_sm_examples():
         [2, 2, 3, 3, 3, 2, 2, 2]
 
 
-@pytest.mark.parametrize("batch,splits,ctas", [(1, 16, 2), (4, 16, 3), (16, 2, 2), (22, 1, 2), (64, 1, 3), (80, 1, 3),
+@pytest.mark.parametrize("batch,splits,ctas", [(1, 16, 2), (4, 8, 2), (8, 4, 2), (16, 2, 2), (22, 1, 2), (64, 1, 3), (80, 1, 3),
                                                (128, 1, 2), (256, 1, 2)])
 def test_planner_picks_occupancy_per_step_shape(batch, splits, ctas):
     bt = torch.zeros(batch, 8, dtype=torch.int32, device=DEV)

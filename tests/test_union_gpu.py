@@ -130,11 +130,20 @@ def test_union_and_token_kernels_agree():
     _agree_with_token_kernel(case, u, lu, "union vs token 64/4 B=64 qlen 4", tol=5e-3)
 
 
-def test_planner_picks_union_when_enabled(monkeypatch):
-    """MSA_JIT_ENABLE_SM90_UNION=1: the spec-decode point (64/4 B=64 qlen 4) runs the union kernel."""
+@pytest.mark.parametrize("flag", [None, "1"], ids=["unset", "1"])
+def test_planner_picks_union_when_enabled(monkeypatch, flag):
+    """The spec-decode point (64/4 B=64 qlen 4) runs the union kernel by default on a 132-SM GPU (one
+    full wave: planner.choose_kernel) and with MSA_JIT_ENABLE_SM90_UNION=1 anywhere, and is correct."""
     import msa_jit
+    from msa_jit.planner import choose_kernel
 
-    monkeypatch.setenv("MSA_JIT_ENABLE_SM90_UNION", "1")
+    if flag is None:
+        monkeypatch.delenv("MSA_JIT_ENABLE_SM90_UNION", raising=False)
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        if choose_kernel(64, 4, 64, 4, 128, "sm_90a", sms, None) != "union":
+            pytest.skip(f"{sms} SMs: 256 union CTAs are not one full wave here")
+    else:
+        monkeypatch.setenv("MSA_JIT_ENABLE_SM90_UNION", flag)
     case = make_case(64, 4, 64, 4, q_dtype=torch.bfloat16, seed=23, device="cuda")
     share_slots(case, 12)
     out, lse = case.new_out(), case.new_lse()

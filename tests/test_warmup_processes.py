@@ -30,8 +30,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("isolated_env")]
 def driver_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     e = {k: v for k, v in os.environ.items() if not k.startswith("MSA_JIT_")}
     # the warmup's processes, not its builds, are under test here: each geometry's two occupancies
-    # (the cluster-merge build, on by default on sm_90a, is counted in test_cli / test_cluster_merge_planning)
+    # (the cluster-merge and union builds, on by default on sm_90a, are counted in test_cli,
+    # test_cluster_merge_planning and test_union_planning)
     e["MSA_JIT_ENABLE_CLUSTER_MERGE"] = "0"
+    e["MSA_JIT_ENABLE_SM90_UNION"] = "0"
     e["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     e["TMPDIR"] = str(tmp_path / "tmp")
     e["FAKE_MARKS"] = str(tmp_path / "marks")

@@ -42,29 +42,37 @@ def result_problem(doc: Any) -> str | None:
 
 
 # the kernel choices of `environment()["msa_jit_flags"]` (key -> variable) and their defaults
-# (msa_jit.env.KERNEL_FLAG_DEFAULTS): a run with any other value measured an opt-in build, not the op as shipped
+# (msa_jit.env.KERNEL_FLAG_DEFAULTS; None: unset): a run with any other value measured another build than the op as shipped
 FLAG_VARS = {"enable_sm90_union": _env.ENABLE_SM90_UNION, "enable_cluster_merge": _env.ENABLE_CLUSTER_MERGE,
              "enable_sm100_umma": _env.ENABLE_SM100_UMMA}
 DEFAULT_FLAGS = {key: _env.KERNEL_FLAG_DEFAULTS[var] for key, var in FLAG_VARS.items()}
 
 
-def run_flags(result: dict[str, Any]) -> dict[str, bool]:
+# before this date MSA_JIT_ENABLE_SM90_UNION=0 and unset chose the same kernels (the union was opt-in);
+# since, unset is the planner's rule (the union where one tile holds a request's draft)
+UNION_RULE_SINCE = "2026-12-06T07"
+
+
+def run_flags(result: dict[str, Any]) -> dict[str, bool | None]:
     """The kernel-choice flags a result file's run had: `environment.msa_jit_flags`, else the raw
-    `msa_jit_env` values (files of sessions 16-21), else the defaults (older files)."""
+    `msa_jit_env` values (files of sessions 16-21), else the defaults (older files). A union flag of
+    0 in a file dated before UNION_RULE_SINCE reads as the default of its day (None)."""
     env = result.get("environment") or {}
     flags = dict(DEFAULT_FLAGS)
     recorded = env.get("msa_jit_flags")
     if isinstance(recorded, dict):
-        flags.update({k: bool(v) for k, v in recorded.items() if k in flags})
-        return flags
-    raw = env.get("msa_jit_env") or {}
-    for name, var in FLAG_VARS.items():
-        try:
-            value = _env.parse_bool(str(raw.get(var, "")))
-        except ValueError:  # a run with an unreadable value stopped at its first plan
-            value = None
-        if value is not None:
-            flags[name] = value
+        flags.update({k: None if v is None else bool(v) for k, v in recorded.items() if k in flags})
+    else:
+        raw = env.get("msa_jit_env") or {}
+        for name, var in FLAG_VARS.items():
+            try:
+                value = _env.parse_bool(str(raw.get(var, "")))
+            except ValueError:  # a run with an unreadable value stopped at its first plan
+                value = None
+            if value is not None:
+                flags[name] = value
+    if flags["enable_sm90_union"] is False and str(env.get("date", "")) < UNION_RULE_SINCE:
+        flags["enable_sm90_union"] = None
     return flags
 
 
@@ -124,7 +132,7 @@ def regressions(result: dict[str, Any], baseline: dict[str, Any], slack: float =
 
 
 def latest_result(out_dir: str | Path, device: str | None = None,
-                  flags: dict[str, bool] | None = None) -> Path | None:
+                  flags: dict[str, bool | None] | None = None) -> Path | None:
     """The newest bench-*.json in out_dir (by its recorded date), or None. device: only files measured
     on a GPU of that name (`environment.device`, torch.cuda.get_device_name()): timings of an H100 and
     an H200 do not compare. flags: only files whose run had these kernel-choice flags (`run_flags`):

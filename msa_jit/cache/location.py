@@ -152,14 +152,22 @@ def _absolute(path: os.PathLike | str) -> Path:
 
 
 def _creatable(root: Path) -> bool:
-    """Whether ``root`` is a directory, or its nearest existing ancestor is one (so that
-    creating it is what a first use would do, not a fallback)."""
+    """Whether ``root``, or its nearest existing ancestor, is a directory in which a
+    directory can be made (so that creating it is what a first use would do, not a fallback).
+    Asked by making and removing a probe directory there: permission bits do not tell (root
+    passes every access check, and still cannot create under /sys or /proc)."""
     p = root
     while not os.path.lexists(p):
         if p.parent == p:
             return False
         p = p.parent
-    return os.path.isdir(p)
+    if not os.path.isdir(p):
+        return False
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".msa-jit-probe-", dir=p))
+    except OSError:
+        return False
+    return True
 
 
 def pinned(root: os.PathLike | str, readonly: tuple[os.PathLike | str, ...] = ()) -> Resolution:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from .. import __version__, env
@@ -68,6 +69,14 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     try:
         return args.func(args)
+    except BrokenPipeError:  # `msa-jit ... | head`: the reader is gone, as for any Unix tool (no message)
+        try:  # so the interpreter's final flush of stdout does not raise again
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        except (OSError, ValueError, AttributeError):  # a stdout without a file descriptor
+            pass
+        return 141  # 128 + SIGPIPE, what a shell reports for a tool killed by it
     except (CacheError, OSError) as e:  # the cache, a file, a disk: a message, not a traceback
         logging.getLogger("msa_jit").debug("msa-jit %s failed", name, exc_info=True)
         print(f"msa-jit {name}: {type(e).__name__}: {e}", file=sys.stderr)

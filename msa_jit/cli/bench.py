@@ -55,8 +55,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     --floor-batches, --no-shared, --layers, --iters, --in-graph, --no-host), --out, --baseline,
     --table, --summary."""
     p.add_argument("--out", default=bench.RESULTS_DIR, help="folder for bench-<date>.json/.png")
-    p.add_argument("--geometries", default=",".join(bench.GRID_GEOMETRIES))
-    p.add_argument("--batches", default=",".join(map(str, bench.GRID_BATCHES)))
+    p.add_argument("--geometries", default=",".join(bench.GRID_GEOMETRIES),
+                   help="comma list of Hq/Hkv (default: %(default)s)")
+    p.add_argument("--batches", default=",".join(map(str, bench.GRID_BATCHES)),
+                   help="comma list of batch sizes (default: %(default)s)")
     p.add_argument("--decode-query-lens", default=None,
                    help=f"query tokens per request (qlen) of the grid, each in {MIN_QLEN}..{MAX_QLEN} (default "
                         f"{','.join(map(str, bench.GRID_QLENS))}; --quick: {','.join(map(str, bench.QUICK_QLENS))})")

@@ -101,9 +101,25 @@ def run(args: argparse.Namespace) -> int:
         except Exception as e:
             out.append({**base, "error": f"{type(e).__name__}: {e}"})
             failed = True
+    # a cluster-merge build holds its decode kernel twice (kernels/base.py: the cluster launch, and the plain
+    # launch for one split or clusters the GPU cannot hold): number the copies, or the rows read as a duplicate
+    names: dict[tuple[str, str], int] = {}
+    for o in out:
+        if "kernel" in o:
+            k = (o["artifact"], short_kernel_name(o["kernel"]))
+            names[k] = names.get(k, 0) + 1
+    seen: dict[tuple[str, str], int] = {}
+
+    def label(o: dict[str, Any]) -> str:
+        k = (o["artifact"], short_kernel_name(o["kernel"]))
+        if names[k] == 1:
+            return k[1]
+        seen[k] = seen.get(k, 0) + 1
+        return f"{k[1]} #{seen[k]}"
+
     table = format_table(
         ["geometry", "q", "kv", "arch", "CTAs/SM", "kernel", "sm", "regs", "smem", "LDL/STL", "MMA"],
-        [[o["geometry"], o["q_dtype"], o["kv_dtype"], o["arch"], _occupancy(o), short_kernel_name(o["kernel"]),
+        [[o["geometry"], o["q_dtype"], o["kv_dtype"], o["arch"], _occupancy(o), label(o),
           o["sm"], o["registers"], _smem(o),
           "n/a" if o["local_ops"] is None else
           f"{o['local_ops']}" + (f" (<= {o['accepted_local_ops']} accepted)" if o["accepted_local_ops"] else ""),
@@ -116,6 +132,9 @@ def run(args: argparse.Namespace) -> int:
     print(table, file=text)
     print("smem: bytes of shared memory per CTA, the launch's dynamic part (the kernel's storage struct,\n"
           "and a cluster merge's receive buffer) plus the static one", file=text)
+    if any(n > 1 for n in names.values()):
+        print("#1 / #2: a cluster-merge build compiles its decode kernel for two launches, in a cluster and plain\n"
+              "(one split, or clusters the GPU cannot hold)", file=text)
     if not with_sass:
         print(f"LDL/STL and MMA need the SASS, and nvdisasm was not found: {sass.NVDISASM_HINT}; "
               "spills were not checked", file=text)

@@ -34,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=RESULTS_DIR, help="folder for the bench JSON/PNG")
     from .common import positive_int
 
-    p.add_argument("--iters", type=positive_int, default=50)
+    p.add_argument("--iters", type=positive_int, default=50, help="timed graph replays per bench figure (default 50)")
 
 
 def run(args: argparse.Namespace) -> int:

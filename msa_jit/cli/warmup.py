@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from .. import cache, warmup
+from .. import cache, env, warmup
 from ..geometry import build_suffix
 from .common import add_geometry_arguments, add_json_argument, check_output_path, emit_json, format_table, \
     interrupted, warm_geometry_flags
@@ -47,11 +47,19 @@ def render(rows: Sequence[warmup.WarmupRow]) -> str:
     roots = sorted({str(Path(r.artifact).parents[3]) for r in rows if r.artifact})
     if roots:
         parts.append(f"artifacts in {', '.join(roots)} (`msa-jit cache list` shows every entry)")
+    # under MSA_JIT_NO_COMPILE=1 a miss is ArtifactMissingError, whose hint is the warmup that just ran:
+    # one short line per missing kernel and one closing hint instead
+    missing = [r for r in rows if r.status == "failed" and (r.error or "").startswith("ArtifactMissingError:")]
     for r in rows:
-        if r.status == "failed":
+        if r in missing:
+            parts.append(f"FAILED {r.label}: not in the cache")
+        elif r.status == "failed":
             parts.append(f"FAILED {r.label}: {r.error}")
     s = warmup.summary(rows)
     parts.append(f"{s['compiled']} compiled, {s['cached']} cached, {s['failed']} failed")
+    if missing:
+        parts.append(f"{env.NO_COMPILE}=1: this warmup only looked the kernels up; unset it to build the "
+                     f"{len(missing)} missing here, or warm a cache on a build host and ship it (cache_dir_policy.md §9)")
     return "\n".join(parts)
 
 
