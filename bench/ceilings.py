@@ -3,11 +3,11 @@
     python3 bench/ceilings.py --out $OUT        # on the GPU host (Triton + torch; no DSL)
 
 What a kernel with no index chain and no math reaches, measured exactly like a decode step
-(`msa_jit.bench.time_graph`: CUDA-graph replay, L2 flushed by reading, warm-up, median):
+(`msa_jit.tools.bench.time_graph`: CUDA-graph replay, L2 flushed by reading, warm-up, median):
 
 - `read_2g`: a Triton kernel reading 2 GiB contiguously, events around one launch (like the
   copy): the HBM read ceiling, as a ratio to the copy (which counts read + write bytes).
-  `msa-jit bench` measures the same (`msa_jit.bench.readers.read_bandwidth`) in its own run.
+  `msa-jit bench` measures the same (`msa_jit.tools.bench.readers.read_bandwidth`) in its own run.
 - `gather`: the same kernel reading N random 32 KiB chunks of a 4 GiB cache (the decode
   step's access pattern without topk / block table / math), at the bytes of the
   T·Hkv = 256 and 1024 points, and contiguous chunks at the same bytes.
@@ -18,9 +18,9 @@ What a kernel with no index chain and no math reaches, measured exactly like a d
   `batch1_floor`: the index chain and one chunk per program for 64 chunks, then a tiny kernel
   (the least a batch-1 step can cost here), as a standalone graph and inside a graph. The
   bench's per-layer floor probe (`floor_marginal_us` beside every small-batch row of
-  `msa-jit bench`, `msa_jit.bench.readers.floor_layer`) supersedes it for the targets.
+  `msa-jit bench`, `msa_jit.tools.bench.readers.floor_layer`) supersedes it for the targets.
 
-With `--layers` (needs the compiled kernels, like `msa-jit bench`): `msa_jit.bench.per_layer`,
+With `--layers` (needs the compiled kernels, like `msa-jit bench`): `msa_jit.tools.bench.per_layer`,
 the op as an engine runs it (one prologue, then L layers in one graph).
 """
 
@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 # the readers the bench also runs (one source): sum_chunk / read_chunks, the 2 GiB read
-from msa_jit.bench.readers import read_bandwidth, read_chunks, sum_chunk
+from msa_jit.tools.bench.readers import read_bandwidth, read_chunks, sum_chunk
 
 CHUNK = 128 * 256  # one (page, KV head) block: 32 KiB
 CACHE_BYTES = 4 << 30
@@ -78,7 +78,7 @@ def _reader(src: torch.Tensor, ids: torch.Tensor):
 
 
 def ceilings(copy_bw: float, log=print) -> dict[str, Any]:
-    from msa_jit.bench import median_in_graph, time_graph
+    from msa_jit.tools.bench import median_in_graph, time_graph
 
     def pct(nbytes: int, us: float) -> float:
         return round(100 * nbytes / (us * 1e-6) / copy_bw, 1)
@@ -148,14 +148,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--layers", action="store_true", help="also time the op L layers per graph")
     a = ap.parse_args(argv)
-    from msa_jit.bench import copy_bandwidth, environment
+    from msa_jit.tools.bench import copy_bandwidth, environment
 
     copy_bw = copy_bandwidth()
     print(f"copy bandwidth {copy_bw / 1e12:.3f} TB/s", flush=True)
     result: dict[str, Any] = {"environment": environment(), "command": " ".join(sys.argv),
                               "copy_tbps": round(copy_bw / 1e12, 4), "ceilings": ceilings(copy_bw)}
     if a.layers:
-        from msa_jit.bench import per_layer
+        from msa_jit.tools.bench import per_layer
 
         result["layers"] = per_layer(copy_bw)
     out = Path(a.out)

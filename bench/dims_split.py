@@ -1,6 +1,6 @@
 """Row 89's retired layouts of the dims-split kernel (kernels/sparse_decode_dims.py), for the bench only.
 
-`DimsLayoutKernel` subclasses the shipped `SparseDecodeDimsKernel` (P V split by head dims, the
+`DimsLayoutKernel` subclasses the shipped `SparseDecodeTokenDimsKernel` (P V split by head dims, the
 fp8 cluster build since session 33) and lays a stage down another way:
 
   pad_rows=0   the block as it lies (one bulk copy): the 4 lanes that share an n-tile column read
@@ -16,13 +16,13 @@ layouts and math; their address arithmetic compiled differently), T1036 the ship
 """
 
 # no `from __future__ import annotations`: the DSL reads evaluated annotations
-from msa_jit.compiler import kernels_package
+from msa_jit.jit.compiler import kernels_package
 
 kernels_package()
-from msa_jit.kernels.sparse_decode_dims import GROUP_PAD, SparseDecodeDimsKernel  # noqa: E402
+from msa_jit.kernels.token_dims import GROUP_PAD, SparseDecodeTokenDimsKernel  # noqa: E402
 
 
-class DimsLayoutKernel(SparseDecodeDimsKernel):
+class DimsLayoutKernel(SparseDecodeTokenDimsKernel):
     """The shipped dims-split kernel with a retired stage layout (see the module docstring)."""
 
     def __init__(self, *, pv_split: str = "dims", pad_rows: int = 32, **options):
@@ -35,5 +35,5 @@ class DimsLayoutKernel(SparseDecodeDimsKernel):
 
     def key_of(self, wp, sub, c, i):
         if self.pad_rows == 32:
-            return SparseDecodeDimsKernel.key_of(self, wp, sub, c, i)
+            return SparseDecodeTokenDimsKernel.key_of(self, wp, sub, c, i)
         return 32 * wp + 16 * sub + 4 * c + i  # the key split's order

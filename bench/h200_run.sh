@@ -69,7 +69,7 @@ for step in "$@"; do
            # *-kernel-merge* when committed (*-cluster* / *-opt-in*: session 20-21's, flags on before the default
            # changed), so the flagged runs' regression rows compare with the default kernels
            BASELINE=${BASELINE:-$(python3 -c 'import shutil, tempfile, glob, torch
-from msa_jit.bench import latest_result
+from msa_jit.tools.bench import latest_result
 d = tempfile.mkdtemp()
 for f in glob.glob("bench/results/bench-*.json"):
     any(t in f for t in ("-union", "-cluster", "-opt-in", "-kernel-merge")) or shutil.copy(f, d)

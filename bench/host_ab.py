@@ -5,7 +5,7 @@ ratio to a trivial torch op's launch (`x.add_(1)`) timed in the same round.
     python3 bench/host_ab.py --out $OUT     # GPU host, warmed cache (msa-jit warmup: 64/4 fp8 KV)
 
 Every figure is the CPU's time per call of `--calls` calls issued while the GPU is held busy
-by a spin kernel (`msa_jit.bench.issue_us`: what an eager engine's CPU pays per layer when it
+by a spin kernel (`msa_jit.tools.bench.issue_us`: what an eager engine's CPU pays per layer when it
 runs ahead of its GPU), the median of `--rounds` interleaved rounds. (Files before 2026-12-05:
 calls back to back with one sync at the end, on steps made tiny on the GPU so that it kept up;
 `gpu_bound` flagged where it did not.) `gpu_us_op`: the op alone, replayed in a graph.
@@ -122,7 +122,7 @@ def make_point(batch: int, fused_so: str | None = None, union: bool = False):
     s["v_dev"] = torch.tensor(1.0, device=dev)
     s["k_dev1"], s["v_dev1"] = s["k_dev"].view(1), s["v_dev"].view(1)
     if fused_so:  # a second plan (its own workspace and arrival counters) running the fused-merge build
-        from msa_jit import loader
+        from msa_jit.jit import loader
 
         s["plan_fused"] = SparseDecodePlanner().prepare(s["block_table"], s["seq_lens"], s["seq_lens_cpu"], 1, **s["kw"])
         s["plan_fused"].kernels[(torch.bfloat16, "float8_e4m3fn")] = loader.load_artifact(fused_so)[0]
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
                     "kv_format_ab.py's f_c2_fused of row 53, s19p_f_c2_cm of row 79): op_fused")
     ap.add_argument("--union", action="store_true", help="also the union kernel's call (op_union, op_union_fp8q)")
     a = ap.parse_args(argv)
-    from msa_jit.bench import environment, issue_us
+    from msa_jit.tools.bench import environment, issue_us
 
     t_start = time.perf_counter()
     result = {"environment": environment(), "command": " ".join(sys.argv), "calls": a.calls,

@@ -1,6 +1,6 @@
 """Timing probes and retired options of the portable kernel, for the bench only.
 
-`ProbeMmaKernel` subclasses the shipped `SparseDecodeMmaKernel` (kernels/sparse_decode_mma.py)
+`ProbeMmaKernel` subclasses the shipped `SparseDecodeTokenKernel` (kernels/sparse_decode_mma.py)
 and overrides one role each; nothing here is in the shipped kernel sources, so experiments
 never change a user's cache key. `bench/variants.py` builds it through
 `compile_sparse_decode(..., kernel_class=ProbeMmaKernel, kernel_options=...)`.
@@ -60,12 +60,12 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from msa_jit.compiler import kernels_package
+from msa_jit.jit.compiler import kernels_package
 
 kernels_package()
 from msa_jit.kernels import common, ptx  # noqa: E402
 from msa_jit.kernels.cluster_merge import RECV_BYTES, ClusterMerge  # noqa: E402
-from msa_jit.kernels.sparse_decode_mma import ROW_BYTES, SparseDecodeMmaKernel  # noqa: E402
+from msa_jit.kernels.token import ROW_BYTES, SparseDecodeTokenKernel  # noqa: E402
 
 TRACE_WORDS = 8
 PROBES = ("full", "no_math", "no_copy", "trace", "stream")
@@ -131,7 +131,7 @@ def prefetch_l2(addr: Int64, *, loc=None, ip=None) -> None:
     ptx._asm(None, [Int64(addr).ir_value(loc=loc, ip=ip)], "prefetch.global.L2 [$0];", "l", side_effects=True)
 
 
-class ProbeMmaKernel(SparseDecodeMmaKernel):
+class ProbeMmaKernel(SparseDecodeTokenKernel):
     """The shipped portable kernel plus one probe or retired option (see the module docstring)."""
 
     def __init__(self, *, probe: str = "full", pdl: bool = True, v_loads: str = "rotated",
@@ -167,7 +167,7 @@ class ProbeMmaKernel(SparseDecodeMmaKernel):
     @cute.jit
     def produce(self, mKV, sPages, h, first, n_iter, buf_addr, full_ptr, empty_ptr):
         if cutlass.const_expr(self.probe != "no_copy"):
-            SparseDecodeMmaKernel.produce(self, mKV, sPages, h, first, n_iter, buf_addr, full_ptr, empty_ptr)
+            SparseDecodeTokenKernel.produce(self, mKV, sPages, h, first, n_iter, buf_addr, full_ptr, empty_ptr)
         else:
             for i in range(n_iter):
                 s = i % self.stages
@@ -181,7 +181,7 @@ class ProbeMmaKernel(SparseDecodeMmaKernel):
         if cutlass.const_expr(self.probe in ("no_math", "stream")):
             self.release_stage(empty_bar, lane)
         else:
-            SparseDecodeMmaKernel.consume_block(self, qa, q_lane, acc, row_max, row_sum, stage, empty_bar, blk,
+            SparseDecodeTokenKernel.consume_block(self, qa, q_lane, acc, row_max, row_sum, stage, empty_bar, blk,
                                                 kv_len, scale, key_base, g, c, lane)
 
     # ---- stream: no epilogue
@@ -196,7 +196,7 @@ class ProbeMmaKernel(SparseDecodeMmaKernel):
             cute.arch.barrier(barrier_id=1, number_of_threads=self.consumer_threads)
             self.cluster_merge.wait(num_splits)
         elif cutlass.const_expr(self.probe != "stream"):
-            SparseDecodeMmaKernel.epilogue(self, mOut, mLse, mPO, mPL, sML, buf_addr, recv, acc, row_max, row_sum,
+            SparseDecodeTokenKernel.epilogue(self, mOut, mLse, mPO, mPL, sML, buf_addr, recv, acc, row_max, row_sum,
                                            t, h, split, warp, lane, num_splits, v_scale)
         elif cutlass.const_expr(self.cluster_merge is not None):
             self.cluster_merge.wait(num_splits)
@@ -239,13 +239,13 @@ class ProbeMmaKernel(SparseDecodeMmaKernel):
             if lane == 0:
                 cute.arch.mbarrier_arrive(empty_bar)
         else:
-            SparseDecodeMmaKernel.release_stage(self, empty_bar, lane)
+            SparseDecodeTokenKernel.release_stage(self, empty_bar, lane)
 
     # ---- convert="none" / "no_cvt" / "no_scale" (NVFP4 only)
     @cute.jit
     def nvfp4_k_frags(self, kraw, kp):
         if cutlass.const_expr(self.convert == "full"):
-            return SparseDecodeMmaKernel.nvfp4_k_frags(self, kraw, kp)
+            return SparseDecodeTokenKernel.nvfp4_k_frags(self, kraw, kp)
         sc = kraw[2]
         if cutlass.const_expr(self.convert == "none"):
             w = kraw[kp]
@@ -257,7 +257,7 @@ class ProbeMmaKernel(SparseDecodeMmaKernel):
     @cute.jit
     def nvfp4_v_frags(self, vraw, grp):
         if cutlass.const_expr(self.convert == "full"):
-            return SparseDecodeMmaKernel.nvfp4_v_frags(self, vraw, grp)
+            return SparseDecodeTokenKernel.nvfp4_v_frags(self, vraw, grp)
         rows, sc01, sc23 = vraw
         w = grp // 2
         base = 4 * grp
@@ -276,7 +276,7 @@ class ProbeMmaKernel(SparseDecodeMmaKernel):
     @cute.jit
     def load_v(self, stage, key_base, sub, g, c):
         if cutlass.const_expr(self.v_rotated):
-            return SparseDecodeMmaKernel.load_v(self, stage, key_base, sub, g, c)
+            return SparseDecodeTokenKernel.load_v(self, stage, key_base, sub, g, c)
         vrow = stage + (key_base + 16 * sub + 4 * c) * ROW_BYTES + 128 + 16 * g
         return [ptx.ld_shared_v4(vrow + i * ROW_BYTES) for i in range(4)]
 

@@ -5,7 +5,7 @@
 
 A variant is (cache format, constructor options of the portable kernel). Every variant is timed
 on the same steps, interleaved over rounds, as the engine runs the op (one prologue, then L
-layers in one CUDA graph, L2 flushed; marginal = (t(L) - t(1)) / (L - 1), msa_jit.bench's
+layers in one CUDA graph, L2 flushed; marginal = (t(L) - t(1)) / (L - 1), msa_jit.tools.bench's
 time_graph). The NVFP4 steps hold random NVFP4 bytes (valid codes, block scales in
 [2**-3, 2**0)) of the same pages as the fp8 steps: the timing does not depend on the values, and
 building a quantized 300 MB cache would cost more than the whole run. Percent of copy is
@@ -306,8 +306,8 @@ def _so(root: Path, name: str, hq: int, hkv: int) -> Path:
 
 
 def build(a: argparse.Namespace) -> int:
-    from msa_jit import sass
-    from msa_jit.compiler import compile_sparse_decode
+    from msa_jit.jit import sass
+    from msa_jit.jit.compiler import compile_sparse_decode
     from msa_jit.geometry import SparseDecodeConfig
 
     for name in a.variants or VARIANTS:
@@ -358,15 +358,16 @@ def _variants():
     return variants
 
 
-FLOOR = "floor"  # `run --floor`: the row of #19's floor probe (msa_jit.bench.measure.measure_floor)
+FLOOR = "floor"  # `run --floor`: the row of #19's floor probe (msa_jit.tools.bench.measure.measure_floor)
 
 
 def run(a: argparse.Namespace) -> int:
     import torch
 
-    from msa_jit import SparseDecodePlanner, loader, sparse_decode
-    from msa_jit.bench import GEOMETRIES, copy_bandwidth, environment, make_step, time_graph
-    from msa_jit.bench.measure import measure_floor
+    from msa_jit import SparseDecodePlanner, sparse_decode
+    from msa_jit.jit import loader
+    from msa_jit.tools.bench import GEOMETRIES, copy_bandwidth, environment, make_step, time_graph
+    from msa_jit.tools.bench.measure import measure_floor
 
     names = a.variants or list(VARIANTS)
     fns = {(n, g): loader.load_artifact(_so(Path(a.dir), n, *g))[0] for n in names for g in GEOMS}

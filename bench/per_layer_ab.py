@@ -1,4 +1,4 @@
-"""Per-layer cost (`msa_jit.bench.per_layer`) of both kernel builds at the points where the
+"""Per-layer cost (`msa_jit.tools.bench.per_layer`) of both kernel builds at the points where the
 planner picks 3 CTAs per SM, interleaved in one process: does the 3-CTA build also win when an
 engine runs several layers in one graph?
 
@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--rounds", type=int, default=2)
     a = ap.parse_args(argv)
-    from msa_jit.bench import copy_bandwidth, environment, per_layer
+    from msa_jit.tools.bench import copy_bandwidth, environment, per_layer
 
     copy_bw = copy_bandwidth()
     print(f"copy bandwidth {copy_bw / 1e12:.3f} TB/s", flush=True)

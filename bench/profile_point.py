@@ -17,7 +17,7 @@ import sys
 import torch
 
 from msa_jit import SparseDecodePlanner, sparse_decode
-from msa_jit.bench import GEOMETRIES, make_step
+from msa_jit.tools.bench import GEOMETRIES, make_step
 
 geo, batch, qlen = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 shared = int(sys.argv[4]) if len(sys.argv) > 4 else 0
@@ -36,7 +36,7 @@ if kv_format == "nvfp4":
 planner = SparseDecodePlanner()
 kernel = None
 if artifact:
-    from msa_jit.loader import load_artifact
+    from msa_jit.jit.loader import load_artifact
 
     kernel = load_artifact(artifact)[0]
 for _ in range(3):

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 import msa_jit
-from msa_jit.loader import load_artifact
+from msa_jit.jit.loader import load_artifact
 from msa_jit.testing import compare_with_reference, make_case
 
 

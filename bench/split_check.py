@@ -27,8 +27,8 @@ from kv_format_ab import GEOMS, VARIANTS, _so  # noqa: E402
 from kv_format_ab import _q_dtype as q_dtype_of  # noqa: E402
 from variants import _launch_checked, _planner_for_splits  # noqa: E402
 
-from msa_jit import loader  # noqa: E402
-from msa_jit.bench.measure import environment, invocation  # noqa: E402
+from msa_jit.jit import loader  # noqa: E402
+from msa_jit.tools.bench.measure import environment, invocation  # noqa: E402
 from msa_jit.testing import LSE_ATOL, make_case  # noqa: E402
 
 SPLITS = (2, 3, 4, 6, 8, 16)

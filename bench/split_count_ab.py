@@ -113,7 +113,7 @@ def forced_splits(splits: int | None):
 
 def make_planner(config: str, step, hq: int, hkv: int, qlen: int):
     """(planner, plan) for config "S/C/M", the plan built (and cached) under the forced split count."""
-    from msa_jit.bench.steps import prepare_args
+    from msa_jit.tools.bench.steps import prepare_args
     from msa_jit.planner import SparseDecodePlanner
 
     s, c, m, *k = config.split("/")
@@ -129,7 +129,7 @@ def check(planner, step, hq: int, hkv: int, qlen: int) -> float:
     """Relative L2 error of the plan's output against the float64 reference (output poisoned first)."""
     import torch
 
-    from msa_jit.bench.steps import decode, prepare_args
+    from msa_jit.tools.bench.steps import decode, prepare_args
     from msa_jit.reference import sparse_decode_reference
     from msa_jit.testing import rel_l2
 
@@ -156,9 +156,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from msa_jit.bench import copy_bandwidth, environment
-    from msa_jit.bench.measure import _layers_of, measure_floor
-    from msa_jit.bench.steps import GEOMETRIES, decode, make_indices, make_step
+    from msa_jit.tools.bench import copy_bandwidth, environment
+    from msa_jit.tools.bench.measure import _layers_of, measure_floor
+    from msa_jit.tools.bench.steps import GEOMETRIES, decode, make_indices, make_step
 
     bw = copy_bandwidth()
     print(f"copy {bw / 1e12:.3f} TB/s", flush=True)

@@ -94,7 +94,7 @@ def trace_point(fn, geom: str, batch: int, qlen: int, replays: int) -> dict[str,
     import torch
 
     from msa_jit import SparseDecodePlanner, sparse_decode
-    from msa_jit.bench import GEOMETRIES, make_step, prepare_args, time_graph
+    from msa_jit.tools.bench import GEOMETRIES, make_step, prepare_args, time_graph
 
     hq, hkv = GEOMETRIES[geom]
     group = hq // hkv
@@ -179,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"the points to trace (default: {' '.join(f'{g}:{b}:{q}' for g, b, q in POINTS)})")
     a = ap.parse_args(argv)
     points = POINTS if a.points is None else [_point(p) for p in a.points]
-    from msa_jit.bench import environment
-    from msa_jit.loader import load_artifact
+    from msa_jit.tools.bench import environment
+    from msa_jit.jit.loader import load_artifact
 
     result: dict[str, Any] = {"environment": environment(), "command": " ".join(sys.argv),
                               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

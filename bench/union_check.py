@@ -21,7 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from msa_jit import SparseDecodePlanner, loader, sparse_decode  # noqa: E402
+from msa_jit import SparseDecodePlanner, sparse_decode  # noqa: E402
+from msa_jit.jit import loader  # noqa: E402
 from msa_jit.testing import UNION_LSE_ATOL, compare_with_reference, make_case, rel_l2, share_slots  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

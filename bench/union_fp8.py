@@ -40,12 +40,12 @@ from cutlass import Float32, Int64
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from kernel_probes import globaltimer_lo, smid
-from msa_jit.compiler import kernels_package
+from msa_jit.jit.compiler import kernels_package
 
 kernels_package()
-from msa_jit.kernels.sparse_decode_union_sm90 import SparseDecodeUnionSm90Kernel  # noqa: E402
+from msa_jit.kernels.union import SparseDecodeUnionKernel  # noqa: E402
 from msa_jit.kernels import ptx  # noqa: E402
-from msa_jit.kernels.union_sm90_ops import st_global_b32  # noqa: E402
+from msa_jit.kernels.union_ops import st_global_b32  # noqa: E402
 
 # 2**f on [0, 1) as 1 + f (C1 + f (C2 + f C3)): the minimax fit of the relative error with C0 = 1 exactly (so
 # 2**-127, the clamp of -inf, comes out as +0), max relative error 8.6e-5 in float32 (f16 P rounds at 4.9e-4);
@@ -93,7 +93,7 @@ TRACE_BLOCKS = 64  # trace=True: 8 stamps for each of the first 64 blocks, then 
 TRACE_WORDS = TRACE_BLOCKS * 8 + 4
 
 
-class UnionFp8Kernel(SparseDecodeUnionSm90Kernel):
+class UnionFp8Kernel(SparseDecodeUnionKernel):
     """The shipped union kernel with the bench's probe options (trace, convert=False, mma=False)."""
 
     @staticmethod

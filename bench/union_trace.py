@@ -25,8 +25,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from msa_jit import SparseDecodePlanner, loader, sparse_decode  # noqa: E402
-from msa_jit.bench import environment, make_step  # noqa: E402
+from msa_jit import SparseDecodePlanner, sparse_decode  # noqa: E402
+from msa_jit.jit import loader  # noqa: E402
+from msa_jit.tools.bench import environment, make_step  # noqa: E402
 
 TRACE_BLOCKS = 64
 TRACE_WORDS = TRACE_BLOCKS * 8 + 4

@@ -6,7 +6,7 @@
 A variant is a set of constructor options of the portable kernel (`VARIANTS`); each one is
 checked against the float64 reference before it is timed, and every variant is timed on the
 same inputs, interleaved, in the same process (CUDA-graph replay, L2 flushed by reading,
-medians; `msa_jit.bench`). `run` also splits the batch-1 step and the host-side cost into
+medians; `msa_jit.tools.bench`). `run` also splits the batch-1 step and the host-side cost into
 their parts. Results: one JSON file (device, versions, date, command inside).
 """
 
@@ -132,7 +132,7 @@ def _so(root: Path, variant: str, hq: int, hkv: int, q_dtype: str) -> Path:
 
 
 def build(args: argparse.Namespace) -> int:
-    from msa_jit.compiler import compile_sparse_decode
+    from msa_jit.jit.compiler import compile_sparse_decode
     from msa_jit.geometry import SparseDecodeConfig
 
     root = Path(args.dir)
@@ -218,8 +218,8 @@ def _no_refresh(seq_lens) -> None:
 
 def _time_points(fns: dict[tuple[str, str], Any], copy_bw: float, iters: int, rounds: int) -> list[dict]:
     from msa_jit import sparse_decode
-    from msa_jit.bench import GEOMETRIES as BENCH_GEOMS
-    from msa_jit.bench import make_step, prepare_args, time_graph
+    from msa_jit.tools.bench import GEOMETRIES as BENCH_GEOMS
+    from msa_jit.tools.bench import make_step, prepare_args, time_graph
     from msa_jit.prologue import bind_refresh
 
     rows = []
@@ -274,7 +274,7 @@ def _batch1_step(fn):
     import torch
 
     from msa_jit import SparseDecodePlanner
-    from msa_jit.bench import make_step, prepare_args
+    from msa_jit.tools.bench import make_step, prepare_args
 
     step = make_step(64, 4, 1, 1, "bfloat16")
     planner = SparseDecodePlanner()
@@ -289,7 +289,7 @@ def _batch1_parts(fn) -> dict[str, Any]:
     import torch
 
     from msa_jit import sparse_decode
-    from msa_jit.bench import time_graph
+    from msa_jit.tools.bench import time_graph
 
     step, planner, args, kw, plan = _batch1_step(fn)
 
@@ -328,8 +328,8 @@ def _host_parts(fn, iters: int = 3000) -> dict[str, float]:
     import torch
 
     from msa_jit import sparse_decode
-    from msa_jit.bench import per_call_us
-    from msa_jit.compiler import convention
+    from msa_jit.tools.bench import per_call_us
+    from msa_jit.jit.compiler import convention
     from msa_jit.prologue import refresh_plan_tensors
     from msa_jit.validation import validate_prepare, validate_sparse_decode
 
@@ -353,8 +353,8 @@ def _host_parts(fn, iters: int = 3000) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from msa_jit.bench import copy_bandwidth, environment
-    from msa_jit.loader import load_artifact
+    from msa_jit.tools.bench import copy_bandwidth, environment
+    from msa_jit.jit.loader import load_artifact
 
     root = Path(args.dir)
     unknown = set(args.variants or ()) - set(VARIANTS)

@@ -6,7 +6,7 @@
 `msa-jit warmup` builds the fp8-cache kernels; `msa-jit bench`, the GPU tests and the sanitizer
 runs also load the NVFP4 ones, and the device runs with MSA_JIT_NO_COMPILE=1 (a missing
 artifact fails the row). Every MiniMax-M3 geometry x query dtype x occupancy
-(`msa_jit.warmup.warmup_configs`), each with kv_dtype "float8_e4m3fn" and "nvfp4", the union
+(`msa_jit.tools.warmup.warmup_configs`), each with kv_dtype "float8_e4m3fn" and "nvfp4", the union
 kernel's two builds per geometry and query dtype, and the cluster split merge's build per geometry,
 query dtype and cache format.
 """
@@ -21,7 +21,8 @@ from pathlib import Path
 if __name__ == "__main__":  # the checkout's msa_jit, also without PYTHONPATH
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from msa_jit import compiler, warmup  # noqa: E402
+from msa_jit.jit import compiler, registry  # noqa: E402
+from msa_jit.tools import warmup  # noqa: E402
 from msa_jit.geometry import KV_DTYPES, MINIMAX_M3_GEOMETRIES, Q_DTYPES  # noqa: E402
 
 
@@ -34,10 +35,10 @@ def configs(arch: str) -> list:
             if c.kernel == "token" and c.split_merge == "kernel"]
     out = [replace(c, kv_dtype=kv) for kv in KV_DTYPES for c in base]
     for c in base:
-        out += [u for u in compiler.union_configs(c) if u not in out]
+        out += [u for u in registry.union_configs(c) if u not in out]
     for c in list(out):
         if c.kernel == "token":
-            out += [m for m in compiler.cluster_merge_configs(c) if m not in out]
+            out += [m for m in registry.cluster_merge_configs(c) if m not in out]
     return out
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 def main() -> None:
     from msa_jit import SparseDecodePlanner, sparse_decode
-    from msa_jit.bench import copy_bandwidth, make_step, time_graph
+    from msa_jit.tools.bench import copy_bandwidth, make_step, time_graph
 
     step = make_step(64, 4, 256, 1, "bfloat16")
     planner = SparseDecodePlanner()

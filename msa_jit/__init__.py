@@ -9,7 +9,7 @@ Typical step::
 
 Importing the package imports torch only: triton (the prologue) and the kernel compiler are
 imported on first use. It registers the custom op `torch.ops.msa_jit.sparse_decode`
-(`msa_jit.torch_op`; ~9 ms of the ~2 s import, measured).
+(`msa_jit.integrations.torch_op`; ~9 ms of the ~2 s import, measured).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     import torch  # noqa: F401
 
-from . import torch_op  # noqa: F401,E402  (registers torch.ops.msa_jit.sparse_decode)
+from .integrations import torch_op
 from .geometry import SparseDecodeConfig, SupportResult, supports  # noqa: E402
 from .op import sparse_decode  # noqa: E402
 from .plan import SparseDecodePlan  # noqa: E402

@@ -28,7 +28,6 @@ __all__ = [
     "CACHE_MAX_BYTES",
     "LOCK_TIMEOUT",
     "ARCH",
-    "ENABLE_SM100_UMMA",
     "ENABLE_SM90_UNION",
     "ENABLE_CLUSTER_MERGE",
     "LOG_LEVEL",
@@ -44,7 +43,6 @@ __all__ = [
     "cache_max_bytes",
     "lock_timeout_s",
     "target_arch",
-    "enable_sm100_umma",
     "enable_sm90_union",
     "enable_cluster_merge",
     "log_level",
@@ -64,7 +62,6 @@ NO_COMPILE = "MSA_JIT_NO_COMPILE"
 CACHE_MAX_BYTES = "MSA_JIT_CACHE_MAX_BYTES"
 LOCK_TIMEOUT = "MSA_JIT_LOCK_TIMEOUT"
 ARCH = "MSA_JIT_ARCH"
-ENABLE_SM100_UMMA = "MSA_JIT_ENABLE_SM100_UMMA"
 ENABLE_SM90_UNION = "MSA_JIT_ENABLE_SM90_UNION"
 ENABLE_CLUSTER_MERGE = "MSA_JIT_ENABLE_CLUSTER_MERGE"
 LOG_LEVEL = "MSA_JIT_LOG_LEVEL"
@@ -99,7 +96,6 @@ VARIABLES: dict[str, str] = {
         "Target GPU arch override: sm_90a or sm_100a (the arches msa-jit builds for; '100a' and "
         "'10.0a' spell sm_100a too). Default: detect from the current device."
     ),
-    ENABLE_SM100_UMMA: "Bool, default 0. Enable the SM100 UMMA (tcgen05) kernel path.",
     ENABLE_SM90_UNION: (
         "Bool, unset by default. Unset: the planner gives the sm_90a union kernel (each block a tile's "
         "draft tokens share read once) the fp8-cache steps with decode_query_len 2..64/G (one tile holds "
@@ -130,7 +126,7 @@ VARIABLES: dict[str, str] = {
         "nvidia_cutlass_dsl/{cu13,cu12}/lib on sys.path (a pip install or the GPU bundle)."
     ),
     VLLM_PLUGIN: (
-        "Bool, default 1. 0 turns the vLLM plugin off: msa_jit.vllm_plugin.register() patches "
+        "Bool, default 1. 0 turns the vLLM plugin off: msa_jit.integrations.vllm_plugin.register() patches "
         "nothing (it logs one line saying so)."
     ),
     VLLM_SM100: (
@@ -144,7 +140,7 @@ _FALSE = frozenset({"0", "false", "no", "off", "n", "f"})
 
 # the kernel-choice variables and their defaults: the op as shipped (bench files record the values a
 # run had, and the issue targets count only a run with these). None: unset, the planner's own rule
-KERNEL_FLAG_DEFAULTS = {ENABLE_SM90_UNION: None, ENABLE_CLUSTER_MERGE: True, ENABLE_SM100_UMMA: False}
+KERNEL_FLAG_DEFAULTS = {ENABLE_SM90_UNION: None, ENABLE_CLUSTER_MERGE: True}
 
 
 def _raw(name: str) -> str | None:
@@ -303,11 +299,6 @@ def vllm_sm100() -> bool:
     return _bool(VLLM_SM100)
 
 
-def enable_sm100_umma() -> bool:
-    """``MSA_JIT_ENABLE_SM100_UMMA``: enable the SM100 UMMA path (default False)."""
-    return _bool(ENABLE_SM100_UMMA, KERNEL_FLAG_DEFAULTS[ENABLE_SM100_UMMA])
-
-
 def enable_sm90_union() -> bool | None:
     """``MSA_JIT_ENABLE_SM90_UNION``: None when unset (the planner's rule: the union kernel where one
     tile holds a request's draft and its grid is one full wave), True to let it serve every draft
@@ -353,7 +344,7 @@ def log_level() -> int:
 # variable -> the function of this module that parses it (doctor shows its value or its error)
 PARSERS: dict[str, str] = {
     CACHE_DIR: "cache_dir", NO_COMPILE: "no_compile", CACHE_MAX_BYTES: "cache_max_bytes",
-    LOCK_TIMEOUT: "lock_timeout_s", ARCH: "target_arch", ENABLE_SM100_UMMA: "enable_sm100_umma",
+    LOCK_TIMEOUT: "lock_timeout_s", ARCH: "target_arch",
     ENABLE_SM90_UNION: "enable_sm90_union", ENABLE_CLUSTER_MERGE: "enable_cluster_merge",
     LOG_LEVEL: "log_level", DSL_VERSION: "dsl_version_override", DSL_RUNTIME: "dsl_runtime",
     VLLM_PLUGIN: "vllm_plugin_enabled", VLLM_SM100: "vllm_sm100",

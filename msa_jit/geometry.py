@@ -42,9 +42,9 @@ MINIMAX_M3_GEOMETRIES = ((64, 4), (32, 2), (16, 1), (8, 1))
 # the planner picks, see planner.choose_ctas_per_sm)
 CTAS_PER_SM = (2, 3)
 # SparseDecodeConfig.kernel: how the work is cut. "token": one CTA per (query token, KV head, split),
-# every arch (kernels/sparse_decode_mma.py, sparse_decode_sm100.py). "union": one CTA per (request, KV
+# every arch (msa_jit/kernels/token.py, sparse_decode_sm100.py). "union": one CTA per (request, KV
 # head, tile of UNION_ROWS // G consecutive query tokens, split) over the union of the tile's blocks,
-# each block read once (kernels/sparse_decode_union_sm90.py: sm_90a, fp8 cache, decode_query_len >= 2;
+# each block read once (msa_jit/kernels/union.py: sm_90a, fp8 cache, decode_query_len >= 2;
 # the planner's where one tile holds a request's draft, planner.choose_kernel)
 KERNELS = ("token", "union")
 UNION_ARCHES = ("sm_90a",)
@@ -59,16 +59,16 @@ UNION_CTAS_PER_SM = (1, 2)  # 2 MMA warpgroups and 4 stages per CTA, or 1 warpgr
 # MSA_JIT_ENABLE_SM90_UNION=1's warmups build for
 UNION_PLANNED_CTAS_PER_SM = 2
 # SparseDecodeConfig.split_merge: how a step's KV splits are merged. "kernel": by the split merge
-# kernel launched after the decode kernel (kernels/split_merge.py), every build. "cluster": inside
+# kernel launched after the decode kernel (msa_jit/kernels/split_merge.py), every build. "cluster": inside
 # the decode launch, the split CTAs of a (token, KV head) being one thread-block cluster
-# (kernels/cluster_merge.py; a split factor whose rows do not fit its receive buffer still
+# (msa_jit/kernels/cluster_merge.py; a split factor whose rows do not fit its receive buffer still
 # launches the merge kernel): the token kernel's 2-CTA build on CLUSTER_MERGE_ARCHES; the planner's
 # default there since session 21 (docs/performance.md row 79), MSA_JIT_ENABLE_CLUSTER_MERGE=0 turns it
 # off (planner.choose_split_merge)
 SPLIT_MERGES = ("kernel", "cluster")
 CLUSTER_MERGE_ARCHES = ("sm_90a",)
 CLUSTER_MERGE_CTAS_PER_SM = 2  # its 8 KiB receive buffer fits beside 3 stages at 2 CTAs per SM, not at 3
-# the most splits a cluster merges (kernels/cluster_merge.py's RECV_SLOTS: its receive buffer's rows, and the
+# the most splits a cluster merges (msa_jit/kernels/cluster_merge.py's RECV_SLOTS: its receive buffer's rows, and the
 # largest cluster the DSL launches); a power of two up to it puts ceil(G / splits) * splits <= 16 rows in
 # each merging CTA for every G <= MAX_GROUP_SIZE
 MAX_CLUSTER_SPLITS = 16

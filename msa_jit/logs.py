@@ -1,6 +1,6 @@
 """The one logging setup of msa_jit's processes: the "msa_jit" loggers to stderr at MSA_JIT_LOG_LEVEL.
 
-The `msa-jit` command calls it once; `msa_jit.warmup`'s compile workers (fresh spawned
+The `msa-jit` command calls it once; `msa_jit.tools.warmup`'s compile workers (fresh spawned
 processes) call it too, so their log lines look like the parent's. A library that imports
 msa_jit never gets a handler installed behind its back: only these two call it.
 """

@@ -25,7 +25,7 @@ from .validation import FP8_KV, NVFP4_KV, check_kv_scale, check_scale, validate_
 __all__ = ["LOG2E", "sparse_decode"]
 
 LOG2E = 1.0 / math.log(2.0)
-_call_arguments = None  # kernels/convention.py:call_arguments, looked up on the first kernel call
+_call_arguments = None  # msa_jit/kernels/convention.py:call_arguments, looked up on the first kernel call
 
 _Tensor = torch.Tensor
 _FP8 = torch.float8_e4m3fn
@@ -61,9 +61,9 @@ def _scale_view(scale: torch.Tensor) -> torch.Tensor:
 def _kernel_call_arguments():
     global _call_arguments
     if _call_arguments is None:
-        from .compiler import convention
+        from .kernels import convention
 
-        _call_arguments = convention().call_arguments
+        _call_arguments = convention.call_arguments
     return _call_arguments
 
 
@@ -166,7 +166,7 @@ def _kernel_fast_path(query: Any, kv_cache: Any, topk: Any, out: Any, plan: Spar
     elif type(lse) is not _Tensor:
         return False
     kv_lens, _, partial_o, partial_lse, unit = ffi
-    # kernels/convention.py ARGUMENTS order (call_arguments); tests pin the two to each other
+    # msa_jit/kernels/convention.py ARGUMENTS order (call_arguments); tests pin the two to each other
     fn(query, kv, topk, plan.block_table, kv_lens, out, lse,
        partial_o, partial_lse, unit if k_dev is None else k_dev, unit if v_dev is None else v_dev,
        plan.qlen, splits, sm_scale * q_scale * ks * LOG2E, vs)

@@ -66,7 +66,7 @@ class SparseDecodePlan:
     kernels: dict[tuple[torch.dtype, str], Callable[..., Any]] = field(default_factory=dict)
     # refresh(seq_lens): the per-step prologue launch bound to this plan's tensors (planner sets it)
     refresh: Callable[[torch.Tensor], None] | None = None
-    # kernels/convention.py PLAN_TENSORS as TVM-FFI tensors (kernel_tensors())
+    # msa_jit/kernels/convention.py PLAN_TENSORS as TVM-FFI tensors (kernel_tensors())
     _ffi_tensors: tuple[Any, ...] | None = field(default=None, repr=False)
     num_tokens: int = field(init=False)
     group_size: int = field(init=False)
@@ -124,7 +124,7 @@ class SparseDecodePlan:
         )
 
     def kernel_tensors(self) -> tuple[Any, ...]:
-        """The plan-owned kernel arguments (kernels/convention.py PLAN_TENSORS: kv_lens, lse_scratch,
+        """The plan-owned kernel arguments (msa_jit/kernels/convention.py PLAN_TENSORS: kv_lens, lse_scratch,
         partial_o, partial_lse, unit_scale) in the form the kernel call takes best.
 
         The plan owns them for its whole life, so they are wrapped as TVM-FFI tensors once
@@ -132,9 +132,9 @@ class SparseDecodePlan:
         tvm_ffi is not importable.
         """
         if self._ffi_tensors is None:
-            from .compiler import convention
+            from .kernels import convention
 
-            ts = tuple(getattr(self, name) for name in convention().PLAN_TENSORS)
+            ts = tuple(getattr(self, name) for name in convention.PLAN_TENSORS)
             try:
                 import tvm_ffi
 
@@ -146,17 +146,17 @@ class SparseDecodePlan:
     def resolve_kernel(self, q_dtype: Any, kv_dtype: str = "float8_e4m3fn") -> Callable[..., Any]:
         """Compiled kernel for this plan's geometry, `q_dtype` and cache format (cached in `self.kernels`).
 
-        Calls `msa_jit.compiler.get_sparse_decode_kernel(config)` on the first use; the result
-        takes the arguments of kernels/convention.py in order.
+        Calls `msa_jit.jit.compiler.get_sparse_decode_kernel(config)` on the first use; the result
+        takes the arguments of msa_jit/kernels/convention.py in order.
         """
         dt = torch_dtype(q_dtype)
         fn = self.kernels.get((dt, kv_dtype))
         if fn is None:
             cfg = self.config(dt, kv_dtype).validate()
-            from .compiler import get_sparse_decode_kernel
+            from .jit.compiler import get_sparse_decode_kernel
 
             if cfg.split_merge == "cluster":
-                from .compiler import cluster_launch_fits
+                from .jit.compiler import cluster_launch_fits
 
                 if not cluster_launch_fits(cfg, self.splits(kv_dtype), self._device_index()):
                     self._merge_by_kernel(kv_dtype)

@@ -19,9 +19,7 @@ import threading
 import torch
 
 from . import env
-from .geometry import (CLUSTER_MERGE_CTAS_PER_SM, CTAS_PER_SM, HEAD_DIM, KERNELS, MAX_CLUSTER_SPLITS, SPLIT_MERGES,
-                       UNION_CTAS_PER_SM, UNION_PLANNED_CTAS_PER_SM, UNION_ROWS, arch_problem, cluster_merge_problems,
-                       device_arch, union_problems)
+from .geometry import (CLUSTER_MERGE_CTAS_PER_SM, CTAS_PER_SM, HEAD_DIM, KERNELS, MAX_CLUSTER_SPLITS, SPLIT_MERGES, UNION_CTAS_PER_SM, UNION_PLANNED_CTAS_PER_SM, UNION_ROWS, arch_problem, cluster_merge_problems, device_arch, union_problems)
 from .plan import PlanKey, SparseDecodePlan
 from .validation import validate_prepare, validate_prepare_tensors, validate_seq_lens_cpu, validate_seq_lens_values
 
@@ -119,7 +117,7 @@ def choose_ctas_per_sm(grid_ctas: int, num_sms: int, supported: tuple[int, ...] 
     3 stages at 3 per SM; its conversions make a CTA latency-bound, so more warps win): 3 per SM
     whenever the grid is more than one CTA per SM (#33: 11% faster at 1024 CTAs, 4-12% at 256),
     2 below (equal at 64). `supported`: what the arch's kernel can be built for
-    (compiler.supported_ctas_per_sm).
+    (registry.supported_ctas_per_sm).
     """
     if 3 in supported and num_sms < grid_ctas and (kv_dtype == "nvfp4" or grid_ctas <= 3 * num_sms):
         return 3
@@ -379,7 +377,7 @@ class SparseDecodePlanner:
         # a split count per cache format (an NVFP4 cache is always the token kernel's): the union's grid
         # where it serves fp8, which splits only when pinned below one wave
         grid = union_grid_ctas(batch, qlen, hq, hkv) if kernel == "union" else T * hkv
-        from .compiler import supported_ctas_per_sm
+        from .jit.registry import supported_ctas_per_sm
 
         supported = supported_ctas_per_sm(arch) if arch is not None else CTAS_PER_SM
         pin = self.ctas_per_sm

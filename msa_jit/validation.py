@@ -423,7 +423,7 @@ def kernel_call_ok(query: Any, kv_cache: Any, topk: Any, out: Any, plan: "Sparse
 def validate_kernel_layout(
     query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None
 ) -> None:
-    """Layouts the compiled kernel assumes (kernels/convention.py ARGUMENTS), beyond the API rules.
+    """Layouts the compiled kernel assumes (msa_jit/kernels/convention.py ARGUMENTS), beyond the API rules.
 
     query: head stride == head_dim, token stride a multiple of 16 elements, 16-byte aligned;
     kv_cache, out: 16-byte aligned; out, lse: contiguous.

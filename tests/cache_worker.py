@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from msa_jit import cache  # noqa: E402
+from msa_jit.jit import cache  # noqa: E402
 
 
 def _append_line(path: str, text: str) -> None:

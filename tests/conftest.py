@@ -37,7 +37,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture
 def isolated_env(monkeypatch, tmp_path):
     """No MSA_JIT_* from the outside, a private tempfile.gettempdir(), fresh cache counters."""
-    from msa_jit import cache, env
+    from msa_jit.jit import cache
+    from msa_jit import env
 
     for name in env.VARIABLES:
         monkeypatch.delenv(name, raising=False)
@@ -52,7 +53,9 @@ def launched_configs(monkeypatch):
     """The SparseDecodeConfig of every kernel call, in order, with no kernel compiled or run: a
     stand-in kernel records its config, the custom op's arch is sm_90a, and validation resolves the
     kernel backend on a CPU case."""
-    from msa_jit import compiler, op, torch_op
+    from msa_jit.jit import compiler
+    from msa_jit import op
+    from msa_jit.integrations import torch_op
 
     events: list = []
     monkeypatch.setattr(compiler, "get_sparse_decode_kernel", lambda cfg: lambda *a: events.append(cfg))

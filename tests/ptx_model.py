@@ -1,8 +1,8 @@
-"""A small PTX interpreter for the tests: kernels/ptx.py's inline asm run as written, on the CPU.
+"""A small PTX interpreter for the tests: msa_jit/kernels/ptx.py's inline asm run as written, on the CPU.
 
 Registers hold 32-bit words as numpy uint32 arrays (one lane per element), so one text runs on
 scalars or on 100k inputs at once; an .f32 instruction reads its operands as float32 bit patterns.
-Only the instructions kernels/ptx.py's tested helpers use are modelled; any other one fails.
+Only the instructions msa_jit/kernels/ptx.py's tested helpers use are modelled; any other one fails.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ _TINY = np.finfo(_F32).tiny
 
 
 def ptx_of(function: str) -> tuple[str, str]:
-    """(asm text, constraints) of the `_asm(...)` in kernels/ptx.py's `function`, read from the source
+    """(asm text, constraints) of the `_asm(...)` in msa_jit/kernels/ptx.py's `function`, read from the source
     (no DSL import): what the tests run is what the kernels emit. The text must be a literal."""
     tree = ast.parse(PTX_PY.read_text())
     (fn,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == function]
@@ -125,7 +125,7 @@ def run_ptx(text: str, constraints: str, *inputs):
             a, b, c = (f32(s).astype(_F64) for s in src)
             r = _ftz((a * b + c).astype(_F32))
         else:
-            raise AssertionError(f"kernels/ptx.py: {op} is not modelled here ({stmt!r}): extend run_ptx")
+            raise AssertionError(f"msa_jit/kernels/ptx.py: {op} is not modelled here ({stmt!r}): extend run_ptx")
         r = np.asarray(r)
         regs[dst] = r.view(_U32) if r.dtype == _F32 else r.astype(_U32)
     outs = [regs[f"${i}"] for i in range(n_out)]

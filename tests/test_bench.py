@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-from msa_jit import SparseDecodePlanner, bench, cli
-from msa_jit.bench import measure, readers, report, targets, timing
-from msa_jit.bench.steps import FP8_KV, NVFP4_KV
+from msa_jit import SparseDecodePlanner, cli
+from msa_jit.tools import bench
+from msa_jit.tools.bench import measure, readers, report, targets, timing
+from msa_jit.tools.bench.steps import FP8_KV, NVFP4_KV
 from msa_jit.nvfp4 import dequantize_kv_nvfp4, nvfp4_kv_cache_shape
 
 
@@ -276,7 +277,7 @@ def test_step_query_dtype_planner_args_and_decode_call(monkeypatch):
     the cache's global scales (an NVFP4 cache is read wrong without them); a context that is no
     whole number of pages is refused."""
     from msa_jit import op
-    from msa_jit.bench import steps
+    from msa_jit.tools.bench import steps
 
     idx = bench.make_indices(2, 1, 2, ctx_len=2048, topk=4, seed=3)
     step = bench.make_step(16, 1, 2, 2, "float8_e4m3fn", indices=idx, topk=4, device="cpu", kv_dtype=NVFP4_KV)
@@ -609,7 +610,7 @@ class _HeldStream:
 def test_issue_us_retries_until_the_spin_outlasts_the_issue(monkeypatch, rate, spins):
     """issue_us keeps a figure only when the GPU was still spinning after the last call was
     issued; otherwise it doubles the spin and halves the calls, and after `attempts` it raises."""
-    import msa_jit.bench.timing as timing
+    import msa_jit.tools.bench.timing as timing
 
     held = _HeldStream(rate)
     monkeypatch.setattr(timing, "_sync", lambda: None)
@@ -624,7 +625,7 @@ def test_issue_us_retries_until_the_spin_outlasts_the_issue(monkeypatch, rate, s
 
 
 def test_issue_us_raises_when_the_gpu_never_holds(monkeypatch):
-    import msa_jit.bench.timing as timing
+    import msa_jit.tools.bench.timing as timing
 
     held = _HeldStream(0.0)  # the spin is over before the first call
     monkeypatch.setattr(timing, "_sync", lambda: None)
@@ -639,7 +640,7 @@ def test_environment_records_what_the_flags_mean(monkeypatch):
     """A bench file says which kernel choices its flags made, defaults included: an unset
     MSA_JIT_ENABLE_CLUSTER_MERGE means on since session 21 and off before it; an unset
     MSA_JIT_ENABLE_SM90_UNION is recorded as null (the planner's rule), 0 as false."""
-    from msa_jit.bench.measure import environment
+    from msa_jit.tools.bench.measure import environment
 
     for name in ("MSA_JIT_ENABLE_SM90_UNION", "MSA_JIT_ENABLE_CLUSTER_MERGE", "MSA_JIT_ENABLE_SM100_UMMA"):
         monkeypatch.delenv(name, raising=False)
@@ -665,7 +666,7 @@ def test_environment_records_what_the_flags_mean(monkeypatch):
 def test_environment_records_the_command_as_typed(monkeypatch, argv, want):
     """A bench/ script's file named a command that does not exist ('msa-jit run --dir ...' for
     kv_format_ab.py): 89 result files before session 23."""
-    from msa_jit.bench.measure import environment
+    from msa_jit.tools.bench.measure import environment
 
     monkeypatch.setattr("sys.argv", argv)
     assert environment()["command"] == want

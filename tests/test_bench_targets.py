@@ -1,4 +1,4 @@
-"""msa_jit.bench.targets / report: the statuses a result gets for the targets of #18 / #19, and the
+"""msa_jit.tools.bench.targets / report: the statuses a result gets for the targets of #18 / #19, and the
 verdicts at their edges (a goal is met at equality; "at the floor" only where the floor itself is above
 the goal; a met target off an H200 is not counted; T·Hkv = 1024 is "large"; a row exactly
 REGRESSION_SLACK x its baseline is no regression; a baseline row without a time is not compared) and
@@ -11,9 +11,9 @@ import json
 
 from test_bench import _FakeGpu, _grid_result, _result, _row
 
-from msa_jit import bench
-from msa_jit.bench import report, targets
-from msa_jit.bench.steps import FP8_KV, NVFP4_KV
+from msa_jit.tools import bench
+from msa_jit.tools.bench import report, targets
+from msa_jit.tools.bench.steps import FP8_KV, NVFP4_KV
 
 LAT_16_1 = "per layer 16/1 B=1 (fp8 cache, bf16 query, qlen 1)"
 

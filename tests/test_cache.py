@@ -1,4 +1,4 @@
-"""Tests of msa_jit.cache (CPU only, fake builds; see cache_dir_policy.md). msa_jit.env: test_env.py."""
+"""Tests of msa_jit.jit.cache (CPU only, fake builds; see cache_dir_policy.md). msa_jit.env: test_env.py."""
 
 from __future__ import annotations
 
@@ -21,16 +21,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from msa_jit import cache, env
-from msa_jit.cache import entry as cache_entry
-from msa_jit.cache import (
-    ArtifactCache,
-    ArtifactMissingError,
-    CacheEntry,
-    CacheLockTimeout,
-    make_key,
-    source_fingerprint,
-)
+from msa_jit.jit import cache
+from msa_jit import env
+from msa_jit.jit.cache import entry as cache_entry
+from msa_jit.jit.cache import (ArtifactCache, ArtifactMissingError, CacheEntry, CacheLockTimeout, make_key, source_fingerprint)
 
 WORKER = Path(__file__).with_name("cache_worker.py")
 FP = {"source": "fake", "dsl": "0"}  # the worker's default fingerprint
@@ -315,7 +309,7 @@ def test_corrupted_artifact_detected_and_rebuilt(tmp_path, caplog):
     flip_byte(entry.artifact_path())
 
     c = ArtifactCache(root)  # a new process's view: nothing memoized
-    with caplog.at_level(logging.WARNING, logger="msa_jit.cache"):
+    with caplog.at_level(logging.WARNING, logger="msa_jit.jit.cache"):
         assert c.lookup(entry.key) is None
     assert any("corrupt" in r.getMessage() and "sha256" in r.getMessage() for r in caplog.records)
     assert not entry.path.exists()  # removed (renamed aside and deleted)
@@ -344,7 +338,7 @@ def test_corrupt_entry_left_alone_while_its_lock_is_held(tmp_path, caplog):
     c = ArtifactCache(root)
     with filelock.FileLock(str(c.lock_path(entry.key))):  # "another process" holds it
         t0 = time.monotonic()
-        with caplog.at_level(logging.WARNING, logger="msa_jit.cache"):
+        with caplog.at_level(logging.WARNING, logger="msa_jit.jit.cache"):
             assert c.lookup(entry.key) is None
         assert time.monotonic() - t0 < 5  # never waits for the lock
         assert entry.path.exists() and (entry.path / "meta.json").exists()  # left alone
@@ -361,7 +355,7 @@ def test_corrupt_entry_republished_meanwhile_is_kept(tmp_path, monkeypatch):
     entry, _ = get(ArtifactCache(root), config)
     flip_byte(entry.artifact_path())
     good, _ = get(ArtifactCache(tmp_path / "elsewhere"), config)  # a valid build of the same key
-    from msa_jit.cache import store as cache_store
+    from msa_jit.jit.cache import store as cache_store
 
     real_check = cache_store.check_artifacts
     republished = []
@@ -567,7 +561,7 @@ def test_an_entry_appears_whole_in_one_rename(tmp_path, monkeypatch):
     """Lock-free readers rely on it: the entry's path comes into being by one rename of a private
     directory that already holds meta.json and every artifact at its recorded size; nothing is copied
     or written under the entry's own path."""
-    from msa_jit.cache import store
+    from msa_jit.jit.cache import store
 
     c = ArtifactCache(tmp_path / "cache")
     config = {"g": "atomic"}

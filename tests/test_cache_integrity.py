@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from msa_jit import cache, cli
-from msa_jit.cache import ArtifactCache, ArtifactMissingError, CacheFallbackWarning, make_key
+from msa_jit.jit import cache
+from msa_jit import cli
+from msa_jit.jit.cache import ArtifactCache, ArtifactMissingError, CacheFallbackWarning, make_key
 
 FP = {"source": "fake", "dsl": "0"}
 
@@ -80,7 +81,7 @@ def test_entry_under_another_key_is_never_served(tmp_path, caplog):
     assert "give key" in res[make_key(two, FP)] and three.key[:12] in res[make_key(two, FP)]
     assert make_key(two, FP)[:12] in res[make_key(two, FP)]
     for verify in (False, True):  # the check is not part of the (optional) hash check
-        with caplog.at_level(logging.WARNING, logger="msa_jit.cache"):
+        with caplog.at_level(logging.WARNING, logger="msa_jit.jit.cache"):
             assert ArtifactCache(root).lookup(make_key(two, FP), verify=verify) is None
         if not verify:
             assert not dest.exists()  # a writable root's bad entry is removed ...
@@ -94,7 +95,7 @@ def test_entry_under_another_key_is_never_served(tmp_path, caplog):
 def readonly_cache(ro: Path, monkeypatch) -> ArtifactCache:
     """An ArtifactCache on which `ro` is a read-only pre-warmed root (its writability probe
     answers EROFS, a stand-in for a read-only mount)."""
-    from msa_jit.cache import location
+    from msa_jit.jit.cache import location
 
     real = location.probe_writable
     monkeypatch.setattr(location, "probe_writable", lambda r: "EROFS (simulated)" if Path(r) == ro else real(r))
@@ -253,7 +254,7 @@ def test_no_compile_names_the_corrupt_entry(tmp_path, monkeypatch, caplog):
     entry, _ = get(ArtifactCache(root), config)
     flip_byte(entry.artifact_path())
     monkeypatch.setenv("MSA_JIT_NO_COMPILE", "1")
-    with caplog.at_level(logging.WARNING, logger="msa_jit.cache"), pytest.raises(ArtifactMissingError) as ei:
+    with caplog.at_level(logging.WARNING, logger="msa_jit.jit.cache"), pytest.raises(ArtifactMissingError) as ei:
         get(ArtifactCache(root), config)
     msg = str(ei.value)
     assert "corrupt" in msg and "sha256" in msg and str(entry.path) in msg

@@ -1,4 +1,4 @@
-"""msa_jit.cache: where the cache lives (cache_dir_policy.md §1, §11): the root's precedence, the
+"""msa_jit.jit.cache: where the cache lives (cache_dir_policy.md §1, §11): the root's precedence, the
 fallbacks and their one warning, the private temp dir, a pinned root, read-only pre-warmed roots
 (CPU only, fake builds). Split from test_cache.py, whose helpers these share."""
 
@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from test_cache import get
 
-from msa_jit import cache
-from msa_jit.cache import ArtifactCache, CacheFallbackWarning
-from msa_jit.cache import location as cache_location
+from msa_jit.jit import cache
+from msa_jit.jit.cache import ArtifactCache, CacheFallbackWarning
+from msa_jit.jit.cache import location as cache_location
 
 pytestmark = pytest.mark.usefixtures("isolated_env")  # tests/conftest.py
 
@@ -170,7 +170,7 @@ def test_warmup_workers_open_exactly_the_parents_root(tmp_path, monkeypatch):
     """§1 / §11: the warm-up's parent hands its workers its root and read-only roots, and a worker
     opens exactly those (pinned): no resolution of its own, no fallback when the root went bad.
     The worker's loop runs here, in this process; its compile is a stand-in that records the cache."""
-    from msa_jit import warmup
+    from msa_jit.tools import warmup
 
     opened = []
     monkeypatch.setattr(warmup, "compile_one",  # stand-in: no compiler, record the cache it gets

@@ -21,7 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from msa_jit import cache, cli, env, warmup
+from msa_jit.jit import cache
+from msa_jit import cli, env
+from msa_jit.tools import warmup
 from msa_jit.cli import common
 from msa_jit.geometry import DEFAULT_ARCHES, SparseDecodeConfig
 
@@ -346,8 +348,7 @@ def test_doctor_without_gpu(warm, monkeypatch):
     rc, out, _ = run_main(["doctor", "--cache-dir", str(warm["root"])])
     assert rc == 0
     assert "no CUDA GPU" in out
-    assert "portable mma.sync kernel compiled for sm_100a is the default" in out
-    assert "MSA_JIT_ENABLE_SM100_UMMA=1" in out
+    assert "the token kernel (mma.sync) is compiled for sm_100a" in out
     for name in env.VARIABLES:
         assert name in out
     assert "MSA_JIT_LOCK_TIMEOUT='soon'  INVALID" in out
@@ -360,14 +361,14 @@ def test_doctor_without_gpu(warm, monkeypatch):
     rc, out, _ = run_main(["doctor", "--json", "--cache-dir", str(warm["root"])])
     rep = json.loads(out)
     assert rc == 0 and rep["gpu"]["available"] is False and rep["target_arches"] == ["sm_90a"]
-    assert rep["kernel_selection"]["families"] == {"sm_90a": "portable"}
+    assert rep["kernel_selection"]["families"] == {"sm_90a": "token"}
     assert rep["kernel_selection"]["enable_sm90_union"] is None and "MSA_JIT_ENABLE_SM90_UNION" in out
     assert rep["kernel_selection"]["enable_cluster_merge"] is True
     assert sum(r["ready"] for r in rep["presets"]) == 4 and rep["cache"]["entries"] == 4
 
 
 def test_doctor_survives_broken_probes(monkeypatch):
-    from msa_jit import doctor
+    from msa_jit.tools import doctor
 
     def boom():
         raise RuntimeError("probe exploded")
@@ -381,7 +382,7 @@ def test_doctor_survives_broken_probes(monkeypatch):
 def test_doctor_target_arches_and_env_values(monkeypatch):
     """The arches readiness is checked for: MSA_JIT_ARCH, else the GPUs' that msa-jit builds for,
     else all of them; env rows keep a parsed bool / int as such (JSON true, 1024), a path as text."""
-    from msa_jit import doctor
+    from msa_jit.tools import doctor
 
     gpus = {"devices": [{"arch": "sm_90a", "arch_problem": None}, {"arch": "sm_120a", "arch_problem": "not built for"}]}
     assert doctor.target_arches(gpus) == ["sm_90a"]
@@ -398,7 +399,7 @@ def test_doctor_target_arches_and_env_values(monkeypatch):
 def test_doctor_names_a_fallback_cache_and_a_failed_version_probe(monkeypatch, tmp_path):
     """The Cache section says the root is a fallback and why; a version that could not be read
     shows its error, not a dict."""
-    from msa_jit import compiler
+    from msa_jit.jit import compiler
 
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
@@ -417,7 +418,7 @@ def test_doctor_names_a_fallback_cache_and_a_failed_version_probe(monkeypatch, t
     assert f"  fallback: {rep['cache']['fallback_reason']}" in out
     assert str(blocker) in rep["cache"]["fallback_reason"]
     assert "  cute-dsl  RuntimeError: no DSL here" in out
-    assert "  sm_90a: portable kernel (portable mma.sync)" in out  # no GPU, no MSA_JIT_ARCH: every arch
+    assert "  sm_90a: token kernel (mma.sync)" in out  # no GPU, no MSA_JIT_ARCH: every arch
 
 
 def test_doctor_gpu_and_toolchain_messages(monkeypatch):
@@ -428,7 +429,7 @@ def test_doctor_gpu_and_toolchain_messages(monkeypatch):
 
     import torch
 
-    from msa_jit import doctor
+    from msa_jit.tools import doctor
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for cuda, cpu_only in ((None, True), ("12.8", False)):
@@ -444,7 +445,7 @@ def test_doctor_gpu_and_toolchain_messages(monkeypatch):
 
 def test_doctor_shows_the_report_when_rendering_fails(monkeypatch, tmp_path):
     """A bug in doctor.render must not hide the report: one line says so, the JSON follows, exit 0."""
-    from msa_jit import doctor
+    from msa_jit.tools import doctor
 
     def broken(report):
         raise KeyError("gpu")
@@ -462,15 +463,12 @@ def test_doctor_process_never_imports_cutlass(tmp_path):
     code = ("import sys; from msa_jit.cli import main; rc = main(['doctor', '--json']); "
             "assert rc == 0 and 'cutlass' not in sys.modules, sorted(m for m in sys.modules if 'cutlass' in m)")
     e = {k: v for k, v in os.environ.items() if not k.startswith("MSA_JIT_")}
-    e.update(MSA_JIT_CACHE_DIR=str(tmp_path / "c"), MSA_JIT_ENABLE_SM100_UMMA="1",
+    e.update(MSA_JIT_CACHE_DIR=str(tmp_path / "c"),
              PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, timeout=300)
     assert p.returncode == 0, p.stderr
     rep = json.loads(p.stdout)
-    assert rep["kernel_selection"]["enable_sm100_umma"] is True
-    # with the opt-in set, sm_100a gets the registered tcgen05 kernel; sm_90a never does
-    assert rep["kernel_selection"]["families"].get("sm_100a") == "sm100"
-    assert rep["kernel_selection"]["families"].get("sm_90a", "portable") == "portable"
+    assert set(rep["kernel_selection"]["families"].values()) <= {"token"}
 
 
 # ----------------------------------------------------------------------------- inspect
@@ -490,14 +488,14 @@ def test_inspect_one_geometry(warm, tmp_path, monkeypatch):
     assert all(k["local_ops"] == 0 == k["accepted_local_ops"] for k in kernels)
     assert all(k["registers"] <= 128 for k in kernels if k["ctas_per_sm"] == 3)
     # the cluster-merge build's two decode kernels (cluster and plain launch) are numbered, not twin rows; the
-    # fp8 cluster build is the dims-split kernel (kernels/sparse_decode_dims.py)
+    # fp8 cluster build is the dims-split kernel (msa_jit/kernels/token_dims.py)
     cluster_rows = [line for line in out.splitlines() if "cluster merge" in line and "sparse_decode_" in line]
-    assert [re.search(r"sparse_decode_dims( #\d)?", line).group(0) for line in cluster_rows] == [
-        "sparse_decode_dims #1", "sparse_decode_dims #2"], out
+    assert [re.search(r"token_dims( #\d)?", line).group(0) for line in cluster_rows] == [
+        "token_dims #1", "token_dims #2"], out
     assert "#1 / #2: a cluster-merge build compiles its decode kernel for two launches" in out
     assert not re.search(r"(?<!cluster merge)  sparse_decode_(mma|dims) #", out)  # other builds: one kernel
 
-    from msa_jit import sass
+    from msa_jit.jit import sass
 
     spilled = [dict(k, local_ops=7) for k in kernels]
     monkeypatch.setattr(sass, "summarize", lambda path, with_sass=True: spilled)
@@ -505,7 +503,7 @@ def test_inspect_one_geometry(warm, tmp_path, monkeypatch):
     assert rc == 1 and "SPILL 8/1 q bf16 kv fp8 sm_90a 2/SM" in out and "SPILL 8/1 q bf16 kv fp8 sm_90a 3/SM" in out
     spill_lines = [line for line in out.splitlines() if line.startswith("SPILL")]
     assert all(len(line) < 100 and ": 7 LDL/STL" in line and "kernel_cutlass" not in line for line in spill_lines)
-    assert any("sparse_decode_mma: 7 LDL/STL" in line for line in spill_lines), spill_lines
+    assert any("token: 7 LDL/STL" in line for line in spill_lines), spill_lines
 
 
 @pytest.mark.slow
@@ -542,7 +540,7 @@ def test_inspect_smem_is_what_the_launch_uses(warm, tmp_path):
 def test_inspect_without_nvdisasm_shows_resources(warm, monkeypatch):
     """#21 item 11: without nvdisasm (the main-job install had none) every row was an ERROR; now
     registers and shared memory are shown, and one line says what is missing."""
-    from msa_jit import sass
+    from msa_jit.jit import sass
 
     monkeypatch.setattr(sass, "find_nvdisasm", lambda: None)
     rc, out, _ = run_main(["inspect", *WARM_ARGS, "--cache-dir", str(warm["root"]), "-q"])
@@ -557,7 +555,7 @@ def test_inspect_without_nvdisasm_shows_resources(warm, monkeypatch):
 def test_nvdisasm_of_the_core_install(mode, found, monkeypatch, tmp_path):
     """Triton (a core dependency) ships nvdisasm: found when neither the wheel nor a toolkit is there,
     and only where it can run (a copy without its execute bit is none)."""
-    from msa_jit import sass
+    from msa_jit.jit import sass
 
     tool = tmp_path / "site" / "triton" / "backends" / "nvidia" / "bin" / "nvdisasm"
     tool.parent.mkdir(parents=True)
@@ -596,7 +594,7 @@ def _stub_lookups(monkeypatch, tmp_path, cached: bool):
     """Cache keys without the DSL; every lookup a hit (an artifact outside the cache) or a miss."""
     from types import SimpleNamespace
 
-    from msa_jit import compiler
+    from msa_jit.jit import compiler
 
     monkeypatch.setattr(compiler, "cache_key", lambda cfg: f"{abs(hash(repr(cfg.to_dict()))):064d}"[-64:])
     hit = SimpleNamespace(artifact_path=lambda: tmp_path / "elsewhere" / "kernel.so")

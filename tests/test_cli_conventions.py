@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from msa_jit import cache, cli, compiler, env, warmup
+from msa_jit.jit import cache, compiler, registry
+from msa_jit import cli, env
+from msa_jit.tools import warmup
 from msa_jit.cli import common
 from msa_jit.geometry import SparseDecodeConfig
 
@@ -204,7 +206,8 @@ def fake_gpu_selftest(monkeypatch):
     calls["rows"] (recording `quick`), and the bench records its arguments."""
     import torch
 
-    from msa_jit import bench, geometry, selftest
+    from msa_jit.tools import bench, selftest
+    from msa_jit import geometry
 
     calls: dict = {"grid": [], "bench": [], "rows": []}
 
@@ -248,7 +251,7 @@ def test_selftest_fails_on_a_failed_case_or_another_arch(fake_gpu_selftest, tmp_
 
 def test_selftest_grid_quick_and_forced_splits():
     """--quick is qlen 1 and 4 at batch 1 and 16; both grids force 1 split and topk splits on one case."""
-    from msa_jit import selftest
+    from msa_jit.tools import selftest
 
     for quick, qlens, batches in ((False, selftest.QLENS, selftest.BATCHES), (True, [1, 4], [1, 16])):
         cases = selftest.grid_cases("sm_90a", quick=quick, union=False)
@@ -274,7 +277,7 @@ def test_bench_table_of_a_bad_file(tmp_path):
                        (tmp_path / "other.json", "not a bench result")):
         rc, out, err = run_main(["bench", "--table", str(path)])
         assert rc == 2 and says in err and str(path) in err and out == "", err
-    from msa_jit import bench
+    from msa_jit.tools import bench
 
     good = ROOT / "bench/results/bench-2026-12-03T1342.json"
     rc, out, _ = run_main(["bench", "--table", str(good)])
@@ -372,7 +375,7 @@ def test_cache_errors_are_one_line(monkeypatch, tmp_path):
 
 
 def test_inspect_shows_a_failed_builds_first_line(monkeypatch, tmp_path):
-    error = "DSLUserCodeError: \nerror[PHASE]: Cannot use a Runtime value\n   --> kernels/x.py:560:14"
+    error = "DSLUserCodeError: \nerror[PHASE]: Cannot use a Runtime value\n   --> msa_jit/kernels/x.py:560:14"
 
     def run(configs, **kw):
         return [warmup.WarmupRow(c, status="failed", error=error) for c in configs]
@@ -428,13 +431,13 @@ def test_inspect_kernel_names_are_short():
 def _inspected(monkeypatch, local_ops: int) -> tuple[int, str]:
     """`msa-jit inspect` of the sm_100a fp8 3-CTA build (6 local-memory instructions accepted) whose
     SASS summary says `local_ops`; no compile, no nvdisasm run."""
-    from msa_jit import sass
+    from msa_jit.jit import sass
 
     def run(configs, **kw):
         return [warmup.WarmupRow(c, status="cached", key="ab" * 32, artifact="/nowhere/sparse_decode.so")
                 for c in configs if c.ctas_per_sm == 3]
 
-    kernel = {"kernel": "kernel_cutlass_kernel_msa_jitkernelssparse_decode_mmaSparseDecodeMmaKernel_object_at_0",
+    kernel = {"kernel": "kernel_cutlass_kernel_msa_jitkernelstokenSparseDecodeTokenKernel_object_at_0",
               "sm": 100, "registers": 128, "static_smem": 1024, "local_ops": local_ops, "mma_ops": {"HMMA": 8},
               "bulk_copy_ops": 0}
     monkeypatch.setattr(warmup, "run_warmup", run)
@@ -446,15 +449,15 @@ def _inspected(monkeypatch, local_ops: int) -> tuple[int, str]:
 
 
 def test_inspect_accepts_a_builds_known_local_memory_use(monkeypatch):
-    """compiler.accepted_local_ops is what a build may use without it being a spill: up to it exit 0
+    """registry.accepted_local_ops is what a build may use without it being a spill: up to it exit 0
     (the table says so), one more is a SPILL, exit 1."""
     cfg = SparseDecodeConfig(64, 4, q_dtype="float8_e4m3fn", arch="sm_100a", ctas_per_sm=3)
-    assert compiler.accepted_local_ops(cfg) == 6
+    assert registry.accepted_local_ops(cfg) == 6
     rc, out = _inspected(monkeypatch, 6)
     assert rc == 0 and "6 (<= 6 accepted)" in out and "SPILL" not in out, out
     assert "1 kernel(s), 0 with local-memory ops beyond the accepted" in out and "101024" in out
     rc, out = _inspected(monkeypatch, 7)
-    assert rc == 1 and "SPILL 64/4 q fp8 kv fp8 sm_100a 3/SM sparse_decode_mma: 7 LDL/STL (accepted: 6)" in out, out
+    assert rc == 1 and "SPILL 64/4 q fp8 kv fp8 sm_100a 3/SM token: 7 LDL/STL (accepted: 6)" in out, out
 
 
 # ----------------------------------------------------------------------------- item 12: output
@@ -477,7 +480,7 @@ def test_compile_log_names_the_cache_entry(monkeypatch, tmp_path, caplog):
     """The INFO line of a build names the published entry, not the temporary build dir."""
     def fake_build(config, out_dir):  # stand-in for the DSL compile
         (Path(out_dir) / "sparse_decode.so").write_bytes(b"\x7fELF stand-in")
-        return {"artifacts": ["sparse_decode.so"], "extra": {"kernel_family": "portable", "total_s": 1.25}}
+        return {"artifacts": ["sparse_decode.so"], "extra": {"kernel_family": "token", "total_s": 1.25}}
 
     monkeypatch.setattr(compiler, "compile_sparse_decode", fake_build)
     c = cache.ArtifactCache(tmp_path / "c")
@@ -582,7 +585,7 @@ def test_warmup_command_says_to_set_the_dsl_version_where_it_is_unknown(monkeypa
 # every MSA_JIT_* variable a command checks, each with a value that does not parse (cache_dir_policy.md §8)
 BAD_VALUES = {
     env.NO_COMPILE: "perhaps", env.CACHE_MAX_BYTES: "garbage", env.LOCK_TIMEOUT: "soon", env.ARCH: "sm_80",
-    env.ENABLE_SM100_UMMA: "maybe", env.ENABLE_SM90_UNION: "sometimes", env.ENABLE_CLUSTER_MERGE: "kinda",
+    env.ENABLE_SM90_UNION: "sometimes", env.ENABLE_CLUSTER_MERGE: "kinda",
 }
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from msa_jit import bench, warmup
+from msa_jit.tools import bench, warmup
 from msa_jit.cli import common
 from msa_jit.geometry import KV_DTYPES, MAX_QLEN, MIN_QLEN
 
@@ -202,7 +202,7 @@ def test_summary_and_table_of_a_result_with_broken_rows(flag, tmp_path):
 
 
 def test_stored_files_bench_or_not():
-    from msa_jit.bench.report import result_problem
+    from msa_jit.tools.bench.report import result_problem
 
     for path in sorted((ROOT / "bench/results").glob("bench-*.json")):
         assert result_problem(json.loads(path.read_text())) is None, path

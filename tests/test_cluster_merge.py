@@ -1,4 +1,4 @@
-"""The split merge inside the decode launch (kernels/cluster_merge.py, `split_merge="cluster"`).
+"""The split merge inside the decode launch (msa_jit/kernels/cluster_merge.py, `split_merge="cluster"`).
 
 Here, without a GPU: every partial row of every split lands in exactly one receive slot of the
 CTA that merges it, that CTA expects exactly the bytes its peers push, every split factor the
@@ -14,14 +14,13 @@ from collections import Counter
 
 import pytest
 
-from msa_jit import sass
-from msa_jit.compiler import compile_sparse_decode, kernels_package
+from msa_jit.jit import sass
+from msa_jit.jit.compiler import compile_sparse_decode
 from msa_jit.geometry import SparseDecodeConfig
 from msa_jit.planner import DEFAULT_NUM_SMS, choose_ctas_per_sm, choose_num_splits
 
 
 def _merge(group):
-    kernels_package()  # this checkout's kernels/ (an editable install may map another one)
     from msa_jit.kernels.cluster_merge import ClusterMerge
 
     return ClusterMerge(group_size=group, max_splits=32, threads=128)
@@ -74,7 +73,6 @@ def test_every_split_factor_of_a_2_cta_grid_merges_in_a_cluster():
 def test_the_planners_cluster_bound_is_the_receive_buffers():
     # geometry.MAX_CLUSTER_SPLITS (the planner's one-wave rule) and the kernels' RECV_SLOTS are one bound: every
     # power of two up to it fits the receive buffer at every group size
-    kernels_package()
     from msa_jit.geometry import MAX_CLUSTER_SPLITS, MAX_GROUP_SIZE
     from msa_jit.kernels.cluster_merge import RECV_SLOTS
 
@@ -85,13 +83,12 @@ def test_the_planners_cluster_bound_is_the_receive_buffers():
 
 
 def test_cluster_merge_needs_the_2_cta_build():
-    kernels_package()
-    from msa_jit.kernels.sparse_decode_mma import SparseDecodeMmaKernel
+    from msa_jit.kernels.token import SparseDecodeTokenKernel
 
     with pytest.raises(ValueError, match="split_merge"):
-        SparseDecodeMmaKernel(num_q_heads=64, num_kv_heads=4, split_merge="dsmem")
+        SparseDecodeTokenKernel(num_q_heads=64, num_kv_heads=4, split_merge="dsmem")
     with pytest.raises(ValueError, match="ctas_per_sm <= 2"):
-        SparseDecodeMmaKernel(num_q_heads=64, num_kv_heads=4, split_merge="cluster", ctas_per_sm=3)
+        SparseDecodeTokenKernel(num_q_heads=64, num_kv_heads=4, split_merge="cluster", ctas_per_sm=3)
 
 
 def _base_opcodes(body: str) -> Counter:
@@ -103,7 +100,7 @@ def _base_opcodes(body: str) -> Counter:
 
 
 def _functions(tmp_path, split_merge, hq, hkv, kv_dtype="float8_e4m3fn"):
-    """The shipped build of the config (the fp8 cluster build: kernels/sparse_decode_dims.py)."""
+    """The shipped build of the config (the fp8 cluster build: msa_jit/kernels/token_dims.py)."""
     cfg = SparseDecodeConfig(num_q_heads=hq, num_kv_heads=hkv, kv_dtype=kv_dtype, arch="sm_90a", split_merge=split_merge)
     tmp_path.mkdir(parents=True, exist_ok=True)
     compile_sparse_decode(cfg, tmp_path)
@@ -152,14 +149,14 @@ def test_dynamic_smem_is_what_the_launch_asks_for(split_merge):
 
     import cutlass.cute as cute
 
-    from msa_jit.compiler import convention, dynamic_smem_bytes, make_kernel
+    from msa_jit.jit.compiler import convention, dynamic_smem_bytes, make_kernel
 
     cfg = SparseDecodeConfig(64, 4, arch="sm_90a", split_merge=split_merge)
-    conv = convention()
+    conv = convention
     compiled = cute.compile(make_kernel(cfg), *conv.fake_arguments(cfg),
                             options=f"{conv.COMPILE_OPTIONS} --gpu-arch {cfg.arch}")
     n = dynamic_smem_bytes(cfg)
     assert re.search(rf"llvm\.mlir\.constant\({n} : i64\)", str(compiled.ir_module)), n
     # 64/4: 3 stages (99328); the cluster build's dims-split kernel: 2 padded stages, P's fragments and the
-    # 8264 bytes of its receive buffer (kernels/sparse_decode_dims.py)
+    # 8264 bytes of its receive buffer (msa_jit/kernels/token_dims.py)
     assert n == {"kernel": 99328, "cluster": 79944}[split_merge]

@@ -1,4 +1,4 @@
-"""The split merge inside the decode launch (`split_merge="cluster"`, kernels/cluster_merge.py)
+"""The split merge inside the decode launch (`split_merge="cluster"`, msa_jit/kernels/cluster_merge.py)
 against the float64 reference on an H200 (`pytest -m gpu`).
 
 The planner is pinned to it (split_merge="cluster"), so every split step served at 2 CTAs per SM
@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from helpers import GraphInputs, capture, make_case
+from msa_jit.kernels import convention
 from msa_jit.geometry import MINIMAX_M3_GEOMETRIES
 from msa_jit.planner import choose_num_splits
 from msa_jit.testing import compare_with_reference, rel_l2
@@ -159,16 +160,16 @@ def test_cluster_merge_graph_replay_follows_inputs(hq, hkv):
 
 @pytest.mark.parametrize("hq,hkv", MINIMAX_M3_GEOMETRIES, ids=lambda v: str(v))
 def test_the_h200_holds_16_cta_clusters(hq, hkv):
-    """cuOccupancyMaxActiveClusters on the artifact's decode kernel (msa_jit.cluster_fit): batch 1's
+    """cuOccupancyMaxActiveClusters on the artifact's decode kernel (msa_jit.jit.cluster_fit): batch 1's
     (1, 1, 16) clusters fit, at least one per KV head at once."""
-    from msa_jit import compiler
-    from msa_jit.cluster_fit import max_active_clusters
+    from msa_jit.jit import compiler
+    from msa_jit.jit.cluster_fit import max_active_clusters
     from msa_jit.geometry import SparseDecodeConfig
 
     cfg = SparseDecodeConfig(hq, hkv, arch="sm_90a", split_merge="cluster")
     entry, _ = compiler.ensure_compiled(cfg)
     extra = entry.meta["extra"]
-    n = max_active_clusters(entry.artifact_path(compiler.convention().ARTIFACT_NAME), 16, extra["threads"],
+    n = max_active_clusters(entry.artifact_path(convention.ARTIFACT_NAME), 16, extra["threads"],
                             extra["smem_bytes"], torch.cuda.current_device())
     print(f"MAX_ACTIVE_CLUSTERS {hq}/{hkv} 16 CTAs x {extra['smem_bytes']} B: {n}")
     assert n >= hkv and compiler.cluster_launch_fits(cfg, 16, torch.cuda.current_device())

@@ -9,10 +9,11 @@ import torch
 from helpers import make_case
 
 import msa_jit
-from msa_jit import SparseDecodePlanner, compiler
+from msa_jit import SparseDecodePlanner
+from msa_jit.jit import compiler, registry
 from msa_jit.geometry import SparseDecodeConfig, check_config
 from msa_jit.planner import choose_split_merge
-from msa_jit.torch_op import sparse_decode_op
+from msa_jit.integrations.torch_op import sparse_decode_op
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 ENABLE = "MSA_JIT_ENABLE_CLUSTER_MERGE"
@@ -44,12 +45,12 @@ def test_check_config_cluster_rules():
     assert "split_merge=cluster" in ok.describe() and "split_merge" not in SparseDecodeConfig(64, 4).describe()
     # its own artifact: the field is in the cache key
     assert compiler.cache_key(ok) != compiler.cache_key(SparseDecodeConfig(64, 4))
-    # the fp8 cluster build splits P V by head dims (kernels/sparse_decode_dims.py, row 89); NVFP4's and other
+    # the fp8 cluster build splits P V by head dims (msa_jit/kernels/token_dims.py, row 89); NVFP4's and other
     # page sizes' keep the portable kernel's key split
-    assert compiler.kernel_family(ok) == "portable_dims"
-    assert compiler.kernel_family(SparseDecodeConfig(8, 1, kv_dtype="nvfp4", split_merge="cluster")) == "portable"
-    assert compiler.kernel_family(SparseDecodeConfig(64, 4, page_size=64, split_merge="cluster")) == "portable"
-    assert compiler.kernel_family(SparseDecodeConfig(64, 4)) == "portable"
+    assert registry.kernel_family(ok) == "token_dims"
+    assert registry.kernel_family(SparseDecodeConfig(8, 1, kv_dtype="nvfp4", split_merge="cluster")) == "token"
+    assert registry.kernel_family(SparseDecodeConfig(64, 4, page_size=64, split_merge="cluster")) == "token"
+    assert registry.kernel_family(SparseDecodeConfig(64, 4)) == "token"
 
 
 def test_planner_picks_cluster_by_default_and_not_when_disabled(monkeypatch):
@@ -119,16 +120,16 @@ def test_warmup_builds_cluster_only_where_the_planner_may_pick_it(monkeypatch):
     base = SparseDecodeConfig(64, 4, arch="sm_90a")
     monkeypatch.setenv(ENABLE, "0")
     monkeypatch.setenv("MSA_JIT_ENABLE_SM90_UNION", "0")
-    assert [c.split_merge for c in compiler.plannable_configs(base)] == ["kernel", "kernel"]
+    assert [c.split_merge for c in registry.plannable_configs(base)] == ["kernel", "kernel"]
     monkeypatch.delenv(ENABLE)  # on by default
-    got = [(c.ctas_per_sm, c.split_merge) for c in compiler.plannable_configs(base)]
+    got = [(c.ctas_per_sm, c.split_merge) for c in registry.plannable_configs(base)]
     assert got == [(2, "kernel"), (3, "kernel"), (2, "cluster")]
-    nv = compiler.plannable_configs(SparseDecodeConfig(8, 1, kv_dtype="nvfp4", arch="sm_90a"))
+    nv = registry.plannable_configs(SparseDecodeConfig(8, 1, kv_dtype="nvfp4", arch="sm_90a"))
     assert [(c.ctas_per_sm, c.split_merge) for c in nv] == [(2, "kernel"), (3, "kernel"), (2, "cluster")]
-    assert {c.split_merge for c in compiler.plannable_configs(SparseDecodeConfig(64, 4, arch="sm_100a"))} == {"kernel"}
+    assert {c.split_merge for c in registry.plannable_configs(SparseDecodeConfig(64, 4, arch="sm_100a"))} == {"kernel"}
     # a cluster config given to a warmup still yields the plain builds first, and the union's never cluster
     monkeypatch.setenv("MSA_JIT_ENABLE_SM90_UNION", "1")
-    got = compiler.plannable_configs(SparseDecodeConfig(64, 4, arch="sm_90a", split_merge="cluster"))
+    got = registry.plannable_configs(SparseDecodeConfig(64, 4, arch="sm_90a", split_merge="cluster"))
     assert [(c.kernel, c.ctas_per_sm, c.split_merge) for c in got] == [
         ("token", 2, "kernel"), ("token", 3, "kernel"), ("union", 1, "kernel"), ("union", 2, "kernel"),
         ("token", 2, "cluster")]
@@ -152,7 +153,7 @@ def test_op_launches_the_cluster_build(launched_configs, monkeypatch):
 
 
 def test_config_maps_to_the_kernel_option():
-    """The config's split_merge is the kernel class's option (kernels/build.py make_kernel), so the
+    """The config's split_merge is the kernel class's option (msa_jit/kernels/build.py make_kernel), so the
     cached artifact is the build the option names."""
     pytest.importorskip("cutlass")
     assert compiler.make_kernel(SparseDecodeConfig(64, 4, split_merge="cluster")).cluster_merge is not None
@@ -216,7 +217,7 @@ class _FakeDriverLib:
 
 
 def test_max_active_clusters_asks_the_driver_with_the_kernels_launch(monkeypatch):
-    from msa_jit import cluster_fit
+    from msa_jit.jit import cluster_fit
 
     monkeypatch.setattr(cluster_fit.sass, "extract_cubins", lambda path: [b"cubin"])
     monkeypatch.setattr(cluster_fit, "decode_kernel_name", lambda cubin: "decode")
@@ -236,7 +237,7 @@ def test_max_active_clusters_asks_the_driver_with_the_kernels_launch(monkeypatch
 def test_launch_structs_match_cuda_h():
     import ctypes
 
-    from msa_jit.cluster_fit import LaunchAttribute, LaunchConfig
+    from msa_jit.jit.cluster_fit import LaunchAttribute, LaunchConfig
 
     # cuda.h: CUlaunchAttribute {id; pad to 8; 64-byte value union}, CUlaunchConfig {7 x uint, stream, attrs, numAttrs}
     assert (ctypes.sizeof(LaunchAttribute), LaunchAttribute.value.offset) == (72, 8)
@@ -247,7 +248,7 @@ def test_launch_structs_match_cuda_h():
 def test_cluster_launch_fits_asks_once_and_keeps_the_cluster_when_it_cannot_tell(monkeypatch):
     from types import SimpleNamespace
 
-    from msa_jit import cluster_fit
+    from msa_jit.jit import cluster_fit
 
     asked = []
     answer = {"n": 0}
@@ -281,7 +282,7 @@ def test_one_cluster_that_fits_is_enough(monkeypatch):
     """cluster_launch_fits: a GPU that can hold one cluster at a time can launch the cluster build."""
     from types import SimpleNamespace
 
-    from msa_jit import cluster_fit
+    from msa_jit.jit import cluster_fit
 
     entry = SimpleNamespace(key="k1", meta={"extra": {"threads": 160, "smem_bytes": 107592}},
                             artifact_path=lambda name: f"/a/{name}")
@@ -295,7 +296,7 @@ def test_decode_kernel_name_and_the_one_cubin(monkeypatch):
     """decode_kernel_name: the cubin's kernel that is not the split merge, wherever it is listed, and
     an error where there is none; max_active_clusters asks nothing of an artifact whose cubin is
     ambiguous (several cubins)."""
-    from msa_jit import cluster_fit, sass
+    from msa_jit.jit import cluster_fit, sass
 
     def kernels(*names):
         return lambda cubin: [sass.KernelResources(n, 64, 0, 90) for n in names]
@@ -338,8 +339,8 @@ def test_cluster_artifact_carries_its_launch_figures(tmp_path):
     """What cluster_launch_fits reads on a host without the compiler: the artifact's decode kernel
     by name, its block size and its dynamic shared memory (the cache entry's `extra`)."""
     pytest.importorskip("cutlass")
-    from msa_jit import sass
-    from msa_jit.cluster_fit import decode_kernel_name
+    from msa_jit.jit import sass
+    from msa_jit.jit.cluster_fit import decode_kernel_name
 
     cfg = SparseDecodeConfig(64, 4, arch="sm_90a", split_merge="cluster")
     extra = compiler.compile_sparse_decode(cfg, tmp_path)["extra"]
@@ -347,13 +348,13 @@ def test_cluster_artifact_carries_its_launch_figures(tmp_path):
     assert extra["threads"] == 160 and extra["smem_bytes"] == compiler.dynamic_smem_bytes(cfg) == 79944
     (cubin,) = sass.extract_cubins(tmp_path / "sparse_decode.so")
     name = decode_kernel_name(cubin)
-    assert "merge" not in name.lower() and "SparseDecodeDimsKernel" in name
+    assert "merge" not in name.lower() and "SparseDecodeTokenDimsKernel" in name
 
 
 def test_selftest_keeps_the_merge_kernel_covered_where_the_cluster_is_the_default(monkeypatch):
     """selftest pins the 2-CTA build's merge kernel on exactly the cases whose 2-CTA plan the default
     planner gives the cluster merge (checked against the planner itself), so both merges run."""
-    from msa_jit.selftest import grid_cases
+    from msa_jit.tools.selftest import grid_cases
 
     monkeypatch.delenv(ENABLE, raising=False)
     plain = grid_cases("sm_90a", union=False)

@@ -21,8 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from msa_jit import cache, compiler, env, sass
-from msa_jit.cache import ArtifactCache, ArtifactMissingError
+from msa_jit.kernels import convention
+from msa_jit.jit import cache, compiler, registry, sass
+from msa_jit import env
+from msa_jit.jit.cache import ArtifactCache, ArtifactMissingError
 from msa_jit.geometry import DEFAULT_ARCHES, SparseDecodeConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,9 +80,9 @@ def test_compile_both_arches_artifacts(warm16):
     for arch, sm in (("sm_90a", 90), ("sm_100a", 100)):
         entry = c.lookup(compiler.cache_key(CFG16[arch]))
         assert entry is not None, arch
-        so = entry.artifact_path(compiler.convention().ARTIFACT_NAME)
+        so = entry.artifact_path(convention.ARTIFACT_NAME)
         assert so.is_file() and so.stat().st_size > 0
-        assert entry.meta["config"]["arch"] == arch and entry.meta["fingerprint"]["kernel_family"] == "portable"
+        assert entry.meta["config"]["arch"] == arch and entry.meta["fingerprint"]["kernel_family"] == "token"
         kernels = sass.summarize(so)
         assert kernels, f"no cubin in {so}"
         assert {k["sm"] for k in kernels} == {sm}
@@ -91,7 +93,7 @@ def test_compile_both_arches_artifacts(warm16):
 LOADER = textwrap.dedent("""
     import json, sys, time
     t0 = time.perf_counter()
-    from msa_jit import cache, compiler, loader
+    from msa_jit.jit import cache, compiler, loader
     from msa_jit.geometry import SparseDecodeConfig
     import_ms = (time.perf_counter() - t0) * 1e3
     out = {"import_ms": import_ms, "load_ms": {}, "lookup_ms": {}}
@@ -99,7 +101,7 @@ LOADER = textwrap.dedent("""
         t = time.perf_counter()
         entry, built = compiler.ensure_compiled(SparseDecodeConfig(16, 1, q_dtype="bfloat16", arch=arch))
         out["lookup_ms"][arch] = (time.perf_counter() - t) * 1e3
-        fn, seconds = loader.load_artifact(entry.artifact_path(compiler.convention().ARTIFACT_NAME))
+        fn, seconds = loader.load_artifact(entry.artifact_path(convention.ARTIFACT_NAME))
         out["load_ms"][arch] = seconds * 1e3
         assert callable(fn) and not built
     out["stats"] = cache.stats()
@@ -125,7 +127,7 @@ def test_corrupted_artifact_detected_and_rebuilt(warm16, tmp_path):
     root = copy_cache(warm16, tmp_path)
     cfg = CFG16["sm_90a"]
     key = compiler.cache_key(cfg)
-    so = ArtifactCache(root).entry_path(key) / compiler.convention().ARTIFACT_NAME
+    so = ArtifactCache(root).entry_path(key) / convention.ARTIFACT_NAME
     data = bytearray(so.read_bytes())
     data[len(data) // 2] ^= 0xFF  # same size: only the hash can tell
     so.write_bytes(bytes(data))
@@ -174,7 +176,7 @@ def test_unusable_cache_dir_falls_back_compiles_and_loads(tmp_path, monkeypatch)
     assert c.root == cache.user_temp_root() and c.fallback_reason
     entry, built = compiler.ensure_compiled(CFG16["sm_90a"], cache=c)
     assert built and entry.path.is_relative_to(c.root)
-    from msa_jit.loader import load_artifact
+    from msa_jit.jit.loader import load_artifact
 
     fn, seconds = load_artifact(entry.artifact_path())
     assert callable(fn) and seconds < 1.0
@@ -183,11 +185,11 @@ def test_unusable_cache_dir_falls_back_compiles_and_loads(tmp_path, monkeypatch)
 SLOW_BUILD = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from msa_jit import compiler
+    from msa_jit.jit import compiler
     from msa_jit.geometry import SparseDecodeConfig
 
     def slow(config, out_dir):
-        (Path(out_dir) / compiler.convention().ARTIFACT_NAME).write_bytes(b"\\x7fELF partial artifact")
+        (Path(out_dir) / convention.ARTIFACT_NAME).write_bytes(b"\\x7fELF partial artifact")
         Path(sys.argv[1]).touch()
         time.sleep(600)
 
@@ -245,21 +247,21 @@ def test_no_compile_empty_cache_names_warmup_command(tmp_path, monkeypatch):
 
 
 def test_accepted_local_ops_most_specific_key_wins():
-    """compiler.accepted_local_ops: (arch, ctas, q dtype) before (arch, ctas) before ctas."""
-    from msa_jit import compiler
+    """registry.accepted_local_ops: (arch, ctas, q dtype) before (arch, ctas) before ctas."""
+    from msa_jit.jit import compiler
 
     def cfg(arch, ctas, q):
         return SparseDecodeConfig(16, 1, arch=arch, ctas_per_sm=ctas, q_dtype=q)
 
-    assert compiler.accepted_local_ops(cfg("sm_90a", 2, "bfloat16")) == 0
-    assert compiler.accepted_local_ops(cfg("sm_90a", 3, "bfloat16")) == 0
-    assert compiler.accepted_local_ops(cfg("sm_90a", 3, "float8_e4m3fn")) == 0
-    assert compiler.accepted_local_ops(cfg("sm_100a", 3, "float8_e4m3fn")) == 6
-    assert compiler.accepted_local_ops(cfg("sm_100a", 2, "float8_e4m3fn")) == 0
+    assert registry.accepted_local_ops(cfg("sm_90a", 2, "bfloat16")) == 0
+    assert registry.accepted_local_ops(cfg("sm_90a", 3, "bfloat16")) == 0
+    assert registry.accepted_local_ops(cfg("sm_90a", 3, "float8_e4m3fn")) == 0
+    assert registry.accepted_local_ops(cfg("sm_100a", 3, "float8_e4m3fn")) == 6
+    assert registry.accepted_local_ops(cfg("sm_100a", 2, "float8_e4m3fn")) == 0
     with pytest.MonkeyPatch.context() as mp:  # the lookup order itself, on a table with every key kind
         table = {3: 1, ("sm_90a", 3): 2, ("sm_90a", 3, "float8_e4m3fn"): 3}
-        mp.setitem(compiler.KERNEL_REGISTRY, "portable",
-                   dataclasses.replace(compiler.KERNEL_REGISTRY["portable"], accepted_local_ops=table))
-        assert [compiler.accepted_local_ops(cfg("sm_100a", 3, "bfloat16")),
-                compiler.accepted_local_ops(cfg("sm_90a", 3, "bfloat16")),
-                compiler.accepted_local_ops(cfg("sm_90a", 3, "float8_e4m3fn"))] == [1, 2, 3]
+        mp.setitem(registry.KERNEL_REGISTRY, "token",
+                   dataclasses.replace(registry.KERNEL_REGISTRY["token"], accepted_local_ops=table))
+        assert [registry.accepted_local_ops(cfg("sm_100a", 3, "bfloat16")),
+                registry.accepted_local_ops(cfg("sm_90a", 3, "bfloat16")),
+                registry.accepted_local_ops(cfg("sm_90a", 3, "float8_e4m3fn"))] == [1, 2, 3]

@@ -1,4 +1,4 @@
-"""The calling convention (kernels/convention.py) is the one description of what an artifact takes.
+"""The calling convention (msa_jit/kernels/convention.py) is the one description of what an artifact takes.
 
 Everything derived from it must agree with it: the kernels' `__call__` signature, the fake
 arguments, the op's argument tuple, the plan-owned tensors, the layout checks of the
@@ -19,13 +19,18 @@ import pytest
 import torch
 from helpers import make_case
 
-from msa_jit import SparseDecodePlanner, compiler
-from msa_jit.cache import source_fingerprint
+from msa_jit.kernels import convention
+from msa_jit import SparseDecodePlanner
+from msa_jit.jit import compiler, registry
+from msa_jit.jit.cache import source_fingerprint
 from msa_jit.geometry import SparseDecodeConfig, check_config
 from msa_jit.validation import kernel_call_ok, validate_kernel_layout, validate_sparse_decode
 
-conv = compiler.convention()
+conv = convention
 ROOT = Path(__file__).resolve().parents[1]
+import msa_jit.kernels
+
+KERNELS_DIR = Path(msa_jit.kernels.__file__).parent
 
 
 def test_every_kernel_takes_the_convention_in_order():
@@ -34,7 +39,7 @@ def test_every_kernel_takes_the_convention_in_order():
     names = list(inspect.signature(SparseDecodeKernelBase.__call__).parameters)
     # self, the arguments in order, then the stream TVM-FFI supplies
     assert names[1:-1] == list(conv.ARGUMENT_NAMES) and names[-1] == "stream"
-    for family in compiler.KERNEL_REGISTRY:
+    for family in registry.KERNEL_REGISTRY:
         cls = compiler._kernel_class(family)
         assert issubclass(cls, SparseDecodeKernelBase)
         assert cls.__call__ is SparseDecodeKernelBase.__call__, f"{family} must not redefine the launch"
@@ -123,14 +128,14 @@ def test_validation_rejects_what_the_convention_does_not_allow(name):
                        'Argument("out", "tensor", "bfloat16", ("T", "Hq", "D"), "compact", 8)')),
     ("convention.py", ("cute.sym_int32(divisibility=16)", "cute.sym_int32(divisibility=8)")),
     ("convention.py", ('EXPORT_NAME = "sparse_decode"', 'EXPORT_NAME = "sparse_decode_v2"')),
-    # the link step itself, the export and the config -> constructor mapping (kernels/build.py)
+    # the link step itself, the export and the config -> constructor mapping (msa_jit/kernels/build.py)
     ("build.py", ('[linker, *convention.LINK_FLAGS, "-o", str(so), str(obj), *libs]',
                   '[linker, *convention.LINK_FLAGS, "-o", str(so), str(obj), *libs, "-lm"]')),
     ("build.py", ("find_runtime_libraries(enable_tvm_ffi=True)", "find_runtime_libraries(enable_tvm_ffi=False)")),
     ("build.py", ("topk=config.topk_blocks,", "topk=2 * config.topk_blocks,")),
 ])
 def test_editing_the_convention_changes_every_cache_key(tmp_path, monkeypatch, file, edit):
-    src = compiler.kernels_dir()
+    src = KERNELS_DIR
     copy = tmp_path / "kernels"
     shutil.copytree(src, copy, ignore=shutil.ignore_patterns("__pycache__"))
     path = copy / file
@@ -161,19 +166,21 @@ def test_what_shapes_an_artifact_is_in_the_hashed_sources():
     assert {"convention.py", "build.py"} <= {p.name for p in hashed}
     outside = []
     for f in sorted((ROOT / "msa_jit").rglob("*.py")):
+        if f.resolve() in hashed:
+            continue
         code = "\n".join(line.split("#")[0] for line in f.read_text().splitlines())  # comments may name them
         outside += [f"{f.relative_to(ROOT)}: {s}" for s in ARTIFACT_SHAPING if s in code]
     assert not outside, outside
 
 
 def test_the_checkout_builds_and_hashes_its_own_kernels():
-    """Run from a source checkout, msa_jit.kernels is that checkout's kernels/, even when an
-    editable install of another checkout (a worktree, a CI copy) maps the name elsewhere."""
+    """Run from a source checkout, msa_jit.kernels is that checkout's msa_jit/kernels/, and every
+    file of it is hashed."""
     import msa_jit.kernels.base as base
 
-    assert compiler.kernels_dir().resolve() == (ROOT / "kernels").resolve()
-    assert Path(base.__file__).resolve().parent == (ROOT / "kernels").resolve()
-    assert {p.resolve() for p in compiler.kernel_sources()} == {p.resolve() for p in (ROOT / "kernels").glob("*.py")}
+    assert Path(base.__file__).resolve().parent == (ROOT / "msa_jit" / "kernels").resolve()
+    assert {p.resolve() for p in compiler.kernel_sources()} == {
+        p.resolve() for p in (ROOT / "msa_jit" / "kernels").glob("*.py")}
 
 
 def test_scale_tensors_follow_the_description():
@@ -218,14 +225,13 @@ def test_device_scale_tensors_are_checked_and_shaped_like_the_convention(monkeyp
 
 
 def test_the_key_names_the_kernel_family_and_the_toolchain(monkeypatch):
-    """The same config served by another kernel family (MSA_JIT_ENABLE_SM100_UMMA), or built with
-    another CuTe DSL or tvm-ffi version, has another cache key: never the other's artifact."""
+    """The same config served by another kernel family, or built with another CuTe DSL or tvm-ffi
+    version, has another cache key: never the other's artifact."""
     cfg = SparseDecodeConfig(8, 1, arch="sm_100a")
-    monkeypatch.delenv("MSA_JIT_ENABLE_SM100_UMMA", raising=False)
     portable = compiler.cache_key(cfg)
     with monkeypatch.context() as m:
-        m.setenv("MSA_JIT_ENABLE_SM100_UMMA", "1")
-        assert compiler.kernel_family(cfg) == "sm100" and compiler.cache_key(cfg) != portable
+        m.setattr(compiler, "kernel_family", lambda config: "token_dims")
+        assert compiler.cache_key(cfg) != portable
     for name in ("dsl_version", "tvm_ffi_version"):
         with monkeypatch.context() as m:
             m.setattr(compiler, name, lambda: "0.0.0-other")
@@ -280,25 +286,23 @@ def test_compile_refuses_what_it_cannot_build(tmp_path, monkeypatch):
     the serving kernel family has no build for, before a kernel is constructed or traced."""
     reached = []
     stub = SimpleNamespace(make_kernel=lambda *a: reached.append("make_kernel"), build=lambda *a: reached.append("build"))
-    monkeypatch.setattr(compiler, "_build_module", lambda: stub)
-
-    class Kernel:  # stand-in kernel class: never constructed here
-        pass
+    monkeypatch.setattr(compiler, "build", stub)
+    monkeypatch.setattr(compiler, "_kernel_class", lambda family: reached.append("load"))
 
     with pytest.raises(ValueError, match="cannot compile .*sm_90"):
-        compiler.compile_sparse_decode(SparseDecodeConfig(8, 1, arch="sm_90"), tmp_path, kernel_class=Kernel)
-    monkeypatch.setenv("MSA_JIT_ENABLE_SM100_UMMA", "1")
-    cfg = SparseDecodeConfig(8, 1, arch="sm_100a", ctas_per_sm=3)  # valid, but the sm100 family has no 3-CTA build
-    assert check_config(cfg) is None and compiler.kernel_family(cfg) == "sm100"
-    with pytest.raises(ValueError, match="sm100 kernel has no build for 3 CTAs per SM"):
-        compiler.make_kernel(cfg, kernel_class=Kernel)
+        compiler.compile_sparse_decode(SparseDecodeConfig(8, 1, arch="sm_90"), tmp_path)
+    monkeypatch.setitem(registry.KERNEL_REGISTRY, "token", replace(registry.KERNEL_REGISTRY["token"], occupancies=(2,)))
+    cfg = SparseDecodeConfig(8, 1, arch="sm_90a", ctas_per_sm=3)  # valid, but this registry has no 3-CTA build
+    assert check_config(cfg) is None and registry.kernel_family(cfg) == "token"
+    with pytest.raises(ValueError, match="token kernel has no build for 3 CTAs per SM"):
+        compiler.make_kernel(cfg)
     assert reached == []
 
 
 def test_build_maps_the_config_onto_the_constructor():
-    """kernels/build.py make_kernel: the config's fields, then the class's occupancy and arch options,
+    """msa_jit/kernels/build.py make_kernel: the config's fields, then the class's occupancy and arch options,
     the split merge option, and last the experiment's kernel_options (which win)."""
-    build = compiler._build_module()
+    build = compiler.build
 
     class Kernel:  # stand-in kernel class: records its constructor arguments
         def __init__(self, **kw):
@@ -321,10 +325,10 @@ def test_build_maps_the_config_onto_the_constructor():
 
 
 def test_build_traces_for_the_arch_links_and_reports_a_failed_link(tmp_path, monkeypatch):
-    """kernels/build.py build, with a stand-in DSL: traced with the convention's options for the
+    """msa_jit/kernels/build.py build, with a stand-in DSL: traced with the convention's options for the
     config's arch, exported under its name, linked by the given linker into ARTIFACT_NAME alone (the
     object file removed); a failing link is an error carrying the linker's output."""
-    build = compiler._build_module()
+    build = compiler.build
     calls = []
 
     class Compiled:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from msa_jit.bench.steps import FP8_KV
+from msa_jit.tools.bench.steps import FP8_KV
 
 
 def test_every_file_with_gpu_tests_is_run_by_a_device_step():

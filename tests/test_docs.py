@@ -43,7 +43,7 @@ def test_readme_table_matches_the_committed_bench_result():
 
 def test_readme_table_is_the_generated_one():
     """`msa-jit bench --table <result>` prints exactly the README's table."""
-    from msa_jit.bench import readme_table
+    from msa_jit.tools.bench import readme_table
 
     readme = (ROOT / "README.md").read_text()
     path = re.search(r"Raw data:\s*`(bench/results/[^`]+\.json)`", readme).group(1)

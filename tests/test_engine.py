@@ -1,4 +1,4 @@
-"""msa_jit.engine: the seed API by name and signature, support checks, fp8 and NVFP4 runs vs the
+"""msa_jit.integrations.engine: the seed API by name and signature, support checks, fp8 and NVFP4 runs vs the
 reference (decode and msa_sparse_prefill), errors naming the layout. vLLM 0.33's own signatures:
 tests/test_engine_parity.py; vLLM's own code running it: tests/test_engine_vllm.py."""
 
@@ -16,15 +16,9 @@ import torch
 from helpers import FP8, make_case
 
 import msa_jit
-from msa_jit import engine, sparse_decode_reference
-from msa_jit.engine import (
-    MSACutlassDecodeMetadata,
-    MSACutlassDecodePlanCache,
-    msa_cutlass_sparse_decode,
-    prepare_decode_metadata,
-    should_prepare_decode_metadata,
-    supports_cutlass_sparse_decode,
-)
+from msa_jit.integrations import engine
+from msa_jit import sparse_decode_reference
+from msa_jit.integrations.engine import (MSACutlassDecodeMetadata, MSACutlassDecodePlanCache, msa_cutlass_sparse_decode, prepare_decode_metadata, should_prepare_decode_metadata, supports_cutlass_sparse_decode)
 
 SEEDS = Path(__file__).resolve().parents[1].parent / "shared" / "seeds"
 Param = tuple[str, str, Any]  # (name, kind, default source or None)

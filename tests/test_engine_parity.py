@@ -1,10 +1,10 @@
-"""msa_jit.engine against vLLM 0.33.0's real files (by ast, nothing imported from them):
+"""msa_jit.integrations.engine against vLLM 0.33.0's real files (by ast, nothing imported from them):
 
 * every name `sparse_attention_msa.py` imports from `msa_cutlass_sparse_decode` exists in
-  msa_jit.engine (and is what msa_jit.vllm_plugin rebinds), with the engine module's parameters
+  msa_jit.integrations.engine (and is what msa_jit.integrations.vllm_plugin rebinds), with the engine module's parameters
   (names, kinds, defaults) and dataclass fields;
 * every call of those names in `sparse_attention_msa.py` (positional count, keyword names)
-  binds to msa_jit.engine's signature.
+  binds to msa_jit.integrations.engine's signature.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import vllm_standins as vs
 
-from msa_jit import engine, vllm_plugin
+from msa_jit.integrations import engine, vllm_plugin
 
 ENGINE = vs.ENGINE_DIR
 CALLER = ENGINE / "sparse_attention_msa.py"

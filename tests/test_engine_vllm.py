@@ -1,4 +1,4 @@
-"""vLLM 0.33's own MiniMax-M3 attention code, unmodified, with msa_jit.vllm_plugin applied.
+"""vLLM 0.33's own MiniMax-M3 attention code, unmodified, with msa_jit.integrations.vllm_plugin applied.
 
 The real vLLM files (tests/vllm_standins.ENGINE_DIR: `shared/engine/vllm-0.33.0/` or
 $MSA_JIT_TEST_ENGINE_DIR) run on the stand-ins of tests/vllm_standins.py (which names every
@@ -20,7 +20,8 @@ import torch
 import engine_cases as ec
 import vllm_standins as vs
 
-from msa_jit import SparseDecodePlan, engine, env, vllm_plugin
+from msa_jit import SparseDecodePlan, env
+from msa_jit.integrations import engine, vllm_plugin
 
 pytestmark = pytest.mark.skipif(not vs.engine_files_present(),
                                 reason=vs.ENGINE_SKIP_REASON)

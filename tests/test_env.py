@@ -22,14 +22,12 @@ def test_env_defaults():
     assert env.cache_max_bytes() == 2 * 1024**3
     assert env.lock_timeout_s() == 600.0
     assert env.target_arch() is None
-    assert env.enable_sm100_umma() is False
     assert env.enable_sm90_union() is None  # unset: the planner's rule (planner.choose_kernel)
     assert env.enable_cluster_merge() is True  # on by default since session 21 (performance.md row 79)
     assert env.log_level() == logging.WARNING
 
 
 @pytest.mark.parametrize("fn,var,default", [(env.no_compile, "MSA_JIT_NO_COMPILE", False),
-                                            (env.enable_sm100_umma, "MSA_JIT_ENABLE_SM100_UMMA", False),
                                             (env.enable_sm90_union, "MSA_JIT_ENABLE_SM90_UNION", None),
                                             (env.enable_cluster_merge, "MSA_JIT_ENABLE_CLUSTER_MERGE", True)])
 def test_env_booleans(monkeypatch, fn, var, default):
@@ -113,7 +111,7 @@ def test_env_read_live_and_describe(monkeypatch):
     table = env.describe()  # raw values, never raises
     names = [n for n, _v, _d in table]
     assert names == ["MSA_JIT_CACHE_DIR", "MSA_JIT_NO_COMPILE", "MSA_JIT_CACHE_MAX_BYTES", "MSA_JIT_LOCK_TIMEOUT",
-                     "MSA_JIT_ARCH", "MSA_JIT_ENABLE_SM100_UMMA", "MSA_JIT_ENABLE_SM90_UNION",
+                     "MSA_JIT_ARCH", "MSA_JIT_ENABLE_SM90_UNION",
                      "MSA_JIT_ENABLE_CLUSTER_MERGE", "MSA_JIT_LOG_LEVEL",
                      "MSA_JIT_DSL_VERSION", "MSA_JIT_DSL_RUNTIME",
                      "MSA_JIT_VLLM_PLUGIN", "MSA_JIT_VLLM_SM100"]
@@ -144,7 +142,7 @@ def test_one_size_syntax_for_env_and_cli(monkeypatch):
 
 
 def test_dsl_runtime_is_read_through_env(monkeypatch, tmp_path):
-    from msa_jit import loader
+    from msa_jit.jit import loader
 
     lib = tmp_path / "libcute_dsl_runtime.so"
     lib.write_bytes(b"")
@@ -161,7 +159,7 @@ def test_dsl_runtime_is_found_on_sys_path_cu13_first(monkeypatch, tmp_path):
     """Without MSA_JIT_DSL_RUNTIME: nvidia_cutlass_dsl/cu13/lib before cu12/lib on sys.path (the
     first entry that has one), a directory named like the library is no library, and nothing
     found says what to install or set."""
-    from msa_jit import loader
+    from msa_jit.jit import loader
 
     monkeypatch.delenv("MSA_JIT_DSL_RUNTIME", raising=False)
     site = tmp_path / "site"

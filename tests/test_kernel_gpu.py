@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from helpers import GraphInputs, capture, make_case
+from msa_jit.kernels import convention
 from msa_jit.geometry import MINIMAX_M3_GEOMETRIES as GEOMETRIES
 from msa_jit.geometry import CTAS_PER_SM  # every occupancy is pinned in turn, so both builds run at every shape
 from msa_jit.testing import compare_with_reference, rel_l2
@@ -185,7 +186,7 @@ def test_artifacts_load_without_the_compiler():
         import os, sys, time, json, torch
         os.environ["MSA_JIT_NO_COMPILE"] = "1"
         import msa_jit
-        from msa_jit import compiler, loader
+        from msa_jit.jit import compiler, registry, loader
         from msa_jit.geometry import KV_DTYPES, MINIMAX_M3_GEOMETRIES, Q_DTYPES, SparseDecodeConfig, device_arch
         arch = device_arch(0)
         rows = []
@@ -193,9 +194,9 @@ def test_artifacts_load_without_the_compiler():
             for qd in Q_DTYPES:
                 for kv in KV_DTYPES:
                     base = SparseDecodeConfig(num_q_heads=hq, num_kv_heads=hkv, q_dtype=qd, kv_dtype=kv, arch=arch)
-                    for cfg in compiler.plannable_configs(base):
+                    for cfg in registry.plannable_configs(base):
                         entry, built = compiler.ensure_compiled(cfg)
-                        fn, secs = loader.load_artifact(entry.artifact_path(compiler.convention().ARTIFACT_NAME))
+                        fn, secs = loader.load_artifact(entry.artifact_path(convention.ARTIFACT_NAME))
                         rows.append((hq, hkv, qd, kv, cfg.ctas_per_sm, built, round(secs * 1e3, 2)))
         print("LOADS", json.dumps(rows))
         print("CUTLASS_IMPORTED", "cutlass" in sys.modules)

@@ -15,19 +15,21 @@ from pathlib import Path
 
 import pytest
 
-from msa_jit import sass
-from msa_jit.compiler import compile_sparse_decode, kernels_dir, kernels_package
+from msa_jit.jit import sass
+from msa_jit.jit.compiler import compile_sparse_decode
 from msa_jit.geometry import SparseDecodeConfig
 
 pytestmark = pytest.mark.slow
 BENCH = Path(__file__).resolve().parents[1] / "bench"
+import msa_jit.kernels
+
+KERNELS_DIR = Path(msa_jit.kernels.__file__).parent
 
 
 def _kernel_class():
-    kernels_package()  # registers msa_jit.kernels (this checkout's kernels/), also when this file runs alone
-    from msa_jit.kernels.sparse_decode_mma import SparseDecodeMmaKernel
+    from msa_jit.kernels.token import SparseDecodeTokenKernel
 
-    return SparseDecodeMmaKernel
+    return SparseDecodeTokenKernel
 
 
 def _probe_class():
@@ -75,7 +77,7 @@ def test_shipped_kernel_has_no_probe_or_retired_option(option):
 
 def test_shipped_kernel_sources_hold_no_probe_code():
     # the probes' instructions and names appear only in bench/kernel_probes.py
-    for path in sorted(kernels_dir().glob("*.py")):
+    for path in sorted(KERNELS_DIR.glob("*.py")):
         text = path.read_text()
         for word in ("globaltimer", "%smid", "prefetch.global", "no_math", "no_copy", "bittrick", "probe="):
             assert word not in text, f"{path.name} contains {word!r}"
@@ -199,9 +201,9 @@ def test_every_consumer_lane_releases_a_stage(tmp_path):
     # racecheck sees a stage's refill ordered after a consumer lane's reads only when that lane
     # arrives itself (bench/results/race-ab-2026-12-04.log, race-2026-12-04-s10.log): the shipped
     # kernel counts every consumer thread, the probe of before session 10 one lane per warp
-    from msa_jit.kernels.sparse_decode_mma import SparseDecodeMmaKernel
+    from msa_jit.kernels.token import SparseDecodeTokenKernel
 
-    shipped = SparseDecodeMmaKernel(num_q_heads=64, num_kv_heads=4)
+    shipped = SparseDecodeTokenKernel(num_q_heads=64, num_kv_heads=4)
     warp = _probe_class()(num_q_heads=64, num_kv_heads=4, release="warp")
     assert (shipped.empty_arrivals, warp.empty_arrivals) == (shipped.consumer_threads, warp.warps)
     _, text, _ = _main_kernel(tmp_path / "warp", {"release": "warp"})

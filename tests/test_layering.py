@@ -19,21 +19,18 @@ PACKAGE = "msa_jit"
 MAX_LINES = 800
 
 
-def package_modules(src: Path, package: str, elsewhere: dict[str, Path] | None = None) -> dict[str, Path]:
-    """Module name -> file for every .py of `package` in src/, and of the subpackages that live
-    elsewhere (dotted name -> directory, like pyproject's package-dir: msa_jit.kernels is kernels/)."""
+def package_modules(src: Path, package: str) -> dict[str, Path]:
+    """Module name -> file for every .py of `package` in src/."""
     out: dict[str, Path] = {}
-    roots = {package: src / package, **(elsewhere or {})}
-    for dotted, base in roots.items():
-        for f in sorted(base.rglob("*.py")):
-            rel = f.relative_to(base)
-            dirs = [".".join([dotted, *rel.parts[:i]]) for i in range(1, len(rel.parts))]
-            if "__pycache__" in rel.parts or any(d in roots for d in dirs):
-                continue  # the subpackage's own walk covers it (e.g. a kernels -> ../kernels symlink)
-            parts = [dotted, *rel.with_suffix("").parts]
-            if parts[-1] == "__init__":
-                parts = parts[:-1]
-            out[".".join(parts)] = f
+    base = src / package
+    for f in sorted(base.rglob("*.py")):
+        rel = f.relative_to(base)
+        if "__pycache__" in rel.parts:
+            continue
+        parts = [package, *rel.with_suffix("").parts]
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = f
     return out
 
 
@@ -57,7 +54,7 @@ def import_graph(modules: dict[str, Path], package: str) -> dict[str, set[str]]:
             else:
                 continue
             for t in targets:
-                while t and t not in modules:  # `import msa_jit.cache.key` -> its longest known prefix
+                while t and t not in modules:  # `import msa_jit.jit.cache.key` -> its longest known prefix
                     t = t.rpartition(".")[0]
                 if t.split(".")[0] == package and t != name:
                     deps.add(t)
@@ -88,12 +85,9 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-ELSEWHERE = {"msa_jit.kernels": ROOT / "kernels"}  # pyproject.toml [tool.setuptools.package-dir]
-
-
 @pytest.fixture(scope="module")
 def graph() -> dict[str, set[str]]:
-    return import_graph(package_modules(ROOT, PACKAGE, ELSEWHERE), PACKAGE)
+    return import_graph(package_modules(ROOT, PACKAGE), PACKAGE)
 
 
 def test_the_walker_sees_module_and_function_level_cycles(tmp_path):
@@ -113,7 +107,7 @@ def test_the_walker_sees_module_and_function_level_cycles(tmp_path):
 
 
 def test_no_import_cycle(graph):
-    assert len(graph) > 20 and "msa_jit.cache.store" in graph and "msa_jit.cli.warmup" in graph
+    assert len(graph) > 20 and "msa_jit.jit.cache.store" in graph and "msa_jit.cli.warmup" in graph
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
@@ -124,16 +118,16 @@ def test_layers(graph):
     for name, deps in graph.items():
         if not (name.startswith("msa_jit.cli") or name == "msa_jit.__main__"):
             assert not any(d.startswith("msa_jit.cli") for d in deps), (name, deps)
-        if name.startswith("msa_jit.cache"):
-            assert all(d.startswith("msa_jit.cache") or d == "msa_jit.env" for d in deps), (name, deps)
+        if name.startswith("msa_jit.jit.cache"):
+            assert all(d.startswith("msa_jit.jit.cache") or d == "msa_jit.env" for d in deps), (name, deps)
     assert graph["msa_jit.geometry"] == set()
-    assert graph["msa_jit.plan"] <= {"msa_jit.geometry", "msa_jit.compiler"}
+    assert graph["msa_jit.plan"] <= {"msa_jit.geometry", "msa_jit.kernels.convention", "msa_jit.jit.compiler"}
 
 
 def test_no_module_over_800_lines():
     """The package and kernels, and the bench scripts, tests and examples beside them."""
-    files = [*package_modules(ROOT, PACKAGE, ELSEWHERE).values(),
-             *(f for d in ("bench", "tests", "examples") for f in sorted((ROOT / d).rglob("*.py")))]
+    files = [*package_modules(ROOT, PACKAGE).values(),
+             *(f for d in ("bench", "experiments", "tests", "examples") for f in sorted((ROOT / d).rglob("*.py")))]
     long = {str(f.relative_to(ROOT)): n for f in files
             if (n := len(f.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
     assert not long, f"modules over {MAX_LINES} lines: {long}"

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from msa_jit import SparseDecodePlanner, sparse_decode
-from msa_jit.engine import MSACutlassDecodePlanCache, msa_cutlass_sparse_decode
+from msa_jit.integrations.engine import MSACutlassDecodePlanCache, msa_cutlass_sparse_decode
 from msa_jit.testing import compare_with_reference, make_case
 
 pytestmark = [pytest.mark.gpu,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from msa_jit import compiler, sass
+from msa_jit.jit import compiler, registry, sass
 from msa_jit.geometry import DEFAULT_ARCHES, MINIMAX_M3_GEOMETRIES, SparseDecodeConfig
 
 from ptx_model import ptx_of, run_ptx
@@ -31,8 +31,8 @@ def test_every_geometry_compiles_with_nvfp4(arch):
     for (hq, hkv) in MINIMAX_M3_GEOMETRIES:
         for q_dtype in ("bfloat16", "float8_e4m3fn"):
             base = SparseDecodeConfig(num_q_heads=hq, num_kv_heads=hkv, q_dtype=q_dtype, kv_dtype="nvfp4", arch=arch)
-            for cfg in compiler.plannable_configs(base):
-                assert compiler.kernel_family(cfg) == "portable"
+            for cfg in registry.plannable_configs(base):
+                assert registry.kernel_family(cfg) == "token"
                 with tempfile.TemporaryDirectory() as d:
                     compiler.compile_sparse_decode(cfg, d)
                     (cubin,) = sass.extract_cubins(Path(d) / "sparse_decode.so")
@@ -61,7 +61,7 @@ def _check_decode_sass(cfg: SparseDecodeConfig, arch: str, main: str) -> None:
     # converted once for its two n-tile groups); sm_90a places bits (PRMT)
     e2m1 = sass.opcode_counts(main).get("F2FP.F16.E2M1.UNPACK_B", 0)
     assert e2m1 == (128 if arch == "sm_100a" else 0), (cfg, e2m1)
-    assert ops["LDL"] + ops["STL"] <= compiler.accepted_local_ops(cfg), (cfg, ops)
+    assert ops["LDL"] + ops["STL"] <= registry.accepted_local_ops(cfg), (cfg, ops)
 
 
 def test_nvfp4_is_part_of_the_cache_key():
@@ -70,12 +70,6 @@ def test_nvfp4_is_part_of_the_cache_key():
     assert compiler.cache_key(fp8) != compiler.cache_key(nvfp4)
     with pytest.raises(ValueError, match="kv_dtype"):
         SparseDecodeConfig(num_q_heads=8, num_kv_heads=1, kv_dtype="int4").validate()
-
-
-def test_the_umma_kernel_never_serves_nvfp4(monkeypatch):
-    monkeypatch.setenv("MSA_JIT_ENABLE_SM100_UMMA", "1")
-    assert compiler.kernel_family(SparseDecodeConfig(8, 1, arch="sm_100a")) == "sm100"
-    assert compiler.kernel_family(SparseDecodeConfig(8, 1, arch="sm_100a", kv_dtype="nvfp4")) == "portable"
 
 
 def test_run_ptx_models_the_instructions():
@@ -91,7 +85,7 @@ def test_run_ptx_models_the_instructions():
 
 
 def test_e2m1_to_f16_bytes_formula():
-    """kernels/ptx.py e2m1x8_to_f16x2x4's PTX, run as written (read from the file, interpreted
+    """msa_jit/kernels/ptx.py e2m1x8_to_f16x2x4's PTX, run as written (read from the file, interpreted
     by run_ptx): every code of every nibble position lands in the f16x2 half the docstring names,
     with the value code * 2**-14 exactly."""
     import random
@@ -117,7 +111,7 @@ def test_e2m1_to_f16_bytes_formula():
 
 
 def test_hardware_e2m1_conversion_is_chosen_by_arch():
-    from msa_jit.kernels.sparse_decode_mma import NVFP4_FOLD, SparseDecodeMmaKernel as K
+    from msa_jit.kernels.token import NVFP4_FOLD, SparseDecodeTokenKernel as K
 
     assert K.arch_options("sm_100a", "nvfp4") == {"e2m1_cvt": True}
     assert K.arch_options("sm_90a", "nvfp4") == {} and K.arch_options("sm_100a", "float8_e4m3fn") == {}
@@ -130,7 +124,7 @@ def test_hardware_e2m1_conversion_is_chosen_by_arch():
 
 
 def test_e2m1_nibble_pairs_formula():
-    """kernels/ptx.py e2m1_nibble_pairs's PTX, run as written (run_ptx), then `cvt.rn.f16x2.e2m1x2`
+    """msa_jit/kernels/ptx.py e2m1_nibble_pairs's PTX, run as written (run_ptx), then `cvt.rn.f16x2.e2m1x2`
     per byte (low nibble -> low half): byte i of `even` pairs code 2i of the two rows, of `odd`
     code 2i + 1; nvfp4_v_frags' picks at = [2h, 4 + 2h, 2h + 1, 5 + 2h] of
     the 8 converted bytes (even's, then odd's) are the group's dims 4h .. 4h + 3 in order."""

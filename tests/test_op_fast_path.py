@@ -1,7 +1,7 @@
 """The op's fast path (msa_jit/op.py): the exported function's own argument checks plus the few
 the op makes in Python reject every malformed input before anything is launched, errors still
 name the argument (the full validation runs when the call fails), and the arguments are those
-of the checked path (kernels/convention.py).
+of the checked path (msa_jit/kernels/convention.py).
 
 On a machine without CUDA the real exported function runs here on stand-in CUDA tensors
 (`fake_cuda`: a CPU tensor's DLPack export with its device field set to CUDA), so its argument
@@ -24,11 +24,11 @@ from hypothesis import strategies as st
 from test_validation import (B, HKV, HQ, K, OP_MUTATIONS, PAGE, QLEN, SETTINGS, T, _same_bits, _snapshot)
 
 from msa_jit import SparseDecodePlanner, op, sparse_decode
-from msa_jit.compiler import convention
+from msa_jit.kernels import convention
 
 HAS_CUDA = torch.cuda.is_available()
 cpu_only = pytest.mark.skipif(HAS_CUDA, reason="stand-in CUDA tensors would be launched for real on a GPU")
-conv = convention()
+conv = convention
 
 
 # ----------------------------------------------------------------------------- stand-ins
@@ -102,9 +102,9 @@ def exported(tmp_path_factory):
     """(query dtype, cache format) -> the real exported function for the test_validation geometry
     (Hq 4, Hkv 2, page 64, topk 4; sm_90a, 2 CTAs per SM), compiled here."""
     pytest.importorskip("cutlass")
-    from msa_jit.compiler import compile_sparse_decode
+    from msa_jit.jit.compiler import compile_sparse_decode
     from msa_jit.geometry import SparseDecodeConfig
-    from msa_jit.loader import load_artifact
+    from msa_jit.jit.loader import load_artifact
 
     fns = {}
     for q, kv in (("bfloat16", "float8_e4m3fn"), ("float8_e4m3fn", "float8_e4m3fn"), ("bfloat16", "nvfp4")):
@@ -566,7 +566,7 @@ def test_gpu_steady_state_steps_allocate_and_sync_nothing(kv_dtype, batch, qlen,
     out / lse) allocates no device memory and makes no synchronizing call, through the public op
     and through vLLM's adapter: the hot path of the design card's rule. The union kernel serves fp8
     caches only."""
-    from msa_jit.engine import MSACutlassDecodeMetadata, MSACutlassDecodePlanCache, msa_cutlass_sparse_decode
+    from msa_jit.integrations.engine import (MSACutlassDecodeMetadata, MSACutlassDecodePlanCache, msa_cutlass_sparse_decode)
 
     if pin and kv_dtype != "fp8":
         pytest.skip("the union kernel reads fp8 caches only")

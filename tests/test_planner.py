@@ -7,6 +7,8 @@ import subprocess
 import sys
 import types
 
+import dataclasses
+
 import pytest
 import torch
 from helpers import FP8, make_case
@@ -352,11 +354,14 @@ def test_pinned_occupancy_is_checked(monkeypatch):
     with pytest.raises(ValueError, match="ctas_per_sm"):
         SparseDecodePlanner(ctas_per_sm=4)
     if DEV != "cpu":
-        pytest.skip("the SM100 UMMA family is chosen by arch; CPU plans name it")
+        pytest.skip("CPU plans name their arch")
     c = _case()  # T*Hkv = 12 CTAs: one wave at 3 per SM on 8 SMs
     assert SparseDecodePlanner(arch="sm_100a", num_sms=8).prepare(*c.prepare_args(), **c.prepare_kwargs()).ctas_per_sm == 3
-    monkeypatch.setenv("MSA_JIT_ENABLE_SM100_UMMA", "1")
-    # the tcgen05 kernel is built for 2 CTAs per SM only: the planner picks 2, a pinned 3 is refused
+    from msa_jit.jit import registry
+
+    # a registry whose token kernel is built for 2 CTAs per SM only: the planner picks 2, a pinned 3 is refused
+    monkeypatch.setitem(registry.KERNEL_REGISTRY, "token",
+                        dataclasses.replace(registry.KERNEL_REGISTRY["token"], occupancies=(2,)))
     assert SparseDecodePlanner(arch="sm_100a", num_sms=8).prepare(*c.prepare_args(), **c.prepare_kwargs()).ctas_per_sm == 2
     with pytest.raises(ValueError, match="built for"):
         SparseDecodePlanner(arch="sm_100a", ctas_per_sm=3).prepare(*c.prepare_args(), **c.prepare_kwargs())
@@ -392,10 +397,10 @@ def test_resolve_kernel_uses_compiler_and_caches(monkeypatch):
         calls.append(config)
         return lambda *a: None
 
-    fake = types.ModuleType("msa_jit.compiler")
+    fake = types.ModuleType("msa_jit.jit.compiler")
     fake.get_sparse_decode_kernel = fake_get
     fake.supported_ctas_per_sm = lambda arch: (2, 3)
-    monkeypatch.setitem(sys.modules, "msa_jit.compiler", fake)
+    monkeypatch.setitem(sys.modules, "msa_jit.jit.compiler", fake)
     c = _case()
     plan = SparseDecodePlanner(arch="sm_100a").prepare(*c.prepare_args(), **c.prepare_kwargs())
     if DEV == "cpu":
@@ -423,22 +428,22 @@ def test_resolve_kernel_without_arch_on_cpu():
 
 @pytest.mark.gpu
 def test_kernel_backend_passes_calling_convention(monkeypatch):
-    """With a fake compiler, check the exact argument list of the kernel call (kernels/convention.py):
+    """With a fake compiler, check the exact argument list of the kernel call (msa_jit/kernels/convention.py):
     the first call (checked path, which resolves the kernel) and the next (fast path) alike."""
     import math
 
-    from msa_jit.compiler import convention
+    from msa_jit.kernels import convention
 
-    conv = convention()
+    conv = convention
     seen = []
-    fake = types.ModuleType("msa_jit.compiler")
+    fake = types.ModuleType("msa_jit.jit.compiler")
     fake.get_sparse_decode_kernel = lambda cfg: (lambda *a: seen.append(a))
     fake.supported_ctas_per_sm = lambda arch: (2, 3)
     # the split plan below takes the cluster merge on sm_90a (the default): the stand-in compiler
     # says its cluster fits, as plan.resolve_kernel asks before the first launch
     fake.cluster_launch_fits = lambda cfg, num_splits, device_index: True
     fake.convention = convention
-    monkeypatch.setitem(sys.modules, "msa_jit.compiler", fake)
+    monkeypatch.setitem(sys.modules, "msa_jit.jit.compiler", fake)
     c = make_case(2, 2, 8, 2, q_dtype=FP8, seed=3, device="cuda", page_size=64, topk_blocks=4)
     plan = SparseDecodePlanner().prepare(*c.prepare_args(), **c.prepare_kwargs())
     out = c.new_out()
@@ -548,11 +553,11 @@ def test_nvfp4_takes_three_ctas_per_sm_above_one_wave():
 
 
 def test_nvfp4_three_cta_build_keeps_three_stages():
-    from msa_jit.kernels.sparse_decode_mma import SparseDecodeMmaKernel
+    from msa_jit.kernels.token import SparseDecodeTokenKernel
 
-    assert SparseDecodeMmaKernel.occupancy_options(3, "bfloat16", "nvfp4")["stages"] == 3
-    assert SparseDecodeMmaKernel.occupancy_options(3, "bfloat16")["stages"] == 2
-    assert SparseDecodeMmaKernel.occupancy_options(2, "bfloat16", "nvfp4") == {}
+    assert SparseDecodeTokenKernel.occupancy_options(3, "bfloat16", "nvfp4")["stages"] == 3
+    assert SparseDecodeTokenKernel.occupancy_options(3, "bfloat16")["stages"] == 2
+    assert SparseDecodeTokenKernel.occupancy_options(2, "bfloat16", "nvfp4") == {}
 
 
 @pytest.mark.gpu

@@ -1,4 +1,4 @@
-"""msa_jit.sass without a compiler or nvdisasm: the ELF reading (a hand-made cubin), the opcode
+"""msa_jit.jit.sass without a compiler or nvdisasm: the ELF reading (a hand-made cubin), the opcode
 counting of nvdisasm's text, the per-kernel summary `msa-jit inspect` and the spill checks read,
 and nvdisasm failing. The real artifacts' SASS: test_compile_cache.py, test_kernel_options.py."""
 
@@ -11,7 +11,7 @@ from collections import Counter
 
 import pytest
 
-from msa_jit import sass
+from msa_jit.jit import sass
 
 
 def _cubin(*, abi_version: int, e_flags: int, info: bytes, kernel: str = "decode", smem: int = 1024) -> bytes:

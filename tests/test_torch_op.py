@@ -9,7 +9,7 @@ from helpers import FP8, Case, make_case
 import msa_jit
 from msa_jit import SparseDecodePlanner, sparse_decode_reference
 from msa_jit.testing import compare_with_reference
-from msa_jit.torch_op import WORKSPACE_FIELDS, op_args, sparse_decode_op
+from msa_jit.integrations.torch_op import WORKSPACE_FIELDS, op_args, sparse_decode_op
 
 OP = torch.ops.msa_jit.sparse_decode.default
 
@@ -118,7 +118,9 @@ def _fake_kernel_path(monkeypatch, launches: list | None = None) -> list[tuple[s
     "kernel", and the resolver `compiler.get_sparse_decode_kernel` returns a stand-in kernel that
     records the config it was built for. Returns the list of ("asked" | "launched", config); each
     launch's (config, arguments) also goes to `launches` when given."""
-    from msa_jit import compiler, op, torch_op
+    from msa_jit.jit import compiler
+    from msa_jit import op
+    from msa_jit.integrations import torch_op
 
     events: list[tuple[str, object]] = []
 
@@ -179,9 +181,9 @@ def test_op_launches_the_cache_formats_build_with_its_split_count(monkeypatch, k
     """Through the custom op, a step's cache format picks its own build and split count: on 132 SMs a
     64/4 step at B=12 splits fp8 in 2 and NVFP4 in 6, and at B=128 runs fp8 at 2 CTAs per SM and NVFP4 at
     3, so a swap of the two formats' ints anywhere between the plan and the launch shows."""
-    from msa_jit.compiler import convention
+    from msa_jit.kernels import convention
 
-    num_splits_at = convention().ARGUMENT_NAMES.index("num_splits")
+    num_splits_at = convention.ARGUMENT_NAMES.index("num_splits")
     launches: list = []
     _fake_kernel_path(monkeypatch, launches)
     fmt = "nvfp4" if kv_dtype == "nvfp4" else "float8_e4m3fn"
@@ -264,7 +266,8 @@ def test_compile_inductor_and_cuda_graph_gpu():
 def test_compiled_op_runs_the_eager_build_gpu(monkeypatch):
     """Under torch.compile(fullgraph=True) the op runs the artifact the eager API runs, for a step
     shape where the planner picks the 3-CTA-per-SM build (T*Hkv = 2 CTAs per SM, one split)."""
-    from msa_jit import compiler, torch_op
+    from msa_jit.jit import compiler
+    from msa_jit.integrations import torch_op
 
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     hkv = 4
@@ -310,7 +313,7 @@ def test_rebuilt_plans_share_kernels_only_within_a_split_count(monkeypatch):
     kept only where the GPU holds a cluster of the plan's splits (plan.resolve_kernel), so a 16-split
     plan must not reuse what a 2-split plan of the same build resolved (fp8, 64/4: B=12 takes 2 splits
     merged in the cluster on 132 SMs, B=1 16; the build pinned, so both plans name the same one)."""
-    from msa_jit import torch_op
+    from msa_jit.integrations import torch_op
 
     monkeypatch.setattr(torch_op, "_KERNELS", {})
     planner = SparseDecodePlanner(num_sms=132, arch="sm_90a", ctas_per_sm=2, split_merge="cluster")

@@ -1,4 +1,4 @@
-"""The union kernel (kernels/sparse_decode_union_sm90.py) against the float64 reference on an H200
+"""The union kernel (msa_jit/kernels/union.py) against the float64 reference on an H200
 (`pytest -m gpu`; `bash bench/h200_run.sh union_tests`).
 
 The planner is pinned to it (kernel="union"), so it serves every step shape here, qlen 1 and split

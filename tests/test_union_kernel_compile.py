@@ -1,4 +1,4 @@
-"""The shipped sm_90a union kernel (kernels/sparse_decode_union_sm90.py) on the CPU: its builds compile
+"""The shipped sm_90a union kernel (msa_jit/kernels/union.py) on the CPU: its builds compile
 through the union family (SparseDecodeConfig.kernel "union") to one decode kernel plus the shipped
 split merge, with fp8 and f16 warpgroup MMAs, TMA copies and no local memory; the constructor's
 constraints raise, and every geometry `geometry.union_problems` accepts fits. Session 16 checked
@@ -10,16 +10,16 @@ import re
 
 import pytest
 
-from msa_jit import sass
-from msa_jit.compiler import compile_sparse_decode, kernel_family, kernels_package
+from msa_jit.jit import sass
+from msa_jit.jit.compiler import compile_sparse_decode
+from msa_jit.jit.registry import kernel_family
 from msa_jit.geometry import SparseDecodeConfig
 
 
 def _cls():
-    kernels_package()
-    from msa_jit.kernels.sparse_decode_union_sm90 import SparseDecodeUnionSm90Kernel
+    from msa_jit.kernels.union import SparseDecodeUnionKernel
 
-    return SparseDecodeUnionSm90Kernel
+    return SparseDecodeUnionKernel
 
 
 # both query dtypes at both occupancies, over G 16 and 8 and a 3-D TMA view (Hkv 1)
@@ -30,7 +30,7 @@ def _cls():
 def test_union_build_compiles_to_fp8_warpgroup_mmas(tmp_path, heads, q_dtype, ctas):
     cfg = SparseDecodeConfig(num_q_heads=heads[0], num_kv_heads=heads[1], q_dtype=q_dtype, arch="sm_90a",
                              kernel="union", ctas_per_sm=ctas)
-    assert kernel_family(cfg) == "union_sm90"
+    assert kernel_family(cfg) == "union"
     compile_sparse_decode(cfg, tmp_path)
     (cubin,) = sass.extract_cubins(tmp_path / "sparse_decode.so")
     names = sorted(r.name for r in sass.kernel_resources(cubin))

@@ -9,10 +9,11 @@ import torch
 from helpers import make_case
 
 import msa_jit
-from msa_jit import SparseDecodePlanner, compiler
+from msa_jit import SparseDecodePlanner
+from msa_jit.jit import compiler, registry
 from msa_jit.geometry import SparseDecodeConfig, check_config
 from msa_jit.planner import choose_kernel, choose_num_splits, choose_union_ctas_per_sm, union_grid_ctas
-from msa_jit.torch_op import sparse_decode_op
+from msa_jit.integrations.torch_op import sparse_decode_op
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 ENABLE = "MSA_JIT_ENABLE_SM90_UNION"
@@ -87,8 +88,8 @@ def test_check_config_union_rules():
     assert "kernel=union" in ok.describe() and "kernel=" not in SparseDecodeConfig(64, 4).describe()
     # the kernel is in the cache key
     assert compiler.cache_key(ok) != compiler.cache_key(SparseDecodeConfig(64, 4, ctas_per_sm=2, kernel="token"))
-    assert compiler.kernel_family(ok) == "union_sm90"
-    assert compiler.supported_ctas_per_sm("sm_90a", "union") == (1, 2)
+    assert registry.kernel_family(ok) == "union"
+    assert registry.supported_ctas_per_sm("sm_90a", "union") == (1, 2)
 
 
 def test_planner_picks_union_by_the_environment(monkeypatch):
@@ -151,15 +152,15 @@ def test_warmup_builds_union_only_where_the_planner_may_pick_it(monkeypatch):
     base = SparseDecodeConfig(64, 4, arch="sm_90a")
     monkeypatch.setenv("MSA_JIT_ENABLE_CLUSTER_MERGE", "0")  # (on by default: its builds are the token kernel's)
     monkeypatch.setenv(ENABLE, "0")
-    assert [c.kernel for c in compiler.plannable_configs(base)] == ["token", "token"]
+    assert [c.kernel for c in registry.plannable_configs(base)] == ["token", "token"]
     monkeypatch.delenv(ENABLE, raising=False)  # unset: the planner's rule, at its occupancy only
-    assert [(c.kernel, c.ctas_per_sm) for c in compiler.plannable_configs(base)] == [("token", 2), ("token", 3), ("union", 2)]
+    assert [(c.kernel, c.ctas_per_sm) for c in registry.plannable_configs(base)] == [("token", 2), ("token", 3), ("union", 2)]
     monkeypatch.setenv(ENABLE, "1")  # 1: both, as a pin (or the hint of a missing 1-CTA build) may want 1
-    got = [(c.kernel, c.ctas_per_sm) for c in compiler.plannable_configs(base)]
+    got = [(c.kernel, c.ctas_per_sm) for c in registry.plannable_configs(base)]
     assert got == [("token", 2), ("token", 3), ("union", 1), ("union", 2)]
     for cfg in (SparseDecodeConfig(64, 4, arch="sm_100a"), SparseDecodeConfig(64, 4, kv_dtype="nvfp4"),
                 SparseDecodeConfig(64, 4, page_size=64)):
-        assert {c.kernel for c in compiler.plannable_configs(cfg)} == {"token"}
+        assert {c.kernel for c in registry.plannable_configs(cfg)} == {"token"}
 
 
 def test_op_launches_the_union_build(launched_configs):
@@ -179,7 +180,7 @@ def test_op_launches_the_union_build(launched_configs):
 
 
 def test_selftest_grid_adds_union_cases_when_enabled():
-    from msa_jit.selftest import grid_cases
+    from msa_jit.tools.selftest import grid_cases
 
     plain = grid_cases("sm_90a", union=False)
     assert {c[5] for c in plain} == {"token"} and {c[6] for c in plain} == {2, 3}

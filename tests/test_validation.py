@@ -545,7 +545,8 @@ def test_one_set_of_parameter_names():
     """supports, prepare, the planner, the engine adapter and the CLI name the geometry alike."""
     import inspect
 
-    from msa_jit import SparseDecodePlanner, engine, prepare
+    from msa_jit import SparseDecodePlanner, prepare
+    from msa_jit.integrations import engine
     from msa_jit.cli import build_parser
 
     geometry = {"num_q_heads", "num_kv_heads", "page_size", "topk_blocks"}

@@ -1,4 +1,4 @@
-"""msa_jit.vllm_plugin.register(): when it patches what, one log line, never raises."""
+"""msa_jit.integrations.vllm_plugin.register(): when it patches what, one log line, never raises."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from types import ModuleType
 import pytest
 import vllm_standins as vs
 
-from msa_jit import engine, env, vllm_plugin
+from msa_jit.integrations import engine, vllm_plugin
+from msa_jit import env
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_engine = pytest.mark.skipif(not vs.engine_files_present(),
@@ -70,7 +71,7 @@ def test_without_vllm_it_logs_one_line_and_returns(monkeypatch, caplog):
 def test_entry_point_is_declared_and_loads():
     ep_table = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]
     value = ep_table["vllm.general_plugins"]["msa_jit"]
-    assert value == "msa_jit.vllm_plugin:register"
+    assert value == "msa_jit.integrations.vllm_plugin:register"
     ep = importlib.metadata.EntryPoint(name="msa_jit", value=value, group="vllm.general_plugins")
     assert ep.load() is vllm_plugin.register
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from msa_jit.cache import ArtifactCache
+from msa_jit.jit.cache import ArtifactCache
 from msa_jit.geometry import SparseDecodeConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -253,7 +253,7 @@ def test_ctrl_c_cancels_ends_workers_and_exits_130(slow_warmup, to):
 
 def test_interrupt_line_names_what_finished(tmp_path):
     """A finished build is kept and counted; the line says what did not finish."""
-    from msa_jit import warmup
+    from msa_jit.tools import warmup
 
     rows = [warmup.WarmupRow(SparseDecodeConfig(8, 1), status=s)
             for s in ("compiled", "cached", "interrupted", "cancelled", "cancelled")]

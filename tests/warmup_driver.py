@@ -1,6 +1,6 @@
 """`msa-jit` with a fake compile, for tests/test_warmup_processes.py (never the real compiler).
 
-The module-level code replaces `msa_jit.compiler.compile_sparse_decode`. multiprocessing's
+The module-level code replaces `msa_jit.jit.compiler.compile_sparse_decode`. multiprocessing's
 spawn start method imports the parent's main script (as `__mp_main__`) in every child before
 it runs anything, so the warm-up's worker processes build with the fake too: everything else
 (the cache, the locks, the pool, the signals) is the real code. Environment:
@@ -27,7 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from msa_jit import compiler  # noqa: E402
+from msa_jit.kernels import convention
+from msa_jit.jit import compiler  # noqa: E402
 
 
 def fake_compile(config, out_dir, kernel_options=None, kernel_class=None) -> dict:
@@ -37,7 +38,7 @@ def fake_compile(config, out_dir, kernel_options=None, kernel_class=None) -> dic
     if os.environ.get("FAKE_CRASH") == f"{config.num_q_heads}-{config.num_kv_heads}-{config.ctas_per_sm}":
         os.kill(os.getpid(), 9)
     time.sleep(float(os.environ.get("FAKE_SLEEP", "0")))
-    name = compiler.convention().ARTIFACT_NAME
+    name = convention.ARTIFACT_NAME
     (Path(out_dir) / name).write_bytes(os.urandom(int(os.environ.get("FAKE_SIZE", "4096"))))
     return {"artifacts": [name], "extra": {"fake": True}}
 
@@ -46,7 +47,8 @@ compiler.compile_sparse_decode = fake_compile
 
 
 def run_warmup(heads: list[str]) -> int:
-    from msa_jit import cache, warmup
+    from msa_jit.jit import cache
+    from msa_jit.tools import warmup
 
     pairs = [tuple(int(x) for x in h.split("/")) for h in heads]
     rows = warmup.run_warmup(warmup.warmup_configs(pairs, ["bfloat16"], ["sm_90a"]), quiet=True,

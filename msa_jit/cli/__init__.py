@@ -2,7 +2,7 @@
 
 One module per command, each with `HELP`, `add_arguments(p)` and `run(args) -> int` (the exit
 status); `common.py` holds what several share. The modules stay thin: the work is done by the
-library (`msa_jit.warmup`, `msa_jit.doctor`, `msa_jit.bench`, ...), which never imports this
+library (`msa_jit.tools.warmup`, `msa_jit.tools.doctor`, `msa_jit.tools.bench`, ...), which never imports this
 package.
 
 Conventions of every command: `msa-jit` or `msa-jit cache` alone prints its help (exit 2, a
@@ -19,7 +19,7 @@ import os
 import sys
 
 from .. import __version__, env
-from ..cache import CacheError
+from ..jit.cache import CacheError
 from ..logs import configure_logging
 from . import bench, cache, doctor, inspect, selftest, warmup
 

@@ -1,4 +1,4 @@
-"""`msa-jit bench`: the performance grid on a GPU (`msa_jit.bench`), or a result file's table / targets.
+"""`msa-jit bench`: the performance grid on a GPU (`msa_jit.tools.bench`), or a result file's table / targets.
 
 Writes bench-<date>.json/.png into --out (created once the grid has run), compares with the
 newest previous result (exit 2 without a CUDA GPU or for a bad flag, nothing written; exit 1 on
@@ -16,8 +16,8 @@ import os
 import sys
 from pathlib import Path
 
-from .. import bench
-from ..bench.report import result_problem
+from ..tools import bench
+from ..tools.bench.report import result_problem
 from ..geometry import KV_DTYPE_SHORT, MAX_QLEN, MIN_QLEN
 from .common import int_at_least, parse_kv_dtype, positive_int, q_dtype_arg, split_list
 

@@ -14,7 +14,8 @@ import os
 import sys
 from typing import Any
 
-from .. import cache, env
+from ..jit import cache
+from .. import env
 from ..geometry import KV_DTYPE_SHORT, Q_DTYPE_SHORT, build_suffix
 from .common import add_json_argument, check_output_path, emit_json, format_table, human_size, open_cache, \
     parse_size, when

@@ -2,7 +2,7 @@
 
 The geometry flags (`--preset`, `--heads`, `--q-dtype`, `--kv-dtype`, `--arch`, `--page-size`,
 `--topk-blocks`) are parsed here for `warmup` and `inspect`; the configs they name come from
-`msa_jit.warmup.warmup_configs`. `--json [FILE]` means the same in every command: FILE, or
+`msa_jit.tools.warmup.warmup_configs`. `--json [FILE]` means the same in every command: FILE, or
 stdout when FILE is `-` or left out.
 """
 
@@ -22,11 +22,11 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from .. import cache, env, warmup
-from ..cache.errors import describe_oserror
-from ..geometry import (
-    DEFAULT_ARCHES, DEFAULT_PAGE_SIZE, DEFAULT_TOPK_BLOCKS, KV_DTYPE_SHORT, Q_DTYPE_SHORT, Q_DTYPES, SparseDecodeConfig,
-)
+from ..jit import cache
+from .. import env
+from ..tools import warmup
+from ..jit.cache.errors import describe_oserror
+from ..geometry import (DEFAULT_ARCHES, DEFAULT_PAGE_SIZE, DEFAULT_TOPK_BLOCKS, KV_DTYPE_SHORT, Q_DTYPE_SHORT, Q_DTYPES, SparseDecodeConfig)
 
 __all__ = [
     "KV_DTYPE_ALIASES",

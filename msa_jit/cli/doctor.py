@@ -1,6 +1,6 @@
 """`msa-jit doctor`: GPU / arch, driver, versions, toolchain, cache, environment, readiness.
 
-The report is `msa_jit.doctor.collect()`; exit 0 unless printing itself fails (2 for a --json
+The report is `msa_jit.tools.doctor.collect()`; exit 0 unless printing itself fails (2 for a --json
 FILE that cannot be written). It runs whatever the MSA_JIT_* variables hold: an invalid one
 is shown, not refused (the other commands refuse to start with one).
 """
@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 
-from .. import doctor
+from ..tools import doctor
 from .common import add_json_argument, check_output_path, emit_json
 
 HELP = "GPU, driver, versions, compiler/runtime, cache, env, readiness"

@@ -2,8 +2,8 @@
 
 Registers, shared memory (what the launch really uses: the decode kernel's dynamic Storage
 struct plus the static part), MMA opcodes and local-memory instructions per compiled kernel
-(`msa_jit.sass`); exit 1 on more local-memory instructions than a build's accepted count
-(`compiler.accepted_local_ops`: a spill) or on a failed build. Without geometry flags it
+(`msa_jit.jit.sass`); exit 1 on more local-memory instructions than a build's accepted count
+(`registry.accepted_local_ops`: a spill) or on a failed build. Without geometry flags it
 inspects the `minimax-m3` preset (what the main-job warmup built). Without nvdisasm (the
 nvidia-cuda-nvdisasm wheel, a CUDA toolkit, or Triton's copy) it shows registers and shared
 memory only and says so: the LDL/STL and MMA columns need the SASS.
@@ -16,7 +16,8 @@ import re
 import sys
 from typing import Any
 
-from .. import compiler, sass, warmup
+from ..jit import compiler, registry, sass
+from ..tools import warmup
 from ..geometry import build_suffix
 from .common import add_geometry_arguments, add_json_argument, check_output_path, emit_json, format_table, \
     interrupted, warm_geometry_flags
@@ -43,7 +44,7 @@ def short_kernel_name(name: str) -> str:
 def _dynamic_smem(config, kernel: str, memo: dict) -> int | None:
     """Dynamic shared memory of `kernel` of config's artifact: the decode kernel's Storage struct,
     0 for the others (the split merge); None when it cannot be computed (no DSL here)."""
-    if short_kernel_name(kernel) != compiler.KERNEL_REGISTRY[compiler.kernel_family(config)].module:
+    if short_kernel_name(kernel) != registry.KERNEL_REGISTRY[registry.kernel_family(config)].module:
         return 0
     if config not in memo:
         try:
@@ -88,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         base = {"geometry": r.geometry, "q_dtype": r.q, "kv_dtype": r.kv, "arch": r.config.arch,
                 # config_kernel: SparseDecodeConfig.kernel (a row's "kernel" is the DSL kernel's symbol)
                 "ctas_per_sm": r.config.ctas_per_sm, "config_kernel": r.config.kernel,
-                "split_merge": r.config.split_merge, "accepted_local_ops": compiler.accepted_local_ops(r.config),
+                "split_merge": r.config.split_merge, "accepted_local_ops": registry.accepted_local_ops(r.config),
                 "artifact": r.artifact}
         if r.status == "failed" or not r.artifact:
             out.append({**base, "error": r.error})
@@ -101,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         except Exception as e:
             out.append({**base, "error": f"{type(e).__name__}: {e}"})
             failed = True
-    # a cluster-merge build holds its decode kernel twice (kernels/base.py: the cluster launch, and the plain
+    # a cluster-merge build holds its decode kernel twice (msa_jit/kernels/base.py: the cluster launch, and the plain
     # launch for one split or clusters the GPU cannot hold): number the copies, or the rows read as a duplicate
     names: dict[tuple[str, str], int] = {}
     for o in out:
@@ -138,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
     if not with_sass:
         print(f"LDL/STL and MMA need the SASS, and nvdisasm was not found: {sass.NVDISASM_HINT}; "
               "spills were not checked", file=text)
-    # a known local-memory use of a build (compiler.accepted_local_ops) is not a spill; more is
+    # a known local-memory use of a build (registry.accepted_local_ops) is not a spill; more is
     spills = [o for o in out if (o.get("local_ops") or 0) > o["accepted_local_ops"]]
     for o in spills:
         print(f"SPILL {o['geometry']} q {o['q_dtype']} kv {o['kv_dtype']} {o['arch']} {o['ctas_per_sm']}/SM "

@@ -1,6 +1,6 @@
 """`msa-jit selftest`: hardware check of the GPU it runs on.
 
-The correctness grid (`msa_jit.selftest.correctness_grid`: every MiniMax-M3 geometry x qlen
+The correctness grid (`msa_jit.tools.selftest.correctness_grid`: every MiniMax-M3 geometry x qlen
 x query dtype x batch on every occupancy, against the float64 reference), then the bench.
 Exit 0 only if every case passes; 2 without a GPU or on an --arch that is not this GPU's.
 """
@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="expected arch of this GPU (sm_90a or sm_100a); refuse if it differs")
     p.add_argument("--quick", action="store_true", help="a subset of the grid (qlen 1/4, batch 1/16)")
     p.add_argument("--no-bench", action="store_true", help="stop after the correctness grid")
-    from ..bench import RESULTS_DIR
+    from ..tools.bench import RESULTS_DIR
 
     p.add_argument("--out", default=RESULTS_DIR, help="folder for the bench JSON/PNG")
     from .common import positive_int
@@ -41,8 +41,8 @@ def run(args: argparse.Namespace) -> int:
     """Handler of `msa-jit selftest`."""
     import torch
 
-    from .. import selftest
-    from ..compiler import kernel_family
+    from ..tools import selftest
+    from ..jit.registry import kernel_family
     from ..geometry import SparseDecodeConfig, device_arch
 
     if not torch.cuda.is_available():
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     if failed:
         return 1
     if not args.no_bench:
-        from .. import bench
+        from ..tools import bench
 
         bench.main(args.out, iters=args.iters)
     return 0

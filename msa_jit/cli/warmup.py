@@ -1,7 +1,7 @@
 """`msa-jit warmup`: compile (or find cached) kernels for a set of geometries, in parallel.
 
 Geometries come from flags (`--heads 64/4 --q-dtype bf16,fp8 --kv-dtype fp8,nvfp4 --arch
-sm_90a,sm_100a`) or a preset (`--preset minimax-m3`); the work is `msa_jit.warmup.run_warmup`.
+sm_90a,sm_100a`) or a preset (`--preset minimax-m3`); the work is `msa_jit.tools.warmup.run_warmup`.
 Prints a closing table; exit 1 if a geometry failed or if no persistent cache directory is
 usable (nothing would be kept), 2 for flags naming nothing it can build (or a --json FILE that
 cannot be written: checked first), 130 on Ctrl-C (one line on stderr: what finished, what did not).
@@ -15,7 +15,9 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from .. import cache, env, warmup
+from ..jit import cache
+from .. import env
+from ..tools import warmup
 from ..geometry import build_suffix
 from .common import add_geometry_arguments, add_json_argument, check_output_path, emit_json, format_table, \
     interrupted, warm_geometry_flags
