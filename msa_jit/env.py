@@ -28,8 +28,6 @@ __all__ = [
     "CACHE_MAX_BYTES",
     "LOCK_TIMEOUT",
     "ARCH",
-    "ENABLE_SM90_UNION",
-    "ENABLE_CLUSTER_MERGE",
     "LOG_LEVEL",
     "DSL_VERSION",
     "DSL_RUNTIME",
@@ -43,8 +41,6 @@ __all__ = [
     "cache_max_bytes",
     "lock_timeout_s",
     "target_arch",
-    "enable_sm90_union",
-    "enable_cluster_merge",
     "log_level",
     "dsl_version_override",
     "dsl_runtime",
@@ -62,8 +58,6 @@ NO_COMPILE = "MSA_JIT_NO_COMPILE"
 CACHE_MAX_BYTES = "MSA_JIT_CACHE_MAX_BYTES"
 LOCK_TIMEOUT = "MSA_JIT_LOCK_TIMEOUT"
 ARCH = "MSA_JIT_ARCH"
-ENABLE_SM90_UNION = "MSA_JIT_ENABLE_SM90_UNION"
-ENABLE_CLUSTER_MERGE = "MSA_JIT_ENABLE_CLUSTER_MERGE"
 LOG_LEVEL = "MSA_JIT_LOG_LEVEL"
 DSL_VERSION = "MSA_JIT_DSL_VERSION"
 DSL_RUNTIME = "MSA_JIT_DSL_RUNTIME"
@@ -96,25 +90,6 @@ VARIABLES: dict[str, str] = {
         "Target GPU arch override: sm_90a or sm_100a (the arches msa-jit builds for; '100a' and "
         "'10.0a' spell sm_100a too). Default: detect from the current device."
     ),
-    ENABLE_SM90_UNION: (
-        "Bool, unset by default. Unset: the planner gives the sm_90a union kernel (each block a tile's "
-        "draft tokens share read once) the fp8-cache steps with decode_query_len 2..64/G (one tile holds "
-        "a request's tokens: 2-4 at G = 16, 2-8 at G = 8) whose grid is one full wave at 2 CTAs per SM "
-        "(251-264 CTAs on 132 SMs), where it is no slower even when draft tokens share no blocks. 1: every "
-        "qlen >= 2 step whose grid has at least one CTA per SM (faster where drafts share blocks, up to 1.5x "
-        "slower where they share none: docs/performance.md rows 87-88). 0: never (the token kernel, whose LSE is exact "
-        "to 2e-3 with a bf16 query where the union's is to 2e-2). Warmups build it unless 0."
-    ),
-    ENABLE_CLUSTER_MERGE: (
-        "Bool, default 1. Let the planner pick the token kernel build that merges a step's KV "
-        "splits inside the decode launch, through the shared memory of a thread-block cluster "
-        "(one launch per op call instead of two), for split steps served at 2 CTAs per SM on "
-        "sm_90a (on an H100 / H200: T*Hkv <= 8 in clusters of 16 CTAs, docs/performance.md row 79: "
-        "2.6-9.1% faster per layer there, the op call's CPU 1.45x -> 1.09x a torch.add launch; and every "
-        "fp8 split step, in one wave of 2-16 splits, rows 83 and 90). "
-        "Warmups build it while it is on; 0 keeps every split merge in the second kernel (and fp8 split "
-        "steps in two waves)."
-    ),
     LOG_LEVEL: "Logging level of the msa_jit loggers: debug/info/warning/error/critical or an int. Default warning.",
     DSL_VERSION: (
         "CuTe DSL version to key artifacts with when the DSL's package metadata is absent "
@@ -138,9 +113,6 @@ VARIABLES: dict[str, str] = {
 _TRUE = frozenset({"1", "true", "yes", "on", "y", "t"})
 _FALSE = frozenset({"0", "false", "no", "off", "n", "f"})
 
-# the kernel-choice variables and their defaults: the op as shipped (bench files record the values a
-# run had, and the issue targets count only a run with these). None: unset, the planner's own rule
-KERNEL_FLAG_DEFAULTS = {ENABLE_SM90_UNION: None, ENABLE_CLUSTER_MERGE: True}
 
 
 def _raw(name: str) -> str | None:
@@ -299,18 +271,6 @@ def vllm_sm100() -> bool:
     return _bool(VLLM_SM100)
 
 
-def enable_sm90_union() -> bool | None:
-    """``MSA_JIT_ENABLE_SM90_UNION``: None when unset (the planner's rule: the union kernel where one
-    tile holds a request's draft and its grid is one full wave), True to let it serve every draft
-    length at any grid of at least one CTA per SM, False never (`planner.choose_kernel`)."""
-    return _bool(ENABLE_SM90_UNION, KERNEL_FLAG_DEFAULTS[ENABLE_SM90_UNION])
-
-
-def enable_cluster_merge() -> bool:
-    """``MSA_JIT_ENABLE_CLUSTER_MERGE``: let the planner pick the cluster split merge (default True)."""
-    return _bool(ENABLE_CLUSTER_MERGE, KERNEL_FLAG_DEFAULTS[ENABLE_CLUSTER_MERGE])
-
-
 _LEVELS = {
     "debug": logging.DEBUG,
     "info": logging.INFO,
@@ -345,7 +305,6 @@ def log_level() -> int:
 PARSERS: dict[str, str] = {
     CACHE_DIR: "cache_dir", NO_COMPILE: "no_compile", CACHE_MAX_BYTES: "cache_max_bytes",
     LOCK_TIMEOUT: "lock_timeout_s", ARCH: "target_arch",
-    ENABLE_SM90_UNION: "enable_sm90_union", ENABLE_CLUSTER_MERGE: "enable_cluster_merge",
     LOG_LEVEL: "log_level", DSL_VERSION: "dsl_version_override", DSL_RUNTIME: "dsl_runtime",
     VLLM_PLUGIN: "vllm_plugin_enabled", VLLM_SM100: "vllm_sm100",
 }

@@ -13,20 +13,18 @@ import re
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+from .kernels.constants import HEAD_DIM, KV_DTYPES, MAX_CLUSTER_SPLITS, MAX_GROUP_SIZE, MAX_TOPK, UNION_ROWS
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-HEAD_DIM = 128
 PAGE_SIZES = (64, 128)
 DEFAULT_PAGE_SIZE = 128
 DEFAULT_TOPK_BLOCKS = 16
 MIN_TOPK = 1
-MAX_TOPK = 32
-MAX_GROUP_SIZE = 16
 MIN_QLEN = 1
 MAX_QLEN = 32
 Q_DTYPES = ("bfloat16", "float8_e4m3fn")
-KV_DTYPES = ("float8_e4m3fn", "nvfp4")  # SparseDecodeConfig.kv_dtype: the cache format
 OUT_DTYPES = ("bfloat16",)
 # short names of the query dtypes and of the KV cache formats (CLI flags, tables, JSON "q" / "kv")
 Q_DTYPE_SHORT = {"bfloat16": "bf16", "float8_e4m3fn": "fp8"}
@@ -48,30 +46,23 @@ CTAS_PER_SM = (2, 3)
 # the planner's where one tile holds a request's draft, planner.choose_kernel)
 KERNELS = ("token", "union")
 UNION_ARCHES = ("sm_90a",)
-UNION_ROWS = 64  # MMA rows of a union CTA: its tile's tokens x the group's G query heads
 UNION_PAGE_SIZES = (128,)  # a stage is one 128-key TMA box of K and one of V
 # tiles of 8 or 4 tokens: a smaller group's union lists (64 / G tokens x topk blocks) leave some
 # builds over an SM's shared memory (G 4: topk > 16 at 2 CTAs per SM; G 2 at every topk), and
 # G 1's 64-token tiles overflow the kernel's 32-bit token masks
 UNION_GROUP_SIZES = (8, 16)
 UNION_CTAS_PER_SM = (1, 2)  # 2 MMA warpgroups and 4 stages per CTA, or 1 warpgroup and 2 stages
-# the union's occupancy the planner picks (planner.choose_union_ctas_per_sm); 1 only by a pin, which
-# MSA_JIT_ENABLE_SM90_UNION=1's warmups build for
+# the union's occupancy the planner picks (planner.choose_union_ctas_per_sm); 1 only by a pin
 UNION_PLANNED_CTAS_PER_SM = 2
 # SparseDecodeConfig.split_merge: how a step's KV splits are merged. "kernel": by the split merge
 # kernel launched after the decode kernel (msa_jit/kernels/split_merge.py), every build. "cluster": inside
 # the decode launch, the split CTAs of a (token, KV head) being one thread-block cluster
 # (msa_jit/kernels/cluster_merge.py; a split factor whose rows do not fit its receive buffer still
 # launches the merge kernel): the token kernel's 2-CTA build on CLUSTER_MERGE_ARCHES; the planner's
-# default there since session 21 (docs/performance.md row 79), MSA_JIT_ENABLE_CLUSTER_MERGE=0 turns it
-# off (planner.choose_split_merge)
+# default there (planner.choose_split_merge), SparseDecodePlanner(split_merge="kernel") turns it off
 SPLIT_MERGES = ("kernel", "cluster")
 CLUSTER_MERGE_ARCHES = ("sm_90a",)
 CLUSTER_MERGE_CTAS_PER_SM = 2  # its 8 KiB receive buffer fits beside 3 stages at 2 CTAs per SM, not at 3
-# the most splits a cluster merges (msa_jit/kernels/cluster_merge.py's RECV_SLOTS: its receive buffer's rows, and the
-# largest cluster the DSL launches); a power of two up to it puts ceil(G / splits) * splits <= 16 rows in
-# each merging CTA for every G <= MAX_GROUP_SIZE
-MAX_CLUSTER_SPLITS = 16
 _ARCH_RE = re.compile(r"sm_(\d+)([af]?)")
 
 

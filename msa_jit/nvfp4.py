@@ -31,16 +31,13 @@ from typing import Union
 
 import torch
 
+from .kernels.constants import (E4M3_MAX, HEAD_DIM, NVFP4_CODE_BYTES, NVFP4_GROUP_SIZE, NVFP4_ROW_BYTES,
+                                NVFP4_SCALE_BYTES, NVFP4_V_SCALE_TILE)
+
 __all__ = [
     "E2M1_MAX",
     "E2M1_VALUES",
-    "E4M3_MAX",
-    "NVFP4_DATA_BYTES",
-    "NVFP4_GROUP_SIZE",
-    "NVFP4_HEAD_DIM",
-    "NVFP4_ROW_BYTES",
-    "NVFP4_SCALE_BYTES",
-    "NVFP4_V_SCALE_TILE",
+    "HEAD_DIM",
     "check_nvfp4_kv_cache",
     "default_global_scale",
     "dequantize_kv_nvfp4",
@@ -54,17 +51,10 @@ __all__ = [
     "write_kv_nvfp4",
 ]
 
-NVFP4_HEAD_DIM = 128                                       # values per token row (the layout's own)
-NVFP4_GROUP_SIZE = 16                                      # elements per E4M3 block scale
-NVFP4_DATA_BYTES = NVFP4_HEAD_DIM // 2                     # 64: packed codes per token row
-NVFP4_SCALE_BYTES = NVFP4_HEAD_DIM // NVFP4_GROUP_SIZE     # 8: block scales per token row
-NVFP4_ROW_BYTES = NVFP4_DATA_BYTES + NVFP4_SCALE_BYTES     # 72
-NVFP4_V_SCALE_TILE = 4                                     # tokens per V-scale swizzle tile
 # E2M1 value of each 4-bit code: bit 3 the sign, the low 3 bits the magnitude.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 E2M1_MAX = 6.0
-E4M3_MAX = 448.0
 
 _E4M3 = torch.float8_e4m3fn
 _QUANT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -166,7 +156,7 @@ def nvfp4_kv_cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     base = kv_cache.storage_offset()
     views = []
     for side in (0, 1):
-        for width, offset in ((NVFP4_DATA_BYTES, 0), (NVFP4_SCALE_BYTES, page * NVFP4_DATA_BYTES)):
+        for width, offset in ((NVFP4_CODE_BYTES, 0), (NVFP4_SCALE_BYTES, page * NVFP4_CODE_BYTES)):
             views.append(kv_cache.as_strided((P, hkv, page, width), (s_page, 2 * s_slot, width, 1),
                                              base + side * s_slot + offset))
     k_data, k_scales, v_data, v_scales = views
@@ -212,11 +202,11 @@ def _decode_rows(data: torch.Tensor, logical_scales: torch.Tensor, gscale: float
                  dtype: torch.dtype) -> torch.Tensor:
     """data [..., 64] u8, logical_scales [..., 8] u8 -> values [..., 128] in `dtype`."""
     lut = torch.tensor(E2M1_VALUES, dtype=dtype, device=data.device)
-    codes = torch.stack((data & 0x0F, data >> 4), dim=-1).reshape(*data.shape[:-1], NVFP4_HEAD_DIM)
+    codes = torch.stack((data & 0x0F, data >> 4), dim=-1).reshape(*data.shape[:-1], HEAD_DIM)
     vals = lut[codes.long()].reshape(*data.shape[:-1], NVFP4_SCALE_BYTES, NVFP4_GROUP_SIZE)
     sf = logical_scales.view(_E4M3).to(dtype)
     # code * block scale is exact (as in f16 on the GPU); the global scale rounds once
-    return ((vals * sf[..., None]) * gscale).reshape(*data.shape[:-1], NVFP4_HEAD_DIM)
+    return ((vals * sf[..., None]) * gscale).reshape(*data.shape[:-1], HEAD_DIM)
 
 
 # ---------------------------------------------------------------- argument checks
@@ -260,8 +250,8 @@ def _check_values(name: str, x: torch.Tensor) -> None:
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _QUANT_DTYPES:
         raise TypeError(f"{name}: expected dtype bfloat16, float16, float32 or float64, got {x.dtype}")
-    if x.dim() != 4 or x.shape[-1] != NVFP4_HEAD_DIM:
-        raise ValueError(f"{name}: expected [P, Hkv, page, {NVFP4_HEAD_DIM}], got {list(x.shape)}")
+    if x.dim() != 4 or x.shape[-1] != HEAD_DIM:
+        raise ValueError(f"{name}: expected [P, Hkv, page, {HEAD_DIM}], got {list(x.shape)}")
     page = x.shape[2]
     if page < NVFP4_V_SCALE_TILE or page % NVFP4_V_SCALE_TILE:
         raise ValueError(f"{name}: page_size {page} must be a positive multiple of {NVFP4_V_SCALE_TILE}")
@@ -316,14 +306,14 @@ def write_kv_nvfp4(kv_cache: torch.Tensor, pages: torch.Tensor | Sequence[int],
     if k.shape != v.shape:
         raise ValueError(f"k {list(k.shape)} and v {list(v.shape)} differ in shape")
     if tuple(k.shape[1:3]) != (hkv, page):
-        raise ValueError(f"k: expected [n, {hkv}, {page}, {NVFP4_HEAD_DIM}] for this cache, got {list(k.shape)}")
+        raise ValueError(f"k: expected [n, {hkv}, {page}, {HEAD_DIM}] for this cache, got {list(k.shape)}")
     idx = _check_pages(pages, P, kv_cache.device, unique=True)
     if idx.numel() != k.shape[0]:
         raise ValueError(f"pages: {idx.numel()} indices for {k.shape[0]} pages of k/v")
 
     dev = kv_cache.device
     k_data, k_area, v_data, v_area = nvfp4_kv_cache_views(kv_cache)
-    chunk = max(1, _CHUNK_ELEMS // (hkv * page * NVFP4_HEAD_DIM))
+    chunk = max(1, _CHUNK_ELEMS // (hkv * page * HEAD_DIM))
     for x, gs, data, area, offsets in ((k, gk, k_data, k_area, k_scale_offset),
                                        (v, gv, v_data, v_area, v_scale_offset)):
         pos = _scale_positions(offsets, page, dev)

@@ -18,7 +18,6 @@ import threading
 
 import torch
 
-from . import env
 from .geometry import (CLUSTER_MERGE_CTAS_PER_SM, CTAS_PER_SM, HEAD_DIM, KERNELS, MAX_CLUSTER_SPLITS, SPLIT_MERGES, UNION_CTAS_PER_SM, UNION_PLANNED_CTAS_PER_SM, UNION_ROWS, arch_problem, cluster_merge_problems, device_arch, union_problems)
 from .plan import PlanKey, SparseDecodePlan
 from .validation import validate_prepare, validate_prepare_tensors, validate_seq_lens_cpu, validate_seq_lens_values
@@ -131,18 +130,19 @@ def union_grid_ctas(batch: int, qlen: int, num_q_heads: int, num_kv_heads: int) 
     return batch * num_kv_heads * -(-qlen // tile_tokens)
 
 
-# the planner's union rule (MSA_JIT_ENABLE_SM90_UNION unset) takes grids that fill at least this share
-# of one wave at the union's occupancy (bench/results/union-waves-2026-12-06*.json)
+# the planner's union rule takes grids that fill at least this share of one wave at the union's
+# occupancy (docs/performance.md: the union kernel's band)
 UNION_WAVE_FILL = 0.95
 
 
 def choose_kernel(batch: int, qlen: int, num_q_heads: int, num_kv_heads: int, page_size: int,
-                  arch: str | None, num_sms: int, enabled: bool | None) -> str:
+                  arch: str | None, num_sms: int, drafts_share_blocks: bool = False) -> str:
     """SparseDecodeConfig.kernel for an fp8 cache: "union" where the union kernel serves the geometry
-    on `arch`, qlen >= 2 and `enabled` (MSA_JIT_ENABLE_SM90_UNION) allows the step; else "token".
-    None (unset): where one tile holds a request's draft (qlen <= UNION_ROWS // G: 4 at G = 16, 8 at
-    G = 8) and the grid is one wave at the union's occupancy, filled to UNION_WAVE_FILL (251-264 CTAs
-    on 132 SMs). True: wherever its grid fills the GPU once (>= num_sms CTAs). False: never.
+    on `arch`, qlen >= 2 and the rule below takes the step; else "token". The rule: where one tile holds
+    a request's draft (qlen <= UNION_ROWS // G: 4 at G = 16, 8 at G = 8) and the grid is one wave at the
+    union's occupancy, filled to UNION_WAVE_FILL (251-264 CTAs on 132 SMs). With `drafts_share_blocks`
+    (the caller knows its draft tokens pick mostly the same blocks, as MTP drafts do): wherever its grid
+    fills the GPU once (>= num_sms CTAs).
 
     Why one full wave: a union CTA reads every block of its tile's tokens, so a partial wave costs a
     whole CTA's time. With no block shared (which a plan cannot see) the union is 0.94-0.99x the token
@@ -151,11 +151,11 @@ def choose_kernel(batch: int, qlen: int, num_q_heads: int, num_kv_heads: int, pa
     (0.99-1.003x from 0.95) and 1.16-1.25x just past one (the H200 1.32-1.52x); with two tiles per
     request (qlen 8 at G = 16) 1.1-1.45x at every grid. With 12/16 blocks shared it reads 44% of the
     bytes: 64/4 B=64 qlen 4 at 64.0 us against 93.1 on the H200 (docs/performance.md rows 66-88)."""
-    if enabled is False or qlen < 2 or union_problems(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+    if qlen < 2 or union_problems(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                                                       page_size=page_size, kv_dtype="float8_e4m3fn", arch=arch):
         return "token"
     grid = union_grid_ctas(batch, qlen, num_q_heads, num_kv_heads)
-    if enabled:
+    if drafts_share_blocks:
         return "union" if grid >= num_sms else "token"
     wave = choose_union_ctas_per_sm(grid, num_sms) * num_sms
     one_tile = qlen <= UNION_ROWS // (num_q_heads // num_kv_heads)
@@ -172,7 +172,7 @@ def choose_union_ctas_per_sm(grid_ctas: int, num_sms: int) -> int:
 
 def choose_split_merge(num_splits: int, ctas_per_sm: int, kernel: str, arch: str | None, enabled: bool) -> str:
     """SparseDecodeConfig.split_merge of one cache format's build: "cluster" when `enabled`
-    (MSA_JIT_ENABLE_CLUSTER_MERGE, or a planner pin), the step splits (num_splits > 1) and the build
+    (the planner's default rule, or a pin), the step splits (num_splits > 1) and the build
     can merge inside the decode launch (geometry.cluster_merge_problems: the token kernel at 2 CTAs
     per SM on sm_90a); else "kernel". One-split steps keep the plain build: nothing to merge.
     With 16 topk blocks on an H100 / H200 (132 SMs) a split step runs at 2 CTAs per SM when
@@ -182,16 +182,15 @@ def choose_split_merge(num_splits: int, ctas_per_sm: int, kernel: str, arch: str
     The planner's default asks for it (`enabled`) only where the grid is at most one CTA per SM, so a
     ctas_per_sm=2 pin at a larger grid keeps the merge kernel; a split_merge="cluster" pin does not.
 
-    On by default (MSA_JIT_ENABLE_CLUSTER_MERGE unset): docs/performance.md row 79, on an H100 every
-    point it is picked for ran 2.6-9.1% faster per layer, and the batch-1 op call is one launch
-    instead of two."""
+    On by default: on an H100 every point it is picked for ran 2.6-9.1% faster per layer, and the
+    batch-1 op call is one launch instead of two (docs/performance.md)."""
     if not enabled or num_splits < 2 or cluster_merge_problems(kernel=kernel, ctas_per_sm=ctas_per_sm, arch=arch):
         return "kernel"
     return "cluster"
 
 
 def takes_cluster_merge(num_rows_heads: int, num_splits: int, num_sms: int) -> bool:
-    """Whether the planner's default (MSA_JIT_ENABLE_CLUSTER_MERGE on) asks for the cluster merge for the
+    """Whether the planner's default asks for the cluster merge for the
     token kernel's grid of `num_rows_heads` = T*Hkv CTAs per split: where the step splits and the split
     grid is at most one CTA per SM (on 132 SMs every fp8 split step, choose_num_splits' one wave, and
     NVFP4's at T*Hkv <= 8 with 16 splits), where rows 79, 83 and 90 measured it faster. A ctas_per_sm=2
@@ -254,15 +253,19 @@ class SparseDecodePlanner:
     devices (CUDA plans use the device's own, e.g. "sm_90a"). ctas_per_sm: pin the kernel's
     occupancy (2 or 3 for the token kernel, 1 or 2 for the union kernel) instead of choosing it per
     step shape. kernel: pin the fp8 cache's kernel ("token" or "union", KERNELS) instead of
-    `choose_kernel` (None: its rule, MSA_JIT_ENABLE_SM90_UNION's, and no union under a ctas_per_sm pin); a
-    union pin serves every step shape, qlen 1 and split grids included, and raises ValueError at the
-    first prepare of a geometry it cannot serve. split_merge: "cluster" merges the KV splits inside
-    the decode launch wherever `choose_split_merge` allows it, "kernel" never; None: "cluster" where
-    `takes_cluster_merge` (a split grid of at most one CTA per SM) unless MSA_JIT_ENABLE_CLUSTER_MERGE=0.
+    `choose_kernel` (None: its rule, and no union under a ctas_per_sm pin); a union pin serves every
+    step shape, qlen 1 and split grids included, and raises ValueError at the first prepare of a
+    geometry it cannot serve. drafts_share_blocks: the caller's draft tokens (decode_query_len >= 2)
+    pick mostly the same blocks, as MTP drafts do: the union kernel then also takes partial and
+    several waves and longer drafts, where reading a shared block once pays for the lost wave (up to
+    1.5x slower where drafts share no block). split_merge: "cluster" merges the KV splits inside the
+    decode launch wherever `choose_split_merge` allows it, "kernel" never; None: "cluster" where
+    `takes_cluster_merge` (a split grid of at most one CTA per SM).
     """
 
     def __init__(self, *, num_sms: int | None = None, arch: str | None = None,
-                 ctas_per_sm: int | None = None, kernel: str | None = None, split_merge: str | None = None) -> None:
+                 ctas_per_sm: int | None = None, kernel: str | None = None, split_merge: str | None = None,
+                 drafts_share_blocks: bool = False) -> None:
         if kernel is not None and kernel not in KERNELS:
             raise ValueError(f"kernel must be None or one of {KERNELS}, got {kernel!r}")
         if split_merge is not None and split_merge not in SPLIT_MERGES:
@@ -281,6 +284,7 @@ class SparseDecodePlanner:
         self.ctas_per_sm = ctas_per_sm
         self.kernel = kernel
         self.split_merge = split_merge
+        self.drafts_share_blocks = bool(drafts_share_blocks)
         self._lock = threading.Lock()
 
     def prepare(
@@ -367,8 +371,8 @@ class SparseDecodePlanner:
         arch = device_arch(device) if device.type == "cuda" else self.arch
         kernel = self.kernel
         if kernel is None:
-            kernel = choose_kernel(batch, qlen, hq, hkv, page, arch, num_sms,
-                                   env.enable_sm90_union() if self.ctas_per_sm is None else False)
+            kernel = "token" if self.ctas_per_sm is not None else choose_kernel(
+                batch, qlen, hq, hkv, page, arch, num_sms, self.drafts_share_blocks)
         elif kernel == "union":
             problems = union_problems(num_q_heads=hq, num_kv_heads=hkv, page_size=page,
                                       kv_dtype="float8_e4m3fn", arch=arch)
@@ -381,8 +385,8 @@ class SparseDecodePlanner:
 
         supported = supported_ctas_per_sm(arch) if arch is not None else CTAS_PER_SM
         pin = self.ctas_per_sm
-        # the split merge in the cluster: pinned, or the default's (MSA_JIT_ENABLE_CLUSTER_MERGE)
-        cluster_on = self.split_merge == "cluster" if self.split_merge is not None else env.enable_cluster_merge()
+        # the split merge in the cluster: unless pinned to the merge kernel
+        cluster_on = self.split_merge != "kernel"
         # can a split grid of at most one CTA per SM (the 2-CTA build's) merge in the cluster here?
         cluster_ok = choose_split_merge(2, CLUSTER_MERGE_CTAS_PER_SM if pin is None else pin, "token", arch,
                                         cluster_on) == "cluster"

@@ -29,7 +29,8 @@ import math
 
 import torch
 
-from .nvfp4 import NVFP4_HEAD_DIM, check_nvfp4_kv_cache, dequantize_kv_nvfp4, is_nvfp4_kv_layout
+from .kernels.constants import HEAD_DIM
+from .nvfp4 import check_nvfp4_kv_cache, dequantize_kv_nvfp4, is_nvfp4_kv_layout
 
 __all__ = ["sparse_decode_reference"]
 
@@ -103,7 +104,7 @@ def sparse_decode_reference(
     T, Hq, D = query.shape
     if is_nvfp4_kv_layout(kv_cache):
         P, Hkv, page = check_nvfp4_kv_cache(kv_cache)
-        kv_dim_ok, keys_values = D == NVFP4_HEAD_DIM, _nvfp4_keys_values
+        kv_dim_ok, keys_values = D == HEAD_DIM, _nvfp4_keys_values
     else:
         P, Hkv, page, row = kv_cache.shape
         kv_dim_ok, keys_values = row == 2 * D, _dense_keys_values

@@ -16,10 +16,11 @@ from typing import Any
 import torch
 
 from .geometry import HEAD_DIM
-from .nvfp4 import NVFP4_V_SCALE_TILE, quantize_kv_nvfp4
+from .kernels.constants import NVFP4_V_SCALE_TILE
+from .nvfp4 import quantize_kv_nvfp4
 
 FP8 = torch.float8_e4m3fn
-KV_DTYPES = ("fp8", "nvfp4")
+CASE_KV_DTYPES = ("fp8", "nvfp4")  # make_case's short names of the cache formats
 
 
 @dataclass
@@ -186,8 +187,8 @@ def make_case(
     token's / request's blocks, duplicates, and garbage past nvalid. Never changes the
     contract's answer except for duplicates (see Case.has_duplicates).
     """
-    if kv_dtype not in KV_DTYPES:
-        raise ValueError(f"kv_dtype: expected one of {KV_DTYPES}, got {kv_dtype!r}")
+    if kv_dtype not in CASE_KV_DTYPES:
+        raise ValueError(f"kv_dtype: expected one of {CASE_KV_DTYPES}, got {kv_dtype!r}")
     if kv_dtype == "nvfp4" and page_size % NVFP4_V_SCALE_TILE:
         raise ValueError(f"page_size: an NVFP4 cache needs a multiple of {NVFP4_V_SCALE_TILE}, got {page_size}")
     rng = random.Random(seed)
@@ -346,8 +347,8 @@ def share_slots(case: Case, shared: int) -> None:
 
 # Largest |LSE - reference| a check accepts (natural log). The union kernel's S comes from fp8 warpgroup
 # MMAs, a bf16 query split into two e4m3 halves (~8 significant bits, where the token kernel takes Q
-# exactly in f16): its LSE error grows with the logits. Measured on the H200 (2026-12-05, selftest's
-# grid with MSA_JIT_ENABLE_SM90_UNION=1): up to 1.35e-2 with a bf16 query (a float64 model of the
+# exactly in f16): its LSE error grows with the logits. Measured on the H200 (selftest's grid with the
+# union kernel at every qlen >= 2): up to 1.35e-2 with a bf16 query (a float64 model of the
 # split alone gave 4.4e-3), against under 2e-3 for the token kernel; output rel L2 2.7e-3 at worst
 # (the contract's bound is 1e-2).
 LSE_ATOL = 2e-3

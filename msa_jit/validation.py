@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .geometry import MAX_QLEN, MIN_QLEN, geometry_problems
+from .kernels.constants import FP8_KV, NVFP4_KV
 
 if TYPE_CHECKING:  # pragma: no cover
     from .plan import SparseDecodePlan
@@ -36,8 +37,6 @@ __all__ = [
 BACKENDS = ("auto", "kernel", "reference")
 Q_TORCH_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 KV_TORCH_DTYPES = (torch.float8_e4m3fn, torch.uint8)
-FP8_KV = "float8_e4m3fn"  # SparseDecodeConfig.kv_dtype of the fp8 cache [P, Hkv, page, 256]
-NVFP4_KV = "nvfp4"  # ... and of the NVFP4 cache, uint8 [P, 2*Hkv, page, 72] (msa_jit.nvfp4)
 PLAN_DEVICE_TYPES = ("cpu", "cuda")  # where a plan can live (the reference runs on CPU, the kernel on CUDA)
 
 

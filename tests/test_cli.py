@@ -133,8 +133,7 @@ def test_geometry_flags(monkeypatch):
             bad()
     cfgs = common.configs_from_args(ns(heads=["64/4,16/1"], q_dtype=["bf16,fp8"], arch=["sm_90a,sm_100a"], topk_blocks=8))
     # x 2 occupancies (2 and 3 CTAs per SM: the planner picks per step shape), and on sm_90a the 2-CTA
-    # build that merges its splits in a cluster (MSA_JIT_ENABLE_CLUSTER_MERGE, on by default) and the
-    # union kernel's build at its planned 2 CTAs per SM (MSA_JIT_ENABLE_SM90_UNION unset: the planner's rule)
+    # build that merges its splits in a cluster and the union kernel's build at its planned 2 CTAs per SM
     assert len(cfgs) == 24 and all(c.topk_blocks == 8 for c in cfgs)
     assert sorted((c.arch, c.ctas_per_sm) for c in cfgs if c.kernel == "union") == [("sm_90a", 2)] * 4
     assert {c.ctas_per_sm for c in cfgs if c.kernel == "token"} == {2, 3}
@@ -362,8 +361,7 @@ def test_doctor_without_gpu(warm, monkeypatch):
     rep = json.loads(out)
     assert rc == 0 and rep["gpu"]["available"] is False and rep["target_arches"] == ["sm_90a"]
     assert rep["kernel_selection"]["families"] == {"sm_90a": "token"}
-    assert rep["kernel_selection"]["enable_sm90_union"] is None and "MSA_JIT_ENABLE_SM90_UNION" in out
-    assert rep["kernel_selection"]["enable_cluster_merge"] is True
+    assert "drafts_share_blocks" in rep["kernel_selection"]["union_policy"]
     assert sum(r["ready"] for r in rep["presets"]) == 4 and rep["cache"]["entries"] == 4
 
 

@@ -1,7 +1,7 @@
 """Bad `msa-jit` input refused up front (exit 2, one line naming the flag), no GPU needed.
 
 bench's --layers / --decode-query-lens / --kv-dtypes, empty comma lists, non-bench JSON for
---summary / --table, and doctor's cap line with an invalid MSA_JIT_CACHE_MAX_BYTES. Where a
+--table, and doctor's cap line with an invalid MSA_JIT_CACHE_MAX_BYTES. Where a
 command would get past its checks, the work (`bench.main`, `warmup.run_warmup`) is a stand-in.
 """
 
@@ -154,8 +154,8 @@ def test_bench_out_that_is_not_writable_is_refused(fake_bench, tmp_path, monkeyp
     assert rc == 2 and f"{ro} is not a writable directory" in err and not fake_bench, err
 
 
-# ----------------------------------------------------------------------------- bench --summary / --table
-@pytest.mark.parametrize("flag", ["--summary", "--table"])
+# ----------------------------------------------------------------------------- bench --table
+@pytest.mark.parametrize("flag", ["--table"])
 @pytest.mark.parametrize("content", [None, "{}", "[1]", '"text"', "3", "null", '{"points": []}',
                                      '{"environment": {}, "copy_tbps": 3.0, "points": {}, "host": {}}'])
 def test_summary_and_table_refuse_what_is_no_bench_result(flag, content, tmp_path):
@@ -167,30 +167,13 @@ def test_summary_and_table_refuse_what_is_no_bench_result(flag, content, tmp_pat
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("flag", ["--summary", "--table"])
+@pytest.mark.parametrize("flag", ["--table"])
 def test_summary_and_table_of_a_bench_result(flag):
     rc, out, err = run_main(["bench", flag, str(GOOD_RESULT), "--baseline", "none"])
     assert rc == 0 and out.strip() and err == "", err
-    if flag == "--summary":
-        assert "targets:" in out and " met" in out
 
 
-def test_summary_follows_the_baseline_the_result_names(monkeypatch, tmp_path):
-    """--summary's default baseline (auto) is the file the result names, loaded; a name that is
-    gone means no baseline (exit 0, the no-regression targets are "no data"), not an error."""
-    seen: list = []
-    monkeypatch.setattr(bench, "check_targets", lambda result, baseline=None: seen.append(baseline) or [])
-    doc = json.loads(GOOD_RESULT.read_text())
-    base = tmp_path / "base.json"
-    base.write_text(json.dumps(dict(doc, copy_tbps=1.25)))
-    for named, want in ((str(base), 1.25), (str(tmp_path / "gone.json"), None)):
-        (tmp_path / "r.json").write_text(json.dumps(dict(doc, baseline=named)))
-        rc, out, err = run_main(["bench", "--summary", str(tmp_path / "r.json")])
-        assert rc == 0 and "targets:" in out, err
-        assert (seen[-1] and seen[-1]["copy_tbps"]) == want
-
-
-@pytest.mark.parametrize("flag", ["--summary", "--table"])
+@pytest.mark.parametrize("flag", ["--table"])
 def test_summary_and_table_of_a_result_with_broken_rows(flag, tmp_path):
     """A file with a bench result's keys but rows missing theirs: exit 2 and one line, no traceback."""
     path = tmp_path / "r.json"
@@ -268,11 +251,3 @@ def test_doctor_cap_line_with_a_valid_cap(monkeypatch, tmp_path):
     assert rc == 0 and "cap 1024 bytes" in out
 
 
-def test_summary_with_a_missing_or_foreign_baseline_exits_2(tmp_path):
-    """--baseline of --summary: a missing file or one that is not a bench result is a usage error."""
-    result = Path(__file__).resolve().parents[1] / "bench/results/bench-2026-12-05T1400-h100.json"
-    foreign = tmp_path / "v.json"
-    foreign.write_text("[1]")
-    for base, says in ((tmp_path / "none.json", "no such file"), (foreign, "not a bench result")):
-        rc, _, err = run_main(["bench", "--summary", str(result), "--baseline", str(base)])
-        assert rc == 2 and says in err, err

@@ -16,7 +16,6 @@ from msa_jit.planner import choose_split_merge
 from msa_jit.integrations.torch_op import sparse_decode_op
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-ENABLE = "MSA_JIT_ENABLE_CLUSTER_MERGE"
 
 
 def _prepare(planner: SparseDecodePlanner, batch: int, qlen: int = 1, hq: int = 64, hkv: int = 4):
@@ -28,7 +27,7 @@ def _prepare(planner: SparseDecodePlanner, batch: int, qlen: int = 1, hq: int = 
 def test_choose_split_merge_rule():
     pick = lambda splits, ctas=2, kernel="token", arch="sm_90a", on=True: choose_split_merge(splits, ctas, kernel, arch, on)
     assert pick(16) == "cluster" and pick(4) == "cluster" and pick(3) == "cluster"
-    assert pick(16, on=False) == "kernel"  # MSA_JIT_ENABLE_CLUSTER_MERGE=0 (or a split grid above one CTA per SM)
+    assert pick(16, on=False) == "kernel"  # pinned off (or a split grid above one CTA per SM)
     assert pick(1) == "kernel"  # nothing to merge: the plain build
     assert pick(16, ctas=3) == "kernel"  # its receive buffer does not fit at 3 CTAs per SM
     assert pick(16, kernel="union") == "kernel"
@@ -45,22 +44,18 @@ def test_check_config_cluster_rules():
     assert "split_merge=cluster" in ok.describe() and "split_merge" not in SparseDecodeConfig(64, 4).describe()
     # its own artifact: the field is in the cache key
     assert compiler.cache_key(ok) != compiler.cache_key(SparseDecodeConfig(64, 4))
-    # the fp8 cluster build splits P V by head dims (msa_jit/kernels/token_dims.py, row 89); NVFP4's and other
-    # page sizes' keep the portable kernel's key split
+    # the fp8 cluster build splits P V by head dims (msa_jit/kernels/token_dims.py); NVFP4's and other
+    # page sizes' keep the token kernel's key split
     assert registry.kernel_family(ok) == "token_dims"
     assert registry.kernel_family(SparseDecodeConfig(8, 1, kv_dtype="nvfp4", split_merge="cluster")) == "token"
     assert registry.kernel_family(SparseDecodeConfig(64, 4, page_size=64, split_merge="cluster")) == "token"
     assert registry.kernel_family(SparseDecodeConfig(64, 4)) == "token"
 
 
-def test_planner_picks_cluster_by_default_and_not_when_disabled(monkeypatch):
-    monkeypatch.setenv(ENABLE, "0")
-    plan = _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 1)
+def test_planner_picks_cluster_by_default_and_not_when_pinned_off():
+    plan = _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a", split_merge="kernel"), 1)
     assert (plan.num_splits, plan.ctas_per_sm, plan.split_merge) == (16, 2, "kernel")
     assert plan.config(torch.bfloat16).split_merge == "kernel"
-    monkeypatch.setenv(ENABLE, "1")
-    assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 1).split_merge == "cluster"
-    monkeypatch.delenv(ENABLE)  # the default since session 21 (performance.md row 79)
     plan = _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 1)
     assert (plan.num_splits, plan.ctas_per_sm, plan.split_merge, plan.nvfp4_split_merge) == (16, 2, "cluster", "cluster")
     for q in (torch.bfloat16, torch.float8_e4m3fn):
@@ -101,8 +96,7 @@ def test_planner_picks_cluster_by_default_and_not_when_disabled(monkeypatch):
     assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a", ctas_per_sm=2), 8, hq=8, hkv=1).split_merge == "cluster"
 
 
-def test_split_merge_pins(monkeypatch):
-    monkeypatch.setenv(ENABLE, "0")  # the "cluster" pin ignores the environment
+def test_split_merge_pins():
     assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a", split_merge="cluster"), 1).split_merge == "cluster"
     # a pin still needs a build that can: sm_100a and the union kernel keep the merge kernel
     assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_100a", split_merge="cluster"), 1).split_merge == "kernel"
@@ -110,40 +104,32 @@ def test_split_merge_pins(monkeypatch):
     plan = _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a", kernel="union", split_merge="cluster"), 1, qlen=2)
     assert (plan.kernel, plan.num_splits, plan.nvfp4_ctas_per_sm) == ("union", 16, 2)
     assert plan.split_merge == "kernel" and plan.nvfp4_split_merge == "cluster"
-    monkeypatch.setenv(ENABLE, "1")  # the "kernel" pin ignores the environment
     assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a", split_merge="kernel"), 1).split_merge == "kernel"
     with pytest.raises(ValueError, match="split_merge must be"):
         SparseDecodePlanner(split_merge="dsmem")
 
 
-def test_warmup_builds_cluster_only_where_the_planner_may_pick_it(monkeypatch):
+def test_warmup_builds_cluster_only_where_the_planner_may_pick_it():
     base = SparseDecodeConfig(64, 4, arch="sm_90a")
-    monkeypatch.setenv(ENABLE, "0")
-    monkeypatch.setenv("MSA_JIT_ENABLE_SM90_UNION", "0")
-    assert [c.split_merge for c in registry.plannable_configs(base)] == ["kernel", "kernel"]
-    monkeypatch.delenv(ENABLE)  # on by default
-    got = [(c.ctas_per_sm, c.split_merge) for c in registry.plannable_configs(base)]
+    got = [(c.ctas_per_sm, c.split_merge) for c in registry.plannable_configs(base) if c.kernel == "token"]
     assert got == [(2, "kernel"), (3, "kernel"), (2, "cluster")]
     nv = registry.plannable_configs(SparseDecodeConfig(8, 1, kv_dtype="nvfp4", arch="sm_90a"))
     assert [(c.ctas_per_sm, c.split_merge) for c in nv] == [(2, "kernel"), (3, "kernel"), (2, "cluster")]
     assert {c.split_merge for c in registry.plannable_configs(SparseDecodeConfig(64, 4, arch="sm_100a"))} == {"kernel"}
     # a cluster config given to a warmup still yields the plain builds first, and the union's never cluster
-    monkeypatch.setenv("MSA_JIT_ENABLE_SM90_UNION", "1")
     got = registry.plannable_configs(SparseDecodeConfig(64, 4, arch="sm_90a", split_merge="cluster"))
     assert [(c.kernel, c.ctas_per_sm, c.split_merge) for c in got] == [
-        ("token", 2, "kernel"), ("token", 3, "kernel"), ("union", 1, "kernel"), ("union", 2, "kernel"),
-        ("token", 2, "cluster")]
+        ("token", 2, "kernel"), ("token", 3, "kernel"), ("union", 2, "kernel"), ("token", 2, "cluster")]
     assert all(check_config(c) is None for c in got)
 
 
-def test_op_launches_the_cluster_build(launched_configs, monkeypatch):
+def test_op_launches_the_cluster_build(launched_configs):
     """The plan's split_merge crosses the op boundary (eager API and custom op) and picks the build."""
-    monkeypatch.setenv(ENABLE, "0")
     events = launched_configs
     c = make_case(1, 1, 16, 1, q_dtype=torch.bfloat16, seed=3)
     cluster = SparseDecodePlanner(num_sms=132, arch="sm_90a", split_merge="cluster").prepare(
         *c.prepare_args(), **c.prepare_kwargs())
-    plain = SparseDecodePlanner(num_sms=132, arch="sm_90a").prepare(*c.prepare_args(), **c.prepare_kwargs())
+    plain = SparseDecodePlanner(num_sms=132, arch="sm_90a", split_merge="kernel").prepare(*c.prepare_args(), **c.prepare_kwargs())
     assert cluster.num_splits == plain.num_splits == 16
     msa_jit.sparse_decode(c.query, c.kv_cache, c.topk, c.new_out(), cluster, backend="kernel", **c.scales())
     sparse_decode_op(c.query, c.kv_cache, c.topk, c.new_out(), plain, backend="kernel", **c.scales())
@@ -351,13 +337,12 @@ def test_cluster_artifact_carries_its_launch_figures(tmp_path):
     assert "merge" not in name.lower() and "SparseDecodeTokenDimsKernel" in name
 
 
-def test_selftest_keeps_the_merge_kernel_covered_where_the_cluster_is_the_default(monkeypatch):
+def test_selftest_keeps_the_merge_kernel_covered_where_the_cluster_is_the_default():
     """selftest pins the 2-CTA build's merge kernel on exactly the cases whose 2-CTA plan the default
     planner gives the cluster merge (checked against the planner itself), so both merges run."""
     from msa_jit.tools.selftest import grid_cases
 
-    monkeypatch.delenv(ENABLE, raising=False)
-    plain = grid_cases("sm_90a", union=False)
+    plain = grid_cases("sm_90a", union=False, cluster=False)
     both = grid_cases("sm_90a", union=False, cluster=True, device_sms=132)
     pinned = {c[:5] for c in both if c[7] == "kernel"}
     assert set(plain) <= set(both) and len(both) - len(plain) == len(pinned)

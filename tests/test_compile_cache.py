@@ -41,10 +41,6 @@ def _isolated(isolated_env):
 def sub_env(cache_dir: Path, **extra: str) -> dict[str, str]:
     """Environment of a child process: this checkout importable, its own cache and temp dir."""
     e = {k: v for k, v in os.environ.items() if not k.startswith("MSA_JIT_")}
-    # the cache under concurrent warmups is under test, not which builds a warmup makes: each geometry's
-    # two occupancies (the cluster-merge and union builds, on by default on sm_90a, are counted in test_cli)
-    e["MSA_JIT_ENABLE_CLUSTER_MERGE"] = "0"
-    e["MSA_JIT_ENABLE_SM90_UNION"] = "0"
     e["PYTHONPATH"] = os.pathsep.join([str(ROOT), e.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     e["MSA_JIT_CACHE_DIR"] = str(cache_dir)
     e["TMPDIR"] = str(Path(cache_dir).parent / "child-tmp")

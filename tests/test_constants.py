@@ -1,4 +1,4 @@
-"""One source per constant (issue #20): the operator's constants are written in geometry.py, the
+"""One source per constant: the operator's constants are written in geometry.py, the
 environment's in env.py, and everywhere else (msa_jit, kernels, bench, tests, examples) imports them.
 
 The check reads literals with ast, so a restated list is found however it is spelled
@@ -15,7 +15,7 @@ import pytest
 from msa_jit.geometry import DEFAULT_ARCHES, MINIMAX_M3_GEOMETRIES
 
 ROOT = Path(__file__).resolve().parents[1]
-TREES = ("msa_jit", "kernels", "bench", "tests", "examples")
+TREES = ("msa_jit", "bench", "tests", "examples")
 
 
 def py_files() -> list[Path]:
@@ -97,3 +97,44 @@ def test_one_size_parser():
             if isinstance(n, ast.FunctionDef) and "size" in n.name and "parse" in n.name]
     assert sorted(defs) == ["msa_jit/cli/common.py", "msa_jit/env.py"], defs
     assert env.parse_size("2P") == 2 << 50 and common.parse_size("2P") == 2 << 50
+
+
+# Names that are legitimately one per module: each CLI command's help line.
+PER_MODULE_NAMES = {"HELP"}
+
+
+def module_constants(path: Path) -> set[str]:
+    """Upper-case names assigned at a module's top level (not imported)."""
+    names = set()
+    for node in ast.parse(path.read_text(encoding="utf-8"), str(path)).body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        for t in targets:
+            if isinstance(t, ast.Name) and t.id.isupper() and not t.id.startswith("_"):
+                names.add(t.id)
+    return names
+
+
+def defined_twice(root: Path) -> dict[str, list[str]]:
+    seen: dict[str, list[str]] = {}
+    for f in sorted(root.rglob("*.py")):
+        if "__pycache__" in f.parts:
+            continue
+        for name in module_constants(f) - PER_MODULE_NAMES:
+            seen.setdefault(name, []).append(f.relative_to(root.parent).as_posix())
+    return {n: fs for n, fs in seen.items() if len(fs) > 1}
+
+
+def test_every_package_constant_has_one_definition():
+    """HEAD_DIM, the cache formats, the NVFP4 layout, the kernels' limits: each assigned in one module
+    (msa_jit/kernels/constants.py for what shapes generated code) and imported everywhere else."""
+    assert defined_twice(ROOT / "msa_jit") == {}
+
+
+def test_the_one_definition_check_can_fail(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "a.py").write_text("HEAD_DIM = 128\nHELP = 'a'\n")
+    (pkg / "b.py").write_text("from .a import HEAD_DIM\nHELP = 'b'\n")
+    assert defined_twice(pkg) == {}
+    (pkg / "c.py").write_text("HEAD_DIM: int = 128\n")
+    assert defined_twice(pkg) == {"HEAD_DIM": ["pkg/a.py", "pkg/c.py"]}

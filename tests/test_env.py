@@ -22,14 +22,11 @@ def test_env_defaults():
     assert env.cache_max_bytes() == 2 * 1024**3
     assert env.lock_timeout_s() == 600.0
     assert env.target_arch() is None
-    assert env.enable_sm90_union() is None  # unset: the planner's rule (planner.choose_kernel)
-    assert env.enable_cluster_merge() is True  # on by default since session 21 (performance.md row 79)
     assert env.log_level() == logging.WARNING
 
 
 @pytest.mark.parametrize("fn,var,default", [(env.no_compile, "MSA_JIT_NO_COMPILE", False),
-                                            (env.enable_sm90_union, "MSA_JIT_ENABLE_SM90_UNION", None),
-                                            (env.enable_cluster_merge, "MSA_JIT_ENABLE_CLUSTER_MERGE", True)])
+                                            (env.vllm_sm100, "MSA_JIT_VLLM_SM100", False)])
 def test_env_booleans(monkeypatch, fn, var, default):
     for v in ("1", "true", "TRUE", "yes", "on", " On ", "y", "t"):
         monkeypatch.setenv(var, v)
@@ -111,8 +108,7 @@ def test_env_read_live_and_describe(monkeypatch):
     table = env.describe()  # raw values, never raises
     names = [n for n, _v, _d in table]
     assert names == ["MSA_JIT_CACHE_DIR", "MSA_JIT_NO_COMPILE", "MSA_JIT_CACHE_MAX_BYTES", "MSA_JIT_LOCK_TIMEOUT",
-                     "MSA_JIT_ARCH", "MSA_JIT_ENABLE_SM90_UNION",
-                     "MSA_JIT_ENABLE_CLUSTER_MERGE", "MSA_JIT_LOG_LEVEL",
+                     "MSA_JIT_ARCH", "MSA_JIT_LOG_LEVEL",
                      "MSA_JIT_DSL_VERSION", "MSA_JIT_DSL_RUNTIME",
                      "MSA_JIT_VLLM_PLUGIN", "MSA_JIT_VLLM_SM100"]
     values = {n: v for n, v, _d in table}

@@ -120,7 +120,7 @@ def test_layers(graph):
             assert not any(d.startswith("msa_jit.cli") for d in deps), (name, deps)
         if name.startswith("msa_jit.jit.cache"):
             assert all(d.startswith("msa_jit.jit.cache") or d == "msa_jit.env" for d in deps), (name, deps)
-    assert graph["msa_jit.geometry"] == set()
+    assert graph["msa_jit.geometry"] <= {"msa_jit.kernels.constants"}
     assert graph["msa_jit.plan"] <= {"msa_jit.geometry", "msa_jit.kernels.convention", "msa_jit.jit.compiler"}
 
 

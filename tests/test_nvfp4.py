@@ -13,7 +13,9 @@ from nvfp4_literal import (E2M1_MAG, E4M3_NONNEG, decode_slot, e4m3_value, quant
                            read_code_and_scale, slot_bytes)
 
 from msa_jit import nvfp4
-from msa_jit.nvfp4 import (NVFP4_ROW_BYTES, default_global_scale, dequantize_kv_nvfp4,
+from msa_jit.kernels import constants
+from msa_jit.kernels.constants import NVFP4_ROW_BYTES
+from msa_jit.nvfp4 import (default_global_scale, dequantize_kv_nvfp4,
                            is_nvfp4_kv_layout, k_scale_offset, nvfp4_kv_cache_slots,
                            nvfp4_kv_cache_views, quantize_kv_nvfp4, v_scale_offset, write_kv_nvfp4)
 
@@ -47,8 +49,8 @@ def _check_against_literal(cache, k, v, gk, gv):
 # ---------------------------------------------------------------- layout
 
 def test_layout_constants():
-    assert (nvfp4.NVFP4_DATA_BYTES, nvfp4.NVFP4_SCALE_BYTES, NVFP4_ROW_BYTES) == (64, 8, 72)
-    assert nvfp4.NVFP4_GROUP_SIZE == 16 and nvfp4.NVFP4_HEAD_DIM == 128
+    assert (constants.NVFP4_CODE_BYTES, constants.NVFP4_SCALE_BYTES, NVFP4_ROW_BYTES) == (64, 8, 72)
+    assert constants.NVFP4_GROUP_SIZE == 16 and constants.HEAD_DIM == 128
     assert list(nvfp4.E2M1_VALUES) == E2M1_MAG + [-x for x in E2M1_MAG]
     assert math.copysign(1.0, nvfp4.E2M1_VALUES[8]) == -1.0      # code 8 is -0.0
     assert nvfp4.nvfp4_kv_cache_shape(5, 4, 128) == (5, 8, 128, 72)

@@ -302,18 +302,16 @@ def test_plan_takes_each_formats_split_count(T, fp8, nvfp4):
     assert p.partial_o.shape[0] == T * 4 * max(fp8[0], nvfp4[0])
 
 
-@pytest.mark.parametrize("how", ["split_merge=kernel", "cluster merge off", "sm_100a", "ctas_per_sm=3"])
-def test_two_splits_only_where_they_merge_in_the_cluster(monkeypatch, how):
+@pytest.mark.parametrize("how", ["split_merge=kernel", "sm_100a", "ctas_per_sm=3"])
+def test_two_splits_only_where_they_merge_in_the_cluster(how):
     """64/4 B=12 (T*Hkv = 48) on 132 SMs: fp8 takes 2 splits merged in the cluster by default; where the
-    cluster merge cannot serve (pinned off, turned off, an arch without it, the 3-CTA build) the two-wave
+    cluster merge cannot serve (pinned off, an arch without it, the 3-CTA build) the two-wave
     rule's 6 splits."""
     c = make_case(12, 1, 64, 4, q_dtype=torch.bfloat16, seed=5)
     default = SparseDecodePlanner(num_sms=132, arch="sm_90a").prepare(*c.prepare_args(), **c.prepare_kwargs())
     assert (default.num_splits, default.split_merge) == (2, "cluster")
-    kw = {"split_merge=kernel": dict(split_merge="kernel"), "cluster merge off": {}, "sm_100a": dict(arch="sm_100a"),
+    kw = {"split_merge=kernel": dict(split_merge="kernel"), "sm_100a": dict(arch="sm_100a"),
           "ctas_per_sm=3": dict(ctas_per_sm=3)}[how]
-    if how == "cluster merge off":
-        monkeypatch.setenv("MSA_JIT_ENABLE_CLUSTER_MERGE", "0")
     p = SparseDecodePlanner(**{"num_sms": 132, "arch": "sm_90a", **kw}).prepare(*c.prepare_args(), **c.prepare_kwargs())
     assert (p.num_splits, p.split_merge) == (6, "kernel")
 

@@ -2,7 +2,7 @@
 (`pytest -m gpu`; `bash bench/h200_run.sh union_tests`).
 
 The planner is pinned to it (kernel="union"), so it serves every step shape here, qlen 1 and split
-grids included, not only where `MSA_JIT_ENABLE_SM90_UNION=1` lets the planner pick it. Every
+grids included, not only where the planner's rule picks it. Every
 geometry it serves x query dtype x qlen x batch x occupancy build, the draft tokens of a request
 sharing 12 of the first token's slots (what the union is for) or none, padded rows, both topk
 layouts; outputs poisoned with NaN before each run and checked fully written.
@@ -130,24 +130,20 @@ def test_union_and_token_kernels_agree():
     _agree_with_token_kernel(case, u, lu, "union vs token 64/4 B=64 qlen 4", tol=5e-3)
 
 
-@pytest.mark.parametrize("flag", [None, "1"], ids=["unset", "1"])
-def test_planner_picks_union_when_enabled(monkeypatch, flag):
+@pytest.mark.parametrize("share", [False, True], ids=["rule", "drafts_share_blocks"])
+def test_planner_picks_union(share):
     """The spec-decode point (64/4 B=64 qlen 4) runs the union kernel by default on a 132-SM GPU (one
-    full wave: planner.choose_kernel) and with MSA_JIT_ENABLE_SM90_UNION=1 anywhere, and is correct."""
+    full wave: planner.choose_kernel) and with drafts_share_blocks=True anywhere, and is correct."""
     import msa_jit
     from msa_jit.planner import choose_kernel
 
-    if flag is None:
-        monkeypatch.delenv("MSA_JIT_ENABLE_SM90_UNION", raising=False)
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
-        if choose_kernel(64, 4, 64, 4, 128, "sm_90a", sms, None) != "union":
-            pytest.skip(f"{sms} SMs: 256 union CTAs are not one full wave here")
-    else:
-        monkeypatch.setenv("MSA_JIT_ENABLE_SM90_UNION", flag)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if not share and choose_kernel(64, 4, 64, 4, 128, "sm_90a", sms) != "union":
+        pytest.skip(f"{sms} SMs: 256 union CTAs are not one full wave here")
     case = make_case(64, 4, 64, 4, q_dtype=torch.bfloat16, seed=23, device="cuda")
     share_slots(case, 12)
     out, lse = case.new_out(), case.new_lse()
-    plan = msa_jit.SparseDecodePlanner().prepare(*case.prepare_args(), **case.prepare_kwargs())
+    plan = msa_jit.SparseDecodePlanner(drafts_share_blocks=share).prepare(*case.prepare_args(), **case.prepare_kwargs())
     assert plan.kernel == "union" and plan.num_splits == 1
     msa_jit.sparse_decode(case.query, case.kv_cache, case.topk, out, plan, lse=lse, **case.scales())
     torch.cuda.synchronize()

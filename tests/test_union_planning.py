@@ -16,7 +16,6 @@ from msa_jit.planner import choose_kernel, choose_num_splits, choose_union_ctas_
 from msa_jit.integrations.torch_op import sparse_decode_op
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-ENABLE = "MSA_JIT_ENABLE_SM90_UNION"
 
 
 def _tables(batch: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,9 +38,9 @@ def test_union_grid_counts_token_tiles():
 
 
 def test_choose_kernel_rule():
-    pick = lambda b, q, hq=64, hkv=4, page=128, arch="sm_90a", on=True: choose_kernel(b, q, hq, hkv, page, arch, 132, on)
+    pick = lambda b, q, hq=64, hkv=4, page=128, arch="sm_90a", share=True: choose_kernel(b, q, hq, hkv, page, arch,
+                                                                                          132, share)
     assert pick(64, 4) == "union"  # the spec-decode point: 256 CTAs, no split for either kernel
-    assert pick(64, 4, on=False) == "token"  # MSA_JIT_ENABLE_SM90_UNION=0
     assert pick(64, 1) == "token"  # qlen 1: nothing to share
     assert pick(16, 4) == "token"  # 64 CTAs: less than a wave, the token kernel splits
     assert pick(33, 4) == "union" and pick(32, 4) == "token"  # 132 CTAs on 132 SMs
@@ -53,10 +52,10 @@ def test_choose_kernel_rule():
 
 
 def test_choose_kernel_default_rule_takes_one_full_wave_of_one_tile_drafts():
-    """Unset (None): the union only where one tile holds a request's draft (qlen <= 64 // G) and its grid
+    """By default the union only where one tile holds a request's draft (qlen <= 64 // G) and its grid
     is one wave at 2 CTAs per SM filled to UNION_WAVE_FILL (251-264 CTAs on 132 SMs): where
     bench/results/union-waves-* has it no slower than the token kernel with no block shared."""
-    rule = lambda b, q, hq=64, hkv=4, sms=132: choose_kernel(b, q, hq, hkv, 128, "sm_90a", sms, None)
+    rule = lambda b, q, hq=64, hkv=4, sms=132: choose_kernel(b, q, hq, hkv, 128, "sm_90a", sms)
     assert [rule(64, q) for q in (1, 2, 3, 4, 5, 8)] == ["token", "union", "union", "union", "token", "token"]
     # 64/4: B * 4 CTAs at qlen <= 4; one wave is 264
     assert [rule(b, 4) for b in (33, 56, 62, 63, 66, 67, 128, 256)] == ["token"] * 3 + ["union"] * 2 + ["token"] * 3
@@ -64,8 +63,8 @@ def test_choose_kernel_default_rule_takes_one_full_wave_of_one_tile_drafts():
     assert [rule(b, 8, 8, 1) for b in (132, 250, 251, 264, 265, 512)] == ["token", "token", "union", "union", "token", "token"]
     assert rule(256, 9, 8, 1) == "token" and rule(256, 4, 16, 1) == "union" and rule(256, 8, 16, 1) == "token"
     assert rule(64, 4, sms=128) == "union" and rule(64, 4, sms=148) == "token"  # the wave is the GPU's
-    # MSA_JIT_ENABLE_SM90_UNION=1: wherever its grid fills the GPU once, drafts of several tiles too
-    on = lambda b, q, hq=64, hkv=4: choose_kernel(b, q, hq, hkv, 128, "sm_90a", 132, True)
+    # drafts that share blocks: wherever its grid fills the GPU once, drafts of several tiles too
+    on = lambda b, q, hq=64, hkv=4: choose_kernel(b, q, hq, hkv, 128, "sm_90a", 132, drafts_share_blocks=True)
     assert on(64, 8) == on(256, 4) == on(33, 4) == on(256, 16, 8, 1) == "union" and on(32, 4) == "token"
 
 
@@ -92,16 +91,15 @@ def test_check_config_union_rules():
     assert registry.supported_ctas_per_sm("sm_90a", "union") == (1, 2)
 
 
-def test_planner_picks_union_by_the_environment(monkeypatch):
-    monkeypatch.setenv(ENABLE, "0")
-    plan = _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 64, 4)
+def test_planner_picks_union_by_its_arguments():
+    plan = _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a", kernel="token"), 64, 4)
     assert plan.kernel == "token" and plan.config(torch.bfloat16).kernel == "token"
-    monkeypatch.delenv(ENABLE, raising=False)  # the default: drafts of one tile
+    # the default: drafts of one tile
     assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 64, 4).kernel == "union"
     assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 64, 8).kernel == "token"
-    monkeypatch.setenv(ENABLE, "1")
-    assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 64, 8).kernel == "union"
-    plan = _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 64, 4)
+    sharing = SparseDecodePlanner(num_sms=132, arch="sm_90a", drafts_share_blocks=True)
+    assert _prepare(sharing, 64, 8).kernel == "union"
+    plan = _prepare(sharing, 64, 4)
     assert (plan.kernel, plan.num_splits, plan.ctas_per_sm) == ("union", 1, 2)
     cfg = plan.config(torch.bfloat16)
     assert (cfg.kernel, cfg.ctas_per_sm) == ("union", 2) and check_config(cfg) is None
@@ -116,8 +114,7 @@ def test_planner_picks_union_by_the_environment(monkeypatch):
     assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 512, 4).ctas_per_sm == 2  # 2048 CTAs
 
 
-def test_union_pin_serves_every_step_shape(monkeypatch):
-    monkeypatch.delenv(ENABLE, raising=False)
+def test_union_pin_serves_every_step_shape():
     pinned = SparseDecodePlanner(num_sms=132, arch="sm_90a", kernel="union")
     plan = _prepare(pinned, 1, 1)  # 4 CTAs per split: the splits follow the union's grid
     assert (plan.kernel, plan.num_splits, plan.ctas_per_sm) == ("union", 16, 2)
@@ -143,21 +140,16 @@ def test_union_pin_serves_every_step_shape(monkeypatch):
         SparseDecodePlanner(kernel="union", ctas_per_sm=3)
     with pytest.raises(ValueError, match="kernel must be"):
         SparseDecodePlanner(kernel="mma")
-    # the token pin ignores the environment
-    monkeypatch.setenv(ENABLE, "1")
-    assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a", kernel="token"), 64, 4).kernel == "token"
+    # the token pin wins over drafts_share_blocks
+    assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a", kernel="token", drafts_share_blocks=True),
+                    64, 4).kernel == "token"
 
 
-def test_warmup_builds_union_only_where_the_planner_may_pick_it(monkeypatch):
+def test_warmup_builds_union_only_where_the_planner_may_pick_it():
     base = SparseDecodeConfig(64, 4, arch="sm_90a")
-    monkeypatch.setenv("MSA_JIT_ENABLE_CLUSTER_MERGE", "0")  # (on by default: its builds are the token kernel's)
-    monkeypatch.setenv(ENABLE, "0")
-    assert [c.kernel for c in registry.plannable_configs(base)] == ["token", "token"]
-    monkeypatch.delenv(ENABLE, raising=False)  # unset: the planner's rule, at its occupancy only
-    assert [(c.kernel, c.ctas_per_sm) for c in registry.plannable_configs(base)] == [("token", 2), ("token", 3), ("union", 2)]
-    monkeypatch.setenv(ENABLE, "1")  # 1: both, as a pin (or the hint of a missing 1-CTA build) may want 1
-    got = [(c.kernel, c.ctas_per_sm) for c in registry.plannable_configs(base)]
-    assert got == [("token", 2), ("token", 3), ("union", 1), ("union", 2)]
+    # the planner's rule, at its occupancy only (a 1-CTA pin compiles on first use); then the cluster builds
+    got = [(c.kernel, c.ctas_per_sm, c.split_merge) for c in registry.plannable_configs(base)]
+    assert got == [("token", 2, "kernel"), ("token", 3, "kernel"), ("union", 2, "kernel"), ("token", 2, "cluster")]
     for cfg in (SparseDecodeConfig(64, 4, arch="sm_100a"), SparseDecodeConfig(64, 4, kv_dtype="nvfp4"),
                 SparseDecodeConfig(64, 4, page_size=64)):
         assert {c.kernel for c in registry.plannable_configs(cfg)} == {"token"}
@@ -187,44 +179,8 @@ def test_selftest_grid_adds_union_cases_when_enabled():
     both = grid_cases("sm_90a", union=True)
     union = [c for c in both if c[5] == "union"]
     assert set(plain) <= set(both)
-    assert union and all(c[2] >= 2 for c in union) and {c[6] for c in union} == {1, 2}
-    # every qlen >= 2 case of every geometry and query dtype, at both union builds
-    assert len(union) == 2 * sum(1 for c in plain if c[2] >= 2 and c[6] == 2)
+    assert union and all(c[2] >= 2 for c in union) and {c[6] for c in union} == {2}
+    # every qlen >= 2 case of every geometry and query dtype, at the union's build a warmup makes
+    assert len(union) == sum(1 for c in plain if c[2] >= 2 and c[6] == 2 and c[7] is None)
     assert grid_cases("sm_100a", union=True) == grid_cases("sm_100a", union=False) == grid_cases("sm_100a")
-    # unset (None, the default): the union's build a warmup makes, 2 CTAs per SM
-    planned = [c for c in grid_cases("sm_90a") if c[5] == "union"]
-    assert planned == [c for c in union if c[6] == 2]
-
-
-def test_the_default_rule_takes_the_union_only_where_the_measurements_have_it_no_slower():
-    """The rule against the committed measurements with no block shared: every point of
-    bench/results/union-waves-* the rule gives the union ran it no slower than 1.01x the token kernel
-    in the same run, and every point where the union was more than 1.02x slower stays the token
-    kernel's; the H200 default bench of the first rule (every union row of it the rule still takes)
-    against the token kernel's previous file likewise."""
-    import json
-    from pathlib import Path
-
-    results = Path(__file__).resolve().parents[1] / "bench" / "results"
-    waves = sorted(results.glob("union-waves-*.json"))
-    assert waves
-    for path in waves:
-        doc = json.loads(path.read_text())
-        for r in doc["rows"]:
-            hq, hkv = (int(x) for x in r["geometry"].split("/"))
-            pick = choose_kernel(r["batch"], r["qlen"], hq, hkv, 128, "sm_90a", doc["num_sms"], None)
-            if pick == "union":
-                assert r["union_over_token"] <= 1.01, (path.name, r)
-            if r["union_over_token"] > 1.02:
-                assert pick == "token", (path.name, r)
-    union = json.loads((results / "bench-2026-12-06T0630-union-one-tile-h200.json").read_text())
-    token = json.loads((results / "bench-2026-12-06T0247-h200.json").read_text())
-    key = lambda r: (r["geometry"], r["batch"], r["qlen"], r["shared_blocks"], r["q_dtype"], r["kv_dtype"])
-    before = {key(r): r["marginal_us"] for r in token["per_layer"]}
-    taken = 0
-    for r in union["per_layer"]:
-        hq, hkv = (int(x) for x in r["geometry"].split("/"))
-        if r["kernel"] == "union" and choose_kernel(r["batch"], r["qlen"], hq, hkv, 128, "sm_90a", 132, None) == "union":
-            assert r["marginal_us"] <= before[key(r)], r
-            taken += 1
-    assert taken == 9  # 64/4 B=64 qlen 2 / 4 (0 and 12 of 16 shared), 16/1 B=256 qlen 2 / 4, 8/1 B=256 qlen 2 / 4 / 8
+    assert [c for c in grid_cases("sm_90a") if c[5] == "union"] == union

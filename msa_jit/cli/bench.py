@@ -3,9 +3,7 @@
 Writes bench-<date>.json/.png into --out (created once the grid has run), compares with the
 newest previous result (exit 2 without a CUDA GPU or for a bad flag, nothing written; exit 1 on
 a point or per-layer row more than 5% slower, a row that failed, or a run stopped by SIGTERM:
-the rows done are written) and prints the targets of
-#18 / #19. `--table RESULT_JSON` prints the README's tables of a result file, `--summary
-RESULT_JSON` its targets; neither needs a GPU.
+the rows done are written). `--table RESULT_JSON` prints a result file's tables (no GPU needed).
 """
 
 from __future__ import annotations
@@ -53,7 +51,7 @@ def out_dir_problem(out: Path) -> str | None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The grid (--geometries, --batches, --decode-query-lens, --kv-dtypes, --q-dtype, --quick,
     --floor-batches, --no-shared, --layers, --iters, --in-graph, --no-host), --out, --baseline,
-    --table, --summary."""
+    --table."""
     p.add_argument("--out", default=bench.RESULTS_DIR, help="folder for bench-<date>.json/.png")
     p.add_argument("--geometries", default=",".join(bench.GRID_GEOMETRIES),
                    help="comma list of Hq/Hkv (default: %(default)s)")
@@ -76,12 +74,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--in-graph", action="store_true", help="also time each one-layer step inside one larger graph")
     p.add_argument("--no-host", action="store_true", help="skip the host-side (CPU) figures")
     p.add_argument("--baseline", default="auto",
-                   help="result JSON to compare with (default: the newest in --out, or with --summary the file the "
-                        "result names; 'none' to skip); exit 1 if a point is >5%% slower")
+                   help="result JSON to compare with (default: the newest in --out from this GPU; 'none' to skip); "
+                        "exit 1 if a point is >5%% slower")
     p.add_argument("--table", metavar="RESULT_JSON",
                    help="print the README's markdown tables of a result file and exit (no GPU)")
-    p.add_argument("--summary", metavar="RESULT_JSON",
-                   help="print the #18 / #19 targets of a result file, measured vs goal, and exit (no GPU)")
 
 
 def _load_result(flag: str, path: str) -> dict:
@@ -101,31 +97,14 @@ def _load_result(flag: str, path: str) -> dict:
     raise SystemExit(2)
 
 
-def _summary_baseline(args: argparse.Namespace, result: dict) -> dict | None:
-    if args.baseline in (None, "none"):
-        return None
-    path = result.get("baseline") if args.baseline == "auto" else args.baseline
-    if not path or not Path(path).is_file():
-        if args.baseline != "auto":
-            print(f"msa-jit bench: --baseline {path}: no such file", file=sys.stderr)
-            raise SystemExit(2)  # a bad flag: exit 2 with a message, as every other
-        return None
-    return _load_result("--baseline", path)
-
-
 def run(args: argparse.Namespace) -> int:
     """Handler of `msa-jit bench`."""
-    for flag, path in (("--table", args.table), ("--summary", args.summary)):
-        if not path:
-            continue
-        result = _load_result(flag, path)  # no GPU: the README tables or the targets of a result file
+    if args.table:
+        result = _load_result("--table", args.table)  # no GPU: the tables of a result file
         try:
-            if flag == "--table":
-                print(bench.readme_table(result))
-            else:
-                print(bench.format_targets(bench.check_targets(result, _summary_baseline(args, result))))
+            print(bench.readme_table(result))
         except (KeyError, TypeError) as e:
-            print(f"msa-jit bench: {flag} {path}: not a bench result (missing {e})", file=sys.stderr)
+            print(f"msa-jit bench: --table {args.table}: not a bench result (missing {e})", file=sys.stderr)
             return 2
         return 0
     try:

@@ -186,13 +186,11 @@ def ensure_compiled(config: SparseDecodeConfig, cache: _cache.ArtifactCache | No
 
 
 def warmup_command(config: SparseDecodeConfig) -> str:
-    """The `msa-jit warmup` line that builds exactly this config (used in error messages): a union or
-    cluster-merge build behind the environment variable that makes a warmup build it."""
+    """The `msa-jit warmup` line that builds this config (used in error messages): a warmup builds
+    every build the planner may pick for a geometry (registry.plannable_configs)."""
     q = Q_DTYPE_SHORT.get(config.q_dtype, config.q_dtype)
     kv = KV_DTYPE_SHORT.get(config.kv_dtype, config.kv_dtype)
-    flags = ((f"{env.ENABLE_SM90_UNION}=1 " if config.kernel == "union" else "")
-             + (f"{env.ENABLE_CLUSTER_MERGE}=1 " if config.split_merge == "cluster" else ""))
-    cmd = (f"{flags}msa-jit warmup --heads {config.num_q_heads}/{config.num_kv_heads} --q-dtype {q} --kv-dtype {kv} "
+    cmd = (f"msa-jit warmup --heads {config.num_q_heads}/{config.num_kv_heads} --q-dtype {q} --kv-dtype {kv} "
            f"--arch {config.arch} --page-size {config.page_size} --topk-blocks {config.topk_blocks}")
     if dsl_version() == "unknown":
         cmd += (f"\n    (this host has no CuTe DSL package metadata: set {env.DSL_VERSION} to the "

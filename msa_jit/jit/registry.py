@@ -11,9 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
-from .. import env
-from ..geometry import UNION_CTAS_PER_SM, UNION_PLANNED_CTAS_PER_SM, SparseDecodeConfig, cluster_merge_problems, \
-    union_problems
+from ..geometry import (UNION_CTAS_PER_SM, UNION_PLANNED_CTAS_PER_SM, SparseDecodeConfig, cluster_merge_problems,
+                        union_problems)
 
 
 def _token_kernel() -> type:
@@ -108,26 +107,15 @@ def cluster_merge_configs(config: SparseDecodeConfig) -> list[SparseDecodeConfig
             if not cluster_merge_problems(kernel="token", ctas_per_sm=n, arch=config.arch)]
 
 
-def warmed_union_ctas_per_sm(arch: str | None, flag: bool | None) -> tuple[int, ...]:
-    """The union kernel's occupancies a warmup builds (and selftest checks) for MSA_JIT_ENABLE_SM90_UNION's
-    value `flag` (env.enable_sm90_union): none for False, the planner's (UNION_PLANNED_CTAS_PER_SM) when
-    unset (None), every one for True (a pin may take any)."""
-    if flag is False:
-        return ()
-    return tuple(n for n in supported_ctas_per_sm(arch, "union") if flag or n == UNION_PLANNED_CTAS_PER_SM)
-
-
 def plannable_configs(config: SparseDecodeConfig) -> list[SparseDecodeConfig]:
-    """`config` at every occupancy the planner may pick for its arch (what a warmup builds), and
-    the union kernel's builds where the planner may pick it (unset: its planned occupancy, 2 CTAs per SM;
-    MSA_JIT_ENABLE_SM90_UNION=1: both, as a pin may take 1; 0: none), and the
-    cluster split merge's where it may (MSA_JIT_ENABLE_CLUSTER_MERGE, on unless set to 0)."""
+    """`config` at every build a planner without pins may pick for its arch (what a warmup builds):
+    the token kernel at each occupancy, the union kernel at its planned one (2 CTAs per SM; a
+    ctas_per_sm=1 pin compiles its build on first use) where it serves the geometry, and the
+    cluster split merge's builds where they can be built."""
     token = replace(config, kernel="token", split_merge="kernel")
     out = [replace(token, ctas_per_sm=n) for n in supported_ctas_per_sm(config.arch)]
-    union_ctas = warmed_union_ctas_per_sm(config.arch, env.enable_sm90_union())
-    out += [c for c in union_configs(config) if c.ctas_per_sm in union_ctas]
-    if env.enable_cluster_merge():
-        out += cluster_merge_configs(config)
+    out += [c for c in union_configs(config) if c.ctas_per_sm == UNION_PLANNED_CTAS_PER_SM]
+    out += cluster_merge_configs(config)
     return out
 
 

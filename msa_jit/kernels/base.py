@@ -15,8 +15,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from ..geometry import MAX_GROUP_SIZE, MAX_TOPK
 from .cluster_merge import RECV_BYTES
+from .constants import MAX_GROUP_SIZE, MAX_TOPK
 from .split_merge import SplitMergeKernel
 
 

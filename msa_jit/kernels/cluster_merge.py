@@ -22,13 +22,13 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from . import ptx
+from .constants import HEAD_DIM, MAX_CLUSTER_SPLITS
 from .split_merge import combine_splits
 
-HEAD_DIM = 128
 PART_BYTES = 4 * HEAD_DIM  # one partial row, fp32
 # partial rows a CTA can receive: ceil(G / num_splits) rows x num_splits splits, which is
 # max(G, num_splits) <= 16 when one divides the other (the planner's 2, 4, 8, 16 splits at G 8 / 16)
-RECV_SLOTS = 16
+RECV_SLOTS = MAX_CLUSTER_SPLITS
 # the mbarrier sits behind the partial rows and their log2-LSEs (8-byte aligned)
 RECV_BAR_OFFSET = RECV_SLOTS * (PART_BYTES + 4)
 RECV_BYTES = RECV_BAR_OFFSET + 8

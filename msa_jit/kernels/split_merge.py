@@ -7,16 +7,13 @@ them into the bf16 output and the natural-log LSE (FlashAttention-4's
 """
 
 # no `from __future__ import annotations`: the DSL reads evaluated annotations
-import math
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from . import ptx
-
-HEAD_DIM = 128
-LN2 = math.log(2.0)
+from .constants import HEAD_DIM, LN2
 
 
 class SplitMergeKernel:

@@ -28,7 +28,6 @@ block-table prefetch, no-math / no-copy / trace builds) live with the bench
 
 # no `from __future__ import annotations`: cute.struct in storage_type() needs evaluated annotations
 
-import math
 
 import cutlass
 import cutlass.cute as cute
@@ -37,19 +36,14 @@ from cutlass import Float32, Int32, Int64
 from . import common, ptx
 from .base import SparseDecodeKernelBase
 from .cluster_merge import RECV_BYTES, ClusterMerge
+from .constants import FP8_ROW_BYTES, HEAD_DIM, KV_DTYPES, LN2, NVFP4_CODE_BYTES, NVFP4_ROW_BYTES
 
-HEAD_DIM = 128
 Q_FRAG_BYTES = 8 * 32 * 16  # 8 k-steps x 32 lanes x one 16-byte A fragment
 LAZY_RESCALE = 8.0  # log2 units: P stays <= 256 between rescales
-ROW_BYTES = 2 * HEAD_DIM  # one token row of an fp8 page: K (128 B) then V (128 B)
-KV_DTYPES = ("float8_e4m3fn", "nvfp4")
 # NVFP4 slot: page * 64 bytes of e2m1 codes (token n's 128 values at [64n, 64n + 64)), then
 # page * 8 e4m3 block scales (K: row-major, (n, g) at 8n + g; V: the writer's swizzle, (n, g)
 # at row (n // 4) * 4 + g // 2, column (g % 2) * 4 + n % 4)
-NVFP4_CODE_BYTES = HEAD_DIM // 2
-NVFP4_ROW_BYTES = NVFP4_CODE_BYTES + HEAD_DIM // 16  # codes + one block scale per 16 values: 72
 NVFP4_FOLD = 2.0**14  # K and V leave ptx.e2m1x8_to_f16x2x4 (times their block scale) as value * 2**-14
-LN2 = math.log(2.0)
 # Cross-warp reduction buffer: per warp 16 rows x 4 chunks of (32 fp32 + 4 pad); the
 # 144-byte chunk and 576-byte row keep the 16-byte stores and loads bank-conflict free.
 RED_CHUNK = 144
@@ -131,7 +125,7 @@ class SparseDecodeTokenKernel(SparseDecodeKernelBase):
             raise ValueError(f"kv_dtype {kv_dtype!r} not in {KV_DTYPES}")
         # NVFP4: one stage is the K slot and the V slot of a (page, KV head), adjacent in the cache
         self.nvfp4 = kv_dtype == "nvfp4"
-        self.stage_bytes = page_size * (2 * NVFP4_ROW_BYTES if self.nvfp4 else ROW_BYTES)
+        self.stage_bytes = page_size * (2 * NVFP4_ROW_BYTES if self.nvfp4 else FP8_ROW_BYTES)
         # NVFP4 codes -> f16 by the hardware's `cvt.rn.f16x2.e2m1x2` (SM100+, arch_options), exact
         # values; else bit placement into f16 (ptx.e2m1x8_to_f16x2x4, value * 2**-14)
         if e2m1_cvt and not self.nvfp4:
@@ -452,12 +446,12 @@ class SparseDecodeTokenKernel(SparseDecodeKernelBase):
             codes = ptx.ld_shared_v2(stage + key * NVFP4_CODE_BYTES + 32 * kh + 8 * c)
             sc = ptx.ld_shared_u8(stage + self.page * NVFP4_CODE_BYTES + 8 * key + 4 * kh + c)  # row-major
             return [codes[0], codes[1], ptx.e4m3_bytes_to_f16x2(sc, sc, 0x00)]
-        return ptx.ld_shared_v4(stage + key * ROW_BYTES + 16 * c + 64 * kh)
+        return ptx.ld_shared_v4(stage + key * FP8_ROW_BYTES + 16 * c + 64 * kh)
 
     @cute.jit
     def load_k_pair(self, stage, key, kh, kp, c):
         """fp8 K words 2kp, 2kp+1 of load_k's 4 (head dims 64kh + 16c + 8kp .. + 8), one 8-byte load."""
-        return ptx.ld_shared_v2(stage + key * ROW_BYTES + 16 * c + 64 * kh + 8 * kp)
+        return ptx.ld_shared_v2(stage + key * FP8_ROW_BYTES + 16 * c + 64 * kh + 8 * kp)
 
     @cute.jit
     def nvfp4_k_frags(self, kraw, kp):
@@ -488,8 +482,8 @@ class SparseDecodeTokenKernel(SparseDecodeKernelBase):
             # rows row0..row0+3 (row0 % 4 == 0) of group g are 4 adjacent bytes
             sw = ptx.ld_shared_b32(vslot + self.page * NVFP4_CODE_BYTES + (row0 + g // 2) * 8 + (g % 2) * 4)
             return [rows, ptx.e4m3x2_to_f16x2(sw, 0), ptx.e4m3x2_to_f16x2(sw, 1)]
-        vrow = stage + row0 * ROW_BYTES + HEAD_DIM + 16 * g
-        return [self.ld_v_rotated(vrow + i * ROW_BYTES, c) for i in range(4)]
+        vrow = stage + row0 * FP8_ROW_BYTES + HEAD_DIM + 16 * g
+        return [self.ld_v_rotated(vrow + i * FP8_ROW_BYTES, c) for i in range(4)]
 
     @cute.jit
     def nvfp4_v_frags(self, vraw, grp):

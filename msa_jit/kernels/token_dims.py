@@ -31,7 +31,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
 from . import ptx
-from .token import HEAD_DIM, LN2, ROW_BYTES, SparseDecodeTokenKernel
+from .constants import FP8_ROW_BYTES, HEAD_DIM, LN2
+from .token import SparseDecodeTokenKernel
 
 GROUP_ROWS = 32  # rows per bulk copy of a block
 GROUP_PAD = 32  # bytes between two groups: the next group's banks are 8 further on
@@ -53,7 +54,7 @@ class SparseDecodeTokenDimsKernel(SparseDecodeTokenKernel):
     def set_stage_layout(self, group_rows: int, pad: int):
         """A stage as page // group_rows bulk copies of group_rows rows, each `pad` bytes after the previous."""
         self.group_rows = group_rows
-        self.group_stride = group_rows * ROW_BYTES + pad
+        self.group_stride = group_rows * FP8_ROW_BYTES + pad
         self.stage_stride = self.page // group_rows * self.group_stride  # shared bytes of a stage (stage_bytes copied)
         self.p_offset = self.stages * self.stage_stride
         self.buf_bytes = self.p_offset + P_BYTES
@@ -67,14 +68,14 @@ class SparseDecodeTokenDimsKernel(SparseDecodeTokenKernel):
     @cute.jit
     def row_addr(self, stage, key):
         """Shared address of block row `key` of the stage."""
-        return stage + (key // self.group_rows) * self.group_stride + (key % self.group_rows) * ROW_BYTES
+        return stage + (key // self.group_rows) * self.group_stride + (key % self.group_rows) * FP8_ROW_BYTES
 
     # ------------------------------------------------------------------ producer
     @cute.jit
     def produce(self, mKV, sPages, h, first, n_iter, buf_addr, full_ptr, empty_ptr):
         """Producer (one thread): each selected block as 4 bulk copies of 32 rows into the padded stage."""
         kv_base = mKV.iterator.toint()
-        group_bytes = self.group_rows * ROW_BYTES
+        group_bytes = self.group_rows * FP8_ROW_BYTES
         for i in range(n_iter):
             s = i % self.stages
             cute.arch.mbarrier_wait(empty_ptr + s, ((i // self.stages) & 1) ^ 1)

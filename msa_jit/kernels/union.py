@@ -57,7 +57,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from . import common, ptx
 from .base import SparseDecodeKernelBase
-from .token import HEAD_DIM, LN2, ROW_BYTES
+from .constants import FP8_ROW_BYTES, HEAD_DIM, LN2
 from .union_ops import (BAR_ALL, BAR_WG, RESCALE_LOG2, ROWS, build_union, f16_tile_layout, fp8_tile_layout, ld_shared_f32, merged_row_stats, row_state, st_global_b32, st_global_v2_f32, st_shared_f32, stage_q_fp8, stage_q_split, store_f16_chunks, swizzled_f16, swizzled_fp8, tree)
 
 WG_THREADS = 128  # threads of a warpgroup
@@ -162,7 +162,7 @@ class SparseDecodeUnionKernel(SparseDecodeKernelBase):
         self.cv_regs = (208, 48) if self.q_lo_regs else (192, 64)
         self.tile_tokens = ROWS // self.group  # query tokens per CTA
         self.union_max = self.tile_tokens * self.topk  # union blocks of a tile, at most
-        self.stage_bytes = self.page * ROW_BYTES  # K and V of a (page, KV head)
+        self.stage_bytes = self.page * FP8_ROW_BYTES  # K and V of a (page, KV head)
         self.tile_bytes = self.page * HEAD_DIM  # a K or V tile of a stage (fp8)
         self.empty_arrivals = WG_THREADS * (1 + int(self.v_converter))  # the threads that read a stage
         self.threads = WG_THREADS * (warpgroups + int(self.v_converter))
@@ -220,9 +220,9 @@ class SparseDecodeUnionKernel(SparseDecodeKernelBase):
     def kernel_operands(self, kv_cache) -> tuple:
         """The TMA atoms and global views of the K and V halves of the cache [P, Hkv, page, 256]
         (fp8), as (key, byte, KV head, page) tensors: (tma_k, g_k, tma_v, g_v)."""
-        page_stride = self.hkv * self.page * ROW_BYTES
+        page_stride = self.hkv * self.page * FP8_ROW_BYTES
         view = cute.make_layout((self.page, HEAD_DIM, self.hkv, kv_cache.shape[0]),
-                                stride=(ROW_BYTES, 1, self.page * ROW_BYTES, page_stride))
+                                stride=(FP8_ROW_BYTES, 1, self.page * FP8_ROW_BYTES, page_stride))
         tile = fp8_tile_layout(self.page)
         tma_k, g_k = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(),
                                                  cute.make_tensor(kv_cache.iterator, view), tile,

@@ -23,14 +23,13 @@ from cutlass.cute.nvgpu import warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
-from ..geometry import HEAD_DIM, UNION_ROWS
 from . import common, ptx
+from .constants import E4M3_MAX, HEAD_DIM, UNION_ROWS
 
 BUILD_WARPS = 4  # warps 0-3 compact the tile tokens' slots (token j: warp j % 4)
 ROWS = UNION_ROWS  # the warpgroup MMA's M: a tile's tokens x the group's G query heads
 BAR_WG = 1  # named barriers 1, 2: the 128 threads of MMA warpgroup 0, 1
 BAR_ALL = 3  # both MMA warpgroups
-E4M3_MAX = 448.0
 AMAX_MIN = 2.0 ** -100  # a row below it is zero in e4m3 (its S is ~0 in the reference too)
 RESCALE_LOG2 = 8.0  # the running max moves only when a row grows past it by more than this (log2 units)
 

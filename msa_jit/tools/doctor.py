@@ -25,16 +25,15 @@ SM100_POLICY = (
 UNION_POLICY = (
     "On sm_90a the union kernel (one CTA per request's token tile, each shared block read once) "
     "serves fp8-cache steps where one tile holds a request's draft (decode_query_len 2..64/G: 2-4 at "
-    "G = 16, 2-8 at G = 8) and its grid is one full wave at 2 CTAs per SM; MSA_JIT_ENABLE_SM90_UNION=1 "
-    "gives it every qlen >= 2 step whose grid has at least one CTA per SM, 0 none (a planner pin "
-    "kernel='token' / 'union' decides for itself). The rule keeps it no slower where draft tokens share "
-    "no blocks; with 1 it is faster where they share most blocks and up to 1.5x slower where they share "
-    "none (docs/performance.md rows 87-88)."
+    "G = 16, 2-8 at G = 8) and its grid is one full wave at 2 CTAs per SM, where it is no slower even "
+    "when draft tokens share no blocks. SparseDecodePlanner(drafts_share_blocks=True) gives it every "
+    "qlen >= 2 step whose grid has at least one CTA per SM (faster where drafts share most blocks, up "
+    "to 1.5x slower where they share none); kernel='token' / 'union' pins one."
 )
 CLUSTER_MERGE_POLICY = (
     "On sm_90a a step whose KV splits are served at 2 CTAs per SM merges them inside the decode "
-    "launch (one thread-block cluster per token and KV head, no merge kernel) unless "
-    "MSA_JIT_ENABLE_CLUSTER_MERGE=0 (or a planner pins split_merge='kernel'), and unless the GPU "
+    "launch (one thread-block cluster per token and KV head, no merge kernel) unless a planner pins "
+    "split_merge='kernel', and unless the GPU "
     "cannot hold the clusters (a plan's first call asks the driver): 2.6-9.1% faster per layer on "
     "an H100 where it is picked, one launch per op call."
 )
@@ -207,14 +206,7 @@ def probe_policy(arches: list[str]) -> dict[str, Any]:
     from ..jit import registry
 
     families = {a: registry.kernel_family(SparseDecodeConfig(16, 1, arch=a)) for a in arches}
-    flags = {}
-    for name, read in (("enable_sm90_union", env.enable_sm90_union),
-                       ("enable_cluster_merge", env.enable_cluster_merge)):
-        try:
-            flags[name] = read()
-        except ValueError as e:
-            flags[name] = f"invalid ({e})"
-    return {"policy": SM100_POLICY, "union_policy": UNION_POLICY, "cluster_merge_policy": CLUSTER_MERGE_POLICY, **flags,
+    return {"policy": SM100_POLICY, "union_policy": UNION_POLICY, "cluster_merge_policy": CLUSTER_MERGE_POLICY,
             "registered": sorted(registry.KERNEL_REGISTRY), "families": families}
 
 
@@ -314,9 +306,7 @@ def render(r: dict[str, Any]) -> str:
         add(f"  {k['policy']}")
         add(f"  registered kernels: {', '.join(k['registered'])}")
         add(f"  {k['union_policy']}")
-        add(f"  MSA_JIT_ENABLE_SM90_UNION -> {'unset (the planner rule)' if k['enable_sm90_union'] is None else k['enable_sm90_union']}")
         add(f"  {k['cluster_merge_policy']}")
-        add(f"  MSA_JIT_ENABLE_CLUSTER_MERGE -> {k['enable_cluster_merge']}")
         for arch, fam in k["families"].items():
             add(f"  {arch}: {fam} kernel" + (" (mma.sync)" if fam == "token" else ""))
     return "\n".join(out)

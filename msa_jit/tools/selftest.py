@@ -1,14 +1,12 @@
 """The correctness grid of `msa-jit selftest` (the one-command hardware check for a new GPU).
 
-`correctness_grid()` checks the kernel this GPU gets (the dispatcher's choice: on 10.x the
-portable kernel unless MSA_JIT_ENABLE_SM100_UMMA=1) against the float64 reference on the full
+`correctness_grid()` checks the kernels this GPU gets against the float64 reference on the full
 grid: every MiniMax-M3 geometry x qlen x query dtype x batch, plus forced split-KV factors,
-each on every occupancy the planner may pick (2 and 3 CTAs per SM for the portable kernel);
-on sm_90a (unless MSA_JIT_ENABLE_SM90_UNION=0), also every qlen >= 2 case on the union kernel (the
-planner pinned to it) at the occupancies a warmup builds for it (2 CTAs per SM; with the flag at 1,
-1 and 2). On sm_90a the 2-CTA cases whose split grid is at most one CTA per SM merge in a cluster
-(the planner's choice unless MSA_JIT_ENABLE_CLUSTER_MERGE=0), so exactly those also run with the merge
-kernel pinned; each row says which merge ran.
+each on every occupancy the planner may pick (2 and 3 CTAs per SM for the token kernel);
+on sm_90a also every qlen >= 2 case on the union kernel (the planner pinned to it) at the
+occupancy a warmup builds for it (2 CTAs per SM). On sm_90a the 2-CTA cases whose split grid is
+at most one CTA per SM merge in a cluster (the planner's choice), so exactly those also run with
+the merge kernel pinned; each row says which merge ran.
 `msa_jit.cli.selftest` runs it, then the benchmark grid.
 """
 
@@ -25,16 +23,15 @@ QUICK = dict(qlens=[1, 4], batches=[1, 16])
 FORCE_SPLITS = 100000  # a num_sms that makes the planner split every step topk_blocks ways
 
 
-def grid_cases(arch: str, *, quick: bool = False, union: bool | None = None, cluster: bool = False,
+def grid_cases(arch: str, *, quick: bool = False, union: bool = True, cluster: bool = True,
                device_sms: int = 132) -> list[tuple]:
     """The cases of `correctness_grid` on `arch`: ((Hq, Hkv), q dtype, qlen, batch, num_sms or None,
     kernel, ctas_per_sm, split_merge pin or None for the planner's choice). cluster: the planner may
-    merge 2-CTA splits in a cluster (MSA_JIT_ENABLE_CLUSTER_MERGE), so the cases where it does (on a
-    GPU of `device_sms` SMs where num_sms is None) also run with the merge kernel pinned. union:
-    MSA_JIT_ENABLE_SM90_UNION's value (None: unset, the default; False: 0), whose union builds
-    (registry.warmed_union_ctas_per_sm) run every qlen >= 2 case. Pure Python (no GPU)."""
-    from ..jit.registry import supported_ctas_per_sm, warmed_union_ctas_per_sm
-    from ..geometry import DEFAULT_TOPK_BLOCKS, cluster_merge_problems, union_problems
+    merge 2-CTA splits in a cluster, so the cases where it does (on a GPU of `device_sms` SMs where
+    num_sms is None) also run with the merge kernel pinned. union: the union kernel's planned build
+    runs every qlen >= 2 case. Pure Python (no GPU)."""
+    from ..geometry import DEFAULT_TOPK_BLOCKS, UNION_PLANNED_CTAS_PER_SM, cluster_merge_problems, union_problems
+    from ..jit.registry import supported_ctas_per_sm
     from ..planner import choose_num_splits, takes_cluster_merge
 
     qlens = QUICK["qlens"] if quick else QLENS
@@ -43,7 +40,8 @@ def grid_cases(arch: str, *, quick: bool = False, union: bool | None = None, clu
     cases += [((64, 4), "bfloat16", 4, 3, ns) for ns in (1, FORCE_SPLITS)]  # force 1 and topk splits
     # every case on every occupancy the planner may pick on this GPU (same inputs)
     builds = [("token", n, None) for n in supported_ctas_per_sm(arch)]
-    builds += [("union", n, None) for n in warmed_union_ctas_per_sm(arch, union)]
+    if union and UNION_PLANNED_CTAS_PER_SM in supported_ctas_per_sm(arch, "union"):
+        builds.append(("union", UNION_PLANNED_CTAS_PER_SM, None))
     if cluster:
         builds += [("token", n, "kernel") for n in supported_ctas_per_sm(arch)
                    if not cluster_merge_problems(kernel="token", ctas_per_sm=n, arch=arch)]
@@ -63,13 +61,12 @@ def correctness_grid(*, quick: bool = False, log=print) -> list[dict]:
     """Run every case; returns one row per case with its error and problems."""
     import torch
 
-    from .. import SparseDecodePlanner, env, sparse_decode
+    from .. import SparseDecodePlanner, sparse_decode
     from ..geometry import device_arch
     from ..testing import LSE_ATOL, UNION_LSE_ATOL, compare_with_reference, make_case
 
     rows = []
-    cases = grid_cases(device_arch(0), quick=quick, union=env.enable_sm90_union(), cluster=env.enable_cluster_merge(),
-                       device_sms=torch.cuda.get_device_properties(0).multi_processor_count)
+    cases = grid_cases(device_arch(0), quick=quick, device_sms=torch.cuda.get_device_properties(0).multi_processor_count)
     for item in cases:
         (hq, hkv), qd, qlen, batch, num_sms, kernel, ctas_per_sm, split_merge = item
         seed = zlib.crc32(f"{hq}/{hkv}/{qd}/{qlen}/{batch}/{num_sms}".encode())

@@ -7,12 +7,12 @@ stream's ceiling. The grid (`grid.grid_rows`: 64/4, 16/1, 8/1 x B 1..256 x qlen 
 fp8 and NVFP4 caches, plus the speculative-decode rows) is timed as an engine runs the op:
 one prologue, then L layers in one graph; `per_layer` rows give what one more layer costs,
 `points` the one-layer step. Small-batch rows carry the floor probe (`readers.floor_layer`),
-`host` the CPU side, `targets` the check of issues #18 / #19's targets.
+`host` the CPU side.
 
 Modules: `timing` (how things are timed), `steps` (random fp8 / NVFP4 decode steps, byte
 accounting), `readers` (Triton read-only kernels: the 2 GiB stream, the floor probe; imports
 triton), `grid` (which rows, pure Python), `measure` (timing them: `run_grid`, `main`), `report` (README tables, plot,
-regression check), `targets` (the issues' targets). The names below are what bench/*.py and
+regression check). The names below are what bench/*.py and
 the CLI import.
 """
 
@@ -22,15 +22,14 @@ from .grid import (FLOOR_BATCHES, GRID_BATCHES, GRID_GEOMETRIES, GRID_KV_DTYPES,
 from .measure import BenchPoint, environment, host_overheads, main, measure_row, per_layer, run_grid
 from .report import compare_with_baseline, latest_result, plot, readme_table, regressions
 from .steps import (BLOCK_BYTES, FP8_KV, GEOMETRIES, NVFP4_BLOCK_BYTES, NVFP4_KV, StepIndices, block_bytes, decode, make_indices, make_kv_cache, make_step, prepare_args)
-from .targets import check_targets, format_targets
 from .timing import (copy_bandwidth, event_seconds, interleaved_issue_us, interleaved_per_call_us, issue_us, median_in_graph, per_call_us, time_graph, time_in_graph)
 
 __all__ = [
     "BLOCK_BYTES", "FLOOR_BATCHES", "FP8_KV", "GEOMETRIES", "GRID_BATCHES", "GRID_GEOMETRIES", "GRID_KV_DTYPES",
     "GRID_QLENS", "NUM_LAYERS", "NVFP4_BLOCK_BYTES", "NVFP4_KV", "QUICK_QLENS", "QUICK_SHARED_POINTS",
     "RESULTS_DIR", "SHARED_BLOCKS", "SHARED_POINTS", "BenchPoint", "RowSpec", "StepIndices", "add_speedups",
-    "block_bytes", "check_targets", "compare_with_baseline", "copy_bandwidth", "decode", "environment",
-    "event_seconds", "format_targets", "grid_rows", "host_overheads", "interleaved_issue_us", "interleaved_per_call_us",
+    "block_bytes", "compare_with_baseline", "copy_bandwidth", "decode", "environment",
+    "event_seconds", "grid_rows", "host_overheads", "interleaved_issue_us", "interleaved_per_call_us",
     "issue_us", "latest_result",
     "main", "make_indices", "make_kv_cache", "make_step", "measure_row", "median_in_graph", "per_call_us",
     "per_layer", "plot", "prepare_args", "readme_table", "regressions", "run_grid", "time_graph", "time_in_graph",

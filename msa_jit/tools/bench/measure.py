@@ -31,7 +31,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from ... import env
 from ...geometry import HEAD_DIM
 from .grid import (FLOOR_BATCHES, GRID_BATCHES, GRID_GEOMETRIES, GRID_KV_DTYPES, GRID_QLENS, NUM_LAYERS, SHARED_BLOCKS, SHARED_POINTS, RowSpec, add_speedups, grid_rows)
 from .steps import FP8_KV, GEOMETRIES, NVFP4_KV, decode, make_indices, make_step, prepare_args
@@ -295,12 +294,6 @@ def environment() -> dict[str, str]:
         "cutlass_dsl": dsl_version(),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": invocation(),
-        # the kernel choices that environment variables make (a row's "kernel" / "split_merge" says which
-        # ran): the raw values set, and what they mean (defaults differ: the cluster merge is on unset)
-        "msa_jit_env": {name: os.environ[name]
-                        for name in env.KERNEL_FLAG_DEFAULTS if name in os.environ},
-        "msa_jit_flags": {"enable_sm90_union": env.enable_sm90_union(),
-                          "enable_cluster_merge": env.enable_cluster_merge()},
     }
 
 
@@ -428,8 +421,7 @@ def _free_stamp(out: Path, date: str) -> str:
 
 
 def main(out_dir: str, baseline: str | None = "auto", **kw) -> dict[str, Any]:
-    """Run the grid, write bench-<date>T<time>.json/.png into out_dir, compare with a baseline,
-    check the targets (`targets.check_targets`) and print their summary.
+    """Run the grid, write bench-<date>T<time>.json/.png into out_dir and compare with a baseline.
 
     baseline: a result JSON, "auto" (the newest result already in out_dir from a GPU of this name) or
     None/"none".
@@ -437,14 +429,12 @@ def main(out_dir: str, baseline: str | None = "auto", **kw) -> dict[str, Any]:
     result["regressions"].
     """
     from .report import device_of, latest_result, plot, regressions
-    from .targets import check_targets, format_targets
 
     out = Path(out_dir)
     if baseline == "auto":
         import torch
 
-        baseline = latest_result(out, torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-                                 flags=environment()["msa_jit_flags"])
+        baseline = latest_result(out, torch.cuda.get_device_name() if torch.cuda.is_available() else None)
     elif baseline in (None, "none"):
         baseline = None
     result = run_grid(**kw)
@@ -460,8 +450,6 @@ def main(out_dir: str, baseline: str | None = "auto", **kw) -> dict[str, Any]:
             result["regressions"] = regressions(result, base)
         for line in result["regressions"]:
             print("REGRESSION", line)
-    result["targets"] = check_targets(result, base)
-    print(format_targets(result["targets"]))
     out.mkdir(parents=True, exist_ok=True)  # only now: a run that fails leaves no empty folder
     stamp = _free_stamp(out, result["environment"]["date"])
     (out / f"bench-{stamp}.json").write_text(json.dumps(result, indent=1))

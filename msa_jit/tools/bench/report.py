@@ -12,7 +12,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ... import env as _env
 from ...geometry import KV_DTYPE_SHORT
 from .grid import GRID_BATCHES, GRID_GEOMETRIES, GRID_QLENS
 from .steps import FP8_KV, GEOMETRIES
@@ -39,45 +38,6 @@ def result_problem(doc: Any) -> str | None:
         if k in doc and not isinstance(doc[k], kind):
             return f"{k!r} is not a JSON {'object' if kind is dict else 'array'}"
     return None
-
-
-# the kernel choices of `environment()["msa_jit_flags"]` (key -> variable) and their defaults
-# (msa_jit.env.KERNEL_FLAG_DEFAULTS; None: unset): a run with any other value measured another build than the op as shipped
-FLAG_VARS = {"enable_sm90_union": _env.ENABLE_SM90_UNION, "enable_cluster_merge": _env.ENABLE_CLUSTER_MERGE}
-DEFAULT_FLAGS = {key: _env.KERNEL_FLAG_DEFAULTS[var] for key, var in FLAG_VARS.items()}
-
-
-# before this date MSA_JIT_ENABLE_SM90_UNION=0 and unset chose the same kernels (the union was opt-in);
-# since, unset is the planner's rule (the union where one tile holds a request's draft)
-UNION_RULE_SINCE = "2026-12-06T07"
-
-
-def run_flags(result: dict[str, Any]) -> dict[str, bool | None]:
-    """The kernel-choice flags a result file's run had: `environment.msa_jit_flags`, else the raw
-    `msa_jit_env` values (files of sessions 16-21), else the defaults (older files). A union flag of
-    0 in a file dated before UNION_RULE_SINCE reads as the default of its day (None)."""
-    env = result.get("environment") or {}
-    flags = dict(DEFAULT_FLAGS)
-    recorded = env.get("msa_jit_flags")
-    if isinstance(recorded, dict):
-        flags.update({k: None if v is None else bool(v) for k, v in recorded.items() if k in flags})
-    else:
-        raw = env.get("msa_jit_env") or {}
-        for name, var in FLAG_VARS.items():
-            try:
-                value = _env.parse_bool(str(raw.get(var, "")))
-            except ValueError:  # a run with an unreadable value stopped at its first plan
-                value = None
-            if value is not None:
-                flags[name] = value
-    if flags["enable_sm90_union"] is False and str(env.get("date", "")) < UNION_RULE_SINCE:
-        flags["enable_sm90_union"] = None
-    return flags
-
-
-def opt_in_flags(result: dict[str, Any]) -> list[str]:
-    """'MSA_JIT_ENABLE_SM90_UNION=1' for each kernel-choice flag the run had away from its default."""
-    return [f"{FLAG_VARS[k]}={int(v)}" for k, v in run_flags(result).items() if v != DEFAULT_FLAGS[k]]
 
 
 def device_of(result: dict[str, Any]) -> str | None:
@@ -130,12 +90,10 @@ def regressions(result: dict[str, Any], baseline: dict[str, Any], slack: float =
             for c in compare_with_baseline(result, baseline) if c["ratio"] > slack]
 
 
-def latest_result(out_dir: str | Path, device: str | None = None,
-                  flags: dict[str, bool | None] | None = None) -> Path | None:
+def latest_result(out_dir: str | Path, device: str | None = None) -> Path | None:
     """The newest bench-*.json in out_dir (by its recorded date), or None. device: only files measured
     on a GPU of that name (`environment.device`, torch.cuda.get_device_name()): timings of an H100 and
-    an H200 do not compare. flags: only files whose run had these kernel-choice flags (`run_flags`):
-    a default run is not compared with an opt-in build's (a union run's file is the newest)."""
+    an H200 do not compare."""
     best, best_date = None, ""
     for path in Path(out_dir).glob("bench-*.json"):
         try:
@@ -145,8 +103,6 @@ def latest_result(out_dir: str | Path, device: str | None = None,
         except (OSError, ValueError, KeyError, TypeError):
             continue
         if device is not None and env.get("device") != device:
-            continue
-        if flags is not None and run_flags(doc) != {**DEFAULT_FLAGS, **flags}:
             continue
         if date > best_date:
             best, best_date = path, date
