@@ -294,7 +294,6 @@ class SparseDecodeUnionKernel(SparseDecodeKernelBase):
                               tile, qlen, n_tok, warp, lane, TT, self.topk, self.page)
         # this CTA's split: union blocks first .. first + n_split (the loops count from 0)
         first, n_split = common.split_range(n_union, num_splits, split)
-        self.mark_cta(mPO, n_split, tidx)
 
         # the stages as TMA destinations: (tile, stage) of K and of V; the cache as (tile, page) of this KV head
         staged = fp8_tile_layout(self.page, self.stages)
@@ -510,14 +509,11 @@ class SparseDecodeUnionKernel(SparseDecodeKernelBase):
         for i in range(wg, n_union, self.wgs):
             self.softmax(acc_s, acc_o, p_words, row_max, row_sum, sBlocks[first + i], sMasks[first + i], sKvLen,
                          sQScale, qk_scale_log2, warp, g, c)
-            self.mark(i, 4, tidx)  # softmax done (and warp 0's refill issued)
             if cutlass.const_expr(self.v_converter):
                 cute.arch.mbarrier_wait(storage.tile_full.data_ptr(), i & 1)  # the converter's V tile is in
             else:
                 cute.arch.barrier(barrier_id=bar, number_of_threads=WG_THREADS)  # every thread's part of the V tile is in
-            self.mark(i, 5, tidx)  # the V tile is complete
             self.pv_mma(m["mma_o"], acc_o, tOrP, tOrV)
-            self.mark(i, 6, tidx)  # P V issued
             if i + self.wgs < n_union:
                 self.s_and_v(m, acc_s, tma, sPages, first, i + self.wgs, n_union, full_ptr, empty_ptr, bufv, bar,
                              tidx, storage)
@@ -535,26 +531,19 @@ class SparseDecodeUnionKernel(SparseDecodeKernelBase):
         chains), the tile handed to the converter once P V is done."""
         s = i % self.stages
         cute.arch.mbarrier_wait(full_ptr + s, (i // self.stages) & 1)
-        self.mark(i, 0, tidx)  # the stage is full
         self.s_mma_issue(m, acc_s, s)
         warpgroup.wait_group(1)  # this thread's share of the previous P V is done (S may still run)
         if cutlass.const_expr(self.v_converter):
             # release: this thread's reads of the tile (P V's, and Q's lo tile before block 0) come first
             cute.arch.mbarrier_arrive(storage.tile_free.data_ptr())
-            self.mark(i, 1, tidx)
-            self.mark(i, 2, tidx)  # (no conversion here: the trace's wait for the converter is event 4 -> 5)
             self.mma_wait()
-            self.mark(i, 3, tidx)  # S done
             self.release_stage_and_refill(tma, sPages, first, i, n_union, full_ptr, empty_ptr, tidx, refill=False)
         else:
             cute.arch.barrier(barrier_id=bar, number_of_threads=WG_THREADS)  # every warp's: the V tile is free
-            self.mark(i, 1, tidx)  # S issued, the previous P V done
             # its proxy fence comes after the wait: ptxas 12.9 (the DSL's) segfaults on a fence.proxy.async
             # between a wgmma commit and its wait
             self.convert_v(bufv + s * self.tile_bytes, m["v_smem"], tidx)
-            self.mark(i, 2, tidx)  # this thread's V conversion done
             self.mma_wait()
-            self.mark(i, 3, tidx)  # S done
             cute.arch.fence_view_async_shared()
             self.release_stage_and_refill(tma, sPages, first, i, n_union, full_ptr, empty_ptr, tidx)
 
@@ -774,10 +763,3 @@ class SparseDecodeUnionKernel(SparseDecodeKernelBase):
                             st_global_b32(row + 16 * j, ptx.f32x2_to_bf16x2(v[0], v[1]))
                         else:
                             st_global_v2_f32(prow + 32 * j, v[0], v[1])
-
-    # ---- hooks: no code here; an instrumented subclass (bench/union_fp8.py) stamps timers in them
-    def mark_cta(self, mPO, n_blocks, tidx):
-        """The CTA's split has n_blocks union blocks (mPO: the plan's partial_o)."""
-
-    def mark(self, i, event: int, tidx):
-        """Event `event` (0..6, see mma_loop) of the split's block i, at thread tidx of an MMA warpgroup."""

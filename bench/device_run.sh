@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# One call on the GPU host: the GPU test suite, the sanitizers, selftest and the bench, each step
+# under a timeout that ends it DEADLINE seconds after the start (the call's limit is 600 s), so the
+# logs of the steps before it always come back. Run from the repository root there, with these
+# git-ignored folders carried: .gpu-bundle (the DSL runtime: ../shared/gpu-host/make-bundle.sh) and
+# .artifacts (a warmed cache: MSA_JIT_CACHE_DIR=.artifacts msa-jit warmup --arch sm_90a).
+#   bash bench/device_run.sh tests union_tests cluster_tests memcheck racecheck selftest bench
+# Files in $OUT (at most 8 come back): <step>.log, and the bench's bench-<date>.json / .png.
+set -uo pipefail
+source .gpu-bundle/setup.sh >/dev/null
+export PYTHONPATH=$PWD:${PYTHONPATH:-} MSA_JIT_CACHE_DIR=$PWD/.artifacts MSA_JIT_NO_COMPILE=1 PYTHONUNBUFFERED=1
+export MSA_JIT_DSL_VERSION=${MSA_JIT_DSL_VERSION:-4.8.1}  # the bundle has no DSL package metadata
+START=$(date +%s)
+DEADLINE=${DEADLINE:-570}
+FAILED=0  # exit 1 once a step failed: every step still runs
+# the files with GPU tests that `tests` runs (union_tests and cluster_tests run their own file);
+# tests/test_device_run.py checks that every file with GPU tests is run by some step
+GPU_TESTS="test_kernel_gpu.py test_planner.py test_torch_op.py test_op_fast_path.py test_nvfp4*.py test_engine*.py
+           test_vllm_plugin.py test_bench.py test_examples.py test_multi_gpu.py"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+
+# limit SECONDS: the step's own cap, cut to what is left before DEADLINE
+limit() { local left=$(( DEADLINE - ($(date +%s) - START) )); (( left < $1 )) && echo $(( left > 5 ? left : 5 )) || echo "$1"; }
+done_step() { echo "$1: rc=$2"; (( $2 == 0 )) || FAILED=1; }
+gpu_pytest() {  # gpu_pytest LOG SECONDS FILES...: the GPU cases of FILES
+  local log=$1 secs=$2; shift 2
+  (cd tests && timeout "$(limit "$secs")" python3 -m pytest "$@" -m gpu -q -rA) > "$OUT/$log" 2>&1
+  done_step "$log" $?; tail -n 1 "$OUT/$log"
+}
+sanitize() {  # sanitize TOOL: adversarial inputs under compute-sanitizer (tests/gpu_memcheck.py)
+  (cd tests && timeout "$(limit 200)" compute-sanitizer --tool "$1" --error-exitcode 9 python3 gpu_memcheck.py) \
+    > "$OUT/$1.log" 2>&1
+  local rc=$?; echo "$1: rc=$rc" >> "$OUT/$1.log"; done_step "$1" $rc; tail -n 3 "$OUT/$1.log"
+}
+
+for step in "$@"; do
+  case $step in
+    tests) gpu_pytest gpu-tests.log 240 $GPU_TESTS ;;
+    union_tests) gpu_pytest union-tests.log 240 test_union_gpu.py ;;
+    cluster_tests) gpu_pytest cluster-tests.log 200 test_cluster_merge_gpu.py ;;
+    memcheck|racecheck) sanitize "$step" ;;
+    selftest) timeout "$(limit 240)" python3 -m msa_jit selftest --no-bench --out "$OUT" > "$OUT/selftest.log" 2>&1
+              done_step selftest $?; tail -n 2 "$OUT/selftest.log" ;;
+    bench) timeout "$(limit 330)" python3 -m msa_jit bench --out "$OUT" --baseline none ${BENCH_ARGS:-} \
+             > "$OUT/bench.log" 2>&1
+           done_step bench $?; grep -E "FAILED|Error" "$OUT/bench.log" | head -n 20 ;;
+    *) echo "unknown step $step (tests union_tests cluster_tests memcheck racecheck selftest bench)"; exit 2 ;;
+  esac
+done
+exit $FAILED
