@@ -152,6 +152,12 @@ class SparseDecodePlan:
         dt = torch_dtype(q_dtype)
         fn = self.kernels.get((dt, kv_dtype))
         if fn is None:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                # a compile (seconds) or a module load inside capture would stall or break the capture
+                raise RuntimeError(
+                    f"msa-jit: the {dtype_name(dt)} / {kv_dtype} kernel of this plan was first needed inside "
+                    "CUDA-graph capture: run the step once eagerly before capturing (or `msa-jit warmup` and one "
+                    "eager step), as torch's own warm-up before a capture does")
             cfg = self.config(dt, kv_dtype).validate()
             from .jit.compiler import get_sparse_decode_kernel
 

@@ -10,6 +10,8 @@ submodules would otherwise always be a cycle (Python runs the parent first, then
 from __future__ import annotations
 
 import ast
+import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -113,15 +115,52 @@ def test_no_import_cycle(graph):
 
 
 def test_layers(graph):
-    """cli/ is the top (only __main__ imports it); the cache imports only itself and env (a
-    runtime-only host loads artifacts through it); plan.py and geometry.py are leaves."""
+    """docs/design.md's layers: the kernels import only each other (so their fingerprint is the whole
+    artifact); the cache imports only itself and env (a runtime-only host loads artifacts through it);
+    geometry and plan are near the bottom; cli/ is the top (only __main__ imports it)."""
     for name, deps in graph.items():
         if not (name.startswith("msa_jit.cli") or name == "msa_jit.__main__"):
             assert not any(d.startswith("msa_jit.cli") for d in deps), (name, deps)
+        if name.startswith("msa_jit.kernels"):
+            assert all(d.startswith("msa_jit.kernels") for d in deps), (name, deps)
         if name.startswith("msa_jit.jit.cache"):
             assert all(d.startswith("msa_jit.jit.cache") or d == "msa_jit.env" for d in deps), (name, deps)
+        if not name.startswith(("msa_jit.tools", "msa_jit.cli", "msa_jit.__main__")):
+            assert not any(d.startswith("msa_jit.tools") for d in deps), (name, deps)
+    assert graph["msa_jit.kernels.constants"] == set()
     assert graph["msa_jit.geometry"] <= {"msa_jit.kernels.constants"}
+    assert graph["msa_jit.env"] <= {"msa_jit.geometry", "msa_jit.kernels.constants"}
     assert graph["msa_jit.plan"] <= {"msa_jit.geometry", "msa_jit.kernels.convention", "msa_jit.jit.compiler"}
+
+
+def test_every_module_is_on_the_design_map():
+    """docs/design.md's map names every module of the package (by its file name, in its folder's
+    block), and nothing it names is missing."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    block = text.split("```", 2)[1]
+    missing = []
+    for path in package_modules(ROOT, PACKAGE).values():
+        # a subpackage's __init__.py is on the map as its folder
+        word = f"{path.parent.name}/" if path.name == "__init__.py" and path.parent.name != PACKAGE else path.name
+        if not re.search(rf"(?<![\w/]){re.escape(word)}", block):
+            missing.append(str(path.relative_to(ROOT)))
+    assert not missing, f"modules missing from docs/design.md's map: {missing}"
+    named = set(re.findall(r"\b([a-z_]+\.py)\b", block))
+    files = {p.name for p in (ROOT / PACKAGE).rglob("*.py")}
+    assert named <= files, f"docs/design.md names files that do not exist: {sorted(named - files)}"
+
+
+def test_the_map_check_can_fail(tmp_path, monkeypatch):
+    """A module the map does not name fails the check."""
+    pkg = tmp_path / PACKAGE
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "undocumented_helper.py").write_text("")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "design.md").write_text("# map\n```\nmsa_jit/\n  __init__.py\n```\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    with pytest.raises(AssertionError, match="undocumented_helper.py"):
+        test_every_module_is_on_the_design_map()
 
 
 def test_no_module_over_800_lines():

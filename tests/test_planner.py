@@ -621,3 +621,18 @@ def test_refresh_inside_a_capture_launches_the_kernel():
 def test_planner_rejects_a_bad_num_sms(num_sms):
     with pytest.raises(ValueError, match=r"^num_sms must be None or an int >= 1"):
         SparseDecodePlanner(num_sms=num_sms)
+
+
+def test_a_kernel_is_never_resolved_inside_graph_capture(monkeypatch):
+    """The first call of a plan's kernel inside CUDA-graph capture is refused before anything is
+    compiled or loaded (a compile takes seconds; capture wants the eager warm-up first)."""
+    from msa_jit.jit import compiler
+
+    c = _case()
+    plan = SparseDecodePlanner(arch="sm_90a").prepare(*c.prepare_args(), **c.prepare_kwargs())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(compiler, "get_sparse_decode_kernel", lambda cfg: pytest.fail("resolved inside capture"))
+    with pytest.raises(RuntimeError, match="inside CUDA-graph capture: run the step once eagerly"):
+        plan.resolve_kernel(torch.bfloat16)
+    assert plan.kernels == {}
