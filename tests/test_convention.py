@@ -133,6 +133,12 @@ def test_validation_rejects_what_the_convention_does_not_allow(name):
                   '[linker, *convention.LINK_FLAGS, "-o", str(so), str(obj), *libs, "-lm"]')),
     ("build.py", ("find_runtime_libraries(enable_tvm_ffi=True)", "find_runtime_libraries(enable_tvm_ffi=False)")),
     ("build.py", ("topk=config.topk_blocks,", "topk=2 * config.topk_blocks,")),
+    # the constants the host shares with the device code, and each kernel's own source
+    ("constants.py", ("UNION_ROWS = 64", "UNION_ROWS = 128")),
+    ("constants.py", ("E4M3_MAX = 448.0", "E4M3_MAX = 240.0")),
+    ("token.py", ("LAZY_RESCALE = 8.0", "LAZY_RESCALE = 4.0")),
+    ("union_ops.py", ("RESCALE_LOG2 = 8.0", "RESCALE_LOG2 = 4.0")),
+    ("split_merge.py", ("class SplitMergeKernel:", "class SplitMergeKernel:  # edited")),
 ])
 def test_editing_the_convention_changes_every_cache_key(tmp_path, monkeypatch, file, edit):
     src = KERNELS_DIR
