@@ -125,11 +125,19 @@ def _workspace_env(workspace: Path) -> dict[str, str]:
             "CUDA_HOME": os.environ.get("CUDA_HOME", "/usr/local/cuda")}
 
 
+# FlashInfer takes other import paths where the CuTe DSL is importable (a host given the full DSL bundle):
+# traced a second time with these visible, when this machine has them, and the two file sets united
+DSL = ("cutlass", "nvidia_cutlass_dsl", "cuda")
+
+
 def trace(root: Path, deps: list[Path], out: Path) -> list[str]:
-    with tempfile.TemporaryDirectory() as ws:
-        files = json.loads(_child(_TRACE, root, deps, _workspace_env(Path(ws))).strip().splitlines()[-1])
-    out.write_text("".join(f + "\n" for f in files))
-    return files
+    files: set[str] = set()
+    for hidden in _hidden_sets():
+        with tempfile.TemporaryDirectory() as ws:
+            env = {**_workspace_env(Path(ws)), "FI_BUNDLE_HIDDEN": json.dumps(hidden)}
+            files |= set(json.loads(_child(_TRACE, root, deps, env).strip().splitlines()[-1]))
+    out.write_text("".join(f + "\n" for f in sorted(files)))
+    return sorted(files)
 
 
 # Driver entry points a module may call (the Cake bindings: the first three); the stub below defines them
@@ -182,14 +190,25 @@ def prebuild(root: Path, deps: list[Path], aot: Path, workspace: Path, jobs: int
         raise SystemExit(f"fi_bundle prebuild: not linked against libcuda.so.1: {unlinked}")
 
 
+def _hidden_sets() -> list[tuple[str, ...]]:
+    """The host's view (HIDDEN), and the view with the CuTe DSL importable where this machine has it."""
+    import importlib.util
+
+    sets = [HIDDEN]
+    if importlib.util.find_spec("cutlass") is not None:
+        sets.append(tuple(h for h in HIDDEN if h not in DSL))
+    return sets
+
+
 def verify(root: Path, deps: list[Path]) -> dict:
-    with tempfile.TemporaryDirectory() as ws:
-        env = {**_workspace_env(Path(ws)), "FLASHINFER_DISABLE_JIT": "1"}
-        doc = json.loads(_child(_VERIFY, root, deps, env).strip().splitlines()[-1])
-    if not doc["file"].startswith(str(root)):
-        raise SystemExit(f"fi_bundle verify: flashinfer was imported from {doc['file']}, not from {root}")
-    if doc["missing"]:
-        raise SystemExit(f"fi_bundle verify: no prebuilt program for {doc['missing']}")
+    for hidden in _hidden_sets():
+        with tempfile.TemporaryDirectory() as ws:
+            env = {**_workspace_env(Path(ws)), "FLASHINFER_DISABLE_JIT": "1", "FI_BUNDLE_HIDDEN": json.dumps(hidden)}
+            doc = json.loads(_child(_VERIFY, root, deps, env).strip().splitlines()[-1])
+        if not doc["file"].startswith(str(root)):
+            raise SystemExit(f"fi_bundle verify: flashinfer was imported from {doc['file']}, not from {root}")
+        if doc["missing"]:
+            raise SystemExit(f"fi_bundle verify: no prebuilt program for {doc['missing']} (hidden: {hidden})")
     return doc
 
 
