@@ -37,13 +37,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peers", default="flashinfer,vllm")
     ap.add_argument("--iters", type=int, default=20)
     a = ap.parse_args(argv)
-    ps = peers.make_peers(peers.parse_compare(a.peers))
+    try:
+        ps = peers.make_peers(peers.parse_compare(a.peers))
+    except ValueError as e:
+        print(f"smoke.py: {e}", file=sys.stderr)
+        return 2
     for p in ps:
         t0 = time.perf_counter()
         why = p.available()
         print(f"{p.name}: {'version ' + str(p.version) if why is None else 'NOT AVAILABLE: ' + why} "
               f"({time.perf_counter() - t0:.1f} s)", flush=True)
     live = [p for p in ps if p.available() is None]
+    if not live:
+        print("smoke: no peer available")
+        return 1
     bad = 0
     for geo, batch, qlen in SHAPES:
         hq, hkv = GEOMETRIES[geo]
