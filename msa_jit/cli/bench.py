@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from ..tools import bench
+from ..tools.bench.peers import make_peers, parse_compare
 from ..tools.bench.report import result_problem
 from ..geometry import KV_DTYPE_SHORT, MAX_QLEN, MIN_QLEN
 from .common import int_at_least, parse_kv_dtype, positive_int, q_dtype_arg, split_list
@@ -50,7 +51,7 @@ def out_dir_problem(out: Path) -> str | None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The grid (--geometries, --batches, --decode-query-lens, --kv-dtypes, --q-dtype, --quick,
-    --floor-batches, --no-shared, --layers, --iters, --in-graph, --no-host), --out, --baseline,
+    --floor-batches, --no-shared, --layers, --iters, --in-graph, --no-host), --compare, --out, --baseline,
     --table."""
     p.add_argument("--out", default=bench.RESULTS_DIR, help="folder for bench-<date>.json/.png")
     p.add_argument("--geometries", default=",".join(bench.GRID_GEOMETRIES),
@@ -73,6 +74,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=positive_int, default=50, help="timed graph replays per figure")
     p.add_argument("--in-graph", action="store_true", help="also time each one-layer step inside one larger graph")
     p.add_argument("--no-host", action="store_true", help="skip the host-side (CPU) figures")
+    p.add_argument("--compare", metavar="PEERS", default=None,
+                   help="also time these peers on every row, the same way on the same steps, and check their outputs "
+                        "agree: a comma list of flashinfer (FlashInfer's SM90 MSA decode), vllm (vLLM 0.33's Triton "
+                        "MiniMax-M3 decode); rows get speedup_vs_<peer> = peer time / msa-jit time")
     p.add_argument("--baseline", default="auto",
                    help="result JSON to compare with (default: the newest in --out from this GPU; 'none' to skip); "
                         "exit 1 if a point is >5%% slower")
@@ -118,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
         floor_batches = _ints("--floor-batches", args.floor_batches, allow_empty=True)
         qlens = (_ints("--decode-query-lens", args.decode_query_lens, low=MIN_QLEN, high=MAX_QLEN)
                  if args.decode_query_lens is not None else bench.QUICK_QLENS if args.quick else bench.GRID_QLENS)
+        compare = parse_compare(args.compare) if args.compare is not None else ()
         problem = out_dir_problem(Path(args.out).absolute())
         if problem:
             raise ValueError(f"--out {args.out}: {problem}")
@@ -134,5 +140,5 @@ def run(args: argparse.Namespace) -> int:
     result = bench.main(args.out, geometries=geos, batches=batches, qlens=qlens, kv_dtypes=kvs,
                         q_dtype=args.q_dtype, shared_points=shared, floor_batches=floor_batches,
                         iters=args.iters, num_layers=args.layers, in_graph=args.in_graph, host=not args.no_host,
-                        baseline=args.baseline)
+                        baseline=args.baseline, **({"peers": make_peers(compare)} if compare else {}))
     return 1 if result.get("regressions") or result.get("errors") or result.get("incomplete") else 0

@@ -86,11 +86,12 @@ def _layers_of(planner, steps: list[dict[str, Any]], hq: int, hkv: int, qlen: in
 
 def measure_row(spec: RowSpec, copy_bw: float, *, q_dtype: str = "bfloat16", iters: int = 50,
                 num_layers: int = NUM_LAYERS, ctas_per_sm: int | None = None, in_graph: bool = False,
-                indices: list | None = None) -> tuple[dict[str, Any], BenchPoint]:
+                indices: list | None = None, peers: list | None = None) -> tuple[dict[str, Any], BenchPoint]:
     """Time one row (see the module docstring): (its per_layer row, its one-layer BenchPoint).
 
     indices: the `make_indices` results of the L layers to reuse (one point's fp8 and NVFP4
     rows then read the same blocks); drawn from seeds 0..L-1 when None.
+    peers: `peers.Peer`s timed on the same steps the same way, their figures added to the row.
     """
     import torch
 
@@ -125,6 +126,11 @@ def measure_row(spec: RowSpec, copy_bw: float, *, q_dtype: str = "bfloat16", ite
         "one_layer_pct_of_copy": _pct(kv, t1, copy_bw), "marginal_pct_of_copy": _pct(kv, marginal, copy_bw),
         "marginal_logical_pct_of_copy": _pct(logical, marginal, copy_bw),
     }
+    if peers:
+        from .peers import measure_peers
+
+        row.update(measure_peers(peers, steps, hq, hkv, spec.qlen, q_dtype, spec.kv_dtype,
+                                 lambda: decode(steps[0], plan), row, iters=iters, num_layers=num_layers))
     med_in = None
     if in_graph:
         med_in = median_in_graph(lambda: decode(steps[0], planner.prepare(*args, **kw)), iters=iters)
@@ -350,6 +356,10 @@ def _one_row(n: int, spec: RowSpec, specs: list[RowSpec], copy_bw: float, indice
     points.append(point)
     floor_txt = (f" | floor {row['floor_marginal_us']} us, x{row['ratio_to_floor']}" if "floor_marginal_us" in row
                  else "")
+    if kw.get("peers"):
+        from .peers import row_text
+
+        floor_txt += row_text(row, [p.name for p in kw["peers"]])
     log(f"{head} {spec.geometry:>5} {spec.kv_dtype[:5]:<5} q{spec.qlen} B{spec.batch:<4} sh{spec.shared_blocks:<2} "
         f"S{row['num_splits']:<2} C{row['ctas_per_sm']}{'U' if row.get('kernel') == 'union' else ' '} step {row['one_layer_us']:8.2f} us | per layer "
         f"{row['marginal_us']:8.2f} us {row['marginal_pct_of_copy']:5.1f}% of copy{floor_txt}")
@@ -358,12 +368,14 @@ def _one_row(n: int, spec: RowSpec, specs: list[RowSpec], copy_bw: float, indice
 def run_grid(geometries=GRID_GEOMETRIES, batches=GRID_BATCHES, qlens=GRID_QLENS, q_dtype="bfloat16",
              kv_dtypes=GRID_KV_DTYPES, shared_points=SHARED_POINTS, floor_batches=FLOOR_BATCHES,
              iters: int = 50, num_layers: int = NUM_LAYERS, in_graph: bool = False, host: bool = True,
-             log=print) -> dict[str, Any]:
+             log=print, peers: list | None = None) -> dict[str, Any]:
     """Time every row of `grid_rows(...)` plus the ceilings and the host side; the result dict.
 
     A row that fails (e.g. no NVFP4 artifact in a cache warmed for fp8 only) is logged and
     listed in result["errors"]; the other rows still run. On SIGTERM (a timeout) the grid stops
     after the rows done, skips the host figures and says so in result["incomplete"].
+    peers: `peers.make_peers(...)`: each row also times them (`peers.measure_peers`); result["peers"]
+    says which ran, result["peer_summary"] their ratios; a row whose outputs disagree is an error.
     """
     specs = grid_rows(geometries, batches, qlens, kv_dtypes, shared_points, floor_batches)
     t_start = time.perf_counter()
@@ -373,12 +385,17 @@ def run_grid(geometries=GRID_GEOMETRIES, batches=GRID_BATCHES, qlens=GRID_QLENS,
     log(f"one tiny kernel: {floor['graph_us']} us as a graph, {floor['in_graph_us']} us inside a graph")
     rows, points, errors = [], [], []
     indices: dict[tuple, list] = {}
+    if peers:
+        from .peers import describe
+
+        for name, info in describe(peers).items():
+            log(f"peer {name}: " + (f"{info['version']}" if info["available"] else f"not run: {info['reason']}"))
     stopped = False
     with _stop_on_sigterm():
         try:
             for n, spec in enumerate(specs, 1):
                 _one_row(n, spec, specs, copy_bw, indices, rows, points, errors, t_start, log, q_dtype=q_dtype,
-                         iters=iters, num_layers=num_layers, in_graph=in_graph)
+                         iters=iters, num_layers=num_layers, in_graph=in_graph, **({"peers": peers} if peers else {}))
         except _Stopped:
             stopped = True
             log(f"SIGTERM: stopped after {len(rows)} of {len(specs)} rows")
@@ -393,6 +410,13 @@ def run_grid(geometries=GRID_GEOMETRIES, batches=GRID_BATCHES, qlens=GRID_QLENS,
                  "layers": num_layers, "iters": iters},
         "per_layer": rows, "points": [asdict(p) for p in points], "errors": errors,
     }
+    if peers:
+        from .peers import describe, disagreements, summarize
+
+        names = [p.name for p in peers]
+        result["peers"], result["peer_summary"] = describe(peers), summarize(rows, names)
+        errors += [{"geometry": r["geometry"], "batch": r["batch"], "qlen": r["qlen"], "kv_dtype": r["kv_dtype"],
+                    "error": f"outputs disagree: {', '.join(bad)}"} for r in rows if (bad := disagreements(r, names))]
     if stopped:
         result["incomplete"] = {"rows_done": len(rows), "rows": len(specs)}
     elif host:
@@ -450,6 +474,10 @@ def main(out_dir: str, baseline: str | None = "auto", **kw) -> dict[str, Any]:
             result["regressions"] = regressions(result, base)
         for line in result["regressions"]:
             print("REGRESSION", line)
+    if result.get("peers"):
+        from .peers import format_summary
+
+        print(format_summary(result))
     out.mkdir(parents=True, exist_ok=True)  # only now: a run that fails leaves no empty folder
     stamp = _free_stamp(out, result["environment"]["date"])
     (out / f"bench-{stamp}.json").write_text(json.dumps(result, indent=1))
