@@ -22,9 +22,10 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 # limit SECONDS: the step's own cap, cut to what is left before DEADLINE
 limit() { local left=$(( DEADLINE - ($(date +%s) - START) )); (( left < $1 )) && echo $(( left > 5 ? left : 5 )) || echo "$1"; }
 done_step() { echo "$1: rc=$2"; (( $2 == 0 )) || FAILED=1; }
-gpu_pytest() {  # gpu_pytest LOG SECONDS FILES...: the GPU cases of FILES
+gpu_pytest() {  # gpu_pytest LOG SECONDS PATTERNS...: the GPU cases of the test files PATTERNS name
   local log=$1 secs=$2; shift 2
-  (cd tests && timeout "$(limit "$secs")" python3 -m pytest "$@" -m gpu -q -rA) > "$OUT/$log" 2>&1
+  # the patterns are globbed inside tests/ (unquoted $* on purpose)
+  (cd tests && timeout "$(limit "$secs")" python3 -m pytest $* -m gpu -q -rA) > "$OUT/$log" 2>&1
   done_step "$log" $?; tail -n 1 "$OUT/$log"
 }
 sanitize() {  # sanitize TOOL: adversarial inputs under compute-sanitizer (tests/gpu_memcheck.py)
