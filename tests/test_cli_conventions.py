@@ -276,7 +276,7 @@ def test_bench_table_of_a_bad_file(tmp_path):
         assert rc == 2 and says in err and str(path) in err and out == "", err
     from msa_jit import bench
 
-    good = ROOT / "bench/results/bench-2026-12-03T1342.json"
+    good = ROOT / "tests/fixtures/bench-per-step-only.json"
     rc, out, _ = run_main(["bench", "--table", str(good)])
     assert rc == 0 and out.strip() == bench.readme_table(json.loads(good.read_text()))
 
