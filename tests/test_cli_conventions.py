@@ -579,7 +579,7 @@ def test_warmup_command_says_to_set_the_dsl_version_where_it_is_unknown(monkeypa
     assert env.DSL_VERSION not in compiler.warmup_command(cfg)
 
 
-# every MSA_JIT_* variable a command checks, each with a value that does not parse (cache_dir_policy.md §8)
+# every MSA_JIT_* variable a command checks, each with a value that does not parse (docs/cache.md §8)
 BAD_VALUES = {
     env.NO_COMPILE: "perhaps", env.CACHE_MAX_BYTES: "garbage", env.LOCK_TIMEOUT: "soon", env.ARCH: "sm_80",
     env.ENABLE_SM100_UMMA: "maybe", env.ENABLE_SM90_UNION: "sometimes", env.ENABLE_CLUSTER_MERGE: "kinda",
