@@ -54,7 +54,7 @@ def test_choose_kernel_rule():
 def test_choose_kernel_default_rule_takes_one_full_wave_of_one_tile_drafts():
     """Unset (None): the union only where one tile holds a request's draft (qlen <= 64 // G) and its grid
     is one wave at 2 CTAs per SM filled to UNION_WAVE_FILL (251-264 CTAs on 132 SMs): where
-    bench/results/union-waves-* has it no slower than the token kernel with no block shared."""
+    tests/fixtures/union-waves/ has it no slower than the token kernel with no block shared."""
     rule = lambda b, q, hq=64, hkv=4, sms=132: choose_kernel(b, q, hq, hkv, 128, "sm_90a", sms, None)
     assert [rule(64, q) for q in (1, 2, 3, 4, 5, 8)] == ["token", "union", "union", "union", "token", "token"]
     # 64/4: B * 4 CTAs at qlen <= 4; one wave is 264
@@ -197,15 +197,15 @@ def test_selftest_grid_adds_union_cases_when_enabled():
 
 def test_the_default_rule_takes_the_union_only_where_the_measurements_have_it_no_slower():
     """The rule against the committed measurements with no block shared: every point of
-    bench/results/union-waves-* the rule gives the union ran it no slower than 1.01x the token kernel
-    in the same run, and every point where the union was more than 1.02x slower stays the token
+    tests/fixtures/union-waves/ (`bench/union_waves.py` sweeps) the rule gives the union ran it no
+    slower than 1.01x the token kernel in the same run, and every point where the union was more than 1.02x slower stays the token
     kernel's; the H200 default bench of the first rule (every union row of it the rule still takes)
     against the token kernel's previous file likewise."""
     import json
     from pathlib import Path
 
-    results = Path(__file__).resolve().parents[1] / "bench" / "results"
-    waves = sorted(results.glob("union-waves-*.json"))
+    fixtures = Path(__file__).resolve().parent / "fixtures"
+    waves = sorted((fixtures / "union-waves").glob("*.json"))
     assert waves
     for path in waves:
         doc = json.loads(path.read_text())
@@ -216,8 +216,8 @@ def test_the_default_rule_takes_the_union_only_where_the_measurements_have_it_no
                 assert r["union_over_token"] <= 1.01, (path.name, r)
             if r["union_over_token"] > 1.02:
                 assert pick == "token", (path.name, r)
-    union = json.loads((results / "bench-2026-12-06T0630-union-one-tile-h200.json").read_text())
-    token = json.loads((results / "bench-2026-12-06T0247-h200.json").read_text())
+    runs = json.loads((fixtures / "union-first-rule-h200.json").read_text())
+    union, token = runs["union"], runs["token"]
     key = lambda r: (r["geometry"], r["batch"], r["qlen"], r["shared_blocks"], r["q_dtype"], r["kv_dtype"])
     before = {key(r): r["marginal_us"] for r in token["per_layer"]}
     taken = 0
