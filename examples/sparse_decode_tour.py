@@ -21,7 +21,7 @@
 # 2. draws which blocks every token and KV head selected,
 # 3. runs the op (the compiled kernel on a GPU, the float64 reference backend on a CPU) and
 #    measures its error against the float64 reference,
-# 4. plots the benchmark's roofline from the newest `bench/results/bench-*.json`.
+# 4. plots the benchmark's roofline from the newest result in `bench/results/`.
 #
 # It runs top to bottom on a CPU-only machine too. The source of truth is
 # `examples/sparse_decode_tour.py` (jupytext percent format); the `.ipynb` is generated from it
@@ -201,9 +201,9 @@ else:
 
 # %%
 def newest_result(results_dir: Path):
-    """The newest bench JSON (by its recorded date, then file time), or None."""
+    """The newest bench result JSON (by its recorded date, then file time), or None."""
     found = []
-    for f in results_dir.glob("bench-*.json"):
+    for f in results_dir.glob("*.json"):
         try:
             d = json.loads(f.read_text())
         except (OSError, ValueError):

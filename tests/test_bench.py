@@ -511,8 +511,9 @@ def test_readme_table_of_an_old_file_is_its_per_step_table():
     text = bench.readme_table(_result("2026-01-01T00:00:00", [10.0, 100.0]), geometries=("64/4",), batches=(1, 64),
                               qlens=(1,))
     assert text == "| geometry | qlen | B=1 | B=64 |\n|---|---|---|---|\n| 64/4 | 1 | 10.0 µs (25%) | 100.0 µs (25%) |"
-    # the committed file of that format: qlen 1 and 4 (its grid), every geometry
-    path = os.path.join(os.path.dirname(__file__), "..", "bench", "results", "bench-2026-12-03T1342.json")
+    # a real file of that format (tests/fixtures: a bench result from before the per-layer grid):
+    # qlen 1 and 4 (its grid), every geometry
+    path = os.path.join(os.path.dirname(__file__), "fixtures", "bench-per-step-only.json")
     with open(path, encoding="utf-8") as f:
         rows = re.findall(r"^\| (\d+/\d+) \| (\d) \| ", bench.readme_table(json.load(f)), re.M)
     assert rows == [(g, q) for g in bench.GRID_GEOMETRIES for q in "14"], rows

@@ -1,4 +1,4 @@
-"""Tests of msa_jit.jit.cache (CPU only, fake builds; see cache_dir_policy.md). msa_jit.env: test_env.py."""
+"""Tests of msa_jit.jit.cache (CPU only, fake builds; see docs/cache.md). msa_jit.env: test_env.py."""
 
 from __future__ import annotations
 
@@ -277,7 +277,7 @@ def test_failing_build_leaves_nothing(tmp_path):
         with pytest.raises(error, match=match):
             get(c, config, bad)
         assert build_dirs(c) == [] and c.entries() == []
-    # names that are no plain file name (cache_dir_policy.md §2), each really written by the build
+    # names that are no plain file name (docs/cache.md §2), each really written by the build
     # (../x.so lands beside the build dir): only the name check can refuse them
     for name in ("../x.so", "meta.json", ".hidden.so"):
         def writes(t, name=name):

@@ -1,5 +1,5 @@
 """The cache never serves an entry that is not what its key names, heals a broken layout, and
-its maintenance commands touch nothing they were not asked to (cache_dir_policy.md §2, §4, §6).
+its maintenance commands touch nothing they were not asked to (docs/cache.md §2, §4, §6).
 
 CPU only, fake builds (random bytes), like tests/test_cache.py.
 """

@@ -1,4 +1,4 @@
-"""msa_jit.jit.cache: where the cache lives (cache_dir_policy.md §1, §11): the root's precedence, the
+"""msa_jit.jit.cache: where the cache lives (docs/cache.md §1, §11): the root's precedence, the
 fallbacks and their one warning, the private temp dir, a pinned root, read-only pre-warmed roots
 (CPU only, fake builds). Split from test_cache.py, whose helpers these share."""
 

@@ -279,7 +279,7 @@ def test_bench_table_of_a_bad_file(tmp_path):
         assert rc == 2 and says in err and str(path) in err and out == "", err
     from msa_jit.tools import bench
 
-    good = ROOT / "bench/results/bench-2026-12-03T1342.json"
+    good = ROOT / "tests/fixtures/bench-per-step-only.json"
     rc, out, _ = run_main(["bench", "--table", str(good)])
     assert rc == 0 and out.strip() == bench.readme_table(json.loads(good.read_text()))
 
@@ -580,7 +580,7 @@ def test_warmup_command_says_to_set_the_dsl_version_where_it_is_unknown(monkeypa
     assert env.DSL_VERSION not in compiler.warmup_command(cfg)
 
 
-# every MSA_JIT_* variable a command checks, each with a value that does not parse (cache_dir_policy.md §8)
+# every MSA_JIT_* variable a command checks, each with a value that does not parse (docs/cache.md §8)
 BAD_VALUES = {
     env.NO_COMPILE: "perhaps", env.CACHE_MAX_BYTES: "garbage", env.LOCK_TIMEOUT: "soon", env.ARCH: "sm_80",
 }

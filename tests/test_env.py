@@ -1,5 +1,5 @@
 """Tests of msa_jit.env: every MSA_JIT_* variable read live, its defaults, syntax and description
-(CPU only; split out of test_cache.py, see cache_dir_policy.md §8)."""
+(CPU only; split out of test_cache.py, see docs/cache.md §8)."""
 
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ def test_env_read_live_and_describe(monkeypatch):
     assert values["MSA_JIT_ARCH"] == "garbage!" and values["MSA_JIT_CACHE_DIR"] is None
     assert all(isinstance(d, str) and d for _n, _v, d in table)
     # every variable in the table is documented in the policy file
-    policy = (Path(__file__).resolve().parents[1] / "cache_dir_policy.md").read_text()
+    policy = (Path(__file__).resolve().parents[1] / "docs" / "cache.md").read_text()
     assert all(n in policy for n in names)
 
 

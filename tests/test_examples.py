@@ -97,7 +97,7 @@ def test_quickstart_runs_on_cpu():
 
 @pytest.mark.slow
 def test_quickstart_takes_iters_on_cpu():
-    """#21 item 13: --iters was ignored without a GPU (always 3 timed steps)."""
+    """--iters is honoured without a GPU too (it once always ran 3 timed steps)."""
     proc = subprocess.run(
         [sys.executable, str(QUICKSTART), "--batch", "2", "--qlen", "1", "--max-ctx", "512", "--iters", "1"],
         capture_output=True, text=True, timeout=180, env=_env(cpu=True), cwd=str(EXAMPLES.parent),
@@ -127,9 +127,9 @@ def test_notebook_runs_on_gpu():
 @pytest.mark.slow
 def test_notebook_source_runs_on_gpu():
     """The notebook's code, cell by cell in order, as its paired jupytext source run by python: the
-    GPU host has no Jupyter stack (Jupyter wheels carried there, session 23: the kernel process
-    died on the first cell's reply, ZMQError ENOTSOCK), and test_notebook_matches_its_jupytext_source
-    pins the two to each other."""
+    GPU host has no Jupyter stack (Jupyter wheels carried there once: the kernel process died on
+    the first cell's reply, ZMQError ENOTSOCK), and test_notebook_matches_its_jupytext_source pins
+    the two to each other."""
     env = _env(cpu=False)
     env["MPLBACKEND"] = "Agg"
     proc = subprocess.run([sys.executable, str(SOURCE)], capture_output=True, text=True, timeout=900, env=env,

@@ -187,6 +187,7 @@ def test_artifacts_load_without_the_compiler():
         os.environ["MSA_JIT_NO_COMPILE"] = "1"
         import msa_jit
         from msa_jit.jit import compiler, registry, loader
+        from msa_jit.kernels import convention
         from msa_jit.geometry import KV_DTYPES, MINIMAX_M3_GEOMETRIES, Q_DTYPES, SparseDecodeConfig, device_arch
         arch = device_arch(0)
         rows = []

@@ -54,7 +54,7 @@ def test_choose_kernel_rule():
 def test_choose_kernel_default_rule_takes_one_full_wave_of_one_tile_drafts():
     """By default the union only where one tile holds a request's draft (qlen <= 64 // G) and its grid
     is one wave at 2 CTAs per SM filled to UNION_WAVE_FILL (251-264 CTAs on 132 SMs): where
-    bench/results/union-waves-* has it no slower than the token kernel with no block shared."""
+    tests/fixtures/union-waves/ has it no slower than the token kernel with no block shared."""
     rule = lambda b, q, hq=64, hkv=4, sms=132: choose_kernel(b, q, hq, hkv, 128, "sm_90a", sms)
     assert [rule(64, q) for q in (1, 2, 3, 4, 5, 8)] == ["token", "union", "union", "union", "token", "token"]
     # 64/4: B * 4 CTAs at qlen <= 4; one wave is 264
@@ -184,3 +184,37 @@ def test_selftest_grid_adds_union_cases_when_enabled():
     assert len(union) == sum(1 for c in plain if c[2] >= 2 and c[6] == 2 and c[7] is None)
     assert grid_cases("sm_100a", union=True) == grid_cases("sm_100a", union=False) == grid_cases("sm_100a")
     assert [c for c in grid_cases("sm_90a") if c[5] == "union"] == union
+
+
+def test_the_default_rule_takes_the_union_only_where_the_measurements_have_it_no_slower():
+    """The rule against the committed measurements with no block shared: every point of
+    tests/fixtures/union-waves/ (sweeps of both kernels by the union grid's share of a wave) the rule gives the union ran it no
+    slower than 1.01x the token kernel in the same run, and every point where the union was more than 1.02x slower stays the token
+    kernel's; the H200 default bench of the first rule (every union row of it the rule still takes)
+    against the token kernel's previous file likewise."""
+    import json
+    from pathlib import Path
+
+    fixtures = Path(__file__).resolve().parent / "fixtures"
+    waves = sorted((fixtures / "union-waves").glob("*.json"))
+    assert waves
+    for path in waves:
+        doc = json.loads(path.read_text())
+        for r in doc["rows"]:
+            hq, hkv = (int(x) for x in r["geometry"].split("/"))
+            pick = choose_kernel(r["batch"], r["qlen"], hq, hkv, 128, "sm_90a", doc["num_sms"])
+            if pick == "union":
+                assert r["union_over_token"] <= 1.01, (path.name, r)
+            if r["union_over_token"] > 1.02:
+                assert pick == "token", (path.name, r)
+    runs = json.loads((fixtures / "union-first-rule-h200.json").read_text())
+    union, token = runs["union"], runs["token"]
+    key = lambda r: (r["geometry"], r["batch"], r["qlen"], r["shared_blocks"], r["q_dtype"], r["kv_dtype"])
+    before = {key(r): r["marginal_us"] for r in token["per_layer"]}
+    taken = 0
+    for r in union["per_layer"]:
+        hq, hkv = (int(x) for x in r["geometry"].split("/"))
+        if r["kernel"] == "union" and choose_kernel(r["batch"], r["qlen"], hq, hkv, 128, "sm_90a", 132) == "union":
+            assert r["marginal_us"] <= before[key(r)], r
+            taken += 1
+    assert taken == 9  # 64/4 B=64 qlen 2 / 4 (0 and 12 of 16 shared), 16/1 B=256 qlen 2 / 4, 8/1 B=256 qlen 2 / 4 / 8

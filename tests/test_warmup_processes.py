@@ -2,7 +2,7 @@
 
 Each test runs the real command (`tests/warmup_driver.py`: the real cache, pool and signals, a
 fake compile that sleeps) in a child process in its own session, so that a signal, a kill or
-a leftover process is the test's own. cache_dir_policy.md §11 is the contract.
+a leftover process is the test's own. docs/cache.md §11 is the contract.
 """
 
 from __future__ import annotations

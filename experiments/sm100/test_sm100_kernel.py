@@ -8,7 +8,7 @@ and the bf16 ones without it, no local memory (LDL/STL), registers <= 255. The s
 `msa_jit.kernels` from THIS checkout's kernels/ (an editable install elsewhere must not
 shadow it).
 
-`python tests/test_sm100_kernel.py` regenerates docs/logs/sm100-variants.md (committed); the
+`python tests/test_sm100_kernel.py` regenerates docs/sm100-variants.md (committed); the
 test checks that the table lists every variant with the kernel's TMEM column constant.
 """
 
@@ -27,7 +27,7 @@ from msa_jit.geometry import MINIMAX_M3_GEOMETRIES as GEOMETRIES
 from msa_jit.geometry import Q_DTYPES
 
 ROOT = Path(__file__).resolve().parents[1]
-TABLE = ROOT / "docs" / "logs" / "sm100-variants.md"
+TABLE = ROOT / "docs" / "sm100-variants.md"
 
 _WORKER = r"""
 import importlib.util, json, sys

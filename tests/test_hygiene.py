@@ -1,0 +1,163 @@
+"""Repository hygiene: the tracked tree holds the product, not a development diary.
+
+Fails on diary references in any tracked text file ("session 12", "row 86", issue numbers such
+as "#19": they mean nothing to a reader of the repository), on logs (`*.log`, `gpu-logs/`,
+`docs/logs/`), on dated files (`bench-2026-12-06T0929.json`), and on anything under
+`bench/results/` that is not one of the current reference results below. A new bench result
+replaces the file of its GPU; the figures and the reasoning behind the design are in
+docs/performance.md, the history is in git.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# The result files the repository keeps (the README's and docs/performance.md's figures). Add a
+# file here when a new kind of reference result is committed.
+ALLOWED_RESULTS = frozenset({
+    "bench/results/h100.json",
+    "bench/results/h100.png",
+    "bench/results/h200.json",
+    "bench/results/h200.png",
+    # the kernels' SASS before and after the package's restructuring (bench/sass_digests.py)
+    "bench/results/sass-digests-before.json",
+    "bench/results/sass-digests-after.json",
+})
+
+# Text files not scanned for diary references: this file (it spells the patterns out) and the
+# result files (data written by `msa-jit bench`, whose target rows carry the issue they belong to).
+NOT_SCANNED = frozenset({"tests/test_hygiene.py"}) | ALLOWED_RESULTS
+
+DIARY = {
+    "session reference": re.compile(r"\bsessions? \d+", re.IGNORECASE),
+    # "row 86", "rows 66-74"; not a tensor's "row 0", "rows 2 and 3", "row 2.6e-3", "4 rows 1 KiB apart"
+    "diary row reference": re.compile(r"\brows? (?![0-3]\b)\d+\b(?![.,]\d)(?!\s*(?:[KMG]i?B|bytes?|warps?)\b)",
+                                      re.IGNORECASE),
+    # "#19"; not "&#123;", a URL's "#12" or TVM-FFI's "on argument #5"
+    "issue number": re.compile(r"(?<![\w&#/])(?<!argument )#\d+\b"),
+}
+DATED_NAME = re.compile(r"(?<!\d)20\d\d-[01]\d-[0-3]\d")
+
+
+def diary_matches(text: str) -> list[tuple[str, str]]:
+    """(kind, matched text) of every diary reference in `text`."""
+    return [(kind, m.group(0)) for kind, rx in DIARY.items() for m in rx.finditer(text)]
+
+
+def path_problem(path: str) -> str | None:
+    """Why a tracked path (relative, '/'-separated) does not belong in the repository, or None."""
+    parts = path.split("/")
+    if path.endswith(".log"):
+        return "a log file"
+    if "gpu-logs" in parts[:-1] or path.startswith("docs/logs/"):
+        return "a log folder"
+    if path.startswith("bench/results/") and path not in ALLOWED_RESULTS:
+        return "a result file outside ALLOWED_RESULTS"
+    if DATED_NAME.search(parts[-1]):
+        return "a dated file (a result or a log)"
+    return None
+
+
+def tracked_files() -> list[str]:
+    """The tracked paths of this checkout, or a skip with the reason."""
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed: no tracked tree to check")
+    top = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--show-toplevel"], capture_output=True, text=True)
+    if top.returncode != 0:
+        pytest.skip(f"{ROOT} is not a git checkout (an sdist or an installed copy): no tracked tree to check")
+    if Path(top.stdout.strip()).resolve() != ROOT:
+        pytest.skip(f"{ROOT} is not the root of its git checkout ({top.stdout.strip()})")
+    out = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-z"], capture_output=True, check=True)
+    return [p for p in out.stdout.decode().split("\0") if p]
+
+
+def text_of(path: Path) -> str | None:
+    """The file's text, or None for a binary file (or one deleted from the working tree)."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    if b"\0" in data[:8192]:
+        return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def problems(paths: list[str], root: Path = ROOT) -> list[str]:
+    """One line per problem of the given paths (relative to `root`): `path: why` or
+    `path:line: kind 'text'`."""
+    out = []
+    for rel in paths:
+        why = path_problem(rel)
+        if why:
+            out.append(f"{rel}: {why}")
+            continue
+        if rel in NOT_SCANNED:
+            continue
+        text = text_of(root / rel)
+        if text is None:
+            continue
+        for i, line in enumerate(text.splitlines(), 1):
+            out += [f"{rel}:{i}: {kind} {hit!r}" for kind, hit in diary_matches(line)]
+    return out
+
+
+# ----------------------------------------------------------------------------- the matchers
+@pytest.mark.parametrize("text", [
+    "as measured in session 12", "Session 3 concluded", "sessions 7-10", "row 86", "Rows 66-74",
+    "(docs/performance.md row 79)", "#19's 80% met", "issue #7", "see #123.",
+])
+def test_diary_references_are_found(text):
+    assert diary_matches(text), text
+
+
+@pytest.mark.parametrize("text", [
+    "a session cache", "row n of the scale area", "row 4t+0:  (a,0)", "## 1. Where the cache lives",
+    "#include <cuda.h>", "color='#1f77b4'", "f'{x:#04x}'", "&#123;", "sessions of the server",
+    "the rows of a page", "https://example.org/page#12", "row 0 of the file", "(rows 0,1 and rows 2,3)",
+    "the worst row 2.6e-3", "4 rows 1 KiB apart", "32 rows 32 bytes apart", "rows 16 warp + g",
+    "b0 pairs rows 0 and 1, b1 rows 2 and 3", "Mismatched out.shape[0] on argument #5",
+])
+def test_ordinary_text_is_not_a_diary_reference(text):
+    assert not diary_matches(text), diary_matches(text)
+
+
+def test_path_rules():
+    for ok in sorted(ALLOWED_RESULTS) + ["README.md", "docs/performance.md", "tests/fixtures/variants.json",
+                                         "msa_jit/logs.py", "bench/h200_run.sh"]:
+        assert path_problem(ok) is None, ok
+    for bad in ("tests/gpu-logs/h200-tests.txt", "docs/logs/inspect.txt", "bench/race.log", "x/gpu-logs/a.md",
+                "bench/results/bench-2026-12-06T0929-h200.json", "bench/results/notes.md",
+                "docs/ncu-2026-12-04-pipes.txt"):
+        assert path_problem(bad), bad
+
+
+def test_a_planted_session_reference_is_reported(tmp_path):
+    """problems() on a file holding "session 12" names the file, the line and the text."""
+    (tmp_path / "notes.md").write_text("# Notes\n\nThe split merge was tried in session 12.\n")
+    assert problems(["notes.md"], root=tmp_path) == ["notes.md:3: session reference 'session 12'"]
+
+
+# ----------------------------------------------------------------------------- the tree
+DOCS = ("README.md", "LICENSE", "docs/", "examples/", "bench/results/")
+
+
+def test_docs_and_examples_hold_no_diary():
+    """What a reader meets first (README, docs/, examples/, the results) is clean on its own."""
+    bad = problems([p for p in tracked_files() if p.startswith(DOCS)])
+    assert not bad, f"{len(bad)} hygiene problem(s):\n" + "\n".join(bad)
+
+
+def test_tracked_tree_holds_no_diary():
+    """Every tracked file: no logs, no stray results, no session / row / issue references."""
+    bad = problems(tracked_files())
+    assert not bad, f"{len(bad)} hygiene problem(s):\n" + "\n".join(bad)
