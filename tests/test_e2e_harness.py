@@ -249,7 +249,7 @@ def test_harness_end_to_end_on_a_fake_vllm(tmp_path):
     out = tmp_path / "out"
     p = subprocess.run([sys.executable, str(E2E / "run_vllm_e2e.py"), "run", "--out", str(out), "--work",
                         str(tmp_path / "work"), "--modes", "triton_fp8,msa_fp8,msa_nvfp4,msa_mtp",
-                        "--points", "1x4096,32x512", "--deadline-s", "300", "--min-run-s", "10", "--tag", "t"],
+                        "--points", "1x4096,32x8192", "--deadline-s", "300", "--min-run-s", "10", "--tag", "t"],
                        env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     s = json.loads((out / "vllm-e2e-t.json").read_text())
@@ -268,7 +268,8 @@ def test_harness_end_to_end_on_a_fake_vllm(tmp_path):
         assert hc["ok"] and hc["rel_err"] < 1e-2 and hc["cache"]["finite"], hc
         assert hc["nvfp4"] is (key == "msa_nvfp4-eager")
     assert s["results"]["triton_fp8-eager"]["hook_check"] is None
-    assert s["results"]["msa_fp8-eager"]["profile"] is None  # the profiled point was not in --points
+    prof = s["results"]["msa_fp8-eager"]["profile"]  # 32x8192 is the profiled point (no CUDA kernels here)
+    assert (prof["batch"], prof["context"], prof["steps"]) == (32, 8192, plan.PROFILE_STEPS) and prof["all_requests_decoding"]
     agree = s["agreement"]["msa_fp8 vs triton_fp8 (eager)"]
     assert agree["verdict"] == "identical" and agree["max_abs_dlogprob"] == pytest.approx(0.001)
     assert s["agreement"]["msa_mtp vs msa_fp8 (eager)"]["verdict"] == "identical"

@@ -229,6 +229,27 @@ def _hook_check(llm: Any, vocab: int) -> dict[str, Any]:
     return state["result"] or {"ok": False, "error": f"the decode function was called {state['calls']} times"}
 
 
+def _dense_backend_probe(kv_cache_dtypes: tuple[str, ...]) -> dict[str, Any]:
+    """Which of vLLM's attention backends would take a dense MiniMax-M3 layer (head 128, bf16, 64
+    heads) with each cache dtype, and why the others refuse: the platform's own selection
+    (`get_valid_backends`, whose reasons vLLM prints only when none is valid)."""
+    out: dict[str, Any] = {}
+    try:
+        import torch
+        from vllm.platforms import current_platform
+        from vllm.v1.attention.selector import AttentionSelectorConfig
+
+        cap = current_platform.get_device_capability()
+        for dtype in kv_cache_dtypes:
+            cfg = AttentionSelectorConfig(head_size=128, dtype=torch.bfloat16, kv_cache_dtype=dtype, block_size=None)
+            valid, invalid = current_platform.get_valid_backends(cap, cfg, num_heads=64)
+            out[dtype] = {"valid": [c.backend.name for c in valid],
+                          "invalid": {b.name: reasons for b, (_, reasons) in invalid.items()}}
+    except Exception as e:  # noqa: BLE001 - a probe: record and go on
+        out["error"] = f"{type(e).__name__}: {e}"
+    return out
+
+
 def _cache_stats(kv_cache: Any, topk: Any, p: Any, nvfp4: bool, k_scale: Any, v_scale: Any) -> dict[str, Any]:
     """What the engine's own insert wrote, dequantized: RMS and zero fraction of the K and V rows of
     request 0, KV head 0, in the blocks its first token selected (positions < its seq_len). Keys
@@ -312,6 +333,12 @@ def _run_point(llm: Any, batch: int, context: int, vocab: int, spec_tokens: int,
             result_prof = plan.profile_summary(_kernel_times(prof), len(steps) - prof_start[0], prof_wall)
             result_prof["all_requests_decoding"] = len(finished) == 0
             prof = None
+        if len(plan.decode_step_times(steps, batch)) >= plan.DECODE_STEPS + profile_steps and prof is None \
+                and (not profile_steps or prof_wall is not None):
+            left = [rid for rid in got if rid not in finished]
+            if left:  # timed (and profiled) enough: the remaining tokens would only cost time
+                engine.abort_request(left)
+            break
     plain = [st for st in steps if not st["profiled"]]
     decode = plan.decode_step_times(plain, batch)
     idx = [i for i in range(1, len(plain)) if plain[i - 1]["started"] >= batch and plain[i]["finished"] == 0]
@@ -393,6 +420,9 @@ def child(args: argparse.Namespace) -> int:
             result["device"] = "cpu"
         from vllm import LLM
 
+        if mode.kv_cache_dtype.startswith("nvfp4"):
+            result["dense_backends"] = _dense_backend_probe((mode.kv_cache_dtype, "auto"))
+            save()
         t0 = time.perf_counter()
         llm = LLM(**kwargs)
         result["engine_start_s"] = round(time.perf_counter() - t0, 3)

@@ -6,7 +6,7 @@ the harness's processes, phases and result files run on a CPU. Nothing here mode
   get_model() is a small torch module with M3-like parameter names; generate() greedy-decodes a
   deterministic function of the context (top-5 log-probs on request; the msa-jit modes' values
   0.001 lower, so comparisons have something to measure); llm_engine: add_request / step /
-  has_unfinished_requests with chunked prefill (max_num_batched_tokens a step) and DELTA outputs.
+  has_unfinished_requests / abort_request with chunked prefill (max_num_batched_tokens a step) and DELTA outputs.
 - With the cutlass knob or an NVFP4 cache (msa-jit modes), a short generate (max_tokens <= 3) calls
   vllm.models.minimax_m3.nvidia.sparse_attention_msa.msa_cutlass_sparse_decode once per sparse
   layer on a CPU case from msa_jit.testing (the float64 reference path), as vLLM's impl would.
@@ -160,6 +160,10 @@ class _Engine:
 
     def add_request(self, request_id: str, prompt: dict[str, Any], params: SamplingParams, **_: Any) -> None:
         self.reqs[request_id] = _Request(request_id, list(prompt["prompt_token_ids"]), params)
+
+    def abort_request(self, request_ids: list[str], internal: bool = False) -> None:
+        for rid in request_ids:
+            self.reqs.pop(rid, None)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.reqs)
