@@ -102,7 +102,7 @@ class Mode:
 
 MODES: dict[str, Mode] = {m.name: m for m in (
     Mode("triton_fp8", "vLLM alone: its Triton sparse decode, fp8 cache (plugin off)", "fp8", plugin=False,
-         expect_log=("MiniMax M3 MSA sparse decode selected Triton",)),
+         expect_log=("MiniMax M3 sparse attention selected Triton",)),
     Mode("msa_fp8", "msa-jit through the plugin, fp8 cache, the engine's cutlass knob", "fp8", plugin=True,
          attention_config=dict(CUTLASS_KNOB),
          expect_log=("msa-jit vLLM plugin: MiniMax-M3 decode on SM90", "MSA sparse decode selected CUTLASS")),

@@ -1,12 +1,13 @@
 """A fake `vllm` for tests/test_e2e_harness.py: just the surface bench/e2e/run_vllm_e2e.py uses, so
 the harness's processes, phases and result files run on a CPU. Nothing here models vLLM's numerics.
 
-- LLM(**kwargs): logs the lines a real start logs (the plugin's, "MiniMax M3 MSA sparse decode
-  selected CUTLASS/Triton"); collective_rpc(fn, args) calls fn(worker) on a worker whose
-  get_model() is a small torch module with M3-like parameter names; generate() greedy-decodes a
-  deterministic function of the context (top-5 log-probs on request; the msa-jit modes' values
-  0.001 lower, so comparisons have something to measure); llm_engine: add_request / step /
-  has_unfinished_requests / abort_request with chunked prefill (max_num_batched_tokens a step) and DELTA outputs.
+- LLM(**kwargs): logs the lines a real start logs (the plugin's; "MiniMax M3 MSA sparse decode
+  selected CUTLASS" or, vLLM alone, "MiniMax M3 sparse attention selected Triton");
+  collective_rpc(fn, args) calls fn(worker) on a worker whose get_model() is a small torch module
+  with M3-like parameter names; generate() greedy-decodes a deterministic function of the context
+  (top-5 log-probs on request; the msa-jit modes' values 0.001 lower, so comparisons have something
+  to measure); llm_engine: add_request / step / has_unfinished_requests / abort_request with
+  chunked prefill (max_num_batched_tokens a step) and DELTA outputs.
 - With the cutlass knob or an NVFP4 cache (msa-jit modes), a short generate (max_tokens <= 3) calls
   vllm.models.minimax_m3.nvidia.sparse_attention_msa.msa_cutlass_sparse_decode once per sparse
   layer on a CPU case from msa_jit.testing (the float64 reference path), as vLLM's impl would.
@@ -102,8 +103,12 @@ class LLM:
                 "msa-jit vLLM plugin: MiniMax-M3 decode on SM90 through msa-jit (fake vllm)")
         knob = (kwargs.get("attention_config") or {}).get("minimax_m3_msa_decode_backend")
         self.msa = plugin and (knob == "cutlass" or str(kwargs.get("kv_cache_dtype", "")).startswith("nvfp4"))
-        logging.getLogger("vllm.models.minimax_m3").info(
-            "MiniMax M3 MSA sparse decode selected %s", "CUTLASS" if self.msa else "Triton")
+        if self.msa:  # vLLM 0.33's two lines: the MSA impl's (plugin's backend), the selector's (vLLM alone)
+            logging.getLogger("vllm.models.minimax_m3").info("MiniMax M3 MSA sparse decode selected %s", "CUTLASS")
+        else:
+            logging.getLogger("vllm.models.minimax_m3").info(
+                "MiniMax M3 sparse attention selected %s (kv_cache_dtype=%s, topk_blocks=%s)", "Triton",
+                kwargs.get("kv_cache_dtype"), 16)
         self.spec = (kwargs.get("speculative_config") or {}).get("num_speculative_tokens", 0)
         self.budget = kwargs.get("max_num_batched_tokens", 16384)
         self.llm_engine = _Engine(self)
