@@ -263,6 +263,7 @@ def test_harness_end_to_end_on_a_fake_vllm(tmp_path):
         assert all(r["expect_log"].values()), r["expect_log"]
         assert [p_["ok"] for p_ in r["speed"]] == [True, True]
     assert s["results"]["msa_mtp-eager"]["speed"][0]["tokens_per_step"] == 4.0
+    assert s["results"]["msa_fp8-eager"]["gemma_norm"].startswith("vLLM's GemmaRMSNorm.forward_native")
     for key in ("msa_fp8-eager", "msa_nvfp4-eager"):
         hc = s["results"][key]["hook_check"]
         assert hc["ok"] and hc["rel_err"] < 1e-2 and hc["cache"]["finite"], hc

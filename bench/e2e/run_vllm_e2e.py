@@ -229,6 +229,29 @@ def _hook_check(llm: Any, vocab: int) -> dict[str, Any]:
     return state["result"] or {"ok": False, "error": f"the decode function was called {state['calls']} times"}
 
 
+def _gemma_norm() -> str:
+    """The model's Gemma RMSNorm runs FlashInfer's kernels (the bundle ships their norm module
+    prebuilt). Where flashinfer.norm cannot be imported (E2E_NO_FLASHINFER=1 forces this), use
+    vLLM's own GemmaRMSNorm.forward_native instead, as the bundle's example does, in every mode
+    alike; returns which one runs."""
+    reason = "E2E_NO_FLASHINFER=1" if os.environ.get("E2E_NO_FLASHINFER") == "1" else None
+    if reason is None:
+        try:
+            import flashinfer.norm  # noqa: F401
+
+            return "flashinfer"
+        except Exception as e:  # noqa: BLE001
+            reason = f"flashinfer.norm: {type(e).__name__}: {e}"
+    try:
+        import vllm.models.minimax_m3.nvidia.model as m3
+        from vllm.model_executor.layers.layernorm import GemmaRMSNorm
+
+        m3.MiniMAXGemmaRMSNorm.forward = GemmaRMSNorm.forward_native
+    except Exception as e:  # noqa: BLE001 - the engine start will say what is wrong
+        return f"flashinfer (the native fallback failed: {type(e).__name__}: {e}; {reason})"
+    return f"vLLM's GemmaRMSNorm.forward_native ({reason})"
+
+
 def _dense_backend_probe(kv_cache_dtypes: tuple[str, ...]) -> dict[str, Any]:
     """Which of vLLM's attention backends would take a dense MiniMax-M3 layer (head 128, bf16, 64
     heads) with each cache dtype, and why the others refuse: the platform's own selection
@@ -420,6 +443,7 @@ def child(args: argparse.Namespace) -> int:
             result["device"] = "cpu"
         from vllm import LLM
 
+        result["gemma_norm"] = _gemma_norm()
         if mode.kv_cache_dtype.startswith("nvfp4"):
             result["dense_backends"] = _dense_backend_probe((mode.kv_cache_dtype, "auto"))
             save()
