@@ -196,6 +196,11 @@ def test_compare_runs_verdicts():
     assert plan.compare_runs(ref, run([_side([5, 8, 7], None)]))["verdict"] == "diverged"
     assert plan.compare_runs(ref, run([]))["verdict"] == "missing"
     assert plan.compare_runs(ref, None) is None
+    close = run([_side([5, 6, 7], [[[5, -0.1]], [[6, -0.3], [8, -2.0]], [[7, -0.5], [4, -0.52]]])])
+    c = plan.compare_runs(ref, close, (0.25, 0.05))
+    assert c["within_tolerance"] and c["max_abs_dlogprob"] == pytest.approx(0.1)
+    assert not plan.compare_runs(ref, close, (0.05, 0.05))["within_tolerance"]
+    assert "within_tolerance" not in plan.compare_runs(ref, close)
 
 
 # ----------------------------------------------------------------------------- results
@@ -273,5 +278,6 @@ def test_harness_end_to_end_on_a_fake_vllm(tmp_path):
     assert (prof["batch"], prof["context"], prof["steps"]) == (32, 8192, plan.PROFILE_STEPS) and prof["all_requests_decoding"]
     agree = s["agreement"]["msa_fp8 vs triton_fp8 (eager)"]
     assert agree["verdict"] == "identical" and agree["max_abs_dlogprob"] == pytest.approx(0.001)
+    assert agree["within_tolerance"]
     assert s["agreement"]["msa_mtp vs msa_fp8 (eager)"]["verdict"] == "identical"
     assert len(s["speed_table"]) == 8

@@ -74,6 +74,13 @@ REINIT = {"seed": 0, "lm_head_gain": 4.0, "embed_std": 1.0, "q_norm_scale": 2.0}
 # agreeing steps before it (the noise both runs showed), and at least NEAR_TIE_FLOOR nats.
 NEAR_TIE_FACTOR = 2.0
 NEAR_TIE_FLOOR = 0.05
+# msa-jit vs vLLM's Triton decode on the same fp8 cache: the two differ in the query (msa-jit takes
+# the fp8 E4M3 query the fused insert writes, relative rounding up to 2^-4 per element; Triton the
+# bf16 one) and in accumulation order. With the redrawn weights the logits spread ~4 nats (the LM
+# head gain), so a few percent of error in the last hidden state moves a token's log-prob by a
+# few tenths at most: |delta| <= FP8_MAX_ABS_DLOGPROB on agreeing steps, median far below.
+FP8_MAX_ABS_DLOGPROB = 0.25
+FP8_MEDIAN_ABS_DLOGPROB = 0.05
 # The hooked layer's output against msa_jit.reference (float64, same fp8/NVFP4 inputs): bf16
 # output rounding and fp32 accumulation, far under the fp8 / NVFP4 quantization itself.
 HOOK_MAX_REL_ERR = 2e-2
@@ -119,12 +126,15 @@ MODES: dict[str, Mode] = {m.name: m for m in (
 )}
 DEFAULT_MODES = ("triton_fp8", "msa_fp8", "msa_nvfp4", "msa_nvfp4_allsparse", "msa_mtp")
 # (mode, other) pairs the summary compares: the first is the reference.
+# (mode, other, log-prob tolerance or None: reported, not judged) pairs the summary compares: the
+# first is the reference. NVFP4 against fp8 is a format change (4-bit values): its deviation is
+# reported; MTP against no speculation is the same arithmetic per verified token.
 COMPARISONS = (
-    ("triton_fp8", "msa_fp8"),
-    ("msa_fp8", "msa_nvfp4"),
-    ("msa_fp8", "msa_nvfp4_allsparse"),
-    ("triton_fp8", "msa_nvfp4"),
-    ("msa_fp8", "msa_mtp"),
+    ("triton_fp8", "msa_fp8", (FP8_MAX_ABS_DLOGPROB, FP8_MEDIAN_ABS_DLOGPROB)),
+    ("msa_fp8", "msa_nvfp4", None),
+    ("msa_fp8", "msa_nvfp4_allsparse", None),
+    ("triton_fp8", "msa_nvfp4", None),
+    ("msa_fp8", "msa_mtp", (FP8_MAX_ABS_DLOGPROB, FP8_MEDIAN_ABS_DLOGPROB)),
 )
 
 
@@ -361,9 +371,11 @@ def compare_greedy(ref: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]
     return out
 
 
-def compare_runs(ref: dict[str, Any] | None, other: dict[str, Any] | None) -> dict[str, Any] | None:
+def compare_runs(ref: dict[str, Any] | None, other: dict[str, Any] | None,
+                 tolerance: tuple[float, float] | None = None) -> dict[str, Any] | None:
     """compare_greedy of every prompt of two mode results' "correctness" sections, and the verdict:
-    "identical", "agree_until_near_tie" (every divergence a near-tie), "diverged" or "missing"."""
+    "identical", "agree_until_near_tie" (every divergence a near-tie), "diverged" or "missing";
+    with a (max, median) |delta log-prob| tolerance, whether the agreeing steps keep within it."""
     if not ref or not other:
         return None
     ca, cb = ref.get("correctness") or {}, other.get("correctness") or {}
@@ -378,9 +390,17 @@ def compare_runs(ref: dict[str, Any] | None, other: dict[str, Any] | None) -> di
     else:
         verdict = "diverged"
     absd = [p["max_abs_dlogprob"] for p in per if p["max_abs_dlogprob"] is not None]
-    return {"verdict": verdict, "prompt_lens": ca.get("prompt_lens"),
-            "max_abs_dlogprob": max(absd) if absd else None,
-            "agree_steps": [p["agree_steps"] for p in per], "prompts": per}
+    medians = [p["median_abs_dlogprob"] for p in per if p["median_abs_dlogprob"] is not None]
+    out = {"verdict": verdict, "prompt_lens": ca.get("prompt_lens"),
+           "max_abs_dlogprob": max(absd) if absd else None,
+           "median_abs_dlogprob": max(medians) if medians else None,
+           "agree_steps": [p["agree_steps"] for p in per], "prompts": per}
+    if tolerance is not None:
+        out["tolerance"] = {"max_abs_dlogprob": tolerance[0], "median_abs_dlogprob": tolerance[1]}
+        out["within_tolerance"] = (verdict in ("identical", "agree_until_near_tie")
+                                   and (not absd or max(absd) <= tolerance[0])
+                                   and (not medians or max(medians) <= tolerance[1]))
+    return out
 
 
 # ----------------------------------------------------------------------------- results
@@ -427,14 +447,14 @@ def summary(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> dict[st
     agreement of COMPARISONS per graph setting, and one speed table row per (mode, point)."""
     agreement = {}
     for graphs in GRAPHS:
-        for ref, other in COMPARISONS:
+        for ref, other, tolerance in COMPARISONS:
             ra, rb = results.get(run_key(ref, graphs)), results.get(run_key(other, graphs))
             if ra and rb:
-                agreement[f"{other} vs {ref} ({graphs})"] = compare_runs(ra, rb)
+                agreement[f"{other} vs {ref} ({graphs})"] = compare_runs(ra, rb, tolerance)
     for mode in MODES:  # the same mode with and without CUDA graphs
         ra, rb = results.get(run_key(mode, "eager")), results.get(run_key(mode, "graph"))
         if ra and rb:
-            agreement[f"{mode}: graph vs eager"] = compare_runs(ra, rb)
+            agreement[f"{mode}: graph vs eager"] = compare_runs(ra, rb, (FP8_MAX_ABS_DLOGPROB, FP8_MEDIAN_ABS_DLOGPROB))
     table = []
     for key, r in sorted(results.items()):
         for p in r.get("speed") or []:
