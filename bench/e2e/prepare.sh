@@ -30,22 +30,27 @@ say "DSL runtime bundle (shared/gpu-host/make-bundle.sh)"
 bash "$GH/make-bundle.sh" .gpu-bundle >/dev/null
 
 rm -rf .e2e/a .e2e/b
-mkdir -p .e2e/a .e2e/b
+mkdir -p .e2e/a .e2e/b .e2e/cache
 ln .vllm-bundle/vllm033_sm90.tar.xz .e2e/a/ 2>/dev/null || cp .vllm-bundle/vllm033_sm90.tar.xz .e2e/a/
 for f in site_extra.tar.xz flashinfer_trim.tar.xz; do
   ln ".vllm-bundle/$f" .e2e/b/ 2>/dev/null || cp ".vllm-bundle/$f" .e2e/b/
 done
 ln .gpu-bundle/rt.xz .e2e/b/ 2>/dev/null || cp .gpu-bundle/rt.xz .e2e/b/
 
-say "msa-jit kernels: 64/4, q bf16+fp8, kv fp8+nvfp4, sm_90a (a minute or two on 2 cores)"
+say "msa-jit kernels: 64/4, q bf16+fp8, kv fp8+nvfp4, sm_90a (.e2e/cache keeps them: a minute or two the first time)"
 MSA_JIT_ARCH=sm_90a python3 -m msa_jit warmup --heads 64/4 --q-dtype bf16,fp8 --kv-dtype fp8,nvfp4 \
-  --arch sm_90a --cache-dir .e2e/b/msa-cache --jobs "${JOBS:-2}" -q --json .e2e/b/warmup.json
+  --arch sm_90a --cache-dir .e2e/cache --jobs "${JOBS:-2}" -q --json .e2e/b/warmup.json
 python3 - <<'EOF'
-import json
-rows = json.load(open(".e2e/b/warmup.json"))
-rows = rows.get("rows", rows) if isinstance(rows, dict) else rows
+# only this warmup's entries travel (.e2e/cache also holds those of earlier kernel sources)
+import json, shutil
+from pathlib import Path
+rows = json.load(open(".e2e/b/warmup.json"))["rows"]
 bad = [r for r in rows if r.get("status") not in ("compiled", "cached")]
-print(f"  {len(rows)} kernels warmed, {len(bad)} failed")
+for r in rows:
+    if r.get("key"):
+        src = Path(".e2e/cache/v1") / r["key"][:2] / r["key"]
+        shutil.copytree(src, Path(".e2e/b/msa-cache/v1") / r["key"][:2] / r["key"])
+print(f"  {len(rows)} kernels warmed, {len(bad)} failed, copied to .e2e/b/msa-cache")
 raise SystemExit(1 if bad or not rows else 0)
 EOF
 
