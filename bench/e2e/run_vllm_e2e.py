@@ -305,17 +305,32 @@ def _run_point(llm: Any, batch: int, context: int, vocab: int, spec_tokens: int,
                profile_steps: int = 0) -> dict[str, Any]:
     """One speed point: `batch` prompts of `context` tokens through the engine step loop. Timed:
     plan.DECODE_STEPS steps in which all requests decode (plan.decode_step_times); then, with
-    profile_steps, that many more under torch.profiler (left out of the timing)."""
+    profile_steps, that many more under torch.profiler (left out of the timing). Whatever
+    happens, no request of this point is left in the engine for the next one."""
+    ids = [f"p{seed}-{i}" for i in range(batch)]
+    try:
+        return _timed_point(llm, ids, context, vocab, spec_tokens, seed, profile_steps)
+    except BaseException:
+        try:
+            llm.llm_engine.abort_request(ids)
+        except Exception:  # noqa: BLE001 - already failing: keep the first error
+            pass
+        raise
+
+
+def _timed_point(llm: Any, ids: list[str], context: int, vocab: int, spec_tokens: int, seed: int,
+                 profile_steps: int) -> dict[str, Any]:
     import torch
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
 
     engine = llm.llm_engine
+    batch = len(ids)
     max_tokens = plan.point_max_tokens(batch, context, spec_tokens, decode_steps=plan.DECODE_STEPS + profile_steps)
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False,
                         output_kind=RequestOutputKind.DELTA)
-    got = {f"p{seed}-{i}": 0 for i in range(batch)}
+    got = {rid: 0 for rid in ids}
     t0 = time.perf_counter()
     for rid, ids in zip(got, plan.prompt_ids([context] * batch, vocab, seed=seed)):
         engine.add_request(rid, TokensPrompt(prompt_token_ids=ids), sp)
