@@ -577,7 +577,11 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     graph_settings = [g for g in args.graphs.split(",") if g]
     points = plan.parse_points(args.points) if args.points is not None else plan.speed_points()
     meta = _meta(argv)
-    meta["preflight"] = _preflight()
+    meta["preflight"] = pf = _preflight()
+    k = pf.get("kernels") or {}
+    print(f"[e2e] preflight: plugin entry points {[e for e in pf.get('entry_points', []) if 'msa_jit' in e]}; "
+          f"msa-jit kernels missing {len(k.get('missing', []))} of {k.get('needed')} "
+          f"(fingerprint {k.get('fingerprint')}) {pf.get('kernels_error', '')}", flush=True)
     meta["model_config"] = plan.load_config(args.model_dir)
     meta["config_problems"] = plan.check_config(meta["model_config"])
     results: dict[str, dict[str, Any]] = {}
