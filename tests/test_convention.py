@@ -245,6 +245,28 @@ def test_the_key_names_the_kernel_family_and_the_toolchain(monkeypatch):
     assert compiler.cache_key(cfg) == portable
 
 
+@pytest.mark.parametrize("version, abi", [
+    ("0.1.11", "0.1"), ("0.1.15.post2", "0.1"), ("0.1.16", "0.1"), ("0.2.0", "0.2"), ("0.10.3rc1", "0.10"),
+    ("1.0.0", "1"), ("1.4.2", "1"), ("2.0", "2"), ("unknown", "unknown"), ("dev", "dev"),
+])
+def test_tvm_ffi_abi_is_the_c_abi_not_the_package_version(version, abi):
+    """tvm-ffi 0.X.Y: a bump of X breaks the C ABI, of Y not (its versioning rule while at 0.x);
+    semantic versioning from 1.0. vLLM 0.33.0's pin (0.1.11) and msa-jit's (0.1.15.post2) are one ABI."""
+    assert compiler.tvm_ffi_abi(version) == abi
+
+
+def test_vllm_and_msa_jit_tvm_ffi_pins_share_cache_keys(monkeypatch):
+    """An artifact warmed beside msa-jit's tvm-ffi pin is found beside vLLM's (and the other way
+    round); another 0.X (another C ABI) has other keys."""
+    cfg = SparseDecodeConfig(64, 4, arch="sm_90a")
+    keys = {}
+    for version, abi in (("0.1.11", "0.1"), ("0.1.15.post2", "0.1"), ("0.2.0", "0.2")):
+        monkeypatch.setattr(compiler, "tvm_ffi_version", lambda v=version: v)
+        keys[version] = compiler.cache_key(cfg)
+        assert compiler.fingerprint(cfg)["tvm_ffi_abi"] == abi
+    assert keys["0.1.11"] == keys["0.1.15.post2"] != keys["0.2.0"]
+
+
 def test_toolchain_versions_fall_back_in_order(monkeypatch):
     """dsl_version: the first DSL distribution found (compiler or runtime libs), else
     MSA_JIT_DSL_VERSION, else "unknown"; tvm_ffi_version: the metadata, else tvm_ffi.__version__."""

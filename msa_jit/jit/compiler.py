@@ -7,7 +7,8 @@ through TVM-FFI and links a shared object, with the options the convention names
 steps and the config -> constructor mapping are msa_jit/kernels/build.py's, inside the hashed sources.
 `get_sparse_decode_kernel(config)` resolves it through the disk cache and loads it with the
 runtime only. The cache key is the config plus `fingerprint(config)`: a hash of every kernel
-source (the convention included), the kernel family, and the DSL and tvm-ffi versions.
+source (the convention included), the kernel family, the DSL version and the tvm-ffi C ABI
+(`tvm_ffi_abi`: "0.1" for every 0.1.x release, so vLLM's pin and msa-jit's share artifacts).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import importlib.metadata as md
 import logging
 import os
+import re
 import shutil
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
@@ -82,6 +84,29 @@ def tvm_ffi_version() -> str:
     return found
 
 
+_VERSION_RE = re.compile(r"(\d+)\.(\d+)")
+
+
+def tvm_ffi_abi(version: str | None = None) -> str:
+    """The tvm-ffi C ABI an artifact links against, named by the version (default: the installed
+    one, `tvm_ffi_version`): "0.X" while tvm-ffi is at 0.x, whose rule is that a bump of X breaks
+    the C ABI and one of the patch level does not; the major version from 1.0 on (semantic
+    versioning); the version itself where it does not parse ("unknown" included).
+
+    Not the package version: an artifact's tvm-ffi side is the DSL's generated wrapper (the
+    DSL version is in the key) calling three C functions of libtvm_ffi.so (TVMFFIEnvGetStream,
+    TVMFFIErrorSetRaisedFromCStr[Parts]), and within 0.1 the C API only grew. vLLM 0.33.0 pins
+    0.1.11 and msa-jit 0.1.15.post2: the same artifacts serve both (the same bytes are built under
+    either), so a cache warmed beside one is found beside the other. A symbol missing from an
+    older 0.X runtime would fail loudly when the artifact is loaded, never run wrong."""
+    version = tvm_ffi_version() if version is None else version
+    m = _VERSION_RE.match(version)
+    if m is None:
+        return version
+    major, minor = int(m.group(1)), int(m.group(2))
+    return f"0.{minor}" if major == 0 else str(major)
+
+
 def fingerprint(config: SparseDecodeConfig) -> dict[str, str]:
     """What, besides the config, decides the artifact's bytes (never Python/torch versions).
 
@@ -92,7 +117,7 @@ def fingerprint(config: SparseDecodeConfig) -> dict[str, str]:
         "kernel_sources": _sources_hash(),
         "kernel_family": kernel_family(config),
         "cutlass_dsl": dsl_version(),
-        "tvm_ffi": tvm_ffi_version(),
+        "tvm_ffi_abi": tvm_ffi_abi(),
     }
 
 

@@ -1,0 +1,704 @@
+"""MiniMax-M3 decode through msa-jit inside a real vLLM 0.33.0 engine, end to end.
+
+    python bench/e2e/run_vllm_e2e.py run --out DIR [--modes a,b] [--graphs eager,graph] [--deadline-s S]
+    python bench/e2e/run_vllm_e2e.py child --mode M --graphs G --out-json F ...   (one engine; run starts these)
+
+`run` starts one process per (mode, graphs) (`plan.MODES`; vLLM's engine state is process-global,
+the engine runs in-process with VLLM_ENABLE_V1_MULTIPROCESSING=0), gives each a share of the time
+left, and writes DIR/vllm-e2e-<tag>.json (`plan.summary`: device, versions, date, command, every
+mode's result, the agreement figures, the speed table) and DIR/vllm-e2e-<tag>.log (every process's
+output). A run that fails or runs out of time keeps what it finished: each child writes its result
+after every phase, its error and traceback included. `bench/e2e/device_run.sh` sets up the GPU host
+and calls `run`; the tiny model is `bench/e2e/tiny_m3/config.json` (dummy weights, no tokenizer).
+
+A child's phases: engine start (the plugin's and the engine's log lines recorded); weights redrawn
+(`plan.REINIT`, the same model in every mode); correctness (a mixed batch of prompts, greedy, top-5
+log-probs per step); for msa-jit modes the hook check (one sparse layer's decode output against
+`msa_jit.reference` on the engine's own cache, query, top-k and block table); the speed grid
+(per-step wall time of pure decode steps, `plan.speed_points`); torch.profiler over a few decode
+steps (device time by kernel category, the sparse decode's share).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import logging
+import math
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import zlib
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import e2e_plan as plan  # noqa: E402  (beside this file)
+
+LOG_PATTERNS = ("msa-jit", "MiniMax M3", "attention backend", "Using ", "block size", "KV cache",
+                "kv cache", "speculative", "CUDA graph", "cudagraph", "skip", "nvfp4", "NVFP4", "Error", "error",
+                "WARNING", "Traceback")
+
+
+class _Stop(BaseException):
+    """SIGTERM from the parent's deadline: save what is done."""
+
+
+# ============================================================================ child
+class _LogTap(logging.Handler):
+    """Keeps vLLM's log lines that say what was selected (LOG_PATTERNS), at most `limit`."""
+
+    def __init__(self, limit: int = 300) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+        self.limit = limit
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            msg = record.getMessage()
+        except Exception:  # noqa: BLE001
+            return
+        if len(self.lines) < self.limit and any(p in msg for p in LOG_PATTERNS):
+            self.lines.append(f"{record.levelname} {record.name}: {msg[:600]}")
+
+
+def _versions() -> dict[str, Any]:
+    import importlib.metadata as md
+
+    out: dict[str, Any] = {"python": sys.version.split()[0]}
+    for dist in ("vllm", "torch", "triton", "transformers", "apache-tvm-ffi", "flashinfer-python", "msa-jit"):
+        try:
+            out[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            out[dist] = None
+    try:
+        import torch
+
+        out["cuda"] = torch.version.cuda
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        from msa_jit.jit import compiler
+
+        out["cutlass_dsl"] = compiler.dsl_version()
+        out["tvm_ffi_abi"] = compiler.tvm_ffi_abi()
+        out["msa_jit_file"] = str(Path(compiler.__file__).parent)
+    except Exception as e:  # noqa: BLE001
+        out["msa_jit_error"] = f"{type(e).__name__}: {e}"
+    for name in ("MSA_JIT_COMMIT",):
+        if os.environ.get(name):
+            out[name.lower()] = os.environ[name]
+    return out
+
+
+def reinit_module(module: Any, spec: dict[str, float]) -> int:
+    """Redraw `module`'s float matrices (plan.REINIT): N(0, 1/fan_in) from a generator seeded by
+    the parameter's name; the LM head x lm_head_gain, embeddings N(0, embed_std); the per-head
+    q norms' Gemma weights (scale 1 + w) set to q_norm_scale - 1. Returns how many were set."""
+    import torch
+
+    n = 0
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if not p.dtype.is_floating_point or p.element_size() < 2:
+                continue
+            if name.endswith("q_norm.weight") and "index" not in name:
+                p.fill_(spec["q_norm_scale"] - 1.0)
+                n += 1
+                continue
+            if p.dim() < 2 or "norm" in name:
+                continue
+            g = torch.Generator(device=p.device)
+            g.manual_seed((zlib.crc32(name.encode()) + int(spec["seed"])) & 0x7FFFFFFF)
+            if "embed_tokens" in name:
+                std = spec["embed_std"]
+            else:
+                std = 1.0 / math.sqrt(p.shape[-1]) * (spec["lm_head_gain"] if "lm_head" in name else 1.0)
+            p.normal_(0.0, std, generator=g)
+            n += 1
+    return n
+
+
+def _reinit_worker(worker: Any, spec: dict[str, float]) -> dict[str, int]:
+    """collective_rpc target: reinit_module on the target model and, with MTP, the drafter's."""
+    import torch.nn as nn
+
+    done = {"target": reinit_module(worker.get_model(), spec)}
+    runner = getattr(worker, "model_runner", None)
+    for attr in ("drafter", "speculator", "proposer"):
+        model = getattr(getattr(runner, attr, None), "model", None)
+        if isinstance(model, nn.Module):
+            done[attr] = reinit_module(model, spec)
+    return done
+
+
+def _logprob_rows(logprobs: Any) -> list[list[list[float]]] | None:
+    """vLLM's per-step {token: Logprob} dicts -> [[[token, logprob], ...] per step]."""
+    if not logprobs:
+        return None
+    rows = []
+    for step in logprobs:
+        rows.append([[int(t), float(getattr(lp, "logprob", lp))] for t, lp in (step or {}).items()])
+    return rows
+
+
+def _correctness(llm: Any, vocab: int, spec_tokens: int) -> dict[str, Any]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    ids = plan.prompt_ids(plan.CORRECTNESS_PROMPT_LENS, vocab)
+    sp = SamplingParams(temperature=0.0, max_tokens=plan.CORRECTNESS_MAX_TOKENS, ignore_eos=True,
+                        detokenize=False, logprobs=plan.CORRECTNESS_LOGPROBS)
+    t0 = time.perf_counter()
+    note = None
+    try:
+        outs = llm.generate([TokensPrompt(prompt_token_ids=x) for x in ids], sp, use_tqdm=False)
+    except Exception as e:  # noqa: BLE001 - e.g. log-probs refused with speculative decoding: tokens only
+        note = f"with logprobs: {type(e).__name__}: {str(e)[:300]}; rerun without"
+        sp = SamplingParams(temperature=0.0, max_tokens=plan.CORRECTNESS_MAX_TOKENS, ignore_eos=True,
+                            detokenize=False)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=x) for x in ids], sp, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    return {"prompt_lens": list(plan.CORRECTNESS_PROMPT_LENS), "max_tokens": plan.CORRECTNESS_MAX_TOKENS,
+            "wall_s": round(wall, 3), "spec_tokens": spec_tokens, "note": note,
+            "outputs": [{"token_ids": list(o.outputs[0].token_ids),
+                         "logprobs": _logprob_rows(o.outputs[0].logprobs)} for o in outs]}
+
+
+def _hook_check(llm: Any, vocab: int) -> dict[str, Any]:
+    """Wrap the decode function vLLM's MSA impl calls (the name the plugin rebound), run a short
+    generate, and on the third decode call (a middle sparse layer of the first decode step) compare the output with msa_jit.reference
+    (float64 on the CPU, the same query / cache / top-k / block table / scales)."""
+    import importlib
+
+    import torch
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from msa_jit.reference import sparse_decode_reference
+
+    msa = importlib.import_module("vllm.models.minimax_m3.nvidia.sparse_attention_msa")
+    real = msa.msa_cutlass_sparse_decode
+    want_call = 3  # a middle sparse layer of the first decode step
+    state: dict[str, Any] = {"calls": 0, "result": None}
+
+    def hooked(query_fp8, kv_cache, topk, output, metadata, *, scale, q_scale_float, k_scale_float,
+               v_scale_float, k_scale=None, v_scale=None):
+        real(query_fp8, kv_cache, topk, output, metadata, scale=scale, q_scale_float=q_scale_float,
+             k_scale_float=k_scale_float, v_scale_float=v_scale_float, k_scale=k_scale, v_scale=v_scale)
+        state["calls"] += 1
+        if state["calls"] != want_call or state["result"] is not None:
+            return
+        try:
+            _sync()
+            p = metadata.plan
+            nvfp4 = kv_cache.dtype == torch.uint8 and kv_cache.shape[-1] == 72
+            ks = k_scale if nvfp4 else k_scale_float
+            vs = v_scale if nvfp4 else v_scale_float
+            ref, _ = sparse_decode_reference(query_fp8, kv_cache, topk, p.block_table[:p.batch], p.seq_lens[:p.batch],
+                                             p.qlen, sm_scale=scale, q_scale=q_scale_float, k_scale=ks, v_scale=vs)
+            stats = _cache_stats(kv_cache, topk, p, nvfp4, ks, vs)
+            got = output.detach().to("cpu", torch.float64)
+            err = (got - ref).norm().item() / max(ref.norm().item(), 1e-30)
+            state["result"] = {
+                "call": want_call, "tokens": int(query_fp8.shape[0]), "batch": int(p.batch), "qlen": int(p.qlen),
+                "seq_lens": [int(x) for x in p.seq_lens[:p.batch].tolist()], "kv_cache": list(kv_cache.shape),
+                "kv_dtype": str(kv_cache.dtype), "kv_strides": list(kv_cache.stride()), "nvfp4": nvfp4,
+                "query_dtype": str(query_fp8.dtype), "kernel": p.kernel, "splits": int(p.num_splits),
+                "rel_err": err, "max_abs_err": (got - ref).abs().max().item(),
+                "ref_rms": ref.pow(2).mean().sqrt().item(), "finite": bool(torch.isfinite(got).all()),
+                "tolerance": plan.HOOK_MAX_REL_ERR, "ok": bool(torch.isfinite(got).all()) and err <= plan.HOOK_MAX_REL_ERR,
+                "cache": stats,
+            }
+        except Exception as e:  # noqa: BLE001
+            state["result"] = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}
+
+    msa.msa_cutlass_sparse_decode = hooked
+    try:
+        ids = plan.prompt_ids(plan.CORRECTNESS_PROMPT_LENS, vocab, seed=plan.PROMPT_SEED + 7)
+        sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, detokenize=False)
+        llm.generate([TokensPrompt(prompt_token_ids=x) for x in ids], sp, use_tqdm=False)
+    finally:
+        msa.msa_cutlass_sparse_decode = real
+    return state["result"] or {"ok": False, "error": f"the decode function was called {state['calls']} times"}
+
+
+def _gemma_norm() -> str:
+    """The model's Gemma RMSNorm runs FlashInfer's kernels (the bundle ships their norm module
+    prebuilt). Where flashinfer.norm cannot be imported (E2E_NO_FLASHINFER=1 forces this), use
+    vLLM's own GemmaRMSNorm.forward_native instead, as the bundle's example does, in every mode
+    alike; returns which one runs."""
+    reason = "E2E_NO_FLASHINFER=1" if os.environ.get("E2E_NO_FLASHINFER") == "1" else None
+    if reason is None:
+        try:
+            import flashinfer.norm  # noqa: F401
+
+            return "flashinfer"
+        except Exception as e:  # noqa: BLE001
+            reason = f"flashinfer.norm: {type(e).__name__}: {e}"
+    try:
+        import vllm.models.minimax_m3.nvidia.model as m3
+        from vllm.model_executor.layers.layernorm import GemmaRMSNorm
+
+        m3.MiniMAXGemmaRMSNorm.forward = GemmaRMSNorm.forward_native
+    except Exception as e:  # noqa: BLE001 - the engine start will say what is wrong
+        return f"flashinfer (the native fallback failed: {type(e).__name__}: {e}; {reason})"
+    return f"vLLM's GemmaRMSNorm.forward_native ({reason})"
+
+
+def _dense_backend_probe(kv_cache_dtypes: tuple[str, ...]) -> dict[str, Any]:
+    """Which of vLLM's attention backends would take a dense MiniMax-M3 layer (head 128, bf16, 64
+    heads) with each cache dtype, and why the others refuse: the platform's own selection
+    (`get_valid_backends`, whose reasons vLLM prints only when none is valid)."""
+    out: dict[str, Any] = {}
+    try:
+        import torch
+        from vllm.platforms import current_platform
+        from vllm.v1.attention.selector import AttentionSelectorConfig
+
+        cap = current_platform.get_device_capability()
+        for dtype in kv_cache_dtypes:
+            cfg = AttentionSelectorConfig(head_size=128, dtype=torch.bfloat16, kv_cache_dtype=dtype, block_size=None)
+            valid, invalid = current_platform.get_valid_backends(cap, cfg, num_heads=64)
+            out[dtype] = {"valid": [c.backend.name for c in valid],
+                          "invalid": {b.name: reasons for b, (_, reasons) in invalid.items()}}
+    except Exception as e:  # noqa: BLE001 - a probe: record and go on
+        out["error"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def _cache_stats(kv_cache: Any, topk: Any, p: Any, nvfp4: bool, k_scale: Any, v_scale: Any) -> dict[str, Any]:
+    """What the engine's own insert wrote, dequantized: RMS and zero fraction of the K and V rows of
+    request 0, KV head 0, in the blocks its first token selected (positions < its seq_len). Keys
+    leave the per-head RMSNorm (and RoPE) at RMS ~1, values of the redrawn weights too: far off
+    (0, NaN) means a broken cache write, which the kernel-vs-reference check cannot see."""
+    import torch
+
+    from msa_jit import reference
+
+    seq = int(p.seq_lens[0])
+    page = int(kv_cache.shape[2])
+    blocks = [int(b) for b in topk[0, 0].tolist() if 0 <= int(b) < -(-seq // page)]
+    if not blocks:
+        return {"blocks": 0}
+    pages = p.block_table[0, torch.tensor(blocks, device=p.block_table.device)].to("cpu", torch.int64)
+    fn = reference._nvfp4_keys_values if nvfp4 else reference._dense_keys_values
+    kk, vv = fn(kv_cache, pages, 0, 128, float(k_scale), float(v_scale))
+    pos = (torch.tensor(blocks)[:, None] * page + torch.arange(page)).reshape(-1)
+    kk, vv = kk[pos < seq], vv[pos < seq]
+
+    def rms(x: Any) -> float:
+        return x.pow(2).mean().sqrt().item() if x.numel() else float("nan")
+
+    return {"blocks": len(blocks), "keys": int(kk.shape[0]), "k_rms": rms(kk), "v_rms": rms(vv),
+            "k_zero_fraction": (kk == 0).double().mean().item(), "v_zero_fraction": (vv == 0).double().mean().item(),
+            "finite": bool(torch.isfinite(kk).all() and torch.isfinite(vv).all())}
+
+
+def _run_point(llm: Any, batch: int, context: int, vocab: int, spec_tokens: int, seed: int,
+               profile_steps: int = 0) -> dict[str, Any]:
+    """One speed point: `batch` prompts of `context` tokens through the engine step loop. Timed:
+    plan.DECODE_STEPS steps in which all requests decode (plan.decode_step_times); then, with
+    profile_steps, that many more under torch.profiler (left out of the timing). Whatever
+    happens, no request of this point is left in the engine for the next one."""
+    ids = [f"p{seed}-{i}" for i in range(batch)]
+    try:
+        return _timed_point(llm, ids, context, vocab, spec_tokens, seed, profile_steps)
+    except BaseException:
+        try:
+            llm.llm_engine.abort_request(ids)
+        except Exception:  # noqa: BLE001 - already failing: keep the first error
+            pass
+        raise
+
+
+def _timed_point(llm: Any, ids: list[str], context: int, vocab: int, spec_tokens: int, seed: int,
+                 profile_steps: int) -> dict[str, Any]:
+    import torch
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    engine = llm.llm_engine
+    batch = len(ids)
+    max_tokens = plan.point_max_tokens(batch, context, spec_tokens, decode_steps=plan.DECODE_STEPS + profile_steps)
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False,
+                        output_kind=RequestOutputKind.DELTA)
+    got = {rid: 0 for rid in ids}
+    t0 = time.perf_counter()
+    for rid, ids in zip(got, plan.prompt_ids([context] * batch, vocab, seed=seed)):
+        engine.add_request(rid, TokensPrompt(prompt_token_ids=ids), sp)
+    finished: set[str] = set()
+    steps: list[dict[str, Any]] = []
+    first_token_s = None
+    prof, prof_start, prof_wall = None, None, None
+    while engine.has_unfinished_requests():
+        timed = len(plan.decode_step_times(steps, batch))
+        if profile_steps and prof is None and prof_wall is None and timed >= plan.DECODE_STEPS:
+            _sync()
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            prof = torch.profiler.profile(activities=activities)
+            prof.__enter__()
+            prof_start = (len(steps), time.perf_counter())
+        ts = time.perf_counter()
+        outs = engine.step()
+        dt = time.perf_counter() - ts
+        new_tokens = 0
+        for o in outs:
+            if o.request_id in got:
+                n = len(o.outputs[0].token_ids) if o.outputs else 0
+                got[o.request_id] += n
+                new_tokens += n
+                if o.finished:
+                    finished.add(o.request_id)
+        started = sum(1 for v in got.values() if v > 0)
+        if first_token_s is None and started >= batch:
+            first_token_s = time.perf_counter() - t0
+        steps.append({"s": dt, "started": started, "finished": len(finished), "new_tokens": new_tokens,
+                      "profiled": prof is not None})
+        if prof is not None and len(steps) - prof_start[0] >= profile_steps:
+            _sync()
+            prof_wall = time.perf_counter() - prof_start[1]
+            prof.__exit__(None, None, None)
+            result_prof = plan.profile_summary(_kernel_times(prof), len(steps) - prof_start[0], prof_wall)
+            result_prof["all_requests_decoding"] = len(finished) == 0
+            prof = None
+        if len(plan.decode_step_times(steps, batch)) >= plan.DECODE_STEPS + profile_steps and prof is None \
+                and (not profile_steps or prof_wall is not None):
+            left = [rid for rid in got if rid not in finished]
+            if left:  # timed (and profiled) enough: the remaining tokens would only cost time
+                engine.abort_request(left)
+            break
+    plain = [st for st in steps if not st["profiled"]]
+    decode = plan.decode_step_times(plain, batch)
+    idx = [i for i in range(1, len(plain)) if plain[i - 1]["started"] >= batch and plain[i]["finished"] == 0]
+    tokens = [plain[i]["new_tokens"] / batch for i in idx]
+    point = {"batch": batch, "context": context, "ok": len(decode) >= 3, "max_tokens": max_tokens,
+             "engine_steps": len(steps), "prefill_s": round(first_token_s, 3) if first_token_s else None,
+             "wall_s": round(time.perf_counter() - t0, 3), "step": plan.summarize_times(decode),
+             "tokens_per_step": round(sum(tokens) / len(tokens), 3) if tokens else None}
+    if prof_wall is not None:
+        point["profile"] = result_prof
+    if not point["ok"]:
+        point["error"] = f"only {len(decode)} pure decode steps"
+    return point
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _kernel_times(prof: Any) -> list[tuple[str, float]]:
+    """(name, seconds) of every device kernel the profiler saw."""
+    import torch
+
+    out = []
+    for e in prof.events():
+        if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA:
+            tr = e.time_range
+            out.append((e.name, (tr.end - tr.start) * 1e-6))
+    return out
+
+
+def child(args: argparse.Namespace) -> int:
+    t_start = time.perf_counter()
+    deadline = t_start + args.deadline_s
+    mode = plan.MODES[args.mode]
+    config = plan.load_config(args.model_dir)
+    model_dir = args.model_dir
+    if mode.all_sparse:
+        model_dir = tempfile.mkdtemp(prefix="tiny_m3_allsparse-")
+        (Path(model_dir) / "config.json").write_text(json.dumps(plan.all_sparse_config(config), indent=1))
+        config = plan.all_sparse_config(config)
+    kwargs = plan.llm_kwargs(mode, args.graphs, model_dir, config)
+    env_now = {k: v for k, v in sorted(os.environ.items())
+               if k.startswith(("MSA_JIT_", "VLLM_", "FLASHINFER_", "CUDA_", "TRITON_")) or k == "PYTHONPATH"}
+    result = plan.new_mode_result(mode, args.graphs, kwargs, env_now)
+    out = Path(args.out_json)
+
+    def save() -> None:
+        result["wall_s"] = round(time.perf_counter() - t_start, 3)
+        tmp = out.with_suffix(".part")
+        tmp.write_text(json.dumps(result, indent=1, default=str))
+        tmp.replace(out)
+
+    def phase(name: str) -> None:
+        result["phases"].append(name)
+        result["log_lines"] = tap.lines
+        save()
+        print(f"[e2e {mode.name}/{args.graphs}] {name} done at {time.perf_counter() - t_start:.1f}s", flush=True)
+
+    def stop(signum, frame):
+        raise _Stop()
+
+    signal.signal(signal.SIGTERM, stop)
+    tap = _LogTap()
+    try:
+        result["versions"] = _versions()
+        save()
+        import torch
+        import vllm  # noqa: F401  (configures vLLM's logging before the tap joins it)
+
+        logging.getLogger("vllm").addHandler(tap)
+        if torch.cuda.is_available():
+            result["device"] = torch.cuda.get_device_name(0)
+            result["capability"] = list(torch.cuda.get_device_capability(0))
+        else:
+            result["device"] = "cpu"
+        from vllm import LLM
+
+        result["gemma_norm"] = _gemma_norm()
+        if mode.kv_cache_dtype.startswith("nvfp4"):
+            result["dense_backends"] = _dense_backend_probe((mode.kv_cache_dtype, "auto"))
+            save()
+        t0 = time.perf_counter()
+        llm = LLM(**kwargs)
+        result["engine_start_s"] = round(time.perf_counter() - t0, 3)
+        result["expect_log"] = {s: any(s in line for line in tap.lines) for s in mode.expect_log}
+        phase("engine")
+        vocab = plan.text_config(config)["vocab_size"]
+        result["reinit"] = {"spec": plan.REINIT, "params": llm.collective_rpc(_reinit_worker, args=(plan.REINIT,))}
+        phase("reinit")
+        result["correctness"] = _correctness(llm, vocab, mode.speculative_tokens)
+        phase("correctness")
+        if mode.msa and args.graphs == "eager":
+            result["hook_check"] = _hook_check(llm, vocab)
+            phase("hook_check")
+        points = plan.parse_points(args.points)
+        prof_point = None if args.no_profile else plan.PROFILE_POINT
+        for i, (b, c) in enumerate(points):
+            left = deadline - time.perf_counter()
+            if left < 20:
+                result["speed"].append({"batch": b, "context": c, "ok": False, "step": None,
+                                        "error": f"skipped: {left:.0f}s left of the run's share"})
+                continue
+            try:
+                prof_steps = plan.PROFILE_STEPS if (b, c) == prof_point else 0
+                p = _run_point(llm, b, c, vocab, mode.speculative_tokens, seed=1000 + i, profile_steps=prof_steps)
+                if "profile" in p:
+                    result["profile"] = {"batch": b, "context": c, **p.pop("profile")}
+            except _Stop:
+                raise
+            except Exception as e:  # noqa: BLE001 - one point failing keeps the others
+                p = {"batch": b, "context": c, "ok": False, "step": None, "error": f"{type(e).__name__}: {e}",
+                     "traceback": traceback.format_exc()[-3000:]}
+            result["speed"].append(p)
+            save()
+            print(f"[e2e {mode.name}/{args.graphs}] B={b} ctx={c}: {p.get('step')} tokens/step "
+                  f"{p.get('tokens_per_step')}", flush=True)
+        phase("speed")
+        result["ok"] = True
+    except (Exception, _Stop, KeyboardInterrupt) as e:
+        result["error"] = "stopped at the run's deadline (SIGTERM)" if isinstance(e, _Stop) else f"{type(e).__name__}: {e}"
+        result["traceback"] = traceback.format_exc()[-8000:]
+        print(result["traceback"], file=sys.stderr, flush=True)
+    finally:
+        result["log_lines"] = tap.lines
+        save()
+    # the result is on disk: skip vLLM's teardown at interpreter exit (it can hang past the budget)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if result["ok"] else 1)
+
+
+# ============================================================================ parent
+def _meta(argv: list[str]) -> dict[str, Any]:
+    meta: dict[str, Any] = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                            "command": shlex.join(["python", "bench/e2e/run_vllm_e2e.py", *argv])}
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
+        meta["nvidia_smi"] = out.stdout.strip()
+    except Exception as e:  # noqa: BLE001
+        meta["nvidia_smi"] = f"{type(e).__name__}: {e}"
+    meta["versions"] = _versions()
+    return meta
+
+
+def _preflight() -> dict[str, Any]:
+    """Before any engine: vLLM imports, the plugin's entry point is visible, and every msa-jit
+    kernel the modes need is in the cache (MSA_JIT_NO_COMPILE=1 hosts cannot build one)."""
+    import importlib.metadata as md
+
+    out: dict[str, Any] = {}
+    try:
+        eps = md.entry_points(group="vllm.general_plugins")
+        out["entry_points"] = [f"{e.name} = {e.value}" for e in eps]
+    except Exception as e:  # noqa: BLE001
+        out["entry_points_error"] = f"{type(e).__name__}: {e}"
+    try:
+        from msa_jit.jit import compiler
+        from msa_jit.tools import warmup
+
+        configs = warmup.warmup_configs([(64, 4)], ["bfloat16", "float8_e4m3fn"], ["sm_90a"],
+                                        kv_dtypes=["float8_e4m3fn", "nvfp4"])
+        missing = []
+        saved = os.environ.get("MSA_JIT_NO_COMPILE")
+        os.environ["MSA_JIT_NO_COMPILE"] = "1"  # look up only: never compile here
+        try:
+            for cfg in configs:
+                try:
+                    compiler.ensure_compiled(cfg)
+                except Exception as e:  # noqa: BLE001
+                    missing.append(f"{cfg.describe()}: {type(e).__name__}: {str(e)[:300]}")
+        finally:
+            if saved is None:
+                del os.environ["MSA_JIT_NO_COMPILE"]
+            else:
+                os.environ["MSA_JIT_NO_COMPILE"] = saved
+        out["kernels"] = {"needed": len(configs), "missing": missing,
+                          "fingerprint": compiler.fingerprint(configs[0])}
+    except Exception as e:  # noqa: BLE001
+        out["kernels_error"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    t_start = time.monotonic()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    tag = args.tag or _dt.datetime.now().strftime("%Y-%m-%dT%H%M")
+    summary_path = out_dir / f"vllm-e2e-{tag}.json"
+    log_path = out_dir / f"vllm-e2e-{tag}.log"
+    modes = plan.selected_modes(args.modes.split(",") if args.modes else None)
+    graph_settings = [g for g in args.graphs.split(",") if g]
+    points = plan.parse_points(args.points) if args.points is not None else plan.speed_points()
+    meta = _meta(argv)
+    meta["preflight"] = pf = _preflight()
+    k = pf.get("kernels") or {}
+    print(f"[e2e] preflight: plugin entry points {[e for e in pf.get('entry_points', []) if 'msa_jit' in e]}; "
+          f"msa-jit kernels missing {len(k.get('missing', []))} of {k.get('needed')} "
+          f"(fingerprint {k.get('fingerprint')}) {pf.get('kernels_error', '')}", flush=True)
+    meta["model_config"] = plan.load_config(args.model_dir)
+    meta["config_problems"] = plan.check_config(meta["model_config"])
+    results: dict[str, dict[str, Any]] = {}
+    runs = plan.schedule(modes, graph_settings)
+    log = log_path.open("w")
+    log.write(json.dumps(meta["preflight"], indent=1) + "\n")
+
+    def write_summary() -> None:
+        meta["wall_s"] = round(time.monotonic() - t_start, 1)
+        summary_path.write_text(json.dumps(plan.summary(results, meta), indent=1, default=str))
+
+    write_summary()
+    for i, (mode, graphs) in enumerate(runs):
+        key = plan.run_key(mode.name, graphs)
+        if mode.fallback_for and not args.with_fallbacks:
+            target = results.get(plan.run_key(mode.fallback_for, graphs))
+            if target is not None and target.get("ok") and target.get("correctness"):
+                continue  # the mode it stands in for ran
+        left = args.deadline_s - (time.monotonic() - t_start)
+        main_left = sum(1 for m, _ in runs[i:] if m.fallback_for is None)
+        share = left / main_left if not mode.fallback_for else left  # fallbacks run last, on what is left
+        if left < 60:
+            results[key] = {**plan.new_mode_result(mode, graphs, {}, {}), "error": f"not run: {left:.0f}s left"}
+            continue
+        budget = max(60.0, min(left - 10, max(share, args.min_run_s)))
+        out_json = work / f"{key}.json"
+        argv_child = plan.child_argv(sys.executable, str(Path(__file__).resolve()), mode, graphs, str(out_json),
+                                     args.model_dir, budget - 15, points, profile=not args.no_profile)
+        env = {**os.environ, **plan.mode_env(mode)}
+        log.write(f"\n===== {key}: {shlex.join(argv_child)} (budget {budget:.0f}s)\n")
+        log.flush()
+        print(f"[e2e] {key}: budget {budget:.0f}s of {left:.0f}s left", flush=True)
+        t0 = time.monotonic()
+        proc = subprocess.Popen(argv_child, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=budget)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                rc = proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                rc = proc.wait()
+        try:
+            results[key] = json.loads(out_json.read_text())
+        except (OSError, ValueError) as e:
+            results[key] = {**plan.new_mode_result(mode, graphs, {}, {}),
+                            "error": f"no result (exit {rc}): {type(e).__name__}: {e}"}
+        results[key]["exit_code"] = rc
+        results[key]["run_s"] = round(time.monotonic() - t0, 1)
+        r = results[key]
+        print(f"[e2e] {key}: exit {rc} in {r['run_s']}s, ok={r.get('ok')} phases={r.get('phases')} "
+              f"error={r.get('error')}", flush=True)
+        write_summary()
+    log.close()
+    write_summary()
+    _print_table(plan.summary(results, meta))
+    print(f"[e2e] wrote {summary_path} and {log_path}", flush=True)
+    return 0
+
+
+def _print_table(s: dict[str, Any]) -> None:
+    print("\nrun                          ok     error", flush=True)
+    for k, r in s["runs"].items():
+        print(f"{k:28s} {str(r['ok']):6s} {(r['error'] or '')[:110]}")
+    print("\nagreement                                  verdict               max|dlogprob|  within tol.  agree steps")
+    for k, a in s["agreement"].items():
+        if a:
+            print(f"{k:42s} {a['verdict']:21s} {str(a.get('max_abs_dlogprob')):14s} "
+                  f"{str(a.get('within_tolerance', '-')):12s} {a.get('agree_steps')}")
+    for k, r in s["results"].items():
+        hc = r.get("hook_check")
+        if hc:
+            print(f"hook check {k}: ok={hc.get('ok')} rel_err={hc.get('rel_err')} {hc.get('error', '')}")
+        pr = r.get("profile")
+        if pr:
+            print(f"profile {k} B={pr.get('batch')} ctx={pr.get('context')}: wall {pr.get('wall_ms_per_step')} ms/step, "
+                  f"device {pr.get('device_ms_per_step')} ms/step, sparse decode share of device "
+                  f"{pr.get('sparse_decode_share_of_device')}, {pr.get('categories_ms_per_step')}")
+    cols = sorted(plan.speed_points())
+    print("\nmode/graphs                 " + "".join(f"{f'B{b}x{c // 1024}k':>10s}" for b, c in cols))
+    rows: dict[str, dict[tuple[int, int], Any]] = {}
+    for t in s["speed_table"]:
+        rows.setdefault(f"{t['mode']}/{t['graphs']}", {})[(t["batch"], t["context"])] = t["step_ms"]
+    for k, row in rows.items():
+        print(f"{k:28s}" + "".join(f"{(f'{row[p]:.2f}' if row.get(p) else '-'):>10s}" for p in cols))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="every (mode, graphs) in its own process, then the summary")
+    r.add_argument("--out", required=True, help="folder for vllm-e2e-<tag>.json and .log")
+    r.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "vllm-e2e-work"))
+    r.add_argument("--tag", default=None)
+    r.add_argument("--modes", default=None, help=f"comma-separated, default {','.join(plan.DEFAULT_MODES)}")
+    r.add_argument("--graphs", default="eager", help="eager, graph or eager,graph")
+    r.add_argument("--points", default=None, help="speed points as BxCONTEXT,... (default plan.speed_points())")
+    r.add_argument("--deadline-s", type=float, default=540.0, help="seconds for every run together")
+    r.add_argument("--min-run-s", type=float, default=90.0)
+    r.add_argument("--with-fallbacks", action="store_true", help="run fallback modes even where their target ran")
+    r.add_argument("--no-profile", action="store_true")
+    r.add_argument("--model-dir", default=str(plan.MODEL_DIR))
+    c = sub.add_parser("child", help="one (mode, graphs) in this process")
+    c.add_argument("--mode", required=True, choices=sorted(plan.MODES))
+    c.add_argument("--graphs", required=True, choices=plan.GRAPHS)
+    c.add_argument("--out-json", required=True)
+    c.add_argument("--model-dir", default=str(plan.MODEL_DIR))
+    c.add_argument("--deadline-s", type=float, default=300.0)
+    c.add_argument("--points", default="")
+    c.add_argument("--no-profile", action="store_true")
+    args = ap.parse_args(argv)
+    if args.cmd == "child":
+        return child(args)
+    return run(args, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
