@@ -9,6 +9,7 @@ device->host sync, no device allocation.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -94,21 +95,39 @@ def check_int(name: str, value: Any, lo: int | None = None, hi: int | None = Non
 
 
 def check_scale(name: str, value: Any) -> float:
-    """A finite python-float-convertible scale > 0 (0-dim CPU tensors accepted); returns float."""
+    """A finite scale > 0 as a python float: a real number (int, float, numpy scalar) or a
+    1-element CPU tensor of a real dtype. Never anything but TypeError / ValueError naming `name`:
+    bool and complex values (python, numpy or tensor) are refused, not read as 1.0 or their real
+    part; an int too large for a float is a ValueError, not OverflowError."""
     if type(value) is float and 0.0 < value < math.inf:  # the common case, in ~0.1 us (NaN fails too)
         return value
+    what = type(value).__name__
     if isinstance(value, (bool, str, bytes)) or value is None:
-        raise TypeError(f"{name}: expected a finite float > 0, got {type(value).__name__}")
+        raise TypeError(f"{name}: expected a finite float > 0, got {what}")
     if isinstance(value, torch.Tensor):
         if value.numel() != 1 or value.device.type != "cpu":
             raise TypeError(
                 f"{name}: expected a python float (or a 1-element CPU tensor), got a tensor of shape "
                 f"{_fmt_shape(value)} on {value.device}"
             )
+        if value.dtype == torch.bool or value.dtype.is_complex:
+            raise TypeError(f"{name}: expected a finite float > 0, got a {_dt(value.dtype)} tensor")
+    else:
+        # numpy scalars / arrays say what they hold by dtype.kind: only f(loat), i(nt), u(int) are
+        # scales (not b: numpy's bool, c: complex, O: objects); without a dtype, complex is refused
+        kind = getattr(getattr(value, "dtype", None), "kind", None)
+        if (kind is not None and kind not in "fiu") or (
+                kind is None and isinstance(value, numbers.Complex) and not isinstance(value, numbers.Real)):
+            dtype = f" of dtype {value.dtype}" if kind is not None and str(value.dtype) != what else ""
+            raise TypeError(f"{name}: expected a finite float > 0, got {what}{dtype}")
+        if kind is not None and getattr(value, "size", 1) != 1:
+            raise TypeError(f"{name}: expected a finite float > 0, got {what} of {value.size} elements")
     try:
         f = float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name}: expected a finite float > 0, got {type(value).__name__}") from None
+    except OverflowError:  # an int (or Fraction...) past float's range: a value out of range
+        raise ValueError(f"{name}: expected a finite float > 0, got a value too large for a float ({what})") from None
+    except Exception:  # noqa: BLE001 - whatever __float__ raises, the argument is named
+        raise TypeError(f"{name}: expected a finite float > 0, got {what}") from None
     if not math.isfinite(f) or f <= 0.0:
         raise ValueError(f"{name}: expected a finite float > 0, got {f!r}")
     return f
@@ -374,6 +393,7 @@ def validate_sparse_decode(
             raise ValueError(f"lse: expected shape [{T}, {hq}] ([T, Hq]), got {_fmt_shape(lse)}")
         check_last_dim_contiguous("lse", lse)
         check_device("lse", lse, dev, "the plan's device")
+
 
     if backend == "auto":
         backend = "kernel" if dev.type == "cuda" else "reference"

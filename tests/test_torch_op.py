@@ -338,3 +338,22 @@ def test_rebuilt_plans_share_kernels_only_within_a_split_count(monkeypatch):
     ints["split_merge"] = "kernel" if ints["split_merge"] == "cluster" else "cluster"
     other = torch_op._rebuild_plan(args[5], args[6], args[7], args[8], args[4], args[9], ints)
     assert other.kernels is not rebuilt[2].kernels
+
+
+def test_bad_scalars_through_the_op_are_named():
+    """Every bad scale form through the custom op (op_args turns scales into the schema's floats):
+    the op's named TypeError / ValueError, not an OverflowError (10**400), torch's RuntimeError (a
+    complex tensor) or a silent 1.0 (True) / real part (complex); out untouched."""
+    from test_op_arguments import BAD_SCALAR_EXAMPLES
+
+    c = _case(torch.bfloat16, seed=12)
+    plan = _plan(c)
+    for name in ("sm_scale", "q_scale", "k_scale", "v_scale"):
+        for value, exc in BAD_SCALAR_EXAMPLES:
+            out, lse = c.new_out(), c.new_lse()
+            scales = dict(c.scales(), **{name: value})
+            with pytest.raises((ValueError, TypeError)) as ei:
+                sparse_decode_op(c.query, c.kv_cache, c.topk, out, plan, lse=lse, backend="reference", **scales)
+            assert type(ei.value) is exc and str(ei.value).startswith(f"{name}: "), (name, value, ei.value)
+            assert torch.isnan(out.float()).all() and torch.isnan(lse).all()
+

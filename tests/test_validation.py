@@ -7,6 +7,7 @@ import functools
 import math
 import re
 
+import numpy as np
 import pytest
 import torch
 from helpers import FP8, make_case
@@ -301,12 +302,35 @@ def _s_lse(data, a):
     return dict(lse=[0.0] * T), TypeError
 
 
+def _strategies_of_bad_scalars():
+    """(value, the exception it must raise) for scales: every form a scale can come in (python,
+    numpy, 0-d / 1-element tensor) with a value out of range (ValueError) or a type that is no
+    real number (TypeError: bool is not read as 1.0, complex not as its real part)."""
+    vals = st.one_of(st.floats(max_value=0.0), st.sampled_from([math.nan, math.inf]),
+                     st.integers(max_value=0), st.integers(min_value=2 ** 1024),
+                     st.integers(max_value=-(2 ** 1024)))
+    reals = st.floats(max_value=0.0, allow_infinity=False) | st.sampled_from([math.nan, math.inf])
+    reals32 = st.floats(-3e38, 0.0) | st.sampled_from([math.nan, math.inf])
+    value_errors = st.one_of(
+        vals, reals.map(np.float64), reals32.map(np.float32), st.integers(-5, 0).map(np.int64),
+        reals.map(lambda v: torch.tensor(v, dtype=torch.float64)), reals32.map(lambda v: torch.tensor([v])),
+    )
+    type_errors = st.one_of(
+        st.sampled_from(["1.0", None, [1.0], torch.tensor([1.0, 2.0]), np.array([1.0, 2.0]), object()]),
+        st.booleans(), st.booleans().map(np.bool_), st.booleans().map(torch.tensor),
+        st.complex_numbers(), st.complex_numbers(allow_nan=False).map(np.complex128),
+        st.complex_numbers(allow_nan=False, allow_infinity=False, max_magnitude=1e30).map(torch.tensor),
+    )
+    return value_errors.map(lambda v: (v, ValueError)) | type_errors.map(lambda v: (v, TypeError))
+
+
+BAD_SCALARS = _strategies_of_bad_scalars()
+
+
 def _scale_mutation(name):
     def mutate(data, a):
-        v = data.draw(st.sampled_from([0, 0.0, -1.0, -1e-30, math.nan, math.inf, -math.inf,
-                                       "1.0", None, True, [1.0], torch.tensor([1.0, 2.0])]))
-        bad_value = isinstance(v, (int, float)) and not isinstance(v, bool)
-        return {name: v}, (ValueError if bad_value else TypeError)
+        v, exc = data.draw(BAD_SCALARS)
+        return {name: v}, exc
     return mutate
 
 
