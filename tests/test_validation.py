@@ -276,8 +276,23 @@ def _s_topk(data, a):
     return dict(topk=a["topk"].numpy()), TypeError
 
 
+def _sharing_self(shape, dtype):
+    """A tensor of `shape` whose elements share memory: a zero stride (an expand()ed tensor), or
+    rows that overlap (as_strided with a token stride of half a row), NaN-poisoned."""
+    def make(kind):
+        if kind == "zero_stride":
+            return torch.full((1, *shape[1:]), math.nan, dtype=dtype).expand(shape)
+        row = math.prod(shape[1:])
+        base = torch.full((shape[0] * row,), math.nan, dtype=dtype)
+        inner = [math.prod(shape[i + 1:]) for i in range(1, len(shape))]
+        return base.as_strided(shape, (max(row // 2, 1), *inner))
+    return make
+
+
 def _s_out(data, a):
-    kind = data.draw(st.sampled_from(["dtype", "shape", "stride", "type"]))
+    kind = data.draw(st.sampled_from(["dtype", "shape", "stride", "type", "zero_stride", "overlapping_rows"]))
+    if kind in ("zero_stride", "overlapping_rows"):
+        return dict(out=_sharing_self((T, HQ, 128), torch.bfloat16)(kind)), ValueError
     if kind == "dtype":
         dt = _bad_dtype(data, (torch.bfloat16,), pool=(torch.float32, torch.float16, torch.float64))
         return dict(out=torch.full((T, HQ, 128), math.nan, dtype=dt)), TypeError
@@ -290,7 +305,9 @@ def _s_out(data, a):
 
 
 def _s_lse(data, a):
-    kind = data.draw(st.sampled_from(["dtype", "shape", "stride", "type"]))
+    kind = data.draw(st.sampled_from(["dtype", "shape", "stride", "type", "zero_stride", "overlapping_rows"]))
+    if kind in ("zero_stride", "overlapping_rows"):
+        return dict(lse=_sharing_self((T, HQ), torch.float32)(kind)), ValueError
     if kind == "dtype":
         dt = _bad_dtype(data, (torch.float32,), pool=(torch.bfloat16, torch.float16, torch.float64))
         return dict(lse=torch.full((T, HQ), math.nan, dtype=dt)), TypeError
@@ -300,6 +317,33 @@ def _s_lse(data, a):
     if kind == "stride":
         return dict(lse=_noncontig_last((T, HQ), torch.float32).fill_(math.nan)), ValueError
     return dict(lse=[0.0] * T), TypeError
+
+
+def _sharing_with_inputs(name, a, data):
+    """out / lse (`name`) overlapping an input of the call or (lse) out: a partial or a full
+    alias, made by carving both from one buffer. Returns the changed arguments."""
+    out_bytes, lse_bytes = T * HQ * 128 * 2, T * HQ * 4
+    other = data.draw(st.sampled_from(["query", "kv_cache", "topk"] + (["out"] if name == "lse" else [])))
+    x = a[other]
+    need = out_bytes if name == "out" else lse_bytes
+    size = x.numel() * x.element_size()
+    # where the output starts inside the other tensor's bytes (16-byte steps; the output may run past
+    # its end into the buffer's tail)
+    at = 16 * data.draw(st.integers(0, size // 16 - 1))
+    buf = torch.full((size + need,), 0x7F, dtype=torch.uint8)
+    buf[:size] = x.contiguous().view(-1).view(torch.uint8)
+    carved = buf[:size].view(x.dtype).view(x.shape)
+    mem = buf[at:at + need]
+    made = mem.view(torch.bfloat16).view(T, HQ, 128) if name == "out" else mem.view(torch.float32).view(T, HQ)
+    return {other: carved, name: made}
+
+
+def _s_out_shared(data, a):
+    return _sharing_with_inputs("out", a, data), ValueError
+
+
+def _s_lse_shared(data, a):
+    return _sharing_with_inputs("lse", a, data), ValueError
 
 
 def _strategies_of_bad_scalars():
@@ -358,6 +402,8 @@ OP_MUTATIONS = {
     "topk": _s_topk,
     "out": _s_out,
     "lse": _s_lse,
+    "out ": _s_out_shared,  # a second entry naming out: sharing memory with another argument
+    "lse ": _s_lse_shared,
     "sm_scale": _scale_mutation("sm_scale"),
     "q_scale": _scale_mutation("q_scale"),
     "k_scale": _scale_mutation("k_scale"),
@@ -388,7 +434,7 @@ def test_sparse_decode_rejects_malformed(name, data):
     a = _op_base()
     change, exc = OP_MUTATIONS[name](data, a)
     a.update(change)
-    if data.draw(st.booleans(), label="drop lse") and name != "lse":
+    if data.draw(st.booleans(), label="drop lse") and name.strip() != "lse":
         a["lse"] = None
     if name in TENSOR_FIELDS:  # the one-pass check (fast paths below) rejects it as well
         assert not _fast_op(a)
