@@ -32,6 +32,7 @@ import re
 import secrets
 import shutil
 import socket
+import stat
 import threading
 import time
 import warnings
@@ -62,6 +63,32 @@ log = logging.getLogger("msa_jit.jit.cache")
 
 STALE_TMP_AGE_S = 3600.0  # unrecognised files in tmp/ older than this are garbage
 _SHARD_RE = re.compile(r"\A[0-9a-f]{2}\Z")
+_LOCK_SUFFIX = ".lock"
+
+
+def lock_problem(path: Path) -> str | None:
+    """What is at a lock file's path when it is not a regular file (a directory, a symlink of any
+    kind, a FIFO...), None when it is one or nothing is there. Never follows a link: filelock opens
+    the lock with O_NOFOLLOW, so any symlink there makes every build of its key fail (ELOOP), and a
+    directory does too (EISDIR)."""
+    try:
+        st = os.lstat(path)
+    except OSError:  # nothing there, or locks/ unreadable: filelock then says what is wrong
+        return None
+    mode = st.st_mode
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISLNK(mode):
+        try:
+            target = os.readlink(path)
+        except OSError:
+            target = "?"
+        return f"a symbolic link (to {target!r}), not a regular file"
+    if stat.S_ISDIR(mode):
+        return "a directory, not a regular file"
+    kind = {stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device",
+            stat.S_IFBLK: "a block device"}.get(stat.S_IFMT(mode), f"of mode {stat.S_IFMT(mode):#o}")
+    return f"{kind}, not a regular file"
 
 
 # --------------------------------------------------------------------------- stats
@@ -160,16 +187,54 @@ class ArtifactCache:
     def _file_lock(self, key: str, timeout: float) -> filelock.FileLock:
         path = self.lock_path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
+        self._heal_lock(path)
         if math.isinf(timeout):
             timeout = -1
         return filelock.FileLock(str(path), timeout=timeout)
+
+    def _heal_lock(self, path: Path) -> str | None:
+        """Replace a lock path that is no regular file (see ``lock_problem``): it is moved aside
+        and deleted (the link itself, never its target; a directory with what is in it), and the
+        next lock taken creates a fresh file. Nobody can hold such a lock (filelock cannot open
+        it), so no mutual exclusion is broken. Returns what was there, None when it was fine."""
+        why = lock_problem(path)
+        if why is not None:
+            log.warning("msa-jit cache: lock file %s is %s; replacing it", path, why)
+            self._remove_path(path)
+        return why
+
+    def _acquire(self, lock: filelock.FileLock) -> None:
+        """``lock.acquire()``; when the lock path turns out damaged (replaced by something else
+        since ``_file_lock`` looked), heal it and try once more."""
+        try:
+            lock.acquire()
+        except OSError as e:
+            if isinstance(e, filelock.Timeout) or self._heal_lock(Path(lock.lock_file)) is None:
+                raise
+            lock.acquire()
+
+    def _bad_locks(self) -> list[tuple[Path, str, str]]:
+        """(path, key, why) of every ``locks/<key>.lock`` of the writable root that is no
+        regular file."""
+        try:
+            names = sorted((self.v1 / "locks").iterdir())
+        except OSError:
+            return []
+        out = []
+        for p in names:
+            key = p.name[: -len(_LOCK_SUFFIX)] if p.name.endswith(_LOCK_SUFFIX) else ""
+            if KEY_RE.match(key):
+                why = lock_problem(p)
+                if why is not None:
+                    out.append((p, key, why))
+        return out
 
     @contextmanager
     def _try_lock(self, key: str) -> Iterator[bool]:
         """Take ``key``'s lock without waiting; yields whether it was taken."""
         try:
             lock = self._file_lock(key, 0)
-            lock.acquire()
+            self._acquire(lock)
         except (filelock.Timeout, OSError):
             yield False
             return
@@ -304,7 +369,7 @@ class ArtifactCache:
         timeout = env.lock_timeout_s()
         lock = self._file_lock(key, timeout)
         try:
-            lock.acquire()
+            self._acquire(lock)
         except filelock.Timeout:
             raise CacheLockTimeout(
                 f"msa-jit: timed out after {timeout:g} s ({env.LOCK_TIMEOUT}) waiting for the build "
@@ -481,6 +546,9 @@ class ArtifactCache:
         for shard, _why in self._bad_shards(self.root):
             self._heal_shard(shard)
             removed.append(shard)
+        for lock, _key, _why in self._bad_locks():
+            if self._heal_lock(lock) is not None:
+                removed.append(lock)
         for key, d in self._iter_entry_dirs(self.root):
             if (d / META_NAME).exists():
                 continue
@@ -538,10 +606,16 @@ class ArtifactCache:
         """Full check (key, sizes and sha256) of every entry: ``(entry, None)`` when
         intact, ``(entry, reason)`` otherwise (entries with an unusable
         meta.json get ``meta == {}``; a shard that is no directory is reported as
-        an entry whose ``key`` is the shard's name). ``remove=True`` deletes bad
-        entries (and bad shards) of the writable root."""
+        an entry whose ``key`` is the shard's name, a lock path of the writable root
+        that is no regular file as one whose ``path`` is the lock's and ``key`` its
+        key's). ``remove=True`` deletes bad entries (and bad shards, and replaces bad
+        locks) of the writable root."""
         results: list[tuple[CacheEntry, str | None]] = []
         seen: set[str] = set()
+        for lock, key, why in self._bad_locks():
+            results.append((CacheEntry(lock, key, {}), f"lock file is {why}"))
+            if remove:
+                self._heal_lock(lock)
         for root in (self.root, *self.readonly_roots):
             ro = root != self.root
             for shard, why in self._bad_shards(root):
@@ -580,7 +654,8 @@ class ArtifactCache:
         return tree_size(self.v1)
 
     def prune(self, max_bytes: int | None = None, *, _protect: Iterable[str] = ()) -> list[Path]:
-        """Remove garbage (dead builds' temp dirs, trash, incomplete entries), then
+        """Remove garbage (dead builds' temp dirs, trash, incomplete entries, lock paths that
+        are no regular file), then
         least-recently-used entries (meta.json mtime) until the writable root
         holds at most ``max_bytes`` (default MSA_JIT_CACHE_MAX_BYTES). Returns
         the removed paths."""
@@ -613,7 +688,8 @@ class ArtifactCache:
 
     def clear(self) -> list[Path]:
         """Remove every entry and all garbage of the writable root (read-only
-        roots and lock files are left alone; builds in progress are not
+        roots and lock files are left alone, but for lock paths that are no
+        regular file, which are replaced; builds in progress are not
         disturbed). Returns the removed paths."""
         removed = self._collect_garbage()
         for key, d in self._iter_entry_dirs(self.root):
