@@ -32,7 +32,6 @@ import re
 import secrets
 import shutil
 import socket
-import stat
 import threading
 import time
 import warnings
@@ -45,7 +44,7 @@ from typing import Any
 import filelock
 
 from ... import env
-from .entry import (FORMAT, LAYOUT, META_NAME, CacheEntry, CorruptEntry, check_artifacts, fsync_path, meta_signature, parse_build_result, read_meta, sha256_file, tree_size)
+from .entry import (FORMAT, LAYOUT, META_NAME, CacheEntry, CorruptEntry, check_artifacts, fsync_path, lock_problem, meta_signature, parse_build_result, read_meta, sha256_file, tree_size)
 from .errors import ArtifactMissingError, CacheError, CacheFallbackWarning, CacheLockTimeout
 from .key import KEY_RE, check_key, entry_key_problem, jsonable, make_key
 from .location import not_a_directory, pinned, preferred_root, resolve
@@ -54,6 +53,8 @@ __all__ = [
     "STALE_TMP_AGE_S",
     "ArtifactCache",
     "default_cache",
+    "disk_full_errno",
+    "disk_full_error",
     "open_cache",
     "reset_stats",
     "stats",
@@ -64,31 +65,70 @@ log = logging.getLogger("msa_jit.jit.cache")
 STALE_TMP_AGE_S = 3600.0  # unrecognised files in tmp/ older than this are garbage
 _SHARD_RE = re.compile(r"\A[0-9a-f]{2}\Z")
 _LOCK_SUFFIX = ".lock"
+_DISK_FULL = {errno.ENOSPC: "no space left on device (ENOSPC)", errno.EDQUOT: "disk quota exceeded (EDQUOT)"}
+# how a tool that reports through text (the linker's stderr, a DSL error) says the same
+_DISK_FULL_TEXT = re.compile(r"no space left on device|disk quota exceeded", re.IGNORECASE)
 
 
-def lock_problem(path: Path) -> str | None:
-    """What is at a lock file's path when it is not a regular file (a directory, a symlink of any
-    kind, a FIFO...), None when it is one or nothing is there. Never follows a link: filelock opens
-    the lock with O_NOFOLLOW, so any symlink there makes every build of its key fail (ELOOP), and a
-    directory does too (EISDIR)."""
-    try:
-        st = os.lstat(path)
-    except OSError:  # nothing there, or locks/ unreadable: filelock then says what is wrong
+def disk_full_errno(e: BaseException, text: bool = False) -> int | None:
+    """ENOSPC / EDQUOT when ``e`` says the disk (or the quota) is full; with ``text``, also an
+    error of another type whose message says so (ENOSPC then). None otherwise, and for an error
+    ``disk_full_error`` already made."""
+    if getattr(e, "msa_jit_disk_full", False):
         return None
-    mode = st.st_mode
-    if stat.S_ISREG(mode):
-        return None
-    if stat.S_ISLNK(mode):
+    if isinstance(e, OSError) and e.errno in _DISK_FULL:
+        return e.errno
+    if text:
+        m = _DISK_FULL_TEXT.search(str(e))
+        if m:
+            return errno.EDQUOT if m.group(0).lower().startswith("disk") else errno.ENOSPC
+    return None
+
+
+def _free_space(path: Path) -> str:
+    """'1.2 GiB free' on the filesystem of ``path`` (its nearest existing ancestor), or ''."""
+    for p in (path, *path.parents):
         try:
-            target = os.readlink(path)
+            free = shutil.disk_usage(p).free
+            break
         except OSError:
-            target = "?"
-        return f"a symbolic link (to {target!r}), not a regular file"
-    if stat.S_ISDIR(mode):
-        return "a directory, not a regular file"
-    kind = {stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device",
-            stat.S_IFBLK: "a block device"}.get(stat.S_IFMT(mode), f"of mode {stat.S_IFMT(mode):#o}")
-    return f"{kind}, not a regular file"
+            continue
+    else:
+        return ""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if free < 1024 or unit == "TiB":
+            return f"{free:.0f} {unit} free" if unit == "B" else f"{free:.1f} {unit} free"
+        free /= 1024
+    return ""
+
+
+def disk_full_error(e: BaseException, what: str, places: Iterable[tuple[os.PathLike | str, str]],
+                    code: int | None = None) -> OSError:
+    """An OSError (errno ENOSPC / EDQUOT, as ``e``) whose message says where: what was being
+    done, the file ``e`` names if any, and each directory that may be the full one with its
+    role and free space (``[Errno 28] No space left on device`` alone names none). Marked so that
+    an outer caller does not wrap it again."""
+    code = code if code is not None else (disk_full_errno(e, text=True) or errno.ENOSPC)
+    where = []
+    filename = getattr(e, "filename", None)
+    if filename:
+        where.append(f"writing {filename}")
+    seen = set()
+    for path, role in places:
+        path = Path(path)
+        if str(path) in seen:
+            continue
+        seen.add(str(path))
+        free = _free_space(path)
+        where.append(f"{path} ({role}{'; ' + free if free else ''})")
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    said = [ln for ln in lines if _DISK_FULL_TEXT.search(ln)] or lines[-1:]
+    tail = f" [{said[0]}]" if said else ""  # the tool's own words (the linker's line)
+    err = OSError(code, f"msa-jit: {_DISK_FULL[code]} while {what}: {', '.join(where)}{tail}. Free space "
+                        f"there, or point {env.CACHE_DIR} (the cache) / TMPDIR (the compiler's temp files) at a "
+                        f"filesystem with room")
+    err.msa_jit_disk_full = True
+    return err
 
 
 # --------------------------------------------------------------------------- stats
@@ -397,9 +437,14 @@ class ArtifactCache:
         describe: str,
     ) -> CacheEntry:
         tmp_root = self.v1 / "tmp"
-        tmp_root.mkdir(parents=True, exist_ok=True)
-        tmp = tmp_root / f"build-{key}-{secrets.token_hex(6)}"
-        os.mkdir(tmp)
+        try:
+            tmp_root.mkdir(parents=True, exist_ok=True)
+            tmp = tmp_root / f"build-{key}-{secrets.token_hex(6)}"
+            os.mkdir(tmp)
+        except OSError as e:
+            if disk_full_errno(e) is None:
+                raise
+            raise self._disk_full(e, describe, tmp_root) from e
         try:
             log.info("msa-jit cache: building %s (key %s)", describe, key)
             t0 = time.monotonic()
@@ -438,9 +483,18 @@ class ArtifactCache:
             os.replace(part, tmp / META_NAME)  # meta.json LAST: marks the entry complete
             fsync_path(tmp, directory=True)
             return self._publish(tmp, key, meta)
-        except BaseException:
+        except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            if disk_full_errno(e) is None:
+                raise
+            # a build callback that knows better (the compiler: its temp dir, the linker) has
+            # already named the place; here the cache's own writes (meta.json, the publish) or
+            # a plain OSError out of the build: the build dir's filesystem is the cache root's
+            raise self._disk_full(e, describe, tmp_root) from e
+
+    def _disk_full(self, e: OSError, describe: str, where: Path) -> OSError:
+        return disk_full_error(e, f"building {describe} into the cache",
+                               [(where, f"the cache's build dirs, under the cache root {self.root}")])
 
     def _publish(self, tmp: Path, key: str, meta: dict) -> CacheEntry:
         dest = self.entry_path(key)
