@@ -110,8 +110,13 @@ def _p_seq_lens_cpu(data, a):
     return dict(seq_lens_cpu=s.tolist()), TypeError
 
 
+# ints past any range (also past int64 and float) and int-like values of other types, for every int argument
+_OUT_OF_RANGE_INTS = st.integers(min_value=2 ** 63) | st.integers(max_value=-(2 ** 63))
+_NOT_INTS = st.sampled_from([np.int64(4), np.bool_(True), 4 + 0j, math.nan])
+
+
 def _p_qlen(data, a):
-    v = data.draw(st.one_of(st.integers(-40, 0), st.integers(33, 10_000),
+    v = data.draw(st.one_of(st.integers(-40, 0), st.integers(33, 10_000), _OUT_OF_RANGE_INTS, _NOT_INTS,
                             st.sampled_from([1.0, 2.5, "2", None, True, torch.tensor(2)])))
     exc = ValueError if isinstance(v, int) and not isinstance(v, bool) else TypeError
     return dict(decode_query_len=v), exc
@@ -119,23 +124,26 @@ def _p_qlen(data, a):
 
 def _p_num_q_heads(data, a):
     v = data.draw(st.one_of(st.integers(-4, 0), st.integers(0, 40).map(lambda x: 2 * x + 1),
-                            st.integers(17, 60).map(lambda x: 2 * x), st.sampled_from([4.0, "4", None])))
+                            st.integers(17, 60).map(lambda x: 2 * x), _OUT_OF_RANGE_INTS, _NOT_INTS,
+                            st.sampled_from([4.0, "4", None])))
     return dict(num_q_heads=v), (ValueError if isinstance(v, int) else TypeError)
 
 
 def _p_num_kv_heads(data, a):
-    v = data.draw(st.one_of(st.integers(-4, 0), st.just(3), st.integers(5, 64), st.sampled_from([2.0, False])))
+    v = data.draw(st.one_of(st.integers(-4, 0), st.just(3), st.integers(5, 64), _OUT_OF_RANGE_INTS, _NOT_INTS,
+                            st.sampled_from([2.0, False])))
     return dict(num_kv_heads=v), (ValueError if type(v) is int else TypeError)
 
 
 def _p_page_size(data, a):
-    v = data.draw(st.one_of(st.integers(-10, 1000).filter(lambda x: x not in (64, 128)),
-                            st.sampled_from([64.0, "128", None])))
+    v = data.draw(st.one_of(st.integers(-10, 1000).filter(lambda x: x not in (64, 128)), _OUT_OF_RANGE_INTS,
+                            _NOT_INTS, st.sampled_from([64.0, "128", None])))
     return dict(page_size=v), (ValueError if isinstance(v, int) else TypeError)
 
 
 def _p_topk_blocks(data, a):
-    v = data.draw(st.one_of(st.integers(-10, 0), st.integers(33, 500), st.sampled_from([16.0, "16", True])))
+    v = data.draw(st.one_of(st.integers(-10, 0), st.integers(33, 500), _OUT_OF_RANGE_INTS, _NOT_INTS,
+                            st.sampled_from([16.0, "16", True])))
     return dict(topk_blocks=v), (ValueError if type(v) is int else TypeError)
 
 
