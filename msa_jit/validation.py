@@ -9,6 +9,7 @@ device->host sync, no device allocation.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,6 +24,7 @@ __all__ = [
     "BACKENDS",
     "check_backend",
     "check_int",
+    "check_outputs_own_memory",
     "check_scale",
     "check_kv_scale",
     "kv_cache_format",
@@ -93,21 +95,39 @@ def check_int(name: str, value: Any, lo: int | None = None, hi: int | None = Non
 
 
 def check_scale(name: str, value: Any) -> float:
-    """A finite python-float-convertible scale > 0 (0-dim CPU tensors accepted); returns float."""
+    """A finite scale > 0 as a python float: a real number (int, float, numpy scalar) or a
+    1-element CPU tensor of a real dtype. Never anything but TypeError / ValueError naming `name`:
+    bool and complex values (python, numpy or tensor) are refused, not read as 1.0 or their real
+    part; an int too large for a float is a ValueError, not OverflowError."""
     if type(value) is float and 0.0 < value < math.inf:  # the common case, in ~0.1 us (NaN fails too)
         return value
+    what = type(value).__name__
     if isinstance(value, (bool, str, bytes)) or value is None:
-        raise TypeError(f"{name}: expected a finite float > 0, got {type(value).__name__}")
+        raise TypeError(f"{name}: expected a finite float > 0, got {what}")
     if isinstance(value, torch.Tensor):
         if value.numel() != 1 or value.device.type != "cpu":
             raise TypeError(
                 f"{name}: expected a python float (or a 1-element CPU tensor), got a tensor of shape "
                 f"{_fmt_shape(value)} on {value.device}"
             )
+        if value.dtype == torch.bool or value.dtype.is_complex:
+            raise TypeError(f"{name}: expected a finite float > 0, got a {_dt(value.dtype)} tensor")
+    else:
+        # numpy scalars / arrays say what they hold by dtype.kind: only f(loat), i(nt), u(int) are
+        # scales (not b: numpy's bool, c: complex, O: objects); without a dtype, complex is refused
+        kind = getattr(getattr(value, "dtype", None), "kind", None)
+        if (kind is not None and kind not in "fiu") or (
+                kind is None and isinstance(value, numbers.Complex) and not isinstance(value, numbers.Real)):
+            dtype = f" of dtype {value.dtype}" if kind is not None and str(value.dtype) != what else ""
+            raise TypeError(f"{name}: expected a finite float > 0, got {what}{dtype}")
+        if kind is not None and getattr(value, "size", 1) != 1:
+            raise TypeError(f"{name}: expected a finite float > 0, got {what} of {value.size} elements")
     try:
         f = float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name}: expected a finite float > 0, got {type(value).__name__}") from None
+    except OverflowError:  # an int (or Fraction...) past float's range: a value out of range
+        raise ValueError(f"{name}: expected a finite float > 0, got a value too large for a float ({what})") from None
+    except Exception:  # noqa: BLE001 - whatever __float__ raises, the argument is named
+        raise TypeError(f"{name}: expected a finite float > 0, got {what}") from None
     if not math.isfinite(f) or f <= 0.0:
         raise ValueError(f"{name}: expected a finite float > 0, got {f!r}")
     return f
@@ -321,6 +341,7 @@ def validate_sparse_decode(
     if type(plan) is SparseDecodePlan and plan.is_cuda and (backend == "auto" or backend == "kernel"):
         fmt = kernel_call_ok(query, kv_cache, topk, out, plan, lse)
         if fmt:  # every check below would pass (one pass: 4.2 us on a host where these took 7-8)
+            check_outputs_own_memory(query, kv_cache, topk, out, lse)  # but this one
             return "kernel", fmt
 
     check_tensor("query", query)
@@ -374,6 +395,8 @@ def validate_sparse_decode(
         check_last_dim_contiguous("lse", lse)
         check_device("lse", lse, dev, "the plan's device")
 
+    check_outputs_own_memory(query, kv_cache, topk, out, lse)
+
     if backend == "auto":
         backend = "kernel" if dev.type == "cuda" else "reference"
     if backend == "kernel":
@@ -383,11 +406,104 @@ def validate_sparse_decode(
     return backend, kv_dtype
 
 
+def _memory_runs(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(start byte address of each contiguous run of x's elements, bytes per run). x's largest
+    contiguous inner block is one run (a row for a last-dim-contiguous tensor, all of it for a
+    contiguous one), so this is ~numel / row_length addresses. Metadata only: no read of x."""
+    dims = sorted(((n, st) for n, st in zip(x.shape, x.stride()) if n > 1), key=lambda d: d[1])
+    run = 1
+    while dims and dims[0][1] == run:  # fold the dims that continue the run (stride = elements so far)
+        run *= dims.pop(0)[0]
+    starts = torch.zeros(1, dtype=torch.int64)
+    for n, st in dims:
+        starts = (starts[:, None] + torch.arange(n, dtype=torch.int64) * st).reshape(-1)
+    size = x.element_size()
+    return x.data_ptr() + starts * size, run * size
+
+
+def _byte_span(x: torch.Tensor) -> tuple[int, int]:
+    """[first, last + 1) byte addresses x can touch (its elements' bounding range)."""
+    lo = x.data_ptr()
+    if x.is_contiguous():
+        return lo, lo + x.nbytes
+    return lo, lo + (1 + sum((n - 1) * st for n, st in zip(x.shape, x.stride()))) * x.element_size()
+
+
+def _shares_elements(x: torch.Tensor) -> bool:
+    """True when two elements of x are one memory location (a zero stride, an as_strided view)."""
+    if x.is_contiguous():
+        return False
+    dims = sorted(((n, st) for n, st in zip(x.shape, x.stride()) if n > 1), key=lambda d: d[1])
+    reach = 1  # elements spanned by the dims so far: a stride at least that far never lands inside them
+    for n, st in dims:
+        if st < reach:
+            break
+        reach = st * (n - 1) + reach
+    else:
+        return False
+    if any(st == 0 for _, st in dims):
+        return True
+    starts, width = _memory_runs(x)  # rare (strides interleaving dims): exact, runs of equal width
+    starts = starts.sort().values
+    return bool((starts[1:] < starts[:-1] + width).any())
+
+
+def _runs_meet(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """True when some byte of x's elements is one of y's, for x, y whose byte spans meet: strided
+    views of one buffer may interleave without a common byte, so this tests the runs themselves.
+    Sorted by start, a run meets a run of the other tensor starting at or before it iff that
+    tensor's largest end so far passes its start."""
+    (xs, xw), (ys, yw) = _memory_runs(x), _memory_runs(y)
+    starts = torch.cat((xs, ys))
+    ends = torch.cat((xs + xw, ys + yw))
+    of_x = torch.cat((torch.ones_like(xs, dtype=torch.bool), torch.zeros_like(ys, dtype=torch.bool)))
+    order = torch.sort(starts, stable=True).indices
+    starts, ends, of_x = starts[order], ends[order], of_x[order]
+    none = torch.iinfo(torch.int64).min
+    x_end = torch.cummax(torch.where(of_x, ends, none), 0).values
+    y_end = torch.cummax(torch.where(of_x, none, ends), 0).values
+    return bool(((~of_x) & (x_end > starts)).any() or (of_x & (y_end > starts)).any())
+
+
+def _overlap(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """True when some byte of x's elements is one of y's (x, y on one device, neither empty)."""
+    (xl, xh), (yl, yh) = _byte_span(x), _byte_span(y)
+    return xl < yh and yl < xh and _runs_meet(x, y)
+
+
+def check_outputs_own_memory(query: torch.Tensor, kv_cache: torch.Tensor, topk: torch.Tensor,
+                             out: torch.Tensor, lse: torch.Tensor | None) -> None:
+    """ValueError naming out / lse when a written tensor shares memory with itself (a zero stride:
+    an expand()ed tensor) or with another argument: torch's copy_ would refuse it after out was
+    written, a kernel would race on it. Tensors are those validate_sparse_decode has checked (one
+    device, shapes of the plan, none empty); query may share its own elements (it is only read).
+    The usual call (outputs compact, apart from the inputs) costs a few us: a contiguity test and
+    a byte span per tensor, runs compared only where two spans meet."""
+    written = (("out", out),) if lse is None else (("out", out), ("lse", lse))
+    for name, x in written:
+        if _shares_elements(x):
+            zero = any(st == 0 and n > 1 for n, st in zip(x.shape, x.stride()))
+            why = "has zero stride" if zero else "has elements sharing one memory location"
+            raise ValueError(
+                f"{name}: {why} (shape {_fmt_shape(x)}, strides {list(x.stride())}"
+                f"{'; expand()ed?' if zero else ''}); pass a tensor with its own memory"
+            )
+    spans = [(name, x, _byte_span(x)) for name, x in (("query", query), ("kv_cache", kv_cache), ("topk", topk))]
+    for name, x in written:
+        xl, xh = span = _byte_span(x)
+        for other, y, (yl, yh) in spans:
+            if xl < yh and yl < xh and _runs_meet(x, y):
+                does = "writes both" if other == "out" else f"reads {other} while it writes {name}"
+                raise ValueError(f"{name}: overlaps the memory of {other} (the op {does}); "
+                                 f"pass a tensor of its own")
+        spans.append((name, x, span))
+
+
 def kernel_call_ok(query: Any, kv_cache: Any, topk: Any, out: Any, plan: "SparseDecodePlan", lse: Any) -> str:
     """The cache format (FP8_KV or NVFP4_KV) when the tensors pass every check of
     validate_sparse_decode and validate_kernel_layout for `plan` (its device included; not whether
-    that device is CUDA): one pass of attribute reads, no message building. "" (falsy) says
-    nothing: the full checks then name the problem."""
+    that device is CUDA) but check_outputs_own_memory: one pass of attribute reads, no message
+    building. "" (falsy) says nothing: the full checks then name the problem."""
     _T = torch.Tensor
     if type(query) is not _T or type(kv_cache) is not _T or type(topk) is not _T or type(out) is not _T:
         return ""

@@ -204,6 +204,105 @@ def test_each_path_heals_a_bad_shard(tmp_path, monkeypatch, via, kind):
     assert ArtifactCache(root).lookup(key) == entry and shard.is_dir() and not shard.is_symlink()
 
 
+LOCK_DAMAGE = ["directory", "loop", "dangling", "link_to_file", "fifo"]
+
+
+def make_bad_lock(lock: Path, kind: str, victim: Path) -> None:
+    """Put `kind` where the lock file `lock` belongs: a directory (with a file in it), a symlink
+    loop, a dangling link, a link to the file `victim`, or a FIFO."""
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    if lock.exists() or lock.is_symlink():
+        lock.unlink()
+    if kind == "directory":
+        lock.mkdir()
+        (lock / "stray").write_text("x")
+    elif kind == "loop":
+        os.symlink(lock.name, lock)  # locks/<key>.lock -> itself
+    elif kind == "dangling":
+        os.symlink(lock.parent / "nowhere", lock)
+    elif kind == "link_to_file":
+        os.symlink(victim, lock)
+    else:
+        os.mkfifo(lock)
+
+
+def assert_lock_healed(lock: Path, victim: Path) -> None:
+    assert not lock.is_symlink() and (not lock.exists() or lock.is_file())  # replaced, or gone until used
+    assert victim.read_text() == "precious"  # a link's target is never followed, truncated or removed
+    assert not (lock.parent / "nowhere").exists()
+
+
+@pytest.mark.parametrize("kind", LOCK_DAMAGE)
+def test_a_damaged_lock_is_replaced_by_the_build(tmp_path, kind, caplog):
+    """A lock path that is no regular file (filelock opens it O_NOFOLLOW: a directory is EISDIR,
+    any symlink ELOOP) used to fail every build of its key: the warm-up's row, the kernel call.
+    The build now replaces it (a warning naming it) and builds."""
+    root, victim = tmp_path / "c", tmp_path / "victim"
+    victim.write_text("precious")
+    config = {"g": f"lock-{kind}"}
+    c = ArtifactCache(root)
+    lock = c.lock_path(make_key(config, FP))
+    make_bad_lock(lock, kind, victim)
+    with caplog.at_level(logging.WARNING, logger="msa_jit"):
+        entry, built = get(c, config)
+    assert built and ArtifactCache(root).lookup(entry.key) == entry
+    assert lock.is_file() and not lock.is_symlink()
+    assert_lock_healed(lock, victim)
+    assert any(str(lock) in r.getMessage() and "replacing it" in r.getMessage() for r in caplog.records)
+    make_bad_lock(lock, kind, victim)  # a damaged lock must not keep an entry from being found either
+    assert get(ArtifactCache(root), config) == (entry, False)
+
+
+def test_a_lock_damaged_after_the_check_is_healed_on_acquire(tmp_path):
+    """Damage that appears between the lock path's check and the acquire (another process, a
+    user) is healed once more on the acquire's failure."""
+    root, victim = tmp_path / "c", tmp_path / "victim"
+    victim.write_text("precious")
+    c = ArtifactCache(root)
+    key = make_key({"g": "race"}, FP)
+    for kind in ("directory", "loop"):
+        lock = c._file_lock(key, 1.0)
+        make_bad_lock(Path(lock.lock_file), kind, victim)
+        c._acquire(lock)
+        try:
+            assert Path(lock.lock_file).is_file() and not Path(lock.lock_file).is_symlink()
+        finally:
+            lock.release()
+
+
+@pytest.mark.parametrize("kind", LOCK_DAMAGE)
+@pytest.mark.parametrize("via", ["verify", "verify_remove", "prune", "clear", "cli_verify"])
+def test_verify_reports_and_maintenance_repairs_a_damaged_lock(tmp_path, kind, via, capsys, cli_logging):
+    """`verify` used to say all is well (exit 0) and prune / clear left the damage: verify now
+    reports the lock path (key = its key), `verify --remove`, `prune` and `clear` replace it."""
+    root, victim = tmp_path / "c", tmp_path / "victim"
+    victim.write_text("precious")
+    good, _ = get(ArtifactCache(root), {"g": "good"})
+    config = {"g": f"lock-{kind}"}
+    key = make_key(config, FP)
+    c = ArtifactCache(root)
+    lock = c.lock_path(key)
+    make_bad_lock(lock, kind, victim)
+    if via == "cli_verify":
+        rc, out, _err = run_main(["cache", "verify", "--cache-dir", str(root)], capsys)
+        assert rc == 1 and f"BAD {key[:12]} {lock}: lock file is " in out, out
+        return
+    if via in ("verify", "verify_remove"):
+        res = c.verify(remove=via == "verify_remove")
+        bad = [(e, why) for e, why in res if why]
+        assert len(bad) == 1 and bad[0][0].path == lock and bad[0][0].key == key, res
+        assert bad[0][1].startswith("lock file is ") and "not a regular file" in bad[0][1]
+        assert (good, None) in res
+        if via == "verify":
+            assert os.path.lexists(lock)  # reported only
+            return
+    else:
+        assert lock in getattr(c, via)()
+    assert_lock_healed(lock, victim)
+    assert [why for _, why in ArtifactCache(root).verify()] == [None] * (via != "clear")
+    assert get(ArtifactCache(root), config)[1]  # and the key builds
+
+
 def test_verify_remove_drops_a_bad_shard(tmp_path):
     root = tmp_path / "c"
     good, _ = get(ArtifactCache(root), {"g": 1})

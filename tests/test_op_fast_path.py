@@ -177,7 +177,10 @@ def test_valid_calls_take_the_fast_path_and_pass_the_wrapper(exported, variant, 
     assert not any(k.rejected for k in plan.kernels.values())
 
 
-MUTATED = [n for n in OP_MUTATIONS if n != "backend"]  # "kernel" is a valid backend on this plan
+# "kernel" is a valid backend on this plan; a compact out / lse overlapping another argument passes
+# the exported function's checks (the fast path leaves it to the checked path, op.py says why:
+# test_outputs_sharing_memory_are_refused_on_the_checked_path below)
+MUTATED = [n for n in OP_MUTATIONS if n not in ("backend", "out ", "lse ")]
 
 
 @cpu_only
@@ -238,6 +241,25 @@ def test_what_the_wrapper_does_not_check_the_op_does(exported):
         if out0 is not None:
             assert _same_bits(out0, a["out"])
     assert _launches(plan) == 0
+
+
+@cpu_only
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["out", "lse"])
+def test_a_zero_stride_output_never_reaches_a_launch(exported, which):
+    """What op.py's fast path relies on to skip the memory-sharing checks: an expand()ed out / lse
+    fails the exported function's own stride checks (no kernel races on one location), and the
+    full validation then names it."""
+    c, plan = _kernel_plan(exported)
+    a = _op_args(c, plan)
+    a[which] = (torch.full((1, HQ, 128), math.nan, dtype=torch.bfloat16).expand(T, HQ, 128) if which == "out"
+                else torch.full((1, HQ), math.nan).expand(T, HQ))
+    out0, lse0 = _snapshot(a["out"]), _snapshot(a["lse"])
+    with pytest.raises(ValueError, match=rf"^{which}: has zero stride"):
+        _call(a)
+    assert _same_bits(out0, a["out"]) and _same_bits(lse0, a["lse"])
+    kernel = plan.kernels[(torch.bfloat16, "float8_e4m3fn")]
+    assert len(kernel.rejected) == 1 and _launches(plan) == 0
 
 
 @cpu_only
@@ -305,6 +327,29 @@ def test_an_nvfp4_cache_goes_to_the_kernel_with_its_own_split_count(monkeypatch)
     kv_at, splits_at = conv.ARGUMENT_NAMES.index("kv_cache"), conv.ARGUMENT_NAMES.index("num_splits")
     for args in (rec.calls.pop(), checked):
         assert args[kv_at] is c.kv_cache and args[splits_at] == plan.nvfp4_num_splits
+
+
+@pytest.mark.parametrize("name", ["out ", "lse "])
+@SETTINGS
+@given(data=st.data())
+def test_outputs_sharing_memory_are_refused_on_the_checked_path(name, data):
+    """out / lse sharing memory with another argument, on a kernel-path plan's checked path (its
+    first call: the kernel not resolved yet): the named ValueError before the kernel is resolved
+    or called, out / lse untouched. A zero-stride out / lse never passes the exported function
+    (test_malformed_calls_are_named_and_never_launched)."""
+    rec = Recorder()
+    c, plan = _kernel_plan(kernel=rec)
+    plan.kernels.clear()
+    resolved = []
+    plan.resolve_kernel = lambda q, kv: resolved.append(1) or rec
+    a = _op_args(c, plan)
+    change, exc = OP_MUTATIONS[name](data, dict(a))
+    a.update(change)
+    out0, lse0 = _snapshot(a["out"]), _snapshot(a["lse"])
+    with pytest.raises(exc, match=rf"^{name.strip()}: overlaps the memory of "):
+        _call(a)
+    assert _same_bits(out0, a["out"]) and _same_bits(lse0, a["lse"])
+    assert not resolved and not rec.calls
 
 
 def test_fast_path_declines_what_only_the_checked_path_handles(monkeypatch):

@@ -338,3 +338,46 @@ def test_rebuilt_plans_share_kernels_only_within_a_split_count(monkeypatch):
     ints["split_merge"] = "kernel" if ints["split_merge"] == "cluster" else "cluster"
     other = torch_op._rebuild_plan(args[5], args[6], args[7], args[8], args[4], args[9], ints)
     assert other.kernels is not rebuilt[2].kernels
+
+
+def test_bad_scalars_through_the_op_are_named():
+    """Every bad scale form through the custom op (op_args turns scales into the schema's floats):
+    the op's named TypeError / ValueError, not an OverflowError (10**400), torch's RuntimeError (a
+    complex tensor) or a silent 1.0 (True) / real part (complex); out untouched."""
+    from test_op_arguments import BAD_SCALAR_EXAMPLES
+
+    c = _case(torch.bfloat16, seed=12)
+    plan = _plan(c)
+    for name in ("sm_scale", "q_scale", "k_scale", "v_scale"):
+        for value, exc in BAD_SCALAR_EXAMPLES:
+            out, lse = c.new_out(), c.new_lse()
+            scales = dict(c.scales(), **{name: value})
+            with pytest.raises((ValueError, TypeError)) as ei:
+                sparse_decode_op(c.query, c.kv_cache, c.topk, out, plan, lse=lse, backend="reference", **scales)
+            assert type(ei.value) is exc and str(ei.value).startswith(f"{name}: "), (name, value, ei.value)
+            assert torch.isnan(out.float()).all() and torch.isnan(lse).all()
+
+
+@pytest.mark.parametrize("which", ["out", "lse", "out=query", "lse=out"])
+def test_outputs_sharing_memory_through_the_op_are_named(which):
+    """An expand()ed lse passed validation, the reference wrote out, then lse.copy_ raised torch's
+    RuntimeError; an out aliasing query was taken. Through the custom op as through the API: the
+    named ValueError before anything is written."""
+    c = _case(torch.bfloat16, seed=13)
+    plan = _plan(c)
+    T, hq = c.num_tokens, c.num_q_heads
+    out, lse, query = c.new_out(), c.new_lse(), c.query.clone()
+    if which == "out":
+        out = torch.full((1, hq, 128), float("nan"), dtype=torch.bfloat16).expand(T, hq, 128)
+    elif which == "lse":
+        lse = torch.full((1, hq), float("nan")).expand(T, hq)
+    elif which == "out=query":
+        out = query
+    else:
+        lse = out.view(-1)[: 2 * T * hq].view(torch.float32).view(T, hq)
+    out0, lse0, q0 = out.clone(), lse.clone(), query.clone()
+    name = which.split("=")[0]
+    with pytest.raises(ValueError, match=rf"^{name}: (has zero stride|overlaps the memory of)"):
+        sparse_decode_op(query, c.kv_cache, c.topk, out, plan, lse=lse, backend="reference", **c.scales())
+    for x, x0 in ((out, out0), (lse, lse0), (query, q0)):
+        assert torch.equal(x.contiguous().view(torch.uint8), x0.contiguous().view(torch.uint8))

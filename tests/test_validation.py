@@ -7,6 +7,7 @@ import functools
 import math
 import re
 
+import numpy as np
 import pytest
 import torch
 from helpers import FP8, make_case
@@ -109,8 +110,13 @@ def _p_seq_lens_cpu(data, a):
     return dict(seq_lens_cpu=s.tolist()), TypeError
 
 
+# ints past any range (also past int64 and float) and int-like values of other types, for every int argument
+_OUT_OF_RANGE_INTS = st.integers(min_value=2 ** 63) | st.integers(max_value=-(2 ** 63))
+_NOT_INTS = st.sampled_from([np.int64(4), np.bool_(True), 4 + 0j, math.nan])
+
+
 def _p_qlen(data, a):
-    v = data.draw(st.one_of(st.integers(-40, 0), st.integers(33, 10_000),
+    v = data.draw(st.one_of(st.integers(-40, 0), st.integers(33, 10_000), _OUT_OF_RANGE_INTS, _NOT_INTS,
                             st.sampled_from([1.0, 2.5, "2", None, True, torch.tensor(2)])))
     exc = ValueError if isinstance(v, int) and not isinstance(v, bool) else TypeError
     return dict(decode_query_len=v), exc
@@ -118,23 +124,26 @@ def _p_qlen(data, a):
 
 def _p_num_q_heads(data, a):
     v = data.draw(st.one_of(st.integers(-4, 0), st.integers(0, 40).map(lambda x: 2 * x + 1),
-                            st.integers(17, 60).map(lambda x: 2 * x), st.sampled_from([4.0, "4", None])))
+                            st.integers(17, 60).map(lambda x: 2 * x), _OUT_OF_RANGE_INTS, _NOT_INTS,
+                            st.sampled_from([4.0, "4", None])))
     return dict(num_q_heads=v), (ValueError if isinstance(v, int) else TypeError)
 
 
 def _p_num_kv_heads(data, a):
-    v = data.draw(st.one_of(st.integers(-4, 0), st.just(3), st.integers(5, 64), st.sampled_from([2.0, False])))
+    v = data.draw(st.one_of(st.integers(-4, 0), st.just(3), st.integers(5, 64), _OUT_OF_RANGE_INTS, _NOT_INTS,
+                            st.sampled_from([2.0, False])))
     return dict(num_kv_heads=v), (ValueError if type(v) is int else TypeError)
 
 
 def _p_page_size(data, a):
-    v = data.draw(st.one_of(st.integers(-10, 1000).filter(lambda x: x not in (64, 128)),
-                            st.sampled_from([64.0, "128", None])))
+    v = data.draw(st.one_of(st.integers(-10, 1000).filter(lambda x: x not in (64, 128)), _OUT_OF_RANGE_INTS,
+                            _NOT_INTS, st.sampled_from([64.0, "128", None])))
     return dict(page_size=v), (ValueError if isinstance(v, int) else TypeError)
 
 
 def _p_topk_blocks(data, a):
-    v = data.draw(st.one_of(st.integers(-10, 0), st.integers(33, 500), st.sampled_from([16.0, "16", True])))
+    v = data.draw(st.one_of(st.integers(-10, 0), st.integers(33, 500), _OUT_OF_RANGE_INTS, _NOT_INTS,
+                            st.sampled_from([16.0, "16", True])))
     return dict(topk_blocks=v), (ValueError if type(v) is int else TypeError)
 
 
@@ -275,8 +284,23 @@ def _s_topk(data, a):
     return dict(topk=a["topk"].numpy()), TypeError
 
 
+def _sharing_self(shape, dtype):
+    """A tensor of `shape` whose elements share memory: a zero stride (an expand()ed tensor), or
+    rows that overlap (as_strided with a token stride of half a row), NaN-poisoned."""
+    def make(kind):
+        if kind == "zero_stride":
+            return torch.full((1, *shape[1:]), math.nan, dtype=dtype).expand(shape)
+        row = math.prod(shape[1:])
+        base = torch.full((shape[0] * row,), math.nan, dtype=dtype)
+        inner = [math.prod(shape[i + 1:]) for i in range(1, len(shape))]
+        return base.as_strided(shape, (max(row // 2, 1), *inner))
+    return make
+
+
 def _s_out(data, a):
-    kind = data.draw(st.sampled_from(["dtype", "shape", "stride", "type"]))
+    kind = data.draw(st.sampled_from(["dtype", "shape", "stride", "type", "zero_stride", "overlapping_rows"]))
+    if kind in ("zero_stride", "overlapping_rows"):
+        return dict(out=_sharing_self((T, HQ, 128), torch.bfloat16)(kind)), ValueError
     if kind == "dtype":
         dt = _bad_dtype(data, (torch.bfloat16,), pool=(torch.float32, torch.float16, torch.float64))
         return dict(out=torch.full((T, HQ, 128), math.nan, dtype=dt)), TypeError
@@ -289,7 +313,9 @@ def _s_out(data, a):
 
 
 def _s_lse(data, a):
-    kind = data.draw(st.sampled_from(["dtype", "shape", "stride", "type"]))
+    kind = data.draw(st.sampled_from(["dtype", "shape", "stride", "type", "zero_stride", "overlapping_rows"]))
+    if kind in ("zero_stride", "overlapping_rows"):
+        return dict(lse=_sharing_self((T, HQ), torch.float32)(kind)), ValueError
     if kind == "dtype":
         dt = _bad_dtype(data, (torch.float32,), pool=(torch.bfloat16, torch.float16, torch.float64))
         return dict(lse=torch.full((T, HQ), math.nan, dtype=dt)), TypeError
@@ -301,12 +327,62 @@ def _s_lse(data, a):
     return dict(lse=[0.0] * T), TypeError
 
 
+def _sharing_with_inputs(name, a, data):
+    """out / lse (`name`) overlapping an input of the call or (lse) out: a partial or a full
+    alias, made by carving both from one buffer. Returns the changed arguments."""
+    out_bytes, lse_bytes = T * HQ * 128 * 2, T * HQ * 4
+    other = data.draw(st.sampled_from(["query", "kv_cache", "topk"] + (["out"] if name == "lse" else [])))
+    x = a[other]
+    need = out_bytes if name == "out" else lse_bytes
+    size = x.numel() * x.element_size()
+    # where the output starts inside the other tensor's bytes (16-byte steps; the output may run past
+    # its end into the buffer's tail)
+    at = 16 * data.draw(st.integers(0, size // 16 - 1))
+    buf = torch.full((size + need,), 0x7F, dtype=torch.uint8)
+    buf[:size] = x.contiguous().view(-1).view(torch.uint8)
+    carved = buf[:size].view(x.dtype).view(x.shape)
+    mem = buf[at:at + need]
+    made = mem.view(torch.bfloat16).view(T, HQ, 128) if name == "out" else mem.view(torch.float32).view(T, HQ)
+    return {other: carved, name: made}
+
+
+def _s_out_shared(data, a):
+    return _sharing_with_inputs("out", a, data), ValueError
+
+
+def _s_lse_shared(data, a):
+    return _sharing_with_inputs("lse", a, data), ValueError
+
+
+def _strategies_of_bad_scalars():
+    """(value, the exception it must raise) for scales: every form a scale can come in (python,
+    numpy, 0-d / 1-element tensor) with a value out of range (ValueError) or a type that is no
+    real number (TypeError: bool is not read as 1.0, complex not as its real part)."""
+    vals = st.one_of(st.floats(max_value=0.0), st.sampled_from([math.nan, math.inf]),
+                     st.integers(max_value=0), st.integers(min_value=2 ** 1024),
+                     st.integers(max_value=-(2 ** 1024)))
+    reals = st.floats(max_value=0.0, allow_infinity=False) | st.sampled_from([math.nan, math.inf])
+    reals32 = st.floats(-3e38, 0.0) | st.sampled_from([math.nan, math.inf])
+    value_errors = st.one_of(
+        vals, reals.map(np.float64), reals32.map(np.float32), st.integers(-5, 0).map(np.int64),
+        reals.map(lambda v: torch.tensor(v, dtype=torch.float64)), reals32.map(lambda v: torch.tensor([v])),
+    )
+    type_errors = st.one_of(
+        st.sampled_from(["1.0", None, [1.0], torch.tensor([1.0, 2.0]), np.array([1.0, 2.0]), object()]),
+        st.booleans(), st.booleans().map(np.bool_), st.booleans().map(torch.tensor),
+        st.complex_numbers(), st.complex_numbers(allow_nan=False).map(np.complex128),
+        st.complex_numbers(allow_nan=False, allow_infinity=False, max_magnitude=1e30).map(torch.tensor),
+    )
+    return value_errors.map(lambda v: (v, ValueError)) | type_errors.map(lambda v: (v, TypeError))
+
+
+BAD_SCALARS = _strategies_of_bad_scalars()
+
+
 def _scale_mutation(name):
     def mutate(data, a):
-        v = data.draw(st.sampled_from([0, 0.0, -1.0, -1e-30, math.nan, math.inf, -math.inf,
-                                       "1.0", None, True, [1.0], torch.tensor([1.0, 2.0])]))
-        bad_value = isinstance(v, (int, float)) and not isinstance(v, bool)
-        return {name: v}, (ValueError if bad_value else TypeError)
+        v, exc = data.draw(BAD_SCALARS)
+        return {name: v}, exc
     return mutate
 
 
@@ -334,6 +410,8 @@ OP_MUTATIONS = {
     "topk": _s_topk,
     "out": _s_out,
     "lse": _s_lse,
+    "out ": _s_out_shared,  # a second entry naming out: sharing memory with another argument
+    "lse ": _s_lse_shared,
     "sm_scale": _scale_mutation("sm_scale"),
     "q_scale": _scale_mutation("q_scale"),
     "k_scale": _scale_mutation("k_scale"),
@@ -364,7 +442,7 @@ def test_sparse_decode_rejects_malformed(name, data):
     a = _op_base()
     change, exc = OP_MUTATIONS[name](data, a)
     a.update(change)
-    if data.draw(st.booleans(), label="drop lse") and name != "lse":
+    if data.draw(st.booleans(), label="drop lse") and name.strip() != "lse":
         a["lse"] = None
     if name in TENSOR_FIELDS:  # the one-pass check (fast paths below) rejects it as well
         assert not _fast_op(a)

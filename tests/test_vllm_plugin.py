@@ -134,9 +134,70 @@ def test_other_devices_are_left_alone(monkeypatch, caplog, capability, expect):
 
 @needs_engine
 def test_unknown_vllm_version(monkeypatch, caplog):
+    """Logged as a WARNING (a deployment runs vLLM unpatched: it should see why), not INFO."""
     ns = vs.install(monkeypatch, version="0.34.0")
     line = _register(caplog)
     assert "vLLM 0.34.0 is not a version this plugin knows (0.33.0)" in line and _untouched(ns)
+    assert caplog.records[-1].levelno == logging.WARNING
+
+
+@needs_engine
+def test_log_levels(monkeypatch, caplog):
+    """INFO when patched, off or on another device; WARNING when the installed vLLM lacks a name."""
+    ns = vs.install(monkeypatch, capability=(9, 0))
+    monkeypatch.setenv(env.VLLM_PLUGIN, "0")
+    _register(caplog)
+    assert caplog.records[-1].levelno == logging.INFO
+    monkeypatch.delenv(env.VLLM_PLUGIN)
+    monkeypatch.delattr(ns.msa, "prepare_decode_metadata")
+    assert "lacks" in _register(caplog) and caplog.records[-1].levelno == logging.WARNING
+    ns = vs.install(monkeypatch, capability=(9, 0))
+    assert "through msa-jit" in _register(caplog) and caplog.records[-1].levelno == logging.INFO
+
+
+@needs_engine
+def test_a_cuda_platform_without_a_capability_is_not_called_non_cuda(monkeypatch, caplog):
+    """vLLM's CUDA platform reports no capability when it sees no device (NVML): the line says
+    that, not "not a CUDA platform"."""
+    ns = vs.install(monkeypatch, capability=(9, 0))
+    monkeypatch.setattr(ns.platform, "get_device_capability", lambda device_id=0: None)
+    line = _register(caplog)
+    assert "not a CUDA platform" not in line and "CUDA platform that reports no compute capability" in line
+    assert _untouched(ns)
+
+
+class _RaisingFinder:
+    """A sys.meta_path finder whose lookup of vllm raises `exc` (a vLLM whose import exits)."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "vllm" or name.startswith("vllm."):
+            raise self.exc
+        return None
+
+
+def _vllm_import_raises(monkeypatch, exc: BaseException) -> None:
+    for name in [n for n in sys.modules if n == "vllm" or n.startswith("vllm.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "meta_path", [_RaisingFinder(exc), *sys.meta_path])
+
+
+@pytest.mark.parametrize("exc", [SystemExit(3), SystemExit("vllm: cannot start")])
+def test_a_vllm_import_that_exits_does_not_leave_register(monkeypatch, caplog, exc):
+    """SystemExit is no Exception: it used to propagate out of register() and end the process
+    vLLM was loading plugins in. Now it is the one WARNING line of a failure."""
+    _vllm_import_raises(monkeypatch, exc)
+    line = _register(caplog)
+    assert line.startswith("msa-jit vLLM plugin: not applied (SystemExit: ") and "vLLM runs unchanged" in line
+    assert caplog.records[-1].levelno == logging.WARNING
+
+
+def test_a_keyboard_interrupt_still_interrupts(monkeypatch):
+    _vllm_import_raises(monkeypatch, KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        vllm_plugin.register()
 
 
 @needs_engine

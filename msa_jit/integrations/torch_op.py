@@ -48,6 +48,7 @@ import torch
 from ..geometry import HEAD_DIM, device_arch
 from ..op import sparse_decode
 from ..plan import SparseDecodePlan
+from ..validation import check_scale
 
 __all__ = ["OP_NAME", "WORKSPACE_FIELDS", "op_args", "sparse_decode_op"]
 
@@ -203,12 +204,17 @@ def op_args(
     """Positional arguments of `torch.ops.msa_jit.sparse_decode` for one call (e.g. for opcheck).
 
     A tensor k_scale / v_scale (a device global scale) travels as its own optional tensor
-    argument, the float one as 1.0 beside it.
+    argument, the float one as 1.0 beside it. The other scales become the schema's floats here,
+    through the op's own check (`check_scale`): a bool, a complex or an int past float's range is
+    the op's named TypeError / ValueError, never read as 1.0, cut to its real part or an OverflowError.
     """
     if not isinstance(plan, SparseDecodePlan):  # the op's own check comes after these attribute reads
         raise TypeError(f"plan: expected a SparseDecodePlan (from prepare()), got {type(plan).__name__}")
+    sm, qs = check_scale("sm_scale", sm_scale), check_scale("q_scale", q_scale)
     k_t = k_scale if isinstance(k_scale, torch.Tensor) else None
     v_t = v_scale if isinstance(v_scale, torch.Tensor) else None
+    ks = 1.0 if k_t is not None else check_scale("k_scale", k_scale)
+    vs = 1.0 if v_t is not None else check_scale("v_scale", v_scale)
     return (
         query, kv_cache, topk, out,
         plan.lse_scratch if lse is None else lse,
@@ -217,8 +223,7 @@ def op_args(
         plan.num_q_heads, plan.num_kv_heads, plan.page_size, plan.topk_blocks, plan.qlen, plan.num_splits,
         plan.nvfp4_num_splits, plan.ctas_per_sm, plan.nvfp4_ctas_per_sm, plan.kernel, plan.split_merge,
         plan.nvfp4_split_merge,
-        float(sm_scale), float(q_scale), 1.0 if k_t is not None else float(k_scale),
-        1.0 if v_t is not None else float(v_scale), k_t, v_t, backend,
+        sm, qs, ks, vs, k_t, v_t, backend,
     )
 
 

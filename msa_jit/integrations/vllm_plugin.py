@@ -207,15 +207,18 @@ def wrap_selector(original: Callable[..., Any], fp8_backend: type, nvfp4_backend
     return select_main_backend_and_impl_cls
 
 
-def _capability() -> tuple[int, int] | None:
+def _capability() -> tuple[int, int] | str:
     """The device's compute capability as vLLM's platform reports it (NVML: no CUDA context in
-    the API server), None off CUDA."""
+    the API server), or why there is none: not a CUDA platform, or a CUDA one that reports no
+    capability (no device visible to this process, NVML unavailable)."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cuda():
-        return None
+        return "not a CUDA platform"
     cap = current_platform.get_device_capability()
-    return None if cap is None else (int(cap.major), int(cap.minor))
+    if cap is None:
+        return "a CUDA platform that reports no compute capability (no GPU visible to this process?)"
+    return (int(cap.major), int(cap.minor))
 
 
 def _release(version: object) -> str | None:
@@ -223,6 +226,11 @@ def _release(version: object) -> str | None:
     the same source as `0.33.0`. Pre-releases and dev builds (`0.33.0rc1`, `0.33.1.dev3+g...`)
     keep what tells them apart, so they stay unknown."""
     return version.split("+", 1)[0] if isinstance(version, str) else None
+
+
+class _Unserved(str):
+    """A line of `_apply` that register() logs as a WARNING: a vLLM this plugin was installed
+    with but cannot serve (another version, names it lacks), which a deployment should see."""
 
 
 def _apply() -> str:
@@ -234,11 +242,11 @@ def _apply() -> str:
         return f"{_PREFIX} vLLM is not installed; nothing patched"
     version = getattr(vllm, "__version__", None)
     if _release(version) not in KNOWN_VLLM_VERSIONS:
-        return (f"{_PREFIX} vLLM {version} is not a version this plugin knows "
-                f"({', '.join(KNOWN_VLLM_VERSIONS)}); nothing patched")
+        return _Unserved(f"{_PREFIX} vLLM {version} is not a version this plugin knows "
+                         f"({', '.join(KNOWN_VLLM_VERSIONS)}); nothing patched")
     cap = _capability()
-    if cap is None:
-        return f"{_PREFIX} not a CUDA platform; nothing patched"
+    if isinstance(cap, str):
+        return f"{_PREFIX} {cap}; nothing patched"
     if cap[0] == 10 and not env.vllm_sm100():
         return (f"{_PREFIX} compute capability {cap[0]}.{cap[1]}: vLLM's own fmha_sm100 path kept "
                 f"({env.VLLM_SM100}=1 routes its decode through msa-jit); nothing patched")
@@ -256,7 +264,7 @@ def _apply() -> str:
     missing = [n for n in REBOUND_NAMES if not hasattr(msa, n)]
     missing += [f"{COMMON_MODULE}.{SELECTOR}"] * (sm90 and not hasattr(common, SELECTOR))
     if missing:
-        return f"{_PREFIX} vLLM {version} lacks {', '.join(missing)}; nothing patched"
+        return _Unserved(f"{_PREFIX} vLLM {version} lacks {', '.join(missing)}; nothing patched")
 
     # Everything that can fail runs before the first setattr: vLLM is patched fully or not at all.
     patched = [f"{len(REBOUND_NAMES)} names of {MSA_MODULE}"]
@@ -283,12 +291,16 @@ def _apply() -> str:
 
 
 def register() -> str:
-    """Patch vLLM (see the module doc); returns the one line it logged. Never raises."""
+    """Patch vLLM (see the module doc); returns the one line it logged (a WARNING when vLLM is
+    left unpatched for a reason a deployment should see, else INFO). Never raises, but for
+    KeyboardInterrupt: an import that calls sys.exit() (SystemExit) is a failure like any other."""
     try:
         line = _apply()
-    except Exception as e:  # noqa: BLE001 - a plugin must never take vLLM down
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # noqa: BLE001 - a plugin must never take vLLM down
         line = f"{_PREFIX} not applied ({type(e).__name__}: {e}); vLLM runs unchanged"
         LOG.warning(line)
         return line
-    LOG.info(line)
-    return line
+    LOG.log(logging.WARNING if isinstance(line, _Unserved) else logging.INFO, line)
+    return str(line)

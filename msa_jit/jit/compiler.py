@@ -18,12 +18,14 @@ import logging
 import os
 import re
 import shutil
+import tempfile
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from . import cache as _cache
+from .cache.store import disk_full_errno, disk_full_error
 from .. import env
 from ..geometry import KV_DTYPE_SHORT, Q_DTYPE_SHORT, SparseDecodeConfig
 from ..kernels import build, convention
@@ -158,7 +160,20 @@ def compile_sparse_decode(config: SparseDecodeConfig, out_dir: str | os.PathLike
     os.environ.setdefault("CUTE_DSL_DISABLE_FILE_CACHING", "1")  # see _kernel_class
     family = kernel_family(config)
     kernel = make_kernel(config)
-    seconds = build.build(kernel, config, out_dir, _linker())
+    try:
+        seconds = build.build(kernel, config, out_dir, _linker())
+    except Exception as e:
+        # a full disk says "[Errno 28] No space left on device" without a path, or, from the
+        # linker, "final link failed: No space left on device": name the two places the build
+        # writes (the object and the .so into out_dir, the DSL's and linker's temp files into
+        # the temp dir) with their free space
+        code = disk_full_errno(e, text=True)
+        if code is None:
+            raise
+        raise disk_full_error(
+            e, f"compiling {config.describe()} for {config.arch}",
+            [(out_dir, "the build dir: the object file and the linked .so"),
+             (tempfile.gettempdir(), "the temp dir of the DSL and the linker, TMPDIR")], code) from e
     # the caller publishes out_dir (a temporary build dir) into the cache: ensure_compiled logs the path
     return {
         "artifacts": [convention.ARTIFACT_NAME],

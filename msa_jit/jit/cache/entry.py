@@ -27,6 +27,7 @@ __all__ = [
     "CorruptEntry",
     "check_artifacts",
     "fsync_path",
+    "lock_problem",
     "meta_signature",
     "parse_build_result",
     "read_meta",
@@ -235,3 +236,28 @@ def check_artifacts(d: Path, meta: dict, sig: tuple, hash_check: bool) -> None:
                     f"artifact {a['name']} sha256 {digest[:16]}... != recorded {a['sha256'][:16]}...",
                     sig,
                 )
+
+
+def lock_problem(path: Path) -> str | None:
+    """What is at a lock file's path when it is not a regular file (a directory, a symlink of any
+    kind, a FIFO...), None when it is one or nothing is there. Never follows a link: filelock opens
+    the lock with O_NOFOLLOW, so any symlink there makes every build of its key fail (ELOOP), and a
+    directory does too (EISDIR)."""
+    try:
+        st = os.lstat(path)
+    except OSError:  # nothing there, or locks/ unreadable: filelock then says what is wrong
+        return None
+    mode = st.st_mode
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISLNK(mode):
+        try:
+            target = os.readlink(path)
+        except OSError:
+            target = "?"
+        return f"a symbolic link (to {target!r}), not a regular file"
+    if stat.S_ISDIR(mode):
+        return "a directory, not a regular file"
+    kind = {stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device",
+            stat.S_IFBLK: "a block device"}.get(stat.S_IFMT(mode), f"of mode {stat.S_IFMT(mode):#o}")
+    return f"{kind}, not a regular file"

@@ -44,7 +44,7 @@ from typing import Any
 import filelock
 
 from ... import env
-from .entry import (FORMAT, LAYOUT, META_NAME, CacheEntry, CorruptEntry, check_artifacts, fsync_path, meta_signature, parse_build_result, read_meta, sha256_file, tree_size)
+from .entry import (FORMAT, LAYOUT, META_NAME, CacheEntry, CorruptEntry, check_artifacts, fsync_path, lock_problem, meta_signature, parse_build_result, read_meta, sha256_file, tree_size)
 from .errors import ArtifactMissingError, CacheError, CacheFallbackWarning, CacheLockTimeout
 from .key import KEY_RE, check_key, entry_key_problem, jsonable, make_key
 from .location import not_a_directory, pinned, preferred_root, resolve
@@ -53,6 +53,8 @@ __all__ = [
     "STALE_TMP_AGE_S",
     "ArtifactCache",
     "default_cache",
+    "disk_full_errno",
+    "disk_full_error",
     "open_cache",
     "reset_stats",
     "stats",
@@ -62,6 +64,71 @@ log = logging.getLogger("msa_jit.jit.cache")
 
 STALE_TMP_AGE_S = 3600.0  # unrecognised files in tmp/ older than this are garbage
 _SHARD_RE = re.compile(r"\A[0-9a-f]{2}\Z")
+_LOCK_SUFFIX = ".lock"
+_DISK_FULL = {errno.ENOSPC: "no space left on device (ENOSPC)", errno.EDQUOT: "disk quota exceeded (EDQUOT)"}
+# how a tool that reports through text (the linker's stderr, a DSL error) says the same
+_DISK_FULL_TEXT = re.compile(r"no space left on device|disk quota exceeded", re.IGNORECASE)
+
+
+def disk_full_errno(e: BaseException, text: bool = False) -> int | None:
+    """ENOSPC / EDQUOT when ``e`` says the disk (or the quota) is full; with ``text``, also an
+    error of another type whose message says so (ENOSPC then). None otherwise, and for an error
+    ``disk_full_error`` already made."""
+    if getattr(e, "msa_jit_disk_full", False):
+        return None
+    if isinstance(e, OSError) and e.errno in _DISK_FULL:
+        return e.errno
+    if text:
+        m = _DISK_FULL_TEXT.search(str(e))
+        if m:
+            return errno.EDQUOT if m.group(0).lower().startswith("disk") else errno.ENOSPC
+    return None
+
+
+def _free_space(path: Path) -> str:
+    """'1.2 GiB free' on the filesystem of ``path`` (its nearest existing ancestor), or ''."""
+    for p in (path, *path.parents):
+        try:
+            free = shutil.disk_usage(p).free
+            break
+        except OSError:
+            continue
+    else:
+        return ""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if free < 1024 or unit == "TiB":
+            return f"{free:.0f} {unit} free" if unit == "B" else f"{free:.1f} {unit} free"
+        free /= 1024
+    return ""
+
+
+def disk_full_error(e: BaseException, what: str, places: Iterable[tuple[os.PathLike | str, str]],
+                    code: int | None = None) -> OSError:
+    """An OSError (errno ENOSPC / EDQUOT, as ``e``) whose message says where: what was being
+    done, the file ``e`` names if any, and each directory that may be the full one with its
+    role and free space (``[Errno 28] No space left on device`` alone names none). Marked so that
+    an outer caller does not wrap it again."""
+    code = code if code is not None else (disk_full_errno(e, text=True) or errno.ENOSPC)
+    where = []
+    filename = getattr(e, "filename", None)
+    if filename:
+        where.append(f"writing {filename}")
+    seen = set()
+    for path, role in places:
+        path = Path(path)
+        if str(path) in seen:
+            continue
+        seen.add(str(path))
+        free = _free_space(path)
+        where.append(f"{path} ({role}{'; ' + free if free else ''})")
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    said = [ln for ln in lines if _DISK_FULL_TEXT.search(ln)] or lines[-1:]
+    tail = f" [{said[0]}]" if said else ""  # the tool's own words (the linker's line)
+    err = OSError(code, f"msa-jit: {_DISK_FULL[code]} while {what}: {', '.join(where)}{tail}. Free space "
+                        f"there, or point {env.CACHE_DIR} (the cache) / TMPDIR (the compiler's temp files) at a "
+                        f"filesystem with room")
+    err.msa_jit_disk_full = True
+    return err
 
 
 # --------------------------------------------------------------------------- stats
@@ -160,16 +227,54 @@ class ArtifactCache:
     def _file_lock(self, key: str, timeout: float) -> filelock.FileLock:
         path = self.lock_path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
+        self._heal_lock(path)
         if math.isinf(timeout):
             timeout = -1
         return filelock.FileLock(str(path), timeout=timeout)
+
+    def _heal_lock(self, path: Path) -> str | None:
+        """Replace a lock path that is no regular file (see ``lock_problem``): it is moved aside
+        and deleted (the link itself, never its target; a directory with what is in it), and the
+        next lock taken creates a fresh file. Nobody can hold such a lock (filelock cannot open
+        it), so no mutual exclusion is broken. Returns what was there, None when it was fine."""
+        why = lock_problem(path)
+        if why is not None:
+            log.warning("msa-jit cache: lock file %s is %s; replacing it", path, why)
+            self._remove_path(path)
+        return why
+
+    def _acquire(self, lock: filelock.FileLock) -> None:
+        """``lock.acquire()``; when the lock path turns out damaged (replaced by something else
+        since ``_file_lock`` looked), heal it and try once more."""
+        try:
+            lock.acquire()
+        except OSError as e:
+            if isinstance(e, filelock.Timeout) or self._heal_lock(Path(lock.lock_file)) is None:
+                raise
+            lock.acquire()
+
+    def _bad_locks(self) -> list[tuple[Path, str, str]]:
+        """(path, key, why) of every ``locks/<key>.lock`` of the writable root that is no
+        regular file."""
+        try:
+            names = sorted((self.v1 / "locks").iterdir())
+        except OSError:
+            return []
+        out = []
+        for p in names:
+            key = p.name[: -len(_LOCK_SUFFIX)] if p.name.endswith(_LOCK_SUFFIX) else ""
+            if KEY_RE.match(key):
+                why = lock_problem(p)
+                if why is not None:
+                    out.append((p, key, why))
+        return out
 
     @contextmanager
     def _try_lock(self, key: str) -> Iterator[bool]:
         """Take ``key``'s lock without waiting; yields whether it was taken."""
         try:
             lock = self._file_lock(key, 0)
-            lock.acquire()
+            self._acquire(lock)
         except (filelock.Timeout, OSError):
             yield False
             return
@@ -304,7 +409,7 @@ class ArtifactCache:
         timeout = env.lock_timeout_s()
         lock = self._file_lock(key, timeout)
         try:
-            lock.acquire()
+            self._acquire(lock)
         except filelock.Timeout:
             raise CacheLockTimeout(
                 f"msa-jit: timed out after {timeout:g} s ({env.LOCK_TIMEOUT}) waiting for the build "
@@ -332,9 +437,14 @@ class ArtifactCache:
         describe: str,
     ) -> CacheEntry:
         tmp_root = self.v1 / "tmp"
-        tmp_root.mkdir(parents=True, exist_ok=True)
-        tmp = tmp_root / f"build-{key}-{secrets.token_hex(6)}"
-        os.mkdir(tmp)
+        try:
+            tmp_root.mkdir(parents=True, exist_ok=True)
+            tmp = tmp_root / f"build-{key}-{secrets.token_hex(6)}"
+            os.mkdir(tmp)
+        except OSError as e:
+            if disk_full_errno(e) is None:
+                raise
+            raise self._disk_full(e, describe, tmp_root) from e
         try:
             log.info("msa-jit cache: building %s (key %s)", describe, key)
             t0 = time.monotonic()
@@ -373,9 +483,18 @@ class ArtifactCache:
             os.replace(part, tmp / META_NAME)  # meta.json LAST: marks the entry complete
             fsync_path(tmp, directory=True)
             return self._publish(tmp, key, meta)
-        except BaseException:
+        except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            if disk_full_errno(e) is None:
+                raise
+            # a build callback that knows better (the compiler: its temp dir, the linker) has
+            # already named the place; here the cache's own writes (meta.json, the publish) or
+            # a plain OSError out of the build: the build dir's filesystem is the cache root's
+            raise self._disk_full(e, describe, tmp_root) from e
+
+    def _disk_full(self, e: OSError, describe: str, where: Path) -> OSError:
+        return disk_full_error(e, f"building {describe} into the cache",
+                               [(where, f"the cache's build dirs, under the cache root {self.root}")])
 
     def _publish(self, tmp: Path, key: str, meta: dict) -> CacheEntry:
         dest = self.entry_path(key)
@@ -481,6 +600,9 @@ class ArtifactCache:
         for shard, _why in self._bad_shards(self.root):
             self._heal_shard(shard)
             removed.append(shard)
+        for lock, _key, _why in self._bad_locks():
+            if self._heal_lock(lock) is not None:
+                removed.append(lock)
         for key, d in self._iter_entry_dirs(self.root):
             if (d / META_NAME).exists():
                 continue
@@ -538,10 +660,16 @@ class ArtifactCache:
         """Full check (key, sizes and sha256) of every entry: ``(entry, None)`` when
         intact, ``(entry, reason)`` otherwise (entries with an unusable
         meta.json get ``meta == {}``; a shard that is no directory is reported as
-        an entry whose ``key`` is the shard's name). ``remove=True`` deletes bad
-        entries (and bad shards) of the writable root."""
+        an entry whose ``key`` is the shard's name, a lock path of the writable root
+        that is no regular file as one whose ``path`` is the lock's and ``key`` its
+        key's). ``remove=True`` deletes bad entries (and bad shards, and replaces bad
+        locks) of the writable root."""
         results: list[tuple[CacheEntry, str | None]] = []
         seen: set[str] = set()
+        for lock, key, why in self._bad_locks():
+            results.append((CacheEntry(lock, key, {}), f"lock file is {why}"))
+            if remove:
+                self._heal_lock(lock)
         for root in (self.root, *self.readonly_roots):
             ro = root != self.root
             for shard, why in self._bad_shards(root):
@@ -580,7 +708,8 @@ class ArtifactCache:
         return tree_size(self.v1)
 
     def prune(self, max_bytes: int | None = None, *, _protect: Iterable[str] = ()) -> list[Path]:
-        """Remove garbage (dead builds' temp dirs, trash, incomplete entries), then
+        """Remove garbage (dead builds' temp dirs, trash, incomplete entries, lock paths that
+        are no regular file), then
         least-recently-used entries (meta.json mtime) until the writable root
         holds at most ``max_bytes`` (default MSA_JIT_CACHE_MAX_BYTES). Returns
         the removed paths."""
@@ -613,7 +742,8 @@ class ArtifactCache:
 
     def clear(self) -> list[Path]:
         """Remove every entry and all garbage of the writable root (read-only
-        roots and lock files are left alone; builds in progress are not
+        roots and lock files are left alone, but for lock paths that are no
+        regular file, which are replaced; builds in progress are not
         disturbed). Returns the removed paths."""
         removed = self._collect_garbage()
         for key, d in self._iter_entry_dirs(self.root):
