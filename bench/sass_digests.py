@@ -4,8 +4,8 @@
     python bench/sass_digests.py compare BEFORE.json AFTER.json  # exit 1 on any difference or missing row
 
 `make` expands the minimax-m3 preset (head layouts x query dtypes x KV formats) for sm_90a and sm_100a
-through `plannable_configs`, with the kernel flags at their defaults, then opted in (the union
-kernel's pinned occupancy, the tcgen05 kernel); compiles each build (or takes it from the cache) and
+through `plannable_configs` (what an unpinned planner picks), plus every union build a pin can take
+(marked opt_in, as a pin is); compiles each build (or takes it from the cache) and
 hashes each kernel's `nvdisasm -c -hex` SASS (encodings, so control codes too). Normalized away: only
 the kernel's symbol / section name and the per-cubin numbering of branch labels and internal
 subroutines. Rows are keyed by the config dict (never the cache key); a kernel's role comes from its
@@ -37,8 +37,7 @@ from typing import Any, Iterator
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's msa_jit, whatever is installed
 
-FLAGS = ("MSA_JIT_ENABLE_SM90_UNION", "MSA_JIT_ENABLE_CLUSTER_MERGE", "MSA_JIT_ENABLE_SM100_UMMA")
-SCOPES = {"default": {}, "opt_in": {"MSA_JIT_ENABLE_SM90_UNION": "1", "MSA_JIT_ENABLE_SM100_UMMA": "1"}}
+SCOPES = ("default", "opt_in")
 ARCHES = ("sm_90a", "sm_100a")
 PREFERRED = ("jit.compiler", "compiler", "tools.warmup", "warmup", "geometry")  # then every other module
 EM_CUDA = 190
@@ -149,20 +148,16 @@ def artifact_dir(config: Any, tmp: str) -> Path:
 
 
 def configs(scope: str, preset: str) -> list[Any]:
-    """Every config the planner may pick for `preset` under the flags of `scope` (set from here on)."""
-    for name in FLAGS:
-        os.environ.pop(name, None)
-    os.environ.update(SCOPES[scope])
-    try:
-        plannable = lookup("plannable_configs")
-    except ImportError:  # the warmup's expansion is the same set
-        warm = lookup("warmup_configs")
-        plannable = lambda c: warm([(c.num_q_heads, c.num_kv_heads)], [c.q_dtype], [c.arch], kv_dtypes=[c.kv_dtype])
+    """`default`: every config an unpinned planner may pick for `preset`; `opt_in`: the union builds only
+    a pin takes (its 1-CTA build)."""
+    plannable, union = lookup("plannable_configs"), lookup("union_configs")
     heads, q_dtypes, kv_dtypes = lookup("PRESETS")[preset]
     out: list[Any] = []
     for (hq, hkv), q, kv, arch in itertools.product(heads, q_dtypes, kv_dtypes, ARCHES):
-        out += [c for c in plannable(lookup("SparseDecodeConfig")(hq, hkv, q_dtype=q, kv_dtype=kv, arch=arch))
-                if c not in out]
+        base = lookup("SparseDecodeConfig")(hq, hkv, q_dtype=q, kv_dtype=kv, arch=arch)
+        planned = plannable(base)
+        picked = planned if scope == "default" else [c for c in union(base) if c not in planned]
+        out += [c for c in picked if c not in out]
     return out
 
 
@@ -225,8 +220,9 @@ def label(row: dict[str, Any]) -> str:
     return "-".join(str(row.get(k)) for k in keys) + ("-opt_in" if row.get("opt_in") else "")
 
 
-def compare(a_path: Path, b_path: Path) -> int:
-    """Print identical / differing / missing rows of two digest files; 1 on any difference."""
+def compare(a_path: Path, b_path: Path, retired: tuple[str, ...] = ()) -> int:
+    """Print identical / differing / missing rows of two digest files; 1 on any difference, or on a row
+    missing from one file unless its label contains one of `retired` (a build the product no longer has)."""
     a, b = (json.loads(p.read_text()) for p in (a_path, b_path))
     for tool in ("nvdisasm", "cutlass_dsl"):
         if a["meta"].get(tool) != b["meta"].get(tool):
@@ -236,6 +232,9 @@ def compare(a_path: Path, b_path: Path) -> int:
     for key in sorted(set(index[0]) | set(index[1])):
         ra, rb = index[0].get(key), index[1].get(key)
         if ra is None or rb is None:
+            if any(r in label(ra or rb) for r in retired):
+                print(f"retired: {label(ra or rb)}")
+                continue
             missing += 1
             print(f"MISSING in {b_path if rb is None else a_path}: {label(ra or rb)}")
         elif ra["kernels"] == rb["kernels"]:
@@ -261,8 +260,11 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("compare", help="compare two digest files (exit 1 on any difference)")
     c.add_argument("a", type=Path)
     c.add_argument("b", type=Path)
+    c.add_argument("--retired", action="append", default=[],
+                   help="a label substring of builds the product no longer has (not counted as missing)")
     args = p.parse_args(argv)
-    return make(args.out, args.preset, args.dump) if args.cmd == "make" else compare(args.a, args.b)
+    return (make(args.out, args.preset, args.dump) if args.cmd == "make"
+            else compare(args.a, args.b, tuple(args.retired)))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ Each variable is read through a small function that looks at ``os.environ``
 on every call: there is no module-level caching and no hidden global state, so
 tests (and long-running processes) may change the environment at any time.
 
-Parsing rules (see ``cache_dir_policy.md`` §8):
+Parsing rules (see ``docs/cache.md`` §8):
 
 * an unset or empty variable means "use the default";
 * booleans accept ``1/true/yes/on/y/t`` and ``0/false/no/off/n/f`` (any case,
@@ -72,7 +72,7 @@ VARIABLES: dict[str, str] = {
     CACHE_DIR: (
         "Root of the compiled-artifact cache. Default: $XDG_CACHE_HOME/msa-jit, else "
         "~/.cache/msa-jit, else <tmp>/msa-jit-<uid>; an unwritable root falls back to the "
-        "per-user temp dir (see cache_dir_policy.md)."
+        "per-user temp dir (see docs/cache.md)."
     ),
     NO_COMPILE: (
         "Bool, default 0. Production hosts: a missing artifact raises ArtifactMissingError "

@@ -1,6 +1,6 @@
 """NVFP4 KV cache: the engine's 4-bit page layout, its two block-scale orders, a writer, a reader.
 
-Layout (shared/spec/sparse-decode-contract.md, "NVFP4 KV cache"): uint8
+Layout (docs/contract.md, "NVFP4 KV cache"): uint8
 `[num_pages, 2*Hkv, page_size, 72]`, slot `2h` the K of KV head h and slot `2h+1` its V. A
 slot is `page_size * 72` contiguous bytes, so its last two dims are one flat byte area, not
 72-byte rows:

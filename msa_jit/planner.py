@@ -42,12 +42,11 @@ DEFAULT_NUM_SMS = 132
 # count of the union kernel's grid, and of the token kernel's smallest grids).
 TARGET_WAVES = 2
 # The token kernel's fewer, longer splits where T*Hkv fills a good part of the GPU (docs/performance.md
-# row 83, bench/split_count_ab.py, H200 and H100): ONE split above this fraction of the SMs per cache
+# and its split-count A/B, H200 and H100): ONE split above this fraction of the SMs per cache
 # format.
 ONE_SPLIT_FILL = {"float8_e4m3fn": 1 / 2, "nvfp4": 0.7}
 # Below it, the cache formats whose split steps fill ONE wave of CTAs merged in the cluster: the largest
-# power-of-two split count (at most geometry.MAX_CLUSTER_SPLITS) whose grid is at most one CTA per SM (rows 83
-# and 89: with the dims-split cluster build, 3-15% per layer faster than two waves and the merge kernel at
+# power-of-two split count (at most geometry.MAX_CLUSTER_SPLITS) whose grid is at most one CTA per SM (with the dims-split cluster build, 3-15% per layer faster than two waves and the merge kernel at
 # T*Hkv = 12-40 on an H100).
 CLUSTER_WAVE_FORMATS = ("float8_e4m3fn",)
 _Tensor, _I32 = torch.Tensor, torch.int32
@@ -73,13 +72,13 @@ def choose_num_splits(num_rows_heads: int, topk_blocks: int, num_sms: int, kv_dt
 
     1 when T*Hkv already fills the GPU (>= num_sms). The token kernel also runs unsplit above
     ONE_SPLIT_FILL of the SMs (fp8: half, NVFP4: 0.7): measured on the H200 and H100 (docs/performance.md
-    row 83), one CTA per (token, head) streaming its 16 blocks beats the 3-4 splits of two waves by 8-20%
+    "How many splits"), one CTA per (token, head) streaming its 16 blocks beats the 3-4 splits of two waves by 8-20%
     per layer there. Below that an fp8 cache (CLUSTER_WAVE_FORMATS) takes one wave of splits merged in
     the cluster when the cluster merge can take them (`cluster_merge`: the 2-CTA build on an arch that
     has it, the merge not turned off): the largest power of two with T*Hkv*splits <= num_sms, at most
     topk_blocks and MAX_CLUSTER_SPLITS, when it stays a power of two once normalized (on 132 SMs with 16
     blocks: 16 splits at T*Hkv <= 8, 8 at 9-16, 4 at 17-33, 2 at 34-66), which beat the two-wave plans by
-    4-13% at T*Hkv = 48-64 (row 83) and, with the dims-split cluster build, by 3-15% at 12-40 (row 89);
+    4-13% at T*Hkv = 48-64 and, with the dims-split cluster build, by 3-15% at 12-40;
     two splits merged by the merge kernel were 0.94-1.19x (NVFP4's heavier math per block wants the 3-CTA
     build's warps longer, and its cluster build keeps the key split). Otherwise the smallest factor
     giving about TARGET_WAVES waves (T*Hkv*splits >= 2*num_sms), capped at topk_blocks. The count is then
@@ -110,11 +109,11 @@ def choose_ctas_per_sm(grid_ctas: int, num_sms: int, supported: tuple[int, ...] 
     """Occupancy of the kernel for a grid of `grid_ctas` = T*Hkv*num_splits CTAs and a cache format.
 
     fp8: 3 per SM (2 stages each) when the grid is more than one CTA per SM and fits one wave at 3
-    per SM, else 2 (3 stages each). Measured on the H200 (docs/performance.md #29): 3 per SM is
+    per SM, else 2 (3 stages each). Measured on the H200 (docs/performance.md): 3 per SM is
     0.7-1.6 us faster at 256 CTAs and 7-15% at 320-384 (one wave instead of 1.2-1.5), equal at
     64, 12-15% slower at 512 (1.3 waves) and 2-4% at 1024. NVFP4 (its 18 KiB pages leave room for
     3 stages at 3 per SM; its conversions make a CTA latency-bound, so more warps win): 3 per SM
-    whenever the grid is more than one CTA per SM (#33: 11% faster at 1024 CTAs, 4-12% at 256),
+    whenever the grid is more than one CTA per SM (11% faster at 1024 CTAs, 4-12% at 256),
     2 below (equal at 64). `supported`: what the arch's kernel can be built for
     (registry.supported_ctas_per_sm).
     """
@@ -150,7 +149,7 @@ def choose_kernel(batch: int, qlen: int, num_q_heads: int, num_kv_heads: int, pa
     waves (64/4 B=256), and on an H100 1.03-1.10x at 0.73-0.85 of a wave, 0.99-1.02x at 0.91-0.94
     (0.99-1.003x from 0.95) and 1.16-1.25x just past one (the H200 1.32-1.52x); with two tiles per
     request (qlen 8 at G = 16) 1.1-1.45x at every grid. With 12/16 blocks shared it reads 44% of the
-    bytes: 64/4 B=64 qlen 4 at 64.0 us against 93.1 on the H200 (docs/performance.md rows 66-88)."""
+    bytes: 64/4 B=64 qlen 4 at 64.0 us against 93.1 on the H200 (docs/performance.md)."""
     if qlen < 2 or union_problems(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                                                       page_size=page_size, kv_dtype="float8_e4m3fn", arch=arch):
         return "token"
@@ -164,8 +163,7 @@ def choose_kernel(batch: int, qlen: int, num_q_heads: int, num_kv_heads: int, pa
 
 def choose_union_ctas_per_sm(grid_ctas: int, num_sms: int) -> int:
     """Occupancy of the union kernel for `grid_ctas` = its grid * num_splits: 2 (one MMA warpgroup and
-    2 stages per CTA) at every grid. Measured on the H200 (bench/results/kv-format-ab-2026-12-05T0205.json,
-    docs/performance.md row 70): the 2-CTA build beat the 1-CTA one (2 MMA warpgroups, 4 stages) at
+    2 stages per CTA) at every grid. Measured on the H200 (docs/performance.md): the 2-CTA build beat the 1-CTA one (2 MMA warpgroups, 4 stages) at
     every point, 256 to 1024 CTAs, 12/16 or 0/16 shared, both query dtypes: by 4-20%."""
     return UNION_PLANNED_CTAS_PER_SM
 
@@ -178,7 +176,7 @@ def choose_split_merge(num_splits: int, ctas_per_sm: int, kernel: str, arch: str
     With 16 topk blocks on an H100 / H200 (132 SMs) a split step runs at 2 CTAs per SM when
     T*Hkv <= 8 (16 splits: clusters of 16 CTAs, a non-portable size the DSL allows on every kernel;
     Hopper schedules it within one GPC) and, with an fp8 cache, at every split step (one wave of 2-16
-    splits, choose_num_splits; rows 83 and 90).
+    splits, choose_num_splits).
     The planner's default asks for it (`enabled`) only where the grid is at most one CTA per SM, so a
     ctas_per_sm=2 pin at a larger grid keeps the merge kernel; a split_merge="cluster" pin does not.
 
@@ -193,8 +191,8 @@ def takes_cluster_merge(num_rows_heads: int, num_splits: int, num_sms: int) -> b
     """Whether the planner's default asks for the cluster merge for the
     token kernel's grid of `num_rows_heads` = T*Hkv CTAs per split: where the step splits and the split
     grid is at most one CTA per SM (on 132 SMs every fp8 split step, choose_num_splits' one wave, and
-    NVFP4's at T*Hkv <= 8 with 16 splits), where rows 79, 83 and 90 measured it faster. A ctas_per_sm=2
-    pin at a larger split grid keeps the merge kernel, which row 79 measured 1.6-3.5 us faster there (a
+    NVFP4's at T*Hkv <= 8 with 16 splits), where it measured faster. A ctas_per_sm=2
+    pin at a larger split grid keeps the merge kernel, measured 1.6-3.5 us faster there (a
     cluster waits for a GPC with enough free SMs); `choose_split_merge` then decides whether the build can."""
     return num_splits > 1 and num_rows_heads * num_splits <= num_sms
 

@@ -190,8 +190,7 @@ def replay_from_graphs(bound: Callable[[torch.Tensor], None], aligned: bool) -> 
     """`bound(seq_lens)` replayed from a CUDA graph captured on the first call per seq_lens address.
 
     On the GPU host a `CUDAGraph.replay` of the one-kernel graph costs 3-5 us of CPU against
-    10-13 us for Triton's launcher (bench/results/host-ab-2026-12-04T1537.json, `prologue_graph`
-    against `prologue_ints`); the decode kernel that follows then cannot overlap its launch with
+    10-13 us for Triton's launcher (measured); the decode kernel that follows then cannot overlap its launch with
     the prologue (PDL works between kernels, not after a graph: ~0.5 us of GPU per step, not per
     layer). The launch itself runs instead (and is captured into the caller's graph) while the
     current stream is capturing, for a seq_lens of the other 16-byte alignment (whose plain launch

@@ -1,6 +1,6 @@
 """Random valid (and adversarial) inputs for the sparse decode op: tests, `msa-jit selftest`.
 
-`make_case(...)` follows the operator contract (shared/spec/sparse-decode-contract.md): request-major tokens, fp8 KV cache
+`make_case(...)` follows the operator contract (docs/contract.md): request-major tokens, fp8 KV cache
 [P, Hkv, page, 256] (or, with kv_dtype="nvfp4", an NVFP4 cache [P, 2*Hkv, page, 72] written by
 msa_jit.nvfp4 from bf16 K/V) with a random permutation of physical pages, ascending unique topk
 rows padded with -1 that always hold the block of the current position.

@@ -61,7 +61,7 @@ def render(rows: Sequence[warmup.WarmupRow]) -> str:
     parts.append(f"{s['compiled']} compiled, {s['cached']} cached, {s['failed']} failed")
     if missing:
         parts.append(f"{env.NO_COMPILE}=1: this warmup only looked the kernels up; unset it to build the "
-                     f"{len(missing)} missing here, or warm a cache on a build host and ship it (cache_dir_policy.md §9)")
+                     f"{len(missing)} missing here, or warm a cache on a build host and ship it (docs/cache.md §9)")
     return "\n".join(parts)
 
 

@@ -23,7 +23,6 @@ from .split_merge import SplitMergeKernel
 class SparseDecodeKernelBase:
     """Geometry checks and fields shared by the arch kernels; the launch of the convention."""
 
-    arch_family = ""
     # programmatic dependent launch: may the kernels of this launch be scheduled before the
     # previous kernel in the stream has finished (each waits before its first global access)?
     pdl = False

@@ -68,7 +68,7 @@ class ClusterMerge:
         """divmod_splits on the device, for 1 <= num_splits <= RECV_SLOTS (fits() holds for every launch that
         merges in a cluster): by shift and mask when num_splits is a power of two (the planner's 2, 4, 8,
         16), else by division (3 and 6, which fit at G = 8), whose ~25 dependent instructions sat twice on
-        a batch-1 layer's critical path (docs/performance.md row 82)."""
+        a batch-1 layer's critical path (docs/performance.md)."""
         q = Int32(0)
         r = Int32(0)
         if num_splits & (num_splits - 1) == 0:

@@ -51,7 +51,7 @@ class Argument:
 
 # dtype "q": bfloat16 or float8_e4m3fn (SparseDecodeConfig.q_dtype); "kv": float8_e4m3fn for the
 # fp8 cache, uint8 for NVFP4 (SparseDecodeConfig.kv_dtype). torch's fp8 tensors go in as they are
-# (a `.view(torch.uint8)` per call cost 0.7-1.0 us each, docs/performance.md #40); the kernels
+# (a `.view(torch.uint8)` per call cost 0.7-1.0 us each, docs/performance.md); the kernels
 # address both through raw pointers, so only the exported function's dtype check depends on it.
 # kv_cache: fp8 [P, Hkv, page, 256] (K bytes [0,128), V bytes [128,256) of a token row), or
 # NVFP4 [P, 2*Hkv, page, 72] (slot 2h = K of head h, 2h+1 its V; each slot page*64 bytes of

@@ -236,7 +236,7 @@ def e2m1x8_to_f16x2x4(w: Int32, *, loc=None, ip=None):
     becomes the byte s|0 0 0 e1 e0 m|0 (magnitude to bits 1..3, sign to bit 7; a high nibble's sign
     is there already: 3 integer ops per 4 codes, a low nibble's 4), and one byte permute per f16x2
     puts two such bytes into the high bytes of the halves over zero low bytes. The permute replaces
-    a `cvt.rn.f16x2.e4m3x2` of e4m3 bytes (session 12, row 61: the cvt is the slower instruction).
+    a `cvt.rn.f16x2.e4m3x2` of e4m3 bytes (measured: the cvt is the slower instruction).
     """
     s = _asm(
         llvm.StructType.get_literal([T.i32()] * 4),

@@ -22,8 +22,8 @@ page_size * 256 bytes, K in bytes [0,128) and V in [128,256) of every token row)
     split_merge="cluster") pushes them to the CTA of its cluster that merges them (cluster_merge.py).
 
 Timing probes and retired variants (the fp8 bit trick, 16-byte V loads, scalar stores, the
-block-table prefetch, no-math / no-copy / trace builds) live with the bench
-(bench/kernel_probes.py), not here: every source of this package is in every cache key.
+block-table prefetch, no-math / no-copy / trace builds) are not here: every source of this
+package is in every cache key, and instrumentation would make the shipped artifact another one.
 """
 
 # no `from __future__ import annotations`: cute.struct in storage_type() needs evaluated annotations
@@ -61,11 +61,10 @@ def _phys_key(logical: int) -> int:
 class SparseDecodeTokenKernel(SparseDecodeKernelBase):
     """Static config in __init__, the launch in SparseDecodeKernelBase.__call__, device code in kernel()."""
 
-    arch_family = "portable"
     # programmatic dependent launch: both kernels may be scheduled before the previous kernel
     # in the stream has finished; each waits (griddepcontrol.wait) before its first
-    # global-memory access, so only the launch latency overlaps, never data (H200,
-    # bench/results/variants-2026-12-02T1511.json: batch 1 -1.2 us, never slower)
+    # global-memory access, so only the launch latency overlaps, never data (H200: batch 1
+    # -1.2 us, never slower)
     pdl = True
 
     @staticmethod
@@ -74,7 +73,7 @@ class SparseDecodeTokenKernel(SparseDecodeKernelBase):
 
         3: Q fragments in shared memory, K / V read per sub-tile (128 registers), the lean
         softmax, and as many stages as fit: 2 of an fp8 page (32 KiB), 3 of an NVFP4 one (18 KiB)
-        (measured 2026-12-03 T1243 / T1246, docs/performance.md #29, and #33 for NVFP4).
+        (measured on the H200: docs/performance.md, "Occupancy").
         """
         if ctas_per_sm == 2:
             return {}
@@ -167,14 +166,13 @@ class SparseDecodeTokenKernel(SparseDecodeKernelBase):
         self.staged = smem_reads == "staged"
         # the staged build's fp8 K read per k-step pair (8 bytes) instead of per half of head_dim
         # (16 bytes): 8 fewer live registers, which the fp8-query 3-CTA build needs at 128 (5 spill
-        # instructions before); the bf16-query build ran 0.3-2% slower with it (kv-format-ab /
-        # variants 2026-12-04T1645), so it keeps the 16-byte reads
+        # instructions before); the bf16-query build ran 0.3-2% slower with it, so it keeps the
+        # 16-byte reads
         self.k_pairs = self.staged and self.q_fp8 and not self.nvfp4
         self.ctas_per_sm = ctas_per_sm
         # the split merge lets the next layer's decode kernel be scheduled early only in the 2-CTA
-        # build (kv-format-ab-2026-12-04T1519.json, per layer: batch 1 -0.4..-0.6 us); at 3 per SM
-        # its CTAs then took the slots unevenly (64/4 B=16 +1.4..+1.7 us), as the decode kernel's
-        # own early trigger did (#29)
+        # build (per layer: batch 1 -0.4..-0.6 us); at 3 per SM its CTAs then took the slots
+        # unevenly (64/4 B=16 +1.4..+1.7 us), as the decode kernel's own early trigger did
         self.merge_trigger = ctas_per_sm < 3
         # "cluster": the splits of a (t, h) merge inside the launch (msa_jit/kernels/cluster_merge.py); its
         # 8 KiB receive buffer fits beside 3 stages at 2 CTAs per SM, not at 3
@@ -516,10 +514,9 @@ class SparseDecodeTokenKernel(SparseDecodeKernelBase):
         """This warp is done reading the stage: every lane arrives on its `empty` barrier.
 
         Each lane's own arrival orders its reads before the producer's next bulk copy into the
-        stage. One arrival by lane 0 after `sync_warp` (until session 10) is ordered as well by the
-        PTX model, but compute-sanitizer's racecheck sees neither that warp barrier nor a named
-        barrier of the warp in its place, and reported every refill as a race
-        (bench/results/race-ab-2026-12-04.log, race-2026-12-04-s10.log).
+        stage. One arrival by lane 0 after `sync_warp` is ordered as well by the PTX model, but
+        compute-sanitizer's racecheck sees neither that warp barrier nor a named barrier of the
+        warp in its place, and reported every refill as a race.
         """
         cute.arch.mbarrier_arrive(empty_bar)
 
@@ -711,7 +708,7 @@ class SparseDecodeTokenKernel(SparseDecodeKernelBase):
         # every consumer is done with the stages (they alias the reduction buffer): each warp's O rows go
         # there unscaled; the reader weighs them (one FFMA per warp and element), so no thread takes the row
         # max here (a batch-1 layer runs this epilogue one warp per scheduler: every instruction is on its
-        # critical path, docs/performance.md row 81)
+        # critical path)
         cute.arch.barrier(barrier_id=bar_id, number_of_threads=nthr)
         for r in cutlass.range_constexpr(2):
             base = buf_addr + warp * RED_WARP + (g + 8 * r) * RED_ROW + c * RED_CHUNK

@@ -1,11 +1,11 @@
 """The fp8 cluster build's decode kernel: P V split by head dims, for the CTAs of one-wave split steps.
 
 The planner merges a step's KV splits inside the decode launch (split_merge="cluster") where the split
-grid is at most one CTA per SM: each CTA holds 1 block at T * Hkv <= 8 (16 splits, docs/performance.md
-row 79) and 2-8 at larger T * Hkv (row 90). At batch 1 a layer waits on one block's math and the
+grid is at most one CTA per SM: each CTA holds 1 block at T * Hkv <= 8 (16 splits) and 2-8 at larger
+T * Hkv (docs/performance.md). At batch 1 a layer waits on one block's math and the
 epilogue after its last byte, one warp per scheduler, and the 4-warp reduction of O (16 x 128 fp32 per
-warp through shared memory) was 0.8 us of it (row 81).
-This kernel is the portable one (msa_jit/kernels/token.py) with its consumers changed:
+warp through shared memory) was 0.8 us of it (measured).
+This kernel is the token kernel (msa_jit/kernels/token.py) with its consumers changed:
 
   * warp w still computes S for its 32 keys of the block;
   * the warps exchange their row maxima through shared memory (one CTA barrier), so every warp
@@ -18,7 +18,7 @@ Each warp then holds final O columns: the epilogue exchanges only the row sums, 
 stores or pushes 2 rows x 8 dims. V rows are 256 bytes apart, so the 4 lanes that share an n-tile
 column would read one bank in 4 rows; the stage is laid down as 4 groups of 32 rows (4 bulk
 copies), each 32 bytes after the previous, and lane c of a P V k-step takes its 4 keys from group
-c: 8 banks apart, no conflict. Measured (row 89, H100, same process): -0.03..-0.46 us per layer at the
+c: 8 banks apart, no conflict. Measured (H100, same process): -0.03..-0.46 us per layer at the
 16-split points against the key split (3-6% with a bf16 query), within +-1.4% at 2 splits; the key split
 stays the NVFP4 cluster build's.
 fp8 cache, page 128, the 2-CTA build's options (plain softmax, Q in registers, block reads).
@@ -44,7 +44,7 @@ class SparseDecodeTokenDimsKernel(SparseDecodeTokenKernel):
     epilogue are this kernel's own."""
 
     def __init__(self, **options):
-        # 2 stages: 3 fit at 2 CTAs per SM (112.7 KB) but were no faster at any split count (row 89, f_c2_cm_dims_s3)
+        # 2 stages: 3 fit at 2 CTAs per SM (112.7 KB) but were no faster at any split count (measured)
         options.setdefault("stages", 2)
         super().__init__(**options)
         if self.nvfp4 or self.q_smem or self.staged or self.lean or self.warps != 4 or self.page != 4 * GROUP_ROWS:

@@ -28,7 +28,7 @@ each converts its block's V and its warp 0 refills the stage once the warpgroup 
 producer warp: ptxas allots registers per warpgroup). A warpgroup's P V of block i runs on the
 tensor cores while it waits for block i + wgs's stage and issues that block's S; it waits for P V
 only before V's conversion overwrites the f16 tile. At the end the MMA warpgroups merge their
-(m, l, O) through shared memory. With `v_converter` (the 2-CTA builds since row 86) a second
+(m, l, O) through shared memory. With `v_converter` (the 2-CTA builds) a second
 warpgroup converts every V instead, handed over by two mbarriers (tile free / tile full), while
 the one MMA warpgroup runs S and the softmax; setmaxnreg moves its spare registers to the MMA side.
 
@@ -36,7 +36,7 @@ Builds (occupancy_options): 1 CTA per SM = 2 MMA warpgroups and 4 stages (G = 16
 16: 212-214 KiB of shared memory with a bf16 query, 204-206 KiB with an fp8 one); 2 CTAs per
 SM = 1 MMA warpgroup, the V converter and 2 stages, 108-110 KiB: a bf16 query's lo tile is then
 the A operand of its QGMMAs from registers (q_lo_regs=True), so the CTA holds one Q tile as with
-an fp8 query (docs/performance.md rows 73-74, 84, 86).
+an fp8 query (docs/performance.md).
 
 Constraints (ValueError in the constructor, or in arch_options): sm_90a only (wgmma, TMA);
 an fp8 cache with 128-token pages (256-byte key rows); G divides 64 and 64 // G <= 32 (the
@@ -71,7 +71,6 @@ class SparseDecodeUnionKernel(SparseDecodeKernelBase):
     and kernel_operands (the TMA atoms of K and V); device code in kernel() and the methods it
     calls, named by role."""
 
-    arch_family = "union_sm90"
     # V's conversion: 16-key rows whose shared loads are in flight before a row's stores (all 8: 252-255
     # registers, no local memory)
     v_loads_ahead = 8
@@ -394,7 +393,7 @@ class SparseDecodeUnionKernel(SparseDecodeKernelBase):
         threads: thread = 16 dims of keys tidx // 8 + 16 r; not fenced (the caller fences for the
         MMAs that read it). Row r's loads are issued v_loads_ahead rows before its stores: ptxas
         cannot hoist a load above stores that may alias it, so a load per row in series would wait
-        out each one's latency (ncu, session 18); `ahead` (0: v_loads_ahead) sets that count instead
+        out each one's latency (ncu); `ahead` (0: v_loads_ahead) sets that count instead
         (the converter's, cv_loads_ahead)."""
         c8 = tidx % 8
         rows = self.page // 16

@@ -8,7 +8,7 @@ which open exactly that root and call `msa_jit.jit.compiler.ensure_compiled` (th
 per-entry lock makes concurrent warmups of the same geometry build it once). The workers
 protect the warm-up's working set from the automatic prune, die with the parent however it
 dies, and ignore Ctrl-C: the parent cancels the queue, ends them and raises
-WarmupInterrupted (cache_dir_policy.md §11).
+WarmupInterrupted (docs/cache.md §11).
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ class WarmupRow:
 # ----------------------------------------------------------------------------- workers
 # Each worker is a spawned process fed one build at a time over its own pipe: nothing is ever
 # queued inside a worker, so cancelling the queue is "send no more", and ending the warm-up
-# is ending the workers (cache_dir_policy.md §11).
+# is ending the workers (docs/cache.md §11).
 STOP_GRACE_S = 2.0  # how long a stopped worker may take to delete its build dir before SIGKILL
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 

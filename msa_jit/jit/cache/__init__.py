@@ -1,4 +1,4 @@
-"""Disk cache of compiled artifacts (shared objects); the contract is ``cache_dir_policy.md``.
+"""Disk cache of compiled artifacts (shared objects); the contract is ``docs/cache.md``.
 
 In short::
 

@@ -3,7 +3,7 @@ checking an entry directory, and the helpers that hash, size and fsync what a bu
 publishes.
 
 Part of the disk cache (``msa_jit.jit.cache`` exports the public names; the contract is
-``cache_dir_policy.md`` §2 and §4). Only the standard library and ``.errors`` are imported.
+``docs/cache.md`` §2 and §4). Only the standard library and ``.errors`` are imported.
 """
 
 from __future__ import annotations

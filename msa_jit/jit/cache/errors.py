@@ -1,6 +1,6 @@
 """The cache's errors and warning, and the one way an ``OSError`` is worded in them.
 
-A leaf of the cache package (cache_dir_policy.md §5, §1): only the standard library and
+A leaf of the cache package (docs/cache.md §5, §1): only the standard library and
 ``msa_jit.env`` (for the variable names in messages) are imported.
 """
 

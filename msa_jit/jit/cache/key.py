@@ -1,7 +1,7 @@
 """Cache keys: canonical JSON, ``make_key``, ``source_fingerprint`` and key checks.
 
 Part of the disk cache (``msa_jit.jit.cache`` exports the public names; the contract
-is ``cache_dir_policy.md`` §3). Only the standard library and ``.entry`` (the
+is ``docs/cache.md`` §3). Only the standard library and ``.entry`` (the
 file hash) are imported: the runtime-only loader uses the cache on hosts without
 the compiler.
 """

@@ -4,7 +4,7 @@ usable (writability probe, private-dir check, readable ``v1/``), and the fallbac
 policy that combines them (``resolve``, which ``ArtifactCache`` calls once).
 
 Part of the disk cache (``msa_jit.jit.cache`` exports the public names; the contract
-is ``cache_dir_policy.md`` §1). Only the standard library, ``msa_jit.env`` and
+is ``docs/cache.md`` §1). Only the standard library, ``msa_jit.env`` and
 the cache's leaf modules are imported.
 """
 
@@ -37,7 +37,7 @@ __all__ = [
 
 
 def preferred_root() -> tuple[Path, str]:
-    """The configured cache root and where it came from (cache_dir_policy.md §1)."""
+    """The configured cache root and where it came from (docs/cache.md §1)."""
     d = env.cache_dir()
     if d is not None:
         return d, env.CACHE_DIR
@@ -182,7 +182,7 @@ def pinned(root: os.PathLike | str, readonly: tuple[os.PathLike | str, ...] = ()
 
 
 def resolve(requested: os.PathLike | str | None, *, create: bool = True) -> Resolution:
-    """Choose the cache root for ``ArtifactCache(requested)`` (cache_dir_policy.md §1): the
+    """Choose the cache root for ``ArtifactCache(requested)`` (docs/cache.md §1): the
     preferred root, else the private per-user temp dir, else an in-process temp dir.
 
     ``create=False`` (the maintenance commands): a preferred root without a ``v1/`` tree that

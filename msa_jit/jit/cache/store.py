@@ -2,7 +2,7 @@
 its counters and ``default_cache``.
 
 The contract (locations, fallback, layout, key, concurrency, crash safety,
-pruning) is written down in ``cache_dir_policy.md`` at the repository root;
+pruning) is written down in ``docs/cache.md``;
 keep the two in sync. In short::
 
     key = make_key(dataclasses.asdict(cfg), fingerprint)
@@ -155,7 +155,7 @@ def reset_stats() -> None:
 
 
 class ArtifactCache:
-    """Content-addressed disk cache of compiled artifacts (see cache_dir_policy.md).
+    """Content-addressed disk cache of compiled artifacts (see docs/cache.md).
 
     ``root`` is fixed at construction: the argument, else MSA_JIT_CACHE_DIR,
     else $XDG_CACHE_HOME/msa-jit, else ~/.cache/msa-jit, else the per-user
