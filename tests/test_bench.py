@@ -471,9 +471,9 @@ def test_cli_refuses_unknown_names_before_touching_a_gpu():
 # ---------------------------------------------------------------- README tables
 
 
-def test_readme_table_shows_per_layer_first_then_shared_then_per_step():
+def test_result_tables_shows_per_layer_first_then_shared_then_per_step():
     result = _grid_result(floor=lambda s: 3.0)
-    text = bench.readme_table(result)
+    text = bench.result_tables(result)
     layer_at, shared_at, step_at = (text.index("Per layer"), text.index("Speculative decode"), text.index("Per step"))
     assert layer_at < shared_at < step_at
     rows = [line for line in text.splitlines() if line.startswith("| 64/4 | ") or line.startswith("| 16/1 | ")
@@ -489,12 +489,12 @@ def test_readme_table_shows_per_layer_first_then_shared_then_per_step():
     assert ", union)" not in text
     r = by[("64/4", FP8_KV, 4, 64)]
     r["kernel"] = "union"  # a row the union kernel ran
-    union_text = bench.readme_table(result)
+    union_text = bench.result_tables(result)
     assert f"| {r['marginal_us']:.1f} µs ({r['marginal_pct_of_copy']:.0f}%, union) |" in union_text
     assert "union: the union kernel ran" in union_text and "union: the union kernel ran" not in text
 
 
-def test_readme_table_follows_the_files_grid():
+def test_result_tables_follows_the_files_grid():
     """A --quick file (qlen 1 and 4 in its `grid`) gets tables of those qlens only, not rows of
     dashes for the qlens it did not run."""
     result = _grid_result()
@@ -502,20 +502,20 @@ def test_readme_table_follows_the_files_grid():
     for key in ("per_layer", "points"):
         result[key] = [r for r in result[key] if r["qlen"] in quick]
     result["grid"]["qlens"] = sorted(quick)
-    text = bench.readme_table(result)
+    text = bench.result_tables(result)
     qlens = {int(m) for m in re.findall(r"^\| \d+/\d+ \| (?:fp8|nvfp4) \| (\d+) \| ", text, re.M)}
     assert qlens == quick and "—" not in text, text
 
 
-def test_readme_table_of_an_old_file_is_its_per_step_table():
-    text = bench.readme_table(_result("2026-01-01T00:00:00", [10.0, 100.0]), geometries=("64/4",), batches=(1, 64),
+def test_result_tables_of_an_old_file_is_its_per_step_table():
+    text = bench.result_tables(_result("2026-01-01T00:00:00", [10.0, 100.0]), geometries=("64/4",), batches=(1, 64),
                               qlens=(1,))
     assert text == "| geometry | qlen | B=1 | B=64 |\n|---|---|---|---|\n| 64/4 | 1 | 10.0 µs (25%) | 100.0 µs (25%) |"
     # a real file of that format (tests/fixtures: a bench result from before the per-layer grid):
     # qlen 1 and 4 (its grid), every geometry
     path = os.path.join(os.path.dirname(__file__), "fixtures", "bench-per-step-only.json")
     with open(path, encoding="utf-8") as f:
-        rows = re.findall(r"^\| (\d+/\d+) \| (\d) \| ", bench.readme_table(json.load(f)), re.M)
+        rows = re.findall(r"^\| (\d+/\d+) \| (\d) \| ", bench.result_tables(json.load(f)), re.M)
     assert rows == [(g, q) for g in bench.GRID_GEOMETRIES for q in "14"], rows
 
 

@@ -18,37 +18,17 @@ PERFORMANCE = ROOT / "docs" / "performance.md"
 RESULT_GPUS = ("h200", "h100")  # bench/results/<gpu>.json, in docs/performance.md's order
 
 # ----------------------------------------------------------------------------- the README's table
-# The points of the README's one performance table: (Hq/Hkv, KV cache, qlen, batch, shared blocks).
-README_POINTS = (
-    *(("64/4", "float8_e4m3fn", 1, b, 0) for b in (1, 4, 16, 64, 256)),
-    *(("64/4", "nvfp4", 1, b, 0) for b in (1, 16, 256)),
-    *(("8/1", "float8_e4m3fn", 1, b, 0) for b in (1, 16, 256)),
-    ("64/4", "float8_e4m3fn", 4, 64, 0),
-    ("64/4", "float8_e4m3fn", 4, 64, 12),
-)
-# Other decode kernels timed in the same run, by the key of a per-layer row's `peers` dict
-# (per-layer µs); a result without them shows "—".
-PEERS = (("vLLM Triton", "vllm_triton"), ("FlashInfer", "flashinfer"))
-KV_SHORT = {"float8_e4m3fn": "fp8", "nvfp4": "NVFP4"}
+README_RESULT = "bench/results/h100.json"  # the run beside FlashInfer
 
 
-def _kv_of(row: dict) -> str:
-    return row.get("kv_dtype", "float8_e4m3fn")
+def _readme_table_module():
+    """bench/readme_table.py (project tooling, outside the package)."""
+    import importlib.util
 
-
-def readme_perf_table(result: dict) -> str:
-    """The README's performance table of a bench result: per layer, msa-jit and its peers."""
-    rows = {(r["geometry"], _kv_of(r), r["qlen"], r["batch"], r["shared_blocks"]): r for r in result["per_layer"]}
-    out = ["| Hq/Hkv | KV cache | qlen | batch | blocks shared | msa-jit | % of copy | "
-           + " | ".join(name for name, _ in PEERS) + " |",
-           "|" + "---|" * (7 + len(PEERS))]
-    for geo, kv, qlen, batch, shared in README_POINTS:
-        r = rows[(geo, kv, qlen, batch, shared)]
-        peers = r.get("peers") or {}
-        cells = [f"{peers[key]:.1f} µs" if peers.get(key) is not None else "—" for _, key in PEERS]
-        out.append(f"| {geo} | {KV_SHORT[kv]} | {qlen} | {batch} | {f'{shared}/16' if qlen > 1 else '—'} | "
-                   f"{r['marginal_us']:.1f} µs | {r['marginal_pct_of_copy']:.0f}% | " + " | ".join(cells) + " |")
-    return "\n".join(out)
+    spec = importlib.util.spec_from_file_location("readme_table", ROOT / "bench" / "readme_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _result(gpu: str) -> dict:
@@ -58,34 +38,37 @@ def _result(gpu: str) -> dict:
 def test_readme_names_its_result_file():
     readme = README.read_text()
     m = re.search(r"Raw data:\s*`(bench/results/[^`]+\.json)`", readme)
-    assert m and m.group(1) == "bench/results/h200.json", "README must name the result file its table comes from"
-    assert "![" in readme and "(bench/results/h200.png)" in readme, "README must show the result's plot"
+    assert m and m.group(1) == README_RESULT, "README must name the result file its table comes from"
+    assert "![" in readme and "(bench/results/h100.png)" in readme, "README must show the result's plot"
 
 
 def test_readme_table_is_the_generated_one():
-    """The README's table is `readme_perf_table` of bench/results/h200.json, exactly."""
-    assert readme_perf_table(_result("h200")) in README.read_text()
+    """The README's table is `bench/readme_table.py bench/results/h100.json`, exactly."""
+    table = _readme_table_module().readme_table(json.loads((ROOT / README_RESULT).read_text()))
+    assert table in README.read_text()
 
 
 def test_readme_table_cells_are_the_results():
-    """Each msa-jit cell is the result's per-layer time and % of copy (independent of the generator)."""
-    result = _result("h200")
-    rows = {(r["geometry"], KV_SHORT[_kv_of(r)], r["qlen"], r["batch"], r["shared_blocks"]): r
-            for r in result["per_layer"]}
-    found = re.findall(r"^\| (\d+/\d+) \| (fp8|NVFP4) \| (\d+) \| (\d+) \| (—|\d+/16) \| ([\d.]+) µs \| (\d+)% \|",
+    """Each cell is the result's per-layer time, % of copy, FlashInfer's time and the speed-up
+    (independent of the generator)."""
+    result = json.loads((ROOT / README_RESULT).read_text())
+    rows = {(r["geometry"], r["qlen"], r["batch"]): r for r in result["per_layer"]}
+    found = re.findall(r"^\| (\d+/\d+) \| (\d+) \| (\d+) \| ([\d.]+) µs \| (\d+)% \| ([\d.]+) µs \| ([\d.]+)x \|",
                        README.read_text(), re.M)
-    assert len(found) == len(README_POINTS)
-    for geo, kv, qlen, batch, shared, us, pct in found:
-        r = rows[(geo, kv, int(qlen), int(batch), 0 if shared == "—" else int(shared.split("/")[0]))]
+    assert len(found) == len(_readme_table_module().README_POINTS)
+    for geo, qlen, batch, us, pct, fi, speedup in found:
+        r = rows[(geo, int(qlen), int(batch))]
         assert abs(float(us) - r["marginal_us"]) < 0.06 and abs(int(pct) - r["marginal_pct_of_copy"]) <= 0.5
+        assert abs(float(fi) - r["flashinfer_marginal_us"]) < 0.06
+        assert abs(float(speedup) - r["speedup_vs_flashinfer"]) < 0.006
 
 
 @pytest.mark.parametrize("gpu", RESULT_GPUS)
 def test_performance_doc_holds_the_generated_tables(gpu):
     """docs/performance.md's full tables of each GPU are `msa-jit bench --table bench/results/<gpu>.json`."""
-    from msa_jit.tools.bench import readme_table
+    from msa_jit.tools.bench import result_tables
 
-    assert readme_table(_result(gpu)) in PERFORMANCE.read_text(), (
+    assert result_tables(_result(gpu)) in PERFORMANCE.read_text(), (
         f"docs/performance.md: paste the output of `msa-jit bench --table bench/results/{gpu}.json`")
 
 

@@ -82,7 +82,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="result JSON to compare with (default: the newest in --out from this GPU; 'none' to skip); "
                         "exit 1 if a point is >5%% slower")
     p.add_argument("--table", metavar="RESULT_JSON",
-                   help="print the README's markdown tables of a result file and exit (no GPU)")
+                   help="print the markdown tables of a result file and exit (no GPU)")
 
 
 def _load_result(flag: str, path: str) -> dict:
@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     if args.table:
         result = _load_result("--table", args.table)  # no GPU: the tables of a result file
         try:
-            print(bench.readme_table(result))
+            print(bench.result_tables(result))
         except (KeyError, TypeError) as e:
             print(f"msa-jit bench: --table {args.table}: not a bench result (missing {e})", file=sys.stderr)
             return 2

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from .grid import (FLOOR_BATCHES, GRID_BATCHES, GRID_GEOMETRIES, GRID_KV_DTYPES, GRID_QLENS, NUM_LAYERS, QUICK_QLENS, QUICK_SHARED_POINTS, RESULTS_DIR, SHARED_BLOCKS, SHARED_POINTS, RowSpec, add_speedups, grid_rows)
 from .measure import BenchPoint, environment, host_overheads, main, measure_row, per_layer, run_grid
-from .report import compare_with_baseline, latest_result, plot, readme_table, regressions
+from .report import compare_with_baseline, latest_result, plot, result_tables, regressions
 from .steps import (BLOCK_BYTES, FP8_KV, GEOMETRIES, NVFP4_BLOCK_BYTES, NVFP4_KV, StepIndices, block_bytes, decode, make_indices, make_kv_cache, make_step, prepare_args)
 from .timing import (copy_bandwidth, event_seconds, interleaved_issue_us, interleaved_per_call_us, issue_us, median_in_graph, per_call_us, time_graph, time_in_graph)
 
@@ -32,5 +32,5 @@ __all__ = [
     "event_seconds", "grid_rows", "host_overheads", "interleaved_issue_us", "interleaved_per_call_us",
     "issue_us", "latest_result",
     "main", "make_indices", "make_kv_cache", "make_step", "measure_row", "median_in_graph", "per_call_us",
-    "per_layer", "plot", "prepare_args", "readme_table", "regressions", "run_grid", "time_graph", "time_in_graph",
+    "per_layer", "plot", "prepare_args", "result_tables", "regressions", "run_grid", "time_graph", "time_in_graph",
 ]

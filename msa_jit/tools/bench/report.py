@@ -138,6 +138,9 @@ def _layer_cell(r: dict[str, Any] | None) -> str:
         extra.append("union")
     if r.get("split_merge") == "cluster":
         extra.append("cluster merge")
+    for key, value in r.items():  # a peer timed in the same run: its time over msa-jit's
+        if key.startswith("speedup_vs_") and key != "speedup_vs_fp8" and value is not None:
+            extra.append(f"{value:.2f}x vs {key[len('speedup_vs_'):]}")
     return f"{r['marginal_us']:.1f} µs ({', '.join(extra)})"
 
 
@@ -156,8 +159,8 @@ def _grid_table(index: dict[tuple, dict], cell, geometries, kv_dtypes, qlens, ba
     return lines
 
 
-def readme_table(result: dict[str, Any], geometries=None, batches=None, qlens=None) -> str:
-    """The README's markdown tables of a result file (`msa-jit bench --table`).
+def result_tables(result: dict[str, Any], geometries=None, batches=None, qlens=None) -> str:
+    """The markdown tables of a result file (`msa-jit bench --table`; docs/performance.md shows them).
 
     A file with the per-layer grid: the per-layer table first (`marginal_us`, % of copy on
     distinct bytes, the floor probe's per-layer figure at small batches, NVFP4's speed-up over
