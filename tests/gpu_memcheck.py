@@ -19,7 +19,7 @@ from msa_jit.testing import share_slots
 
 for kv_dtype in ("fp8", "nvfp4"):
     for q_dtype in (torch.bfloat16, torch.float8_e4m3fn):
-        # 1 split, 16 splits, and (T*Hkv = 12 on 30 SMs) fp8's 2 splits merged in a cluster of 2 (row 83; NVFP4: 4)
+        # 1 split, 16 splits, and (T*Hkv = 12 on 30 SMs) fp8's 2 splits merged in a cluster of 2 (NVFP4: 4)
         for num_sms in (1, 100000, 30):
             # both kernel builds the planner picks from (its split merge), and the 2-CTA one's merge kernel
             for ctas_per_sm, split_merge in [(n, None) for n in CTAS_PER_SM] + [(CLUSTER_MERGE_CTAS_PER_SM, "kernel")]:

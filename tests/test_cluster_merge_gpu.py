@@ -30,7 +30,7 @@ pytestmark = pytest.mark.gpu
 
 Q_DTYPES = [torch.bfloat16, torch.float8_e4m3fn]
 KV_DTYPES = ["fp8", "nvfp4"]
-SPLITS = [2, 3, 4, 6, 8, 16]  # every factor the planner gives 16 blocks (2: fp8 only, row 83; 3, 6: NVFP4 only, row 90)
+SPLITS = [2, 3, 4, 6, 8, 16]  # every factor the planner gives 16 blocks (2: fp8 only; 3, 6: NVFP4 only)
 SHAPES = [(1, 1), (3, 2)]  # (batch, qlen)
 TOL = 1e-2
 

@@ -66,7 +66,7 @@ def test_planner_picks_cluster_by_default_and_not_when_pinned_off():
     # one split: nothing to merge; a 3-CTA step shape: its receive buffer does not fit
     assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 64).split_merge == "kernel"
     assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a", ctas_per_sm=3), 1).split_merge == "kernel"
-    # 64/4 B=16 (64 rows): fp8 in 2 splits = 128 CTAs, one per SM, merged in the cluster (row 83); NVFP4 in
+    # 64/4 B=16 (64 rows): fp8 in 2 splits = 128 CTAs, one per SM, merged in the cluster; NVFP4 in
     # 4 splits = 256 CTAs, 3 per SM (NVFP4 takes 3 at any grid above one CTA per SM), so the merge kernel
     plan = _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 16)
     assert (plan.num_splits, plan.ctas_per_sm, plan.split_merge) == (2, 2, "cluster")
@@ -74,7 +74,7 @@ def test_planner_picks_cluster_by_default_and_not_when_pinned_off():
     # the edge of the cluster zone: T*Hkv = 66 (16/2 B=33) in 2 splits is 132 CTAs, exactly one per SM
     plan = _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 33, hq=16, hkv=2)
     assert (plan.num_splits, plan.ctas_per_sm, plan.split_merge) == (2, 2, "cluster")
-    # 64/4 B=4 (16 rows): fp8 in one wave of 8 splits = 128 CTAs merged in the cluster (row 89); NVFP4 in 16
+    # 64/4 B=4 (16 rows): fp8 in one wave of 8 splits = 128 CTAs merged in the cluster; NVFP4 in 16
     # splits = 256 CTAs, 3 per SM, the merge kernel
     plan = _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 4)
     assert (plan.num_splits, plan.ctas_per_sm, plan.split_merge) == (8, 2, "cluster")
@@ -83,7 +83,7 @@ def test_planner_picks_cluster_by_default_and_not_when_pinned_off():
     for batch, splits in ((8, 4), (9, 2)):
         plan = _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), batch)
         assert (plan.num_splits, plan.ctas_per_sm, plan.split_merge) == (splits, 2, "cluster"), batch
-    # a 2-CTA pin at a grid above one CTA per SM keeps the merge kernel, which row 79 measured faster
+    # a 2-CTA pin at a grid above one CTA per SM keeps the merge kernel, which measured faster there
     # there (64/4 B=4, 8/1 B=16: NVFP4's 256-CTA grids); fp8 splits there into one wave, in the cluster;
     # a split_merge pin still takes the cluster
     for batch, hq, hkv in ((4, 64, 4), (16, 8, 1)):
@@ -330,7 +330,7 @@ def test_cluster_artifact_carries_its_launch_figures(tmp_path):
 
     cfg = SparseDecodeConfig(64, 4, arch="sm_90a", split_merge="cluster")
     extra = compiler.compile_sparse_decode(cfg, tmp_path)["extra"]
-    # the dims-split kernel (row 89): 2 stages of 4 padded 32-row groups, P's fragments, the receive buffer
+    # the dims-split kernel: 2 stages of 4 padded 32-row groups, P's fragments, the receive buffer
     assert extra["threads"] == 160 and extra["smem_bytes"] == compiler.dynamic_smem_bytes(cfg) == 79944
     (cubin,) = sass.extract_cubins(tmp_path / "sparse_decode.so")
     name = decode_kernel_name(cubin)

@@ -256,7 +256,7 @@ def test_choose_num_splits_properties(rows, topk, sms, kv, kernel, cluster):
 def test_choose_num_splits_examples():
     assert choose_num_splits(1, 16, 132) == 16
     assert choose_num_splits(4, 16, 132) == 16
-    # fp8 with the cluster merge: one wave of power-of-two splits (row 89)
+    # fp8 with the cluster merge: one wave of power-of-two splits
     assert choose_num_splits(8, 16, 132) == 16      # 128 CTAs
     assert choose_num_splits(9, 16, 132) == 8 == choose_num_splits(16, 16, 132)
     assert choose_num_splits(17, 16, 132) == 4 == choose_num_splits(33, 16, 132)  # 132 CTAs
@@ -277,7 +277,7 @@ def test_choose_num_splits_examples():
     # the union kernel's grid keeps the two-wave rule
     assert choose_num_splits(100, 16, 132, kernel="union") == 3
     # where 2 splits cannot merge in the cluster the two-wave rule holds up to half the SMs (2 splits merged by
-    # the merge kernel were 0.94-1.19x the two-wave plan, row 83); unsplit above half either way
+    # the merge kernel were 0.94-1.19x the two-wave plan); unsplit above half either way
     assert choose_num_splits(16, 16, 132, cluster_merge=False) == 16
     assert choose_num_splits(32, 16, 132, cluster_merge=False) == 8  # 9 wanted -> 2 slots per split -> 8 splits
     assert choose_num_splits(48, 16, 132, cluster_merge=False) == 6
@@ -451,7 +451,7 @@ def test_kernel_backend_passes_calling_convention(monkeypatch):
     for args in seen:
         a = dict(zip(conv.ARGUMENT_NAMES, args))
         assert len(args) == len(conv.ARGUMENTS)
-        # torch's fp8 query and cache go in as they are (no per-call uint8 view, performance.md #44)
+        # torch's fp8 query and cache go in as they are (no per-call uint8 view)
         assert a["query"] is c.query and a["query"].dtype == FP8
         assert a["kv_cache"] is c.kv_cache and a["kv_cache"].dtype == FP8
         assert a["topk"] is c.topk and a["block_table"] is plan.block_table
@@ -533,7 +533,7 @@ def test_prologue_signals_dependent_launch(trigger):
 
 def test_nvfp4_takes_three_ctas_per_sm_above_one_wave():
     """NVFP4 (latency-bound, 3 stages fit at 3 per SM): 3 per SM for every grid past one CTA per SM,
-    2 below; fp8 keeps its one-wave rule; a pinned planner pins both formats (docs/performance.md #33)."""
+    2 below; fp8 keeps its one-wave rule; a pinned planner pins both formats (docs/performance.md)."""
     from msa_jit.planner import choose_ctas_per_sm
 
     assert choose_ctas_per_sm(1024, 132, (2, 3), "nvfp4") == 3

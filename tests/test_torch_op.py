@@ -142,7 +142,7 @@ def _fake_kernel_path(monkeypatch, launches: list | None = None) -> list[tuple[s
 
 
 @pytest.mark.parametrize("planner_kw,ctas", [
-    # the planner's choice without the cluster merge (with it: one wave of 4 splits at 2 per SM, row 89): 8 splits,
+    # the planner's choice without the cluster merge (with it: one wave of 4 splits at 2 per SM): 8 splits,
     # 32 CTAs, more than one per SM and one wave at 3
     (dict(num_sms=16, split_merge="kernel"), 3),
     (dict(num_sms=16, ctas_per_sm=2), 2),  # pinned against the choice

@@ -1,8 +1,7 @@
 """The shipped sm_90a union kernel (msa_jit/kernels/union.py) on the CPU: its builds compile
 through the union family (SparseDecodeConfig.kernel "union") to one decode kernel plus the shipped
 split merge, with fp8 and f16 warpgroup MMAs, TMA copies and no local memory; the constructor's
-constraints raise, and every geometry `geometry.union_problems` accepts fits. Session 16 checked
-that these builds' PTX equals the bench probes' (bench/union_fp8.py, docs/performance.md row 70)."""
+constraints raise, and every geometry `geometry.union_problems` accepts fits."""
 
 from __future__ import annotations
 
@@ -63,7 +62,7 @@ def test_union_build_compiles_to_fp8_warpgroup_mmas(tmp_path, heads, q_dtype, ct
 
 
 def _assert_v_converter(text: str, q_dtype: str) -> None:
-    """Row 86 (the 2-CTA builds): V converted by a second warpgroup. The MMA warpgroup takes the registers
+    """The 2-CTA builds: V converted by a second warpgroup. The MMA warpgroup takes the registers
     the converter gives back (setmaxnreg; the two sum to 256 per thread: 2 CTAs x 256 threads share 64 Ki),
     issues S's chains as one group (a bf16 query's lo chain, A from registers, right behind the hi chain:
     nothing to hide it behind), and neither loads nor stores V; the converter does V's 8 shared loads and
@@ -102,7 +101,7 @@ def test_union_constraints_raise():
                            ({"stages": 3}, "even stage count"),
                            ({"q_lo_regs": True, "q_dtype": "float8_e4m3fn"}, "bf16 query"),
                            ({"q_lo_regs": True}, "needs v_converter"), ({"v_converter": True}, "v_converter needs"),
-                           # row 84's lo chain behind V's loads without the converter: retired (session 31)
+                           # the lo chain behind V's loads without the converter: retired, slower
                            ({"q_lo_regs": True, "warpgroups": 1}, "q_lo_regs needs v_converter"),
                            ({"page_size": 64}, "page_size"), ({"warpgroups": 3}, "warpgroups")):
         with pytest.raises(ValueError, match=match):

@@ -111,7 +111,7 @@ def time_in_graph(fn: Callable[[], object], iters: int = 50, flush_bytes: int = 
 
     The step as it runs inside a larger graph, beside `time_graph`'s standalone replay. On the
     H200 (T1242) it is not shorter: the ~3.5 us of a one-tiny-kernel graph is the floor of an
-    event pair around a kernel boundary, not the graph's launch (docs/performance.md #30).
+    event pair around a kernel boundary, not the graph's launch (docs/performance.md).
     None when this torch / driver cannot record timing events inside a graph (torch without
     `Event(external=True)`).
     """
