@@ -162,12 +162,12 @@ def _kernel_fast_path(query: Any, kv_cache: Any, topk: Any, out: Any, plan: Spar
     if kv_shape[0] < 1 or type(out) is not _Tensor or topk.dtype is not _I32:
         return False
     if kv_dtype is _FP8:
-        fmt, kv, splits = FP8_KV, kv_cache, plan.num_splits
+        fmt, kv = FP8_KV, kv_cache
     elif kv_dtype is _U8:  # NVFP4, or the uint8 storage of an fp8 cache (the kernel takes it as fp8)
         if kv_shape[-1] == _NVFP4_ROW:
-            fmt, kv, splits = NVFP4_KV, kv_cache, plan.nvfp4_num_splits
+            fmt, kv = NVFP4_KV, kv_cache
         else:
-            fmt, kv, splits = FP8_KV, kv_cache.view(_FP8), plan.num_splits
+            fmt, kv = FP8_KV, kv_cache.view(_FP8)
     else:
         return False
     q_dtype = query.dtype
@@ -183,7 +183,7 @@ def _kernel_fast_path(query: Any, kv_cache: Any, topk: Any, out: Any, plan: Spar
     # msa_jit/kernels/convention.py ARGUMENTS order (call_arguments); tests pin the two to each other
     fn(query, kv, topk, plan.block_table, kv_lens, out, lse,
        partial_o, partial_lse, unit if k_dev is None else k_dev, unit if v_dev is None else v_dev,
-       plan.qlen, splits, sm_scale * q_scale * ks * LOG2E, vs)
+       plan.qlen, plan.launches[fmt].num_splits, sm_scale * q_scale * ks * LOG2E, vs)
     return True
 
 

@@ -7,17 +7,34 @@ plan's first kernel resolution). The planner builds plans, validation and the op
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
 
-from .geometry import SparseDecodeConfig, dtype_name, torch_dtype
+from .geometry import KV_DTYPE_SHORT, SparseDecodeConfig, dtype_name, torch_dtype
+from .kernels.constants import FP8_KV
 
-__all__ = ["PlanKey", "SparseDecodePlan"]
+__all__ = ["LaunchChoice", "PlanKey", "SparseDecodePlan"]
 
 # (batch, qlen, block_table.stride(0), Hq, Hkv, page_size, topk_blocks, device): the planner's cache key
 PlanKey = tuple[int, int, int, int, int, int, int, torch.device]
+
+
+@dataclass(frozen=True)
+class LaunchChoice:
+    """How one cache format's decode kernel is launched for a step shape (the planner's choice):
+    SparseDecodeConfig.kernel ("token" or "union"), its occupancy, the split-KV factor and how the
+    splits merge ("kernel": a second launch; "cluster": inside the decode launch)."""
+
+    kernel: str = "token"
+    ctas_per_sm: int = 2
+    num_splits: int = 1
+    split_merge: str = "kernel"
+
+    def describe(self) -> str:
+        return (f"num_splits={self.num_splits}, ctas_per_sm={self.ctas_per_sm}, kernel={self.kernel}, "
+                f"split_merge={self.split_merge}")
 
 
 @dataclass(eq=False)
@@ -25,7 +42,7 @@ class SparseDecodePlan:
     """Cached state of one step shape. Tensors are allocated once and refreshed in place.
 
     kv_lens, qo_offset: [T] int32, T = batch * qlen (refreshed every `prepare`).
-    num_splits / nvfp4_num_splits: the split-KV factor for an fp8 / an NVFP4 cache (`splits`).
+    launches: cache format ("float8_e4m3fn", "nvfp4") -> its LaunchChoice (`launch(kv_dtype)`).
     partial_o: [T*Hkv*S, G, head_dim] fp32, partial_lse: [T*Hkv*S, G] fp32, S the larger factor
     (split-KV workspace), lse_scratch: [T, Hq] fp32 (used when the caller wants no lse),
     unit_scale: [1] fp32 = 1.0 (the kernel's scale tensor when the caller gives python floats).
@@ -41,7 +58,7 @@ class SparseDecodePlan:
     qlen: int
     block_table_stride: int
     device: torch.device
-    num_splits: int
+    launches: dict[str, LaunchChoice]
     kv_lens: torch.Tensor
     qo_offset: torch.Tensor
     partial_o: torch.Tensor
@@ -51,17 +68,6 @@ class SparseDecodePlan:
     block_table: torch.Tensor
     seq_lens: torch.Tensor
     arch: str | None = None
-    # the split-KV factor for an NVFP4 cache (planner.choose_num_splits); None: num_splits
-    nvfp4_num_splits: int | None = None
-    # occupancy of the kernel serving this plan for an fp8 / an NVFP4 cache (planner.choose_ctas_per_sm)
-    ctas_per_sm: int = 2
-    nvfp4_ctas_per_sm: int = 2
-    # SparseDecodeConfig.kernel for an fp8 cache ("token" or "union", planner.choose_kernel); an
-    # NVFP4 cache is always served by the token kernel
-    kernel: str = "token"
-    # SparseDecodeConfig.split_merge for an fp8 / an NVFP4 cache (planner.choose_split_merge)
-    split_merge: str = "kernel"
-    nvfp4_split_merge: str = "kernel"
     # (query dtype, kv dtype) -> compiled kernel
     kernels: dict[tuple[torch.dtype, str], Callable[..., Any]] = field(default_factory=dict)
     # refresh(seq_lens): the per-step prologue launch bound to this plan's tensors (planner sets it)
@@ -73,8 +79,6 @@ class SparseDecodePlan:
     is_cuda: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        if self.nvfp4_num_splits is None:
-            self.nvfp4_num_splits = self.num_splits
         self.num_tokens = self.batch * self.qlen
         self.group_size = self.num_q_heads // self.num_kv_heads
         self.is_cuda = self.device.type == "cuda"
@@ -86,10 +90,8 @@ class SparseDecodePlan:
         built = ", ".join(f"{dtype_name(q)}/{kv}" for q, kv in self.kernels) or "none"
         return (f"SparseDecodePlan(batch={self.batch}, qlen={self.qlen}, heads={self.num_q_heads}/{self.num_kv_heads}, "
                 f"page_size={self.page_size}, topk_blocks={self.topk_blocks}, "
-                f"fp8: num_splits={self.num_splits}, ctas_per_sm={self.ctas_per_sm}, kernel={self.kernel}, "
-                f"split_merge={self.split_merge}; nvfp4: num_splits={self.nvfp4_num_splits}, "
-                f"ctas_per_sm={self.nvfp4_ctas_per_sm}, split_merge={self.nvfp4_split_merge}; arch={self.arch}, "
-                f"device={self.device}, workspace={work} bytes, kernels: {built})")
+                + "".join(f"{KV_DTYPE_SHORT.get(kv, kv)}: {c.describe()}; " for kv, c in self.launches.items())
+                + f"arch={self.arch}, device={self.device}, workspace={work} bytes, kernels: {built})")
 
     @property
     def key(self) -> PlanKey:
@@ -97,9 +99,9 @@ class SparseDecodePlan:
         return (self.batch, self.qlen, self.block_table_stride, self.num_q_heads,
                 self.num_kv_heads, self.page_size, self.topk_blocks, self.device)
 
-    def splits(self, kv_dtype: str = "float8_e4m3fn") -> int:
-        """The split-KV factor of the kernel serving a cache format ("float8_e4m3fn" or "nvfp4")."""
-        return self.nvfp4_num_splits if kv_dtype == "nvfp4" else self.num_splits
+    def launch(self, kv_dtype: str = FP8_KV) -> LaunchChoice:
+        """The launch choice of the kernel serving a cache format ("float8_e4m3fn" or "nvfp4")."""
+        return self.launches[kv_dtype]
 
     def config(self, q_dtype: Any, kv_dtype: str = "float8_e4m3fn") -> SparseDecodeConfig:
         """SparseDecodeConfig of the kernel serving this plan for a query dtype (torch dtype or name)
@@ -109,6 +111,7 @@ class SparseDecodePlan:
                 f"plan on {self.device} has no target arch: build it on a CUDA device or create "
                 "the planner with SparseDecodePlanner(arch='sm_90a')"
             )
+        launch = self.launches[kv_dtype]
         return SparseDecodeConfig(
             num_q_heads=self.num_q_heads,
             num_kv_heads=self.num_kv_heads,
@@ -118,9 +121,9 @@ class SparseDecodePlan:
             q_dtype=dtype_name(q_dtype),
             kv_dtype=kv_dtype,
             arch=self.arch,
-            ctas_per_sm=self.nvfp4_ctas_per_sm if kv_dtype == "nvfp4" else self.ctas_per_sm,
-            kernel="token" if kv_dtype == "nvfp4" else self.kernel,
-            split_merge=self.nvfp4_split_merge if kv_dtype == "nvfp4" else self.split_merge,
+            ctas_per_sm=launch.ctas_per_sm,
+            kernel=launch.kernel,
+            split_merge=launch.split_merge,
         )
 
     def kernel_tensors(self) -> tuple[Any, ...]:
@@ -164,7 +167,7 @@ class SparseDecodePlan:
             if cfg.split_merge == "cluster":
                 from .jit.compiler import cluster_launch_fits
 
-                if not cluster_launch_fits(cfg, self.splits(kv_dtype), self._device_index()):
+                if not cluster_launch_fits(cfg, self.launches[kv_dtype].num_splits, self._device_index()):
                     self._merge_by_kernel(kv_dtype)
                     cfg = self.config(dt, kv_dtype)
             fn = get_sparse_decode_kernel(cfg)
@@ -181,10 +184,7 @@ class SparseDecodePlan:
         the merge kernel from now on (its kernels resolved again)."""
         logging.getLogger("msa_jit").warning(
             "msa-jit: device %s cannot hold a cluster of %d CTAs of the %s decode kernel: its splits are "
-            "merged by the split merge kernel instead", self.device, self.splits(kv_dtype), kv_dtype)
-        if kv_dtype == "nvfp4":
-            self.nvfp4_split_merge = "kernel"
-        else:
-            self.split_merge = "kernel"
+            "merged by the split merge kernel instead", self.device, self.launches[kv_dtype].num_splits, kv_dtype)
+        self.launches[kv_dtype] = replace(self.launches[kv_dtype], split_merge="kernel")
         for key in [k for k in self.kernels if k[1] == kv_dtype]:
             del self.kernels[key]

@@ -19,7 +19,8 @@ import threading
 import torch
 
 from .geometry import (CLUSTER_MERGE_CTAS_PER_SM, CTAS_PER_SM, HEAD_DIM, KERNELS, MAX_CLUSTER_SPLITS, SPLIT_MERGES, UNION_CTAS_PER_SM, UNION_PLANNED_CTAS_PER_SM, UNION_ROWS, arch_problem, cluster_merge_problems, device_arch, union_problems)
-from .plan import PlanKey, SparseDecodePlan
+from .kernels.constants import FP8_KV, NVFP4_KV
+from .plan import LaunchChoice, PlanKey, SparseDecodePlan
 from .validation import validate_prepare, validate_prepare_tensors, validate_seq_lens_cpu, validate_seq_lens_values
 
 __all__ = [
@@ -434,16 +435,14 @@ class SparseDecodePlanner:
             qlen=qlen,
             block_table_stride=stride,
             device=device,
-            num_splits=splits,
-            nvfp4_num_splits=nvfp4_splits,
+            launches={
+                FP8_KV: LaunchChoice(kernel, ctas_per_sm, splits, split_merge),
+                # an NVFP4 cache is always the token kernel's
+                NVFP4_KV: LaunchChoice("token", nvfp4_ctas_per_sm, nvfp4_splits, nvfp4_split_merge),
+            },
             block_table=block_table,
             seq_lens=seq_lens,
             arch=arch,
-            ctas_per_sm=ctas_per_sm,
-            nvfp4_ctas_per_sm=nvfp4_ctas_per_sm,
-            kernel=kernel,
-            split_merge=split_merge,
-            nvfp4_split_merge=nvfp4_split_merge,
             **tensors,
         )
         from .prologue import bind_refresh  # imports triton: only once a plan is built

@@ -32,8 +32,8 @@ for kv_dtype in ("fp8", "nvfp4"):
                                       **case.scales(scale_tensors=kv_dtype == "nvfp4"))
                 torch.cuda.synchronize()
                 assert not out.isnan().any() and not lse.isnan().any()
-                merge = plan.nvfp4_split_merge if kv_dtype == "nvfp4" else plan.split_merge
-                splits = plan.splits("nvfp4" if kv_dtype == "nvfp4" else "float8_e4m3fn")
+                merge = plan.launch("nvfp4").split_merge if kv_dtype == "nvfp4" else plan.launch().split_merge
+                splits = plan.launch("nvfp4" if kv_dtype == "nvfp4" else "float8_e4m3fn").num_splits
                 print(f"sanitizer case {kv_dtype} q={q_dtype} splits={splits} {ctas_per_sm}/SM"
                       f"{' ' + merge + ' merge' if splits > 1 else ''} ok")
 for q_dtype in (torch.bfloat16, torch.float8_e4m3fn):
@@ -51,6 +51,6 @@ for q_dtype in (torch.bfloat16, torch.float8_e4m3fn):
                                       **case.scales())
                 torch.cuda.synchronize()
                 assert not out.isnan().any() and not lse.isnan().any()
-                print(f"sanitizer case union {hq}/{hkv} q={q_dtype} shared={shared} splits={plan.num_splits} "
+                print(f"sanitizer case union {hq}/{hkv} q={q_dtype} shared={shared} splits={plan.launch().num_splits} "
                       f"{ctas_per_sm}/SM ok")
 sys.exit(0)

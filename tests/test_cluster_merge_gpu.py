@@ -70,7 +70,7 @@ def _run(case, split_merge: str, splits: int, *, scale_tensors: bool = False):
     forced = mock.patch.object(planner_mod, "choose_num_splits", lambda *_a, **_k: splits)
     with forced if num_sms is None else contextlib.nullcontext():
         plan = planner.prepare(*case.prepare_args(), **case.prepare_kwargs())
-    assert plan.splits(fmt) == splits
+    assert plan.launch(fmt).num_splits == splits
     assert plan.config(case.query.dtype, fmt).split_merge == split_merge
     outs = []
     for _ in range(3):  # poisoned each time: a launch that leaves a row unwritten shows as NaN
@@ -151,7 +151,7 @@ def test_cluster_merge_graph_replay_follows_inputs(hq, hkv):
 
     def step():
         plan = planner.prepare(bt, seq, live.seq_lens_cpu, live.qlen, **live.prepare_kwargs())
-        assert plan.split_merge == "cluster" and plan.num_splits == 16
+        assert plan.launch().split_merge == "cluster" and plan.launch().num_splits == 16
         msa_jit.sparse_decode(q, kv, tk, out, plan, **live.scales())
 
     for i, (err, written) in enumerate(inputs.replay_each(capture(step), out, live.scales())):

@@ -54,57 +54,57 @@ def test_check_config_cluster_rules():
 
 def test_planner_picks_cluster_by_default_and_not_when_pinned_off():
     plan = _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a", split_merge="kernel"), 1)
-    assert (plan.num_splits, plan.ctas_per_sm, plan.split_merge) == (16, 2, "kernel")
+    assert (plan.launch().num_splits, plan.launch().ctas_per_sm, plan.launch().split_merge) == (16, 2, "kernel")
     assert plan.config(torch.bfloat16).split_merge == "kernel"
     plan = _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 1)
-    assert (plan.num_splits, plan.ctas_per_sm, plan.split_merge, plan.nvfp4_split_merge) == (16, 2, "cluster", "cluster")
+    assert (plan.launch().num_splits, plan.launch().ctas_per_sm, plan.launch().split_merge, plan.launch("nvfp4").split_merge) == (16, 2, "cluster", "cluster")
     for q in (torch.bfloat16, torch.float8_e4m3fn):
         for fmt in ("float8_e4m3fn", "nvfp4"):
             cfg = plan.config(q, fmt)
             assert cfg.split_merge == "cluster" and check_config(cfg) is None
     assert "split_merge=cluster" in repr(plan)
     # one split: nothing to merge; a 3-CTA step shape: its receive buffer does not fit
-    assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 64).split_merge == "kernel"
-    assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a", ctas_per_sm=3), 1).split_merge == "kernel"
+    assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 64).launch().split_merge == "kernel"
+    assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a", ctas_per_sm=3), 1).launch().split_merge == "kernel"
     # 64/4 B=16 (64 rows): fp8 in 2 splits = 128 CTAs, one per SM, merged in the cluster; NVFP4 in
     # 4 splits = 256 CTAs, 3 per SM (NVFP4 takes 3 at any grid above one CTA per SM), so the merge kernel
     plan = _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 16)
-    assert (plan.num_splits, plan.ctas_per_sm, plan.split_merge) == (2, 2, "cluster")
-    assert (plan.nvfp4_num_splits, plan.nvfp4_ctas_per_sm, plan.nvfp4_split_merge) == (4, 3, "kernel")
+    assert (plan.launch().num_splits, plan.launch().ctas_per_sm, plan.launch().split_merge) == (2, 2, "cluster")
+    assert (plan.launch("nvfp4").num_splits, plan.launch("nvfp4").ctas_per_sm, plan.launch("nvfp4").split_merge) == (4, 3, "kernel")
     # the edge of the cluster zone: T*Hkv = 66 (16/2 B=33) in 2 splits is 132 CTAs, exactly one per SM
     plan = _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 33, hq=16, hkv=2)
-    assert (plan.num_splits, plan.ctas_per_sm, plan.split_merge) == (2, 2, "cluster")
+    assert (plan.launch().num_splits, plan.launch().ctas_per_sm, plan.launch().split_merge) == (2, 2, "cluster")
     # 64/4 B=4 (16 rows): fp8 in one wave of 8 splits = 128 CTAs merged in the cluster; NVFP4 in 16
     # splits = 256 CTAs, 3 per SM, the merge kernel
     plan = _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 4)
-    assert (plan.num_splits, plan.ctas_per_sm, plan.split_merge) == (8, 2, "cluster")
-    assert (plan.nvfp4_num_splits, plan.nvfp4_ctas_per_sm, plan.nvfp4_split_merge) == (16, 3, "kernel")
+    assert (plan.launch().num_splits, plan.launch().ctas_per_sm, plan.launch().split_merge) == (8, 2, "cluster")
+    assert (plan.launch("nvfp4").num_splits, plan.launch("nvfp4").ctas_per_sm, plan.launch("nvfp4").split_merge) == (16, 3, "kernel")
     # 64/4 B=8 (32 rows): 4 splits = 128 CTAs; 64/4 B=9 (36 rows): 2 splits = 72 CTAs, both in the cluster
     for batch, splits in ((8, 4), (9, 2)):
         plan = _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), batch)
-        assert (plan.num_splits, plan.ctas_per_sm, plan.split_merge) == (splits, 2, "cluster"), batch
+        assert (plan.launch().num_splits, plan.launch().ctas_per_sm, plan.launch().split_merge) == (splits, 2, "cluster"), batch
     # a 2-CTA pin at a grid above one CTA per SM keeps the merge kernel, which measured faster there
     # there (64/4 B=4, 8/1 B=16: NVFP4's 256-CTA grids); fp8 splits there into one wave, in the cluster;
     # a split_merge pin still takes the cluster
     for batch, hq, hkv in ((4, 64, 4), (16, 8, 1)):
         plan = _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a", ctas_per_sm=2), batch, hq=hq, hkv=hkv)
-        assert plan.ctas_per_sm == 2 and plan.nvfp4_num_splits > 1 and batch * hkv * plan.nvfp4_num_splits > 132
-        assert (plan.num_splits, plan.split_merge, plan.nvfp4_split_merge) == (8, "cluster", "kernel"), (batch, hq, hkv)
+        assert plan.launch().ctas_per_sm == 2 and plan.launch("nvfp4").num_splits > 1 and batch * hkv * plan.launch("nvfp4").num_splits > 132
+        assert (plan.launch().num_splits, plan.launch().split_merge, plan.launch("nvfp4").split_merge) == (8, "cluster", "kernel"), (batch, hq, hkv)
     plan = _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a", ctas_per_sm=2, split_merge="cluster"), 16)
-    assert (plan.split_merge, plan.nvfp4_split_merge) == ("cluster", "cluster")
+    assert (plan.launch().split_merge, plan.launch("nvfp4").split_merge) == ("cluster", "cluster")
     # at one CTA per SM the 2-CTA pin takes it (8/1 B=8: 8 x 16 = 128 CTAs)
-    assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a", ctas_per_sm=2), 8, hq=8, hkv=1).split_merge == "cluster"
+    assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a", ctas_per_sm=2), 8, hq=8, hkv=1).launch().split_merge == "cluster"
 
 
 def test_split_merge_pins():
-    assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a", split_merge="cluster"), 1).split_merge == "cluster"
+    assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a", split_merge="cluster"), 1).launch().split_merge == "cluster"
     # a pin still needs a build that can: sm_100a and the union kernel keep the merge kernel
-    assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_100a", split_merge="cluster"), 1).split_merge == "kernel"
+    assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_100a", split_merge="cluster"), 1).launch().split_merge == "kernel"
     # (an NVFP4 cache is the token kernel's: 2 tokens x 4 heads x 16 splits = 128 CTAs, 2 per SM)
     plan = _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a", kernel="union", split_merge="cluster"), 1, qlen=2)
-    assert (plan.kernel, plan.num_splits, plan.nvfp4_ctas_per_sm) == ("union", 16, 2)
-    assert plan.split_merge == "kernel" and plan.nvfp4_split_merge == "cluster"
-    assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a", split_merge="kernel"), 1).split_merge == "kernel"
+    assert (plan.launch().kernel, plan.launch().num_splits, plan.launch("nvfp4").ctas_per_sm) == ("union", 16, 2)
+    assert plan.launch().split_merge == "kernel" and plan.launch("nvfp4").split_merge == "cluster"
+    assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a", split_merge="kernel"), 1).launch().split_merge == "kernel"
     with pytest.raises(ValueError, match="split_merge must be"):
         SparseDecodePlanner(split_merge="dsmem")
 
@@ -130,7 +130,7 @@ def test_op_launches_the_cluster_build(launched_configs):
     cluster = SparseDecodePlanner(num_sms=132, arch="sm_90a", split_merge="cluster").prepare(
         *c.prepare_args(), **c.prepare_kwargs())
     plain = SparseDecodePlanner(num_sms=132, arch="sm_90a", split_merge="kernel").prepare(*c.prepare_args(), **c.prepare_kwargs())
-    assert cluster.num_splits == plain.num_splits == 16
+    assert cluster.launch().num_splits == plain.launch().num_splits == 16
     msa_jit.sparse_decode(c.query, c.kv_cache, c.topk, c.new_out(), cluster, backend="kernel", **c.scales())
     sparse_decode_op(c.query, c.kv_cache, c.topk, c.new_out(), plain, backend="kernel", **c.scales())
     sparse_decode_op(c.query, c.kv_cache, c.topk, c.new_out(), cluster, backend="kernel", **c.scales())
@@ -307,17 +307,17 @@ def test_plan_merges_by_kernel_where_the_gpu_cannot_hold_the_cluster(launched_co
     c = make_case(1, 1, 16, 1, q_dtype=torch.bfloat16, seed=5)
     plan = SparseDecodePlanner(num_sms=132, arch="sm_90a", split_merge="cluster").prepare(
         *c.prepare_args(), **c.prepare_kwargs())
-    assert plan.split_merge == "cluster"
+    assert plan.launch().split_merge == "cluster"
     with caplog.at_level("WARNING", logger="msa_jit"):
         msa_jit.sparse_decode(c.query, c.kv_cache, c.topk, c.new_out(), plan, backend="kernel", **c.scales())
-    assert [cfg.split_merge for cfg in events] == ["kernel"] and plan.split_merge == "kernel"
+    assert [cfg.split_merge for cfg in events] == ["kernel"] and plan.launch().split_merge == "kernel"
     assert "cannot hold a cluster of 16 CTAs" in caplog.text
     # where it fits, the cluster build is launched
     fits["answer"] = True
     plan = SparseDecodePlanner(num_sms=132, arch="sm_90a", split_merge="cluster").prepare(
         *c.prepare_args(), **c.prepare_kwargs())
     msa_jit.sparse_decode(c.query, c.kv_cache, c.topk, c.new_out(), plan, backend="kernel", **c.scales())
-    assert events[-1].split_merge == "cluster" and plan.split_merge == "cluster"
+    assert events[-1].split_merge == "cluster" and plan.launch().split_merge == "cluster"
 
 
 @pytest.mark.slow
@@ -351,9 +351,9 @@ def test_selftest_keeps_the_merge_kernel_covered_where_the_cluster_is_the_defaul
     for item in {c[:5] for c in plain}:
         (hq, hkv), _, qlen, batch, num_sms = item
         plan = _prepare(SparseDecodePlanner(num_sms=num_sms or 132, arch="sm_90a", ctas_per_sm=2), batch, qlen, hq, hkv)
-        if plan.split_merge == "cluster":
+        if plan.launch().split_merge == "cluster":
             takes.add(item)
         else:  # the merge kernel runs anyway: nothing to pin
-            assert plan.num_splits == 1 or batch * qlen * hkv * plan.num_splits > (num_sms or 132), item
+            assert plan.launch().num_splits == 1 or batch * qlen * hkv * plan.launch().num_splits > (num_sms or 132), item
     assert pinned == takes and len(takes) > 8
     assert grid_cases("sm_100a", cluster=True) == grid_cases("sm_100a")  # no cluster merge there

@@ -74,7 +74,7 @@ def test_op_passes_the_arguments_in_convention_order():
     # a scale tensor given goes in; one not given is the plan's unit scale
     assert got["k_scale_tensor"] is ks and got["v_scale_tensor"] is plan.kernel_tensors()[4]
     assert (got["qlen"], got["num_splits"], got["qk_scale_log2"], got["v_scale"]) == (
-        plan.qlen, plan.num_splits, 0.5, 2.0)
+        plan.qlen, plan.launch().num_splits, 0.5, 2.0)
     plan_owned = [a.name for a in conv.ARGUMENTS if a.source == "plan" and a.name != "block_table"]
     assert [n for n in conv.PLAN_TENSORS if n not in ("lse_scratch", "unit_scale")] == plan_owned
     # lse None: the plan's scratch goes in its place

@@ -76,8 +76,8 @@ def test_kernel_matches_reference(hq, hkv, q_dtype, qlen, batch, ctas_per_sm, kv
     out, lse, plan = _run(case, planner, scale_tensors=kv_dtype == "nvfp4" and seed % 2 == 0)
     err = _check(case, out, lse, f"{hq}/{hkv} {q_dtype} {kv_dtype} qlen={qlen} B={batch} {ctas_per_sm}/SM")
     record_property("rel_l2", err)
-    record_property("num_splits", plan.splits(kv_dtype))
-    print(f"REL_L2 {hq}/{hkv} {str(q_dtype)[6:]} {kv_dtype} qlen={qlen} B={batch} splits={plan.splits(kv_dtype)} "
+    record_property("num_splits", plan.launch(kv_dtype).num_splits)
+    print(f"REL_L2 {hq}/{hkv} {str(q_dtype)[6:]} {kv_dtype} qlen={qlen} B={batch} splits={plan.launch(kv_dtype).num_splits} "
           f"{ctas_per_sm}/SM err={err:.3e}")
 
 
@@ -90,7 +90,7 @@ def test_split_kv_paths_agree(num_sms, q_dtype, ctas_per_sm, kv_dtype):
 
     case = make_case(3, 4, 64, 4, q_dtype=q_dtype, seed=7, device="cuda", padded=True, kv_dtype=kv_dtype)
     out, lse, plan = _run(case, msa_jit.SparseDecodePlanner(num_sms=num_sms, ctas_per_sm=ctas_per_sm))
-    _check(case, out, lse, f"num_splits={plan.splits(kv_dtype)} {ctas_per_sm}/SM")
+    _check(case, out, lse, f"num_splits={plan.launch(kv_dtype).num_splits} {ctas_per_sm}/SM")
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)

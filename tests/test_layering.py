@@ -130,7 +130,8 @@ def test_layers(graph):
     assert graph["msa_jit.kernels.constants"] == set()
     assert graph["msa_jit.geometry"] <= {"msa_jit.kernels.constants"}
     assert graph["msa_jit.env"] <= {"msa_jit.geometry", "msa_jit.kernels.constants"}
-    assert graph["msa_jit.plan"] <= {"msa_jit.geometry", "msa_jit.kernels.convention", "msa_jit.jit.compiler"}
+    assert graph["msa_jit.plan"] <= {"msa_jit.geometry", "msa_jit.kernels.constants", "msa_jit.kernels.convention",
+                                    "msa_jit.jit.compiler"}
 
 
 def test_every_module_is_on_the_design_map():

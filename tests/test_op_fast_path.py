@@ -316,7 +316,7 @@ def test_an_nvfp4_cache_goes_to_the_kernel_with_its_own_split_count(monkeypatch)
     c = make_case(12, 1, 64, 4, q_dtype=torch.bfloat16, seed=3, device="cpu", kv_dtype="nvfp4")
     plan = SparseDecodePlanner(num_sms=132, arch="sm_90a", ctas_per_sm=2).prepare(*c.prepare_args(),
                                                                                  **c.prepare_kwargs())
-    assert (plan.num_splits, plan.nvfp4_num_splits) == (2, 6)
+    assert (plan.launch().num_splits, plan.launch("nvfp4").num_splits) == (2, 6)
     plan.is_cuda = True  # stand-in: the fast path only runs on CUDA plans
     plan.kernels[(torch.bfloat16, "nvfp4")] = rec
     plan.kernel_tensors()
@@ -326,7 +326,7 @@ def test_an_nvfp4_cache_goes_to_the_kernel_with_its_own_split_count(monkeypatch)
     checked = conv.call_arguments(plan, c.query, c.kv_cache, c.topk, c.new_out(), None, None, None, 1.0, 2.0)
     kv_at, splits_at = conv.ARGUMENT_NAMES.index("kv_cache"), conv.ARGUMENT_NAMES.index("num_splits")
     for args in (rec.calls.pop(), checked):
-        assert args[kv_at] is c.kv_cache and args[splits_at] == plan.nvfp4_num_splits
+        assert args[kv_at] is c.kv_cache and args[splits_at] == plan.launch("nvfp4").num_splits
 
 
 @pytest.mark.parametrize("name", ["out ", "lse "])

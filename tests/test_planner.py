@@ -170,9 +170,9 @@ def test_plan_fields_and_workspace_shapes():
     assert (p.batch, p.qlen, p.num_tokens, p.group_size) == (2, 3, T, G)
     assert (p.num_q_heads, p.num_kv_heads, p.page_size, p.topk_blocks, p.head_dim) == (4, 2, 64, 4, 128)
     assert p.block_table_stride == c.block_table.stride(0)
-    assert p.num_splits == choose_num_splits(T * 2, 4, 8) == p.splits("float8_e4m3fn")
-    assert p.nvfp4_num_splits == choose_num_splits(T * 2, 4, 8, "nvfp4") == p.splits("nvfp4")
-    S = max(p.num_splits, p.nvfp4_num_splits)  # one workspace serves both cache formats
+    assert p.launch().num_splits == choose_num_splits(T * 2, 4, 8) == p.launch("float8_e4m3fn").num_splits
+    assert p.launch("nvfp4").num_splits == choose_num_splits(T * 2, 4, 8, "nvfp4") == p.launch("nvfp4").num_splits
+    S = max(p.launch().num_splits, p.launch("nvfp4").num_splits)  # one workspace serves both cache formats
     assert p.kv_lens.dtype == p.qo_offset.dtype == torch.int32 and p.kv_lens.shape == (T,)
     assert p.partial_o.shape == (T * 2 * S, G, 128) and p.partial_o.dtype == torch.float32
     assert p.partial_lse.shape == (T * 2 * S, G) and p.partial_lse.dtype == torch.float32
@@ -297,8 +297,8 @@ def test_plan_takes_each_formats_split_count(T, fp8, nvfp4):
     planner = SparseDecodePlanner(num_sms=132, arch="sm_90a")
     c = make_case(T, 1, 64, 4, q_dtype=torch.bfloat16, seed=3)
     p = planner.prepare(*c.prepare_args(), **c.prepare_kwargs())
-    assert (p.num_splits, p.split_merge) == fp8
-    assert (p.nvfp4_num_splits, p.nvfp4_split_merge) == nvfp4
+    assert (p.launch().num_splits, p.launch().split_merge) == fp8
+    assert (p.launch("nvfp4").num_splits, p.launch("nvfp4").split_merge) == nvfp4
     assert p.partial_o.shape[0] == T * 4 * max(fp8[0], nvfp4[0])
 
 
@@ -309,11 +309,11 @@ def test_two_splits_only_where_they_merge_in_the_cluster(how):
     rule's 6 splits."""
     c = make_case(12, 1, 64, 4, q_dtype=torch.bfloat16, seed=5)
     default = SparseDecodePlanner(num_sms=132, arch="sm_90a").prepare(*c.prepare_args(), **c.prepare_kwargs())
-    assert (default.num_splits, default.split_merge) == (2, "cluster")
+    assert (default.launch().num_splits, default.launch().split_merge) == (2, "cluster")
     kw = {"split_merge=kernel": dict(split_merge="kernel"), "sm_100a": dict(arch="sm_100a"),
           "ctas_per_sm=3": dict(ctas_per_sm=3)}[how]
     p = SparseDecodePlanner(**{"num_sms": 132, "arch": "sm_90a", **kw}).prepare(*c.prepare_args(), **c.prepare_kwargs())
-    assert (p.num_splits, p.split_merge) == (6, "kernel")
+    assert (p.launch().num_splits, p.launch().split_merge) == (6, "kernel")
 
 
 # ----------------------------------------------------------------------------- occupancy
@@ -339,13 +339,13 @@ def test_planner_picks_occupancy_per_step_shape(batch, splits, ctas):
     sl = torch.full((batch,), 1000, dtype=torch.int32, device=DEV)
     planner = SparseDecodePlanner(num_sms=132, arch="sm_90a")
     plan = planner.prepare(bt, sl, None, 1, num_q_heads=64, num_kv_heads=4, page_size=128, topk_blocks=16)
-    assert (plan.num_splits, plan.ctas_per_sm) == (splits, ctas)
+    assert (plan.launch().num_splits, plan.launch().ctas_per_sm) == (splits, ctas)
     if DEV == "cpu":
         assert plan.config(torch.bfloat16).ctas_per_sm == ctas
     # pinned: every shape gets the pinned occupancy
     pinned = SparseDecodePlanner(num_sms=132, arch="sm_90a", ctas_per_sm=2)
     plan = pinned.prepare(bt, sl, None, 1, num_q_heads=64, num_kv_heads=4, page_size=128, topk_blocks=16)
-    assert plan.ctas_per_sm == 2
+    assert plan.launch().ctas_per_sm == 2
 
 
 def test_pinned_occupancy_is_checked(monkeypatch):
@@ -354,13 +354,13 @@ def test_pinned_occupancy_is_checked(monkeypatch):
     if DEV != "cpu":
         pytest.skip("CPU plans name their arch")
     c = _case()  # T*Hkv = 12 CTAs: one wave at 3 per SM on 8 SMs
-    assert SparseDecodePlanner(arch="sm_100a", num_sms=8).prepare(*c.prepare_args(), **c.prepare_kwargs()).ctas_per_sm == 3
+    assert SparseDecodePlanner(arch="sm_100a", num_sms=8).prepare(*c.prepare_args(), **c.prepare_kwargs()).launch().ctas_per_sm == 3
     from msa_jit.jit import registry
 
     # a registry whose token kernel is built for 2 CTAs per SM only: the planner picks 2, a pinned 3 is refused
     monkeypatch.setitem(registry.KERNEL_REGISTRY, "token",
                         dataclasses.replace(registry.KERNEL_REGISTRY["token"], occupancies=(2,)))
-    assert SparseDecodePlanner(arch="sm_100a", num_sms=8).prepare(*c.prepare_args(), **c.prepare_kwargs()).ctas_per_sm == 2
+    assert SparseDecodePlanner(arch="sm_100a", num_sms=8).prepare(*c.prepare_args(), **c.prepare_kwargs()).launch().ctas_per_sm == 2
     with pytest.raises(ValueError, match="built for"):
         SparseDecodePlanner(arch="sm_100a", ctas_per_sm=3).prepare(*c.prepare_args(), **c.prepare_kwargs())
 
@@ -460,7 +460,7 @@ def test_kernel_backend_passes_calling_convention(monkeypatch):
         assert a["kv_lens"] is kv_lens and a["out"] is out and a["lse"] is lse_scratch
         assert a["partial_o"] is partial_o and a["partial_lse"] is partial_lse
         assert a["k_scale_tensor"] is unit and a["v_scale_tensor"] is unit
-        assert (a["qlen"], a["num_splits"]) == (plan.qlen, plan.num_splits)
+        assert (a["qlen"], a["num_splits"]) == (plan.qlen, plan.launch().num_splits)
         assert math.isclose(a["qk_scale_log2"], c.sm_scale * c.q_scale * c.k_scale / math.log(2))
         assert a["v_scale"] == c.v_scale
 
@@ -543,9 +543,9 @@ def test_nvfp4_takes_three_ctas_per_sm_above_one_wave():
     assert choose_ctas_per_sm(1024, 132, (2,), "nvfp4") == 2  # an arch without the 3-CTA build
     c = _case(batch=64, qlen=4, seed=9)
     plan = SparseDecodePlanner(num_sms=16, arch="sm_90a").prepare(*c.prepare_args(), **c.prepare_kwargs())
-    assert (plan.ctas_per_sm, plan.nvfp4_ctas_per_sm) == (2, 3)  # 512 CTAs on 16 SMs: 10.7 waves at 3
+    assert (plan.launch().ctas_per_sm, plan.launch("nvfp4").ctas_per_sm) == (2, 3)  # 512 CTAs on 16 SMs: 10.7 waves at 3
     assert plan.config(torch.bfloat16, "nvfp4").ctas_per_sm == 3
-    assert plan.config(torch.bfloat16).ctas_per_sm == plan.ctas_per_sm
+    assert plan.config(torch.bfloat16).ctas_per_sm == plan.launch().ctas_per_sm
     pinned = SparseDecodePlanner(num_sms=16, arch="sm_90a", ctas_per_sm=2).prepare(*c.prepare_args(), **c.prepare_kwargs())
     assert pinned.config(torch.bfloat16, "nvfp4").ctas_per_sm == pinned.config(torch.bfloat16).ctas_per_sm == 2
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from helpers import FP8, Case, make_case
@@ -154,7 +156,7 @@ def test_op_and_compiled_op_launch_the_plans_build(monkeypatch, planner_kw, ctas
     events = _fake_kernel_path(monkeypatch)
     c = _case(torch.bfloat16, seed=11)
     plan = _plan(c, SparseDecodePlanner(arch="sm_90a", **planner_kw))
-    assert plan.ctas_per_sm == ctas
+    assert plan.launch().ctas_per_sm == ctas
     want = plan.config(torch.bfloat16)
     other = _plan(c, SparseDecodePlanner(arch="sm_90a", ctas_per_sm=5 - ctas))  # same geometry, other build
 
@@ -196,9 +198,9 @@ def test_op_launches_the_cache_formats_build_with_its_split_count(monkeypatch, k
         launches.clear()
         sparse_decode_op(c.query, c.kv_cache, c.topk, c.new_out(), plan, backend="kernel", **c.scales())
         ((cfg, args),) = launches
-        assert cfg == plan.config(torch.bfloat16, fmt) and args[num_splits_at] == plan.splits(fmt)
-    assert plans[0].num_splits != plans[0].nvfp4_num_splits
-    assert plans[1].ctas_per_sm != plans[1].nvfp4_ctas_per_sm
+        assert cfg == plan.config(torch.bfloat16, fmt) and args[num_splits_at] == plan.launch(fmt).num_splits
+    assert plans[0].launch().num_splits != plans[0].launch("nvfp4").num_splits
+    assert plans[1].launch().ctas_per_sm != plans[1].launch("nvfp4").ctas_per_sm
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -273,7 +275,7 @@ def test_compiled_op_runs_the_eager_build_gpu(monkeypatch):
     hkv = 4
     c = make_case(2 * num_sms // hkv, 1, 64, hkv, q_dtype=torch.bfloat16, seed=12, device="cuda")
     plan = _plan(c, SparseDecodePlanner())
-    assert plan.ctas_per_sm == 3 and plan.num_splits == 1
+    assert plan.launch().ctas_per_sm == 3 and plan.launch().num_splits == 1
     asked = []
     real = compiler.get_sparse_decode_kernel
     monkeypatch.setattr(compiler, "get_sparse_decode_kernel", lambda cfg: asked.append(cfg) or real(cfg))
@@ -324,18 +326,16 @@ def test_rebuilt_plans_share_kernels_only_within_a_split_count(monkeypatch):
         plans.append(plan)
         args = op_args(c.query, c.kv_cache, c.topk, c.new_out(), plan, sm_scale=0.1)
         ints = dict(num_q_heads=plan.num_q_heads, num_kv_heads=plan.num_kv_heads, page_size=plan.page_size,
-                    topk_blocks=plan.topk_blocks, qlen=plan.qlen, num_splits=plan.num_splits,
-                    nvfp4_num_splits=plan.nvfp4_num_splits, ctas_per_sm=plan.ctas_per_sm,
-                    nvfp4_ctas_per_sm=plan.nvfp4_ctas_per_sm, kernel=plan.kernel, split_merge=plan.split_merge,
-                    nvfp4_split_merge=plan.nvfp4_split_merge)
+                    topk_blocks=plan.topk_blocks, qlen=plan.qlen, kv_format="float8_e4m3fn", launch=plan.launch())
         rebuilt.append(torch_op._rebuild_plan(args[5], args[6], args[7], args[8], args[4], args[9], ints))
-    assert [p.num_splits for p in rebuilt] == [2, 16, 16]
+    assert [p.launch().num_splits for p in rebuilt] == [2, 16, 16]
     assert all(p.config(torch.bfloat16) == plans[0].config(torch.bfloat16) for p in plans)  # one build
     assert rebuilt[0].kernels is not rebuilt[1].kernels  # same build, other split count
     assert rebuilt[1].kernels is rebuilt[2].kernels  # same build and split count: shared
     # a cluster build and the merge kernel's at the same split count are two builds (a GPU that cannot
     # hold the cluster falls back to the second): they do not share either
-    ints["split_merge"] = "kernel" if ints["split_merge"] == "cluster" else "cluster"
+    ints["launch"] = dataclasses.replace(ints["launch"], split_merge="kernel" if ints["launch"].split_merge == "cluster"
+                                         else "cluster")
     other = torch_op._rebuild_plan(args[5], args[6], args[7], args[8], args[4], args[9], ints)
     assert other.kernels is not rebuilt[2].kernels
 

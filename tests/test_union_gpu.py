@@ -39,7 +39,7 @@ def _run(case, planner, *, lse=True, kernel="union"):
     out = case.new_out()
     lse_t = case.new_lse() if lse else None
     plan = planner.prepare(*case.prepare_args(), **case.prepare_kwargs())
-    assert plan.kernel == kernel
+    assert plan.launch().kernel == kernel
     msa_jit.sparse_decode(case.query, case.kv_cache, case.topk, out, plan, lse=lse_t, backend="kernel",
                           **case.scales())
     torch.cuda.synchronize()
@@ -71,7 +71,7 @@ def test_union_matches_reference(hq, hkv, q_dtype, qlen, batch, ctas_per_sm, rec
     else:
         err = _check(case, out, lse, tag)
     record_property("rel_l2", err)
-    print(f"REL_L2 union {hq}/{hkv} {str(q_dtype)[6:]} qlen={qlen} B={batch} splits={plan.num_splits} "
+    print(f"REL_L2 union {hq}/{hkv} {str(q_dtype)[6:]} qlen={qlen} B={batch} splits={plan.launch().num_splits} "
           f"{ctas_per_sm}/SM err={err:.3e}")
 
 
@@ -82,8 +82,8 @@ def test_union_split_paths_agree(num_sms, q_dtype, ctas_per_sm):
     case = make_case(3, 4, 64, 4, q_dtype=q_dtype, seed=7, device="cuda", padded=True)
     share_slots(case, 12)
     out, lse, plan = _run(case, _planner(num_sms=num_sms, ctas_per_sm=ctas_per_sm))
-    assert plan.num_splits == {1: 1, 24: 4, 100000: 16}[num_sms]
-    _check(case, out, lse, f"union num_splits={plan.num_splits} {ctas_per_sm}/SM")
+    assert plan.launch().num_splits == {1: 1, 24: 4, 100000: 16}[num_sms]
+    _check(case, out, lse, f"union num_splits={plan.launch().num_splits} {ctas_per_sm}/SM")
 
 
 def test_union_bitwise_deterministic():
@@ -144,7 +144,7 @@ def test_planner_picks_union(share):
     share_slots(case, 12)
     out, lse = case.new_out(), case.new_lse()
     plan = msa_jit.SparseDecodePlanner(drafts_share_blocks=share).prepare(*case.prepare_args(), **case.prepare_kwargs())
-    assert plan.kernel == "union" and plan.num_splits == 1
+    assert plan.launch().kernel == "union" and plan.launch().num_splits == 1
     msa_jit.sparse_decode(case.query, case.kv_cache, case.topk, out, plan, lse=lse, **case.scales())
     torch.cuda.synchronize()
     _check(case, out, lse, "union picked by the planner")
@@ -167,7 +167,7 @@ def test_union_cuda_graph_replay_follows_inputs():
 
     def step():
         plan = planner.prepare(bt, seq, live.seq_lens_cpu, live.qlen, **live.prepare_kwargs())
-        assert plan.kernel == "union"
+        assert plan.launch().kernel == "union"
         msa_jit.sparse_decode(q, kv, tk, out, plan, **live.scales())
 
     for err, written in inputs.replay_each(capture(step), out, live.scales()):

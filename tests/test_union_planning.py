@@ -93,43 +93,43 @@ def test_check_config_union_rules():
 
 def test_planner_picks_union_by_its_arguments():
     plan = _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a", kernel="token"), 64, 4)
-    assert plan.kernel == "token" and plan.config(torch.bfloat16).kernel == "token"
+    assert plan.launch().kernel == "token" and plan.config(torch.bfloat16).kernel == "token"
     # the default: drafts of one tile
-    assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 64, 4).kernel == "union"
-    assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 64, 8).kernel == "token"
+    assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 64, 4).launch().kernel == "union"
+    assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 64, 8).launch().kernel == "token"
     sharing = SparseDecodePlanner(num_sms=132, arch="sm_90a", drafts_share_blocks=True)
-    assert _prepare(sharing, 64, 8).kernel == "union"
+    assert _prepare(sharing, 64, 8).launch().kernel == "union"
     plan = _prepare(sharing, 64, 4)
-    assert (plan.kernel, plan.num_splits, plan.ctas_per_sm) == ("union", 1, 2)
+    assert (plan.launch().kernel, plan.launch().num_splits, plan.launch().ctas_per_sm) == ("union", 1, 2)
     cfg = plan.config(torch.bfloat16)
     assert (cfg.kernel, cfg.ctas_per_sm) == ("union", 2) and check_config(cfg) is None
     nv = plan.config(torch.bfloat16, "nvfp4")  # an NVFP4 cache keeps the token kernel
-    assert nv.kernel == "token" and nv.ctas_per_sm == plan.nvfp4_ctas_per_sm and check_config(nv) is None
+    assert nv.kernel == "token" and nv.ctas_per_sm == plan.launch("nvfp4").ctas_per_sm and check_config(nv) is None
     assert "kernel=union" in repr(plan)
     # small grids and qlen 1 keep the token kernel; a pinned occupancy pins the token kernel's build
-    assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 4, 4).kernel == "token"
-    assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 256, 1).kernel == "token"
-    assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a", ctas_per_sm=2), 64, 4).kernel == "token"
-    assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 64, 4, page=64).kernel == "token"
-    assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 512, 4).ctas_per_sm == 2  # 2048 CTAs
+    assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 4, 4).launch().kernel == "token"
+    assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 256, 1).launch().kernel == "token"
+    assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a", ctas_per_sm=2), 64, 4).launch().kernel == "token"
+    assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 64, 4, page=64).launch().kernel == "token"
+    assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 512, 4).launch().ctas_per_sm == 2  # 2048 CTAs
 
 
 def test_union_pin_serves_every_step_shape():
     pinned = SparseDecodePlanner(num_sms=132, arch="sm_90a", kernel="union")
     plan = _prepare(pinned, 1, 1)  # 4 CTAs per split: the splits follow the union's grid
-    assert (plan.kernel, plan.num_splits, plan.ctas_per_sm) == ("union", 16, 2)
+    assert (plan.launch().kernel, plan.launch().num_splits, plan.launch().ctas_per_sm) == ("union", 16, 2)
     assert plan.partial_o.shape[0] == 1 * 4 * 16
     plan = _prepare(pinned, 2, 8)  # 16 CTAs per split (two 4-token tiles)
-    assert plan.kernel == "union" and plan.num_splits == 16
+    assert plan.launch().kernel == "union" and plan.launch().num_splits == 16
     # an NVFP4 cache is the token kernel's: its split count follows the token grid (B=4 qlen 4: T*Hkv = 64),
     # not the union's (16 CTAs per split)
     plan = _prepare(pinned, 4, 4)
-    assert (plan.kernel, plan.num_splits) == ("union", 16)
-    assert plan.nvfp4_num_splits == choose_num_splits(64, 16, 132, "nvfp4") != 16
+    assert (plan.launch().kernel, plan.launch().num_splits) == ("union", 16)
+    assert plan.launch("nvfp4").num_splits == choose_num_splits(64, 16, 132, "nvfp4") != 16
     plan = _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a", kernel="union", ctas_per_sm=2), 64, 4)
-    assert (plan.ctas_per_sm, plan.config(torch.bfloat16, "nvfp4").ctas_per_sm) == (2, 2)
+    assert (plan.launch().ctas_per_sm, plan.config(torch.bfloat16, "nvfp4").ctas_per_sm) == (2, 2)
     plan = _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a", kernel="union", ctas_per_sm=1), 64, 4)
-    assert plan.ctas_per_sm == 1 and plan.nvfp4_ctas_per_sm in (2, 3)  # 1 is no token build: the planner's
+    assert plan.launch().ctas_per_sm == 1 and plan.launch("nvfp4").ctas_per_sm in (2, 3)  # 1 is no token build: the planner's
     with pytest.raises(ValueError, match="page_size"):
         _prepare(pinned, 4, 2, page=64)
     with pytest.raises(ValueError, match="group size"):
@@ -142,7 +142,7 @@ def test_union_pin_serves_every_step_shape():
         SparseDecodePlanner(kernel="mma")
     # the token pin wins over drafts_share_blocks
     assert _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a", kernel="token", drafts_share_blocks=True),
-                    64, 4).kernel == "token"
+                    64, 4).launch().kernel == "token"
 
 
 def test_warmup_builds_union_only_where_the_planner_may_pick_it():

@@ -768,7 +768,7 @@ def test_workspace_bytes_is_what_a_plan_allocates():
 
     c, plan = base()
     tensors = (plan.kv_lens, plan.qo_offset, plan.partial_o, plan.partial_lse, plan.lse_scratch, plan.unit_scale)
-    assert workspace_bytes(T, HQ, HKV, max(plan.num_splits, plan.nvfp4_num_splits)) == sum(t.numel() * t.element_size() for t in tensors)
+    assert workspace_bytes(T, HQ, HKV, max(plan.launch().num_splits, plan.launch("nvfp4").num_splits)) == sum(t.numel() * t.element_size() for t in tensors)
 
 
 def test_failed_allocation_is_a_value_error(monkeypatch):

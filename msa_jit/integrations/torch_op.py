@@ -10,8 +10,8 @@ How the plan crosses the op boundary (why not a registry id):
 * A custom op's schema takes tensors, scalars, strings and lists of them, not a Python
   object, so the plan is unpacked: every tensor the op reads (`block_table`, `seq_lens`,
   `kv_lens`) or writes (`out`, `lse`, the plan's split-KV workspace) is an explicit argument,
-  and the plan's shape scalars (`ctas_per_sm`, the occupancy build the planner chose, `kernel` and
-  `split_merge`, among them) are int and str arguments. The compiler then sees every data dependency: a `prepare` (its
+  and the plan's shape scalars, with the launch choice of the call's cache format (`kernel`,
+  `ctas_per_sm`, `num_splits`, `split_merge`), are int and str arguments. The compiler then sees every data dependency: a `prepare` (its
   in-place refresh of `kv_lens`) or an engine op that writes `block_table` earlier in the
   same graph is ordered before the kernel, functionalization knows what is written, and
   CUDA-graph capture (inductor's cudagraph trees) knows every address the replay touches.
@@ -46,8 +46,9 @@ from typing import Any, Callable
 import torch
 
 from ..geometry import HEAD_DIM, device_arch
+from ..kernels.constants import FP8_KV, NVFP4_KV, NVFP4_ROW_BYTES
 from ..op import sparse_decode
-from ..plan import SparseDecodePlan
+from ..plan import LaunchChoice, SparseDecodePlan
 from ..validation import check_scale
 
 __all__ = ["OP_NAME", "WORKSPACE_FIELDS", "op_args", "sparse_decode_op"]
@@ -71,8 +72,7 @@ WORKSPACE_FIELDS: tuple[str, ...] = tuple(
     n for n in _tensor_fields(SparseDecodePlan) if n not in _INPUT_FIELDS + _NOT_PASSED
 )
 
-# (Hq, Hkv, page, topk_blocks, arch, ctas_per_sm, nvfp4_ctas_per_sm, kernel, split_merge, nvfp4_split_merge,
-# num_splits, nvfp4_num_splits) -> {(q dtype, kv dtype): kernel},
+# (Hq, Hkv, page, topk_blocks, arch, kv format, its launch choice) -> {(q dtype, kv dtype): kernel},
 # shared by the rebuilt plans: every SparseDecodeConfig field but the two dtypes (the op keys those per
 # call), so a plan gets the build its config names; and the split counts, because a cluster build is kept
 # only where the GPU holds a cluster of that many CTAs (SparseDecodePlan.resolve_kernel: a plan of 16
@@ -104,8 +104,7 @@ def _rebuild_plan(
     device = seq_lens.device
     arch = _arch_of(device)
     kkey = (ints["num_q_heads"], ints["num_kv_heads"], ints["page_size"], ints["topk_blocks"], arch,
-            ints["ctas_per_sm"], ints["nvfp4_ctas_per_sm"], ints["kernel"], ints["split_merge"],
-            ints["nvfp4_split_merge"], ints["num_splits"], ints["nvfp4_num_splits"])
+            ints["kv_format"], ints["launch"])
     values: dict[str, Any] = dict(
         ints,
         head_dim=HEAD_DIM,
@@ -120,6 +119,8 @@ def _rebuild_plan(
         seq_lens=seq_lens,
         arch=arch,
         kernels=_KERNELS.setdefault(kkey, {}),
+        # the call's cache format only: the op reads the launch of the format it is given
+        launches={ints["kv_format"]: ints["launch"]},
     )
     if len(workspace) != len(WORKSPACE_FIELDS):
         raise ValueError(
@@ -147,13 +148,11 @@ def _sparse_decode_custom(
     page_size: int,
     topk_blocks: int,
     qlen: int,
-    num_splits: int,
-    nvfp4_num_splits: int,
-    ctas_per_sm: int,
-    nvfp4_ctas_per_sm: int,
+    kv_format: str,
     kernel: str,
+    ctas_per_sm: int,
+    num_splits: int,
     split_merge: str,
-    nvfp4_split_merge: str,
     sm_scale: float,
     q_scale: float,
     k_scale: float,
@@ -166,10 +165,8 @@ def _sparse_decode_custom(
     plan = _rebuild_plan(
         block_table, seq_lens, kv_lens, unit_scale, lse, workspace,
         dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, page_size=page_size,
-             topk_blocks=topk_blocks, qlen=qlen, num_splits=num_splits, nvfp4_num_splits=nvfp4_num_splits,
-             ctas_per_sm=ctas_per_sm,
-             nvfp4_ctas_per_sm=nvfp4_ctas_per_sm, kernel=kernel, split_merge=split_merge,
-             nvfp4_split_merge=nvfp4_split_merge),
+             topk_blocks=topk_blocks, qlen=qlen, kv_format=kv_format,
+             launch=LaunchChoice(kernel, ctas_per_sm, num_splits, split_merge)),
     )
     sparse_decode(
         query, kv_cache, topk, out, plan,
@@ -215,14 +212,18 @@ def op_args(
     v_t = v_scale if isinstance(v_scale, torch.Tensor) else None
     ks = 1.0 if k_t is not None else check_scale("k_scale", k_scale)
     vs = 1.0 if v_t is not None else check_scale("v_scale", v_scale)
+    # the call's cache format, as the op tells it (an fp8 cache may come as its uint8 storage)
+    nvfp4 = (isinstance(kv_cache, torch.Tensor) and kv_cache.dtype == torch.uint8
+             and kv_cache.shape[-1:] == (NVFP4_ROW_BYTES,))
+    fmt = NVFP4_KV if nvfp4 else FP8_KV
+    launch = plan.launch(fmt)
     return (
         query, kv_cache, topk, out,
         plan.lse_scratch if lse is None else lse,
         plan.block_table, plan.seq_lens, plan.kv_lens, plan.unit_scale,
         [getattr(plan, n) for n in WORKSPACE_FIELDS],
-        plan.num_q_heads, plan.num_kv_heads, plan.page_size, plan.topk_blocks, plan.qlen, plan.num_splits,
-        plan.nvfp4_num_splits, plan.ctas_per_sm, plan.nvfp4_ctas_per_sm, plan.kernel, plan.split_merge,
-        plan.nvfp4_split_merge,
+        plan.num_q_heads, plan.num_kv_heads, plan.page_size, plan.topk_blocks, plan.qlen,
+        fmt, launch.kernel, launch.ctas_per_sm, launch.num_splits, launch.split_merge,
         sm, qs, ks, vs, k_t, v_t, backend,
     )
 

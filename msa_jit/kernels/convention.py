@@ -112,7 +112,7 @@ def call_arguments(plan: Any, query: Any, kv_cache: Any, topk: Any, out: Any, ls
         unit_scale if k_scale_tensor is None else k_scale_tensor,
         unit_scale if v_scale_tensor is None else v_scale_tensor,
         plan.qlen,
-        plan.splits("nvfp4" if nvfp4 else "float8_e4m3fn"),  # each cache format's own split count
+        plan.launch("nvfp4" if nvfp4 else "float8_e4m3fn").num_splits,  # each cache format's own split count
         qk_scale_log2,
         v_scale,
     )

@@ -84,11 +84,12 @@ def correctness_grid(*, quick: bool = False, log=print) -> list[dict]:
         except Exception as e:  # a launch or load failure is a failed case, not a crash
             err, problems = float("nan"), [f"{type(e).__name__}: {e}"]
         row = dict(geometry=f"{hq}/{hkv}", q_dtype=qd, qlen=qlen, batch=batch,
-                   num_splits=plan.num_splits, ctas_per_sm=ctas_per_sm, kernel=kernel, split_merge=plan.split_merge,
+                   num_splits=plan.launch().num_splits, ctas_per_sm=ctas_per_sm, kernel=kernel,
+                   split_merge=plan.launch().split_merge,
                    rel_l2=err, worst_row_rel_l2=stats["worst_row_rel_l2"], problems=problems)
         rows.append(row)
         status = "ok" if not problems else "FAIL " + "; ".join(problems)
-        log(f"{row['geometry']:>5} {qd:<14} qlen={qlen:<2} B={batch:<3} splits={plan.num_splits:<2} {ctas_per_sm}/SM"
-            f"{build_suffix(kernel, plan.split_merge)} "
+        log(f"{row['geometry']:>5} {qd:<14} qlen={qlen:<2} B={batch:<3} splits={plan.launch().num_splits:<2} {ctas_per_sm}/SM"
+            f"{build_suffix(kernel, plan.launch().split_merge)} "
             f"err={err:.2e} row={row['worst_row_rel_l2']:.1e} {status}")
     return rows

@@ -112,15 +112,13 @@ def measure_row(spec: RowSpec, copy_bw: float, *, q_dtype: str = "bfloat16", ite
     t1 = statistics.median(t1s)
     marginal = (t_all - t1) / (num_layers - 1)
     plan = planner.prepare(*args, **kw)
-    nvfp4 = spec.kv_dtype == NVFP4_KV  # the build that ran: an NVFP4 cache's is the token kernel's own
-    ctas_per_sm = plan.nvfp4_ctas_per_sm if nvfp4 else plan.ctas_per_sm
-    split_merge = plan.nvfp4_split_merge if nvfp4 else plan.split_merge
+    launch = plan.launch(spec.kv_dtype)  # the build that ran
     kv, logical = steps[0]["kv_bytes"], steps[0]["logical_bytes"]
     row: dict[str, Any] = {
         "geometry": spec.geometry, "batch": spec.batch, "qlen": spec.qlen, "shared_blocks": spec.shared_blocks,
-        "q_dtype": q_dtype, "kv_dtype": spec.kv_dtype, "layers": num_layers, "ctas_per_sm": ctas_per_sm,
-        "kernel": "token" if nvfp4 else plan.kernel, "num_splits": plan.splits(spec.kv_dtype),
-        "split_merge": split_merge, "kv_bytes": kv, "logical_bytes": logical,
+        "q_dtype": q_dtype, "kv_dtype": spec.kv_dtype, "layers": num_layers, "ctas_per_sm": launch.ctas_per_sm,
+        "kernel": launch.kernel, "num_splits": launch.num_splits,
+        "split_merge": launch.split_merge, "kv_bytes": kv, "logical_bytes": logical,
         "one_layer_us": round(t1, 2), "all_layers_us": round(t_all, 2), "marginal_us": round(marginal, 2),
         "marginal_tbps": round(kv / (marginal * 1e-6) / 1e12, 3),
         "one_layer_pct_of_copy": _pct(kv, t1, copy_bw), "marginal_pct_of_copy": _pct(kv, marginal, copy_bw),
@@ -135,10 +133,10 @@ def measure_row(spec: RowSpec, copy_bw: float, *, q_dtype: str = "bfloat16", ite
     if in_graph:
         med_in = median_in_graph(lambda: decode(steps[0], planner.prepare(*args, **kw)), iters=iters)
     point = BenchPoint(
-        spec.geometry, q_dtype, spec.batch, spec.qlen, spec.shared_blocks, plan.splits(spec.kv_dtype), round(t1, 2),
+        spec.geometry, q_dtype, spec.batch, spec.qlen, spec.shared_blocks, launch.num_splits, round(t1, 2),
         round(t1s[len(t1s) // 10], 2), round(t1s[(9 * len(t1s)) // 10], 2), kv, logical,
         round(kv / (t1 * 1e-6) / 1e12, 3), round(logical / (t1 * 1e-6) / 1e12, 3), _pct(kv, t1, copy_bw),
-        med_in, _pct(kv, med_in, copy_bw) if med_in else None, ctas_per_sm, spec.kv_dtype)
+        med_in, _pct(kv, med_in, copy_bw) if med_in else None, launch.ctas_per_sm, spec.kv_dtype)
     if spec.floor:
         row.update(measure_floor(planner, steps, hq, hkv, spec.qlen, num_layers, iters))
         row["ratio_to_floor"] = round(marginal / row["floor_marginal_us"], 3) if row["floor_marginal_us"] > 0 else None
