@@ -281,3 +281,30 @@ def test_harness_end_to_end_on_a_fake_vllm(tmp_path):
     assert agree["within_tolerance"]
     assert s["agreement"]["msa_mtp vs msa_fp8 (eager)"]["verdict"] == "identical"
     assert len(s["speed_table"]) == 8
+
+
+def test_mtp_layers_renamed_after_the_target(monkeypatch):
+    """vLLM 0.33's MTP names its layers model.layers.<idx>, the tiny text-only target's layer 0 is
+    model.layers.0 too (vLLM: "Duplicate layer name"): the harness moves them past the target's."""
+    import types
+
+    runner = _load("run_vllm_e2e_mtp", E2E / "run_vllm_e2e.py")
+    seen = []
+
+    class Layer:
+        def __init__(self, vllm_config, prefix):
+            seen.append(prefix)
+
+    mtp = types.ModuleType("vllm.models.minimax_m3.nvidia.mtp")
+    mtp.MiniMaxM3MultiTokenPredictorLayer = Layer
+    for name in ("vllm", "vllm.models", "vllm.models.minimax_m3", "vllm.models.minimax_m3.nvidia"):
+        monkeypatch.setitem(sys.modules, name, sys.modules.get(name) or types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, mtp.__name__, mtp)
+    monkeypatch.setattr(sys.modules["vllm.models.minimax_m3.nvidia"], "mtp", mtp, raising=False)
+    cfg = types.SimpleNamespace(speculative_config=types.SimpleNamespace(
+        draft_model_config=types.SimpleNamespace(hf_config=types.SimpleNamespace(num_hidden_layers=8))))
+    assert "renamed" in runner._mtp_layer_offset()
+    Layer(cfg, "model.layers.0")
+    Layer(cfg, "layers.1")
+    assert seen == ["model.layers.8", "layers.9"]
+    assert runner._mtp_layer_offset() == "already patched"

@@ -47,7 +47,8 @@ unpack() {
       mv "$RT/libcute_dsl_runtime.so.part" "$RT/libcute_dsl_runtime.so"
   fi
   if [ -d .e2e/b/msa-cache ]; then
-    rm -rf "$CACHE" && cp -r .e2e/b/msa-cache "$CACHE" && say "msa-jit cache: $(find "$CACHE" -name '*.so' | wc -l) kernels"
+    rm -rf "$CACHE" && cp -r .e2e/b/msa-cache "$CACHE" &&
+      say "msa-jit cache: $(find "$CACHE" -name '*.so' | wc -l) kernels, $(find "$CACHE"/v1 -mindepth 3 -maxdepth 3 -name meta.json | wc -l) entries in $CACHE/v1 (top: $(ls -A "$CACHE" | tr '\n' ' '))"
   fi
   [ -f .e2e/b/BUILD.txt ] && cp .e2e/b/BUILD.txt /tmp/e2e-BUILD.txt
   if [ ! -f "$PLUG/.installed" ] || [ pyproject.toml -nt "$PLUG/.installed" ]; then

@@ -27,6 +27,7 @@ import json
 import logging
 import math
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -227,6 +228,38 @@ def _hook_check(llm: Any, vocab: int) -> dict[str, Any]:
     finally:
         msa.msa_cutlass_sparse_decode = real
     return state["result"] or {"ok": False, "error": f"the decode function was called {state['calls']} times"}
+
+
+def _mtp_layer_offset() -> str:
+    """Give vLLM 0.33's MiniMax-M3 MTP layers indices after the target's (as DeepSeek's MTP does).
+
+    vLLM's MiniMaxM3MultiTokenPredictor names its layers f"{prefix}.layers.{idx}" for idx in
+    range(num_mtp_modules) (models/minimax_m3/nvidia/mtp.py) and builds each one as a decoder layer
+    whose attention registers "<prefix>.self_attn.attn". The real checkpoint is the VL wrapper, whose
+    target layers live under "language_model.model.layers.N", so "model.layers.0" is free there;
+    this tiny text-only config (MiniMaxM3SparseForCausalLM) puts the target's layer 0 at
+    "model.layers.0" too, and vLLM refuses the duplicate name. No config field moves the MTP index,
+    so the harness renames the drafter's layers to model.layers.<num_hidden_layers + idx> (dummy
+    weights: nothing is loaded by name). Returns what it did."""
+    try:
+        import vllm.models.minimax_m3.nvidia.mtp as mtp
+    except Exception as e:  # noqa: BLE001
+        return f"not patched ({type(e).__name__}: {e})"
+    cls = mtp.MiniMaxM3MultiTokenPredictorLayer
+    if getattr(cls, "_e2e_offset", False):
+        return "already patched"
+    original = cls.__init__
+
+    def __init__(self, vllm_config, prefix):  # noqa: N807
+        n = int(vllm_config.speculative_config.draft_model_config.hf_config.num_hidden_layers)
+        m = re.search(r"(\.|^)layers\.(\d+)$", prefix)
+        if m is not None:
+            prefix = f"{prefix[:m.start(2)]}{n + int(m.group(2))}"
+        original(self, vllm_config, prefix)
+
+    cls.__init__ = __init__
+    cls._e2e_offset = True
+    return "MTP layers renamed to model.layers.<num_hidden_layers + idx>"
 
 
 def _gemma_norm() -> str:
@@ -462,6 +495,8 @@ def child(args: argparse.Namespace) -> int:
         if mode.kv_cache_dtype.startswith("nvfp4"):
             result["dense_backends"] = _dense_backend_probe((mode.kv_cache_dtype, "auto"))
             save()
+        if mode.speculative_tokens:
+            result["mtp_layer_offset"] = _mtp_layer_offset()
         t0 = time.perf_counter()
         llm = LLM(**kwargs)
         result["engine_start_s"] = round(time.perf_counter() - t0, 3)
@@ -526,6 +561,34 @@ def _meta(argv: list[str]) -> dict[str, Any]:
     return meta
 
 
+def _cache_state(key: str) -> dict[str, Any]:
+    """What the cache root holds when the preflight misses: the root msa-jit resolved, the
+    entries on disk (meta.json files), and the lstat of the first config's entry dir and
+    meta.json (a miss with the files present means a lookup problem, not a missing copy)."""
+    from msa_jit.jit import cache as mcache
+
+    out: dict[str, Any] = {}
+    try:
+        c = mcache.default_cache()
+        out["root"] = str(c.root)
+        out["readonly_roots"] = [str(r) for r in c.readonly_roots]
+        out["fallback_reason"] = c.fallback_reason
+        v1 = c.root / "v1"
+        out["meta_files"] = sorted(str(p.relative_to(c.root)) for p in v1.glob("*/*/meta.json"))[:32]
+        out["top"] = sorted(os.listdir(c.root))[:32] if c.root.is_dir() else None
+        d = c.entry_path(key)
+        for name, p in (("entry_dir", d), ("meta", d / "meta.json")):
+            try:
+                st = os.lstat(p)
+                out[name] = {"path": str(p), "mode": oct(st.st_mode), "uid": st.st_uid, "size": st.st_size}
+            except OSError as e:
+                out[name] = {"path": str(p), "error": f"{type(e).__name__}: {e}"}
+        out["uid"] = os.getuid()
+    except Exception as e:  # noqa: BLE001 - a diagnostic: record and go on
+        out["error"] = f"{type(e).__name__}: {e}"
+    return out
+
+
 def _preflight() -> dict[str, Any]:
     """Before any engine: vLLM imports, the plugin's entry point is visible, and every msa-jit
     kernel the modes need is in the cache (MSA_JIT_NO_COMPILE=1 hosts cannot build one)."""
@@ -559,6 +622,8 @@ def _preflight() -> dict[str, Any]:
                 os.environ["MSA_JIT_NO_COMPILE"] = saved
         out["kernels"] = {"needed": len(configs), "missing": missing,
                           "fingerprint": compiler.fingerprint(configs[0])}
+        if missing:
+            out["kernels"]["cache_state"] = _cache_state(compiler.cache_key(configs[0]))
     except Exception as e:  # noqa: BLE001
         out["kernels_error"] = f"{type(e).__name__}: {e}"
     return out
