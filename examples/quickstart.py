@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                                num_q_heads=hq, num_kv_heads=hkv, page_size=PAGE, topk_blocks=TOPK)
 
     plan = prepare()
-    print(f"plan: num_splits={plan.num_splits} arch={plan.arch}")
+    print(f"plan: num_splits={plan.launch().num_splits} arch={plan.arch}")
     if cuda:
         from msa_jit import env
 
