@@ -98,3 +98,28 @@ def test_sizes_still_parse():
     assert [env.parse_size(s) for s in ("0", "1024", "512M", "2G", "2GiB", "1.5k", ".5K", "0" * 500 + "7",
                                         "9223372036854775807", "8191P")] == [
         0, 1024, 512 << 20, 2 << 30, 2 << 30, 1536, 512, 7, 2**63 - 1, 8191 << 50]
+
+
+# ----------------------------------------------------------------------------- HOME
+def test_an_empty_home_is_no_home(monkeypatch):
+    """HOME='' (Python expands it to '/'): read as unset: the password database's home, and without
+    one the per-user temp dir; never /.cache/msa-jit."""
+    import pwd
+
+    from msa_jit.jit.cache import location
+
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", "")
+    root, source = location.preferred_root()
+    assert root == Path(pwd.getpwuid(os.getuid()).pw_dir) / ".cache" / "msa-jit" and source == "home directory"
+    assert root != Path("/.cache/msa-jit") or pwd.getpwuid(os.getuid()).pw_dir == "/"
+
+    def no_entry(uid):
+        raise KeyError(uid)
+
+    monkeypatch.setattr(pwd, "getpwuid", no_entry)
+    for home in ("", "  "):
+        monkeypatch.setenv("HOME", home)
+        assert location.preferred_root() == (cache.user_temp_root(), "per-user temp dir")
+    monkeypatch.setenv("HOME", "relative/home")
+    assert location.preferred_root() == (cache.user_temp_root(), "per-user temp dir")
