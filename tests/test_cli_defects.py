@@ -80,6 +80,40 @@ def _entries(root: Path, configs: list[SparseDecodeConfig], monkeypatch) -> list
     return [compiler.ensure_compiled(cfg, cache=c)[0] for cfg in configs]
 
 
+# ----------------------------------------------------------------------------- doctor
+def _snapshot(root: Path) -> dict[str, tuple]:
+    """Every path under `root` with its modification and change times (ns), and the artifacts' access times."""
+    out = {}
+    for p in [root, *root.rglob("*")]:
+        st = os.lstat(p)
+        out[str(p.relative_to(root))] = (st.st_mtime_ns, st.st_ctime_ns,
+                                         st.st_atime_ns if p.name.endswith(".so") else None)
+    return out
+
+
+def test_doctor_changes_nothing_on_disk(tmp_path, monkeypatch):
+    """doctor reads the cache (preset readiness included) without refreshing an entry's last-used
+    time (meta.json's mtime: the LRU prune's clock) or creating anything."""
+    monkeypatch.setenv(env.ARCH, "sm_90a")
+    from msa_jit.jit import registry
+
+    base = SparseDecodeConfig(8, 1, arch="sm_90a")
+    root = tmp_path / "c"
+    entries = _entries(root, registry.plannable_configs(base), monkeypatch)
+    past = time.time() - 3600
+    for e in entries:
+        os.utime(e.path / cache.META_NAME, (past, past))
+    before = _snapshot(root)
+    time.sleep(0.01)
+    rc, out, _ = run_main(["doctor", "--cache-dir", str(root)])
+    assert rc == 0, out
+    assert f"8/1   q bf16 kv fp8   sm_90a   {base.ctas_per_sm}/SM ready" in out, out
+    assert _snapshot(root) == before
+    # and a root that does not exist stays so
+    rc, out, _ = run_main(["doctor", "--cache-dir", str(tmp_path / "none")])
+    assert rc == 0 and "no cache there yet" in out and not (tmp_path / "none").exists()
+
+
 # ----------------------------------------------------------------------------- sizes
 @pytest.mark.parametrize("text", ["1" * 400, "1" * 400 + ".5", "9" * 30 + "P", "9223372036854775808"])
 def test_huge_sizes_are_refused_not_overflowed(text, tmp_path, monkeypatch):
