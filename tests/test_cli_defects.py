@@ -80,6 +80,131 @@ def _entries(root: Path, configs: list[SparseDecodeConfig], monkeypatch) -> list
     return [compiler.ensure_compiled(cfg, cache=c)[0] for cfg in configs]
 
 
+# ----------------------------------------------------------------------------- Ctrl-C
+def _interrupted_once(p: subprocess.Popen, err: str, line: str = "interrupted") -> None:
+    assert p.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err and "Exception ignored" not in err, err
+    assert len([x for x in err.splitlines() if line in x]) == 1, err
+
+
+WARMUP_SCRIPT = """
+    import os, sys, time
+    {fake_compile}
+    marks = os.environ["FAKE_MARKS"]
+    if __name__ == "__mp_main__":  # a compile worker, importing its parent's main module
+        open(os.path.join(marks, f"importing-{{os.getpid()}}"), "w").close()
+        time.sleep(float(os.environ.get("FAKE_IMPORT_SLEEP", "0")))
+
+    class SlowToFree:
+        def __del__(self):  # where a signal's exception cannot propagate (an 'ignored' exception)
+            first = not any(m.startswith("del-") for m in os.listdir(marks))
+            open(os.path.join(marks, f"del-{{os.getpid()}}"), "w").close()
+            if first:  # the first build only
+                time.sleep(float(os.environ.get("FAKE_DEL_SLEEP", "0")))
+
+    real = fake_compile
+
+    def compile_slowly(config, out_dir, **kw):
+        SlowToFree()
+        return real(config, out_dir, **kw)
+
+    compiler.compile_sparse_decode = compile_slowly
+    if __name__ == "__main__":
+        from msa_jit.cli import main
+        sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _warmup_script(tmp_path: Path) -> Path:
+    return _script(tmp_path, WARMUP_SCRIPT.format(fake_compile=textwrap.indent(_fake_compile_code(), "    ").strip()))
+
+
+def _wait_for(pred, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def _kill_session(sid: int) -> None:
+    try:
+        os.killpg(sid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the workers' signal masks in /proc")
+def test_ctrl_c_while_a_worker_starts_prints_no_worker_traceback(tmp_path):
+    """A terminal's Ctrl-C (the whole process group) while the compile workers are still starting
+    (importing): they must not die with a KeyboardInterrupt traceback of their own. They start
+    with SIGINT blocked, also the first one, which starts multiprocessing's resource tracker (which
+    unblocks SIGINT in the parent once it runs)."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    script = _warmup_script(tmp_path)
+    e = _env(tmp_path, FAKE_MARKS=str(marks), FAKE_IMPORT_SLEEP="20")
+    p = subprocess.Popen([sys.executable, str(script), "warmup", "--heads", "8/1,16/1", "--q-dtype", "bf16", "--arch",
+                          "sm_90a", "-j", "2", "--cache-dir", str(tmp_path / "c")], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=e, start_new_session=True)
+    try:
+        _wait_for(lambda: len(list(marks.glob("importing-*"))) >= 2 or p.poll() is not None, 60, "two workers")
+        assert p.poll() is None, p.communicate()
+        for m in marks.glob("importing-*"):  # each worker, still importing, has SIGINT blocked
+            status = Path(f"/proc/{m.name.split('-')[1]}/status").read_text()
+            blocked = int(next(line for line in status.splitlines() if line.startswith("SigBlk:")).split()[1], 16)
+            assert blocked & (1 << (signal.SIGINT - 1)), (m.name, status)
+        os.killpg(p.pid, signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        _kill_session(p.pid)
+    _interrupted_once(p, err)
+    assert "msa-jit warmup: interrupted:" in err and "not started" in err, err
+
+
+@pytest.mark.slow
+def test_sigterm_of_a_worker_in_a_finalizer_ends_it_quietly(tmp_path):
+    """SIGTERM of a compile worker while it runs a __del__ (the compiler's objects have them): the
+    SystemExit cannot propagate there; the worker ends (exit 143) instead of printing 'Exception
+    ignored ... SystemExit: 143' and building on."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    script = _warmup_script(tmp_path)
+    e = _env(tmp_path, FAKE_MARKS=str(marks), FAKE_DEL_SLEEP="30")
+    p = subprocess.Popen([sys.executable, str(script), "warmup", "--heads", "8/1", "--q-dtype", "bf16", "--arch",
+                          "sm_90a", "-j", "1", "--cache-dir", str(tmp_path / "c"), "-q"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=e, start_new_session=True)
+    try:
+        _wait_for(lambda: list(marks.glob("del-*")) or p.poll() is not None, 60, "a build in __del__")
+        assert p.poll() is None, p.communicate()
+        worker = int(next(marks.glob("del-*")).name.split("-")[1])
+        os.kill(worker, signal.SIGTERM)
+        _wait_for(lambda: not os.path.exists(f"/proc/{worker}") or open(f"/proc/{worker}/stat").read().rpartition(")")[2]
+                  .split()[0] in "ZX", 20, "the worker to end at once, not after its 30 s __del__")
+        out, err = p.communicate(timeout=90)
+    finally:
+        _kill_session(p.pid)
+    assert "SystemExit" not in err and "Exception ignored" not in err and "Traceback" not in err, err
+    assert "the worker process died (exit status 143)" in out, out + err
+
+
+def test_compile_one_ends_the_worker_when_sigterm_was_wrapped(monkeypatch):
+    """A compiler that catches SIGTERM's SystemExit and raises its own error must not keep the worker
+    serving builds after SIGTERM: compile_one turns it back into SystemExit."""
+    from msa_jit.jit import compiler
+
+    def wrapped(config, cache=None):
+        raise RuntimeError("DSLRuntimeError: compilation interrupted")
+
+    monkeypatch.setattr(compiler, "ensure_compiled", wrapped)
+    cfg = SparseDecodeConfig(8, 1, arch="sm_90a").to_dict()
+    assert warmup.compile_one(cfg)["status"] == "failed"  # an ordinary failure: reported
+    monkeypatch.setattr(warmup, "_terminating", True)
+    with pytest.raises(SystemExit):
+        warmup.compile_one(cfg)
+
+
 # ----------------------------------------------------------------------------- doctor
 def _snapshot(root: Path) -> dict[str, tuple]:
     """Every path under `root` with its modification and change times (ns), and the artifacts' access times."""
@@ -132,6 +257,39 @@ def test_sizes_still_parse():
     assert [env.parse_size(s) for s in ("0", "1024", "512M", "2G", "2GiB", "1.5k", ".5K", "0" * 500 + "7",
                                         "9223372036854775807", "8191P")] == [
         0, 1024, 512 << 20, 2 << 30, 2 << 30, 1536, 512, 7, 2**63 - 1, 8191 << 50]
+
+
+# ----------------------------------------------------------------------------- --jobs
+def test_jobs_are_bounded_by_memory_and_cpus(monkeypatch):
+    gib = 1024**3
+    monkeypatch.setattr(warmup, "cpu_count", lambda: 16)
+    monkeypatch.setattr(warmup, "available_memory_bytes", lambda: 4 * gib)  # 8 workers' worth
+    assert warmup.worker_limit(None) == (4, None)  # the default: min(4, CPUs)
+    n, why = warmup.worker_limit(80)
+    assert n == 4 * gib // warmup.WORKER_RSS_BYTES == 8 and "4.0 GiB of memory available" in why and "CPU" not in why
+    monkeypatch.setattr(warmup, "cpu_count", lambda: 2)
+    n, why = warmup.worker_limit(80)
+    assert n == 2 and "2 CPUs" in why
+    monkeypatch.setattr(warmup, "available_memory_bytes", lambda: 100 * 1024**2)  # less than one worker's
+    assert warmup.worker_limit(3)[0] == 1 and warmup.worker_limit(None)[0] == 1
+    monkeypatch.setattr(warmup, "available_memory_bytes", lambda: None)  # no /proc/meminfo
+    assert warmup.worker_limit(2) == (2, None)
+
+
+def test_run_warmup_starts_no_more_workers_than_the_bound(monkeypatch, tmp_path):
+    started = []
+
+    class Pool(warmup._Pool):
+        def start(self):
+            started.append(1)
+            raise OSError("stand-in: no worker started")
+
+    monkeypatch.setattr(warmup, "_Pool", Pool)
+    monkeypatch.setattr(warmup, "worker_limit", lambda jobs: (1, "a stand-in bound"))
+    configs = warmup.warmup_configs([(8, 1), (16, 1)], ["bfloat16"], ["sm_90a"])
+    monkeypatch.setattr(warmup, "_keys_and_cached", lambda rows, c: [])
+    rows = warmup.run_warmup(configs, jobs=8, cache_dir=str(tmp_path / "c"), quiet=True)
+    assert len(started) == 1 and all(r.status == "failed" for r in rows)
 
 
 # ----------------------------------------------------------------------------- HOME
