@@ -151,8 +151,8 @@ def test_targets_statuses():
     assert tagged["spec decode 64/4 B=64 qlen 8, 12/16 shared, fp8"].endswith("(union kernel)")
     assert "union" not in tagged["spec decode 64/4 B=64 qlen 8, 12/16 shared, nvfp4"]
     text = targets.format_targets(rows)
-    assert text.startswith("| issue | target | goal | measured | status |") and "targets: " in text.splitlines()[-1]
-    assert len([t for t in rows if t["issue"] == "#18"]) == 8 and len(rows) == 30
+    assert text.startswith("| group | target | goal | measured | status |") and "targets: " in text.splitlines()[-1]
+    assert len([t for t in rows if t["group"] == targets.NVFP4]) == 8 and len(rows) == 30
 
 
 def test_targets_count_only_an_h200_run_of_the_shipped_defaults():

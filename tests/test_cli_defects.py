@@ -315,3 +315,12 @@ def test_an_empty_home_is_no_home(monkeypatch):
         assert location.preferred_root() == (cache.user_temp_root(), "per-user temp dir")
     monkeypatch.setenv("HOME", "relative/home")
     assert location.preferred_root() == (cache.user_temp_root(), "per-user temp dir")
+
+
+# ----------------------------------------------------------------------------- no issue numbers in output
+def test_bench_summary_names_no_issue():
+    from msa_jit.tools.bench import targets
+
+    text = targets.format_targets(targets.check_targets({"per_layer": [], "points": []}))
+    assert text.startswith("| group | target |") and not re.search(r"#\d", text)
+    assert {r["group"] for r in targets.check_targets({"per_layer": [], "points": []})} == {"latency", "NVFP4"}

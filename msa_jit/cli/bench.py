@@ -3,9 +3,9 @@
 Writes bench-<date>.json/.png into --out (created once the grid has run), compares with the
 newest previous result (exit 2 without a CUDA GPU or for a bad flag, nothing written; exit 1 on
 a point or per-layer row more than 5% slower, a row that failed, or a run stopped by SIGTERM:
-the rows done are written) and prints the targets of
-#18 / #19. `--table RESULT_JSON` prints the README's tables of a result file, `--summary
-RESULT_JSON` its targets; neither needs a GPU.
+the rows done are written) and prints the latency and NVFP4 targets. `--table RESULT_JSON`
+prints the README's tables of a result file, `--summary RESULT_JSON` its targets; neither
+needs a GPU.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--table", metavar="RESULT_JSON",
                    help="print the README's markdown tables of a result file and exit (no GPU)")
     p.add_argument("--summary", metavar="RESULT_JSON",
-                   help="print the #18 / #19 targets of a result file, measured vs goal, and exit (no GPU)")
+                   help="print the latency and NVFP4 targets of a result file, measured vs goal, and exit (no GPU)")
 
 
 def _load_result(flag: str, path: str) -> dict:

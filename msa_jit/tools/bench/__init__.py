@@ -7,12 +7,12 @@ stream's ceiling. The grid (`grid.grid_rows`: 64/4, 16/1, 8/1 x B 1..256 x qlen 
 fp8 and NVFP4 caches, plus the speculative-decode rows) is timed as an engine runs the op:
 one prologue, then L layers in one graph; `per_layer` rows give what one more layer costs,
 `points` the one-layer step. Small-batch rows carry the floor probe (`readers.floor_layer`),
-`host` the CPU side, `targets` the check of issues #18 / #19's targets.
+`host` the CPU side, `targets` the check of the latency and NVFP4 targets.
 
 Modules: `timing` (how things are timed), `steps` (random fp8 / NVFP4 decode steps, byte
 accounting), `readers` (Triton read-only kernels: the 2 GiB stream, the floor probe; imports
 triton), `grid` (which rows, pure Python), `measure` (timing them: `run_grid`, `main`), `report` (README tables, plot,
-regression check), `targets` (the issues' targets). The names below are what bench/*.py and
+regression check), `targets` (the latency and NVFP4 targets). The names below are what bench/*.py and
 the CLI import.
 """
 
