@@ -15,6 +15,7 @@ Parsing rules (see ``docs/cache.md`` §8):
 
 from __future__ import annotations
 
+import decimal
 import logging
 import math
 import os
@@ -159,27 +160,38 @@ def no_compile() -> bool:
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgtp]?)(i?b)?\s*$", re.IGNORECASE)
 _SIZE_MULT = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4, "p": 1024**5}
+MAX_SIZE = 2**63 - 1  # the largest size accepted (8 EiB): a file size's range
+
+
+def _shown(text: str, limit: int = 40) -> str:
+    """`text` quoted for an error message, cut short when it is long."""
+    return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text)} characters)"
 
 
 def parse_size(text: str) -> int:
     """'2147483648', '512M', '2G', '2GiB', '1.5k' -> bytes (binary suffixes K/M/G/T/P).
 
     The one size syntax of msa-jit (MSA_JIT_CACHE_MAX_BYTES, `msa-jit cache prune
-    --max-bytes`); ValueError naming the text otherwise.
+    --max-bytes`); ValueError naming the text otherwise, and for a size above MAX_SIZE (the
+    number is read exactly, however many digits it has: no float overflow).
     """
     m = _SIZE_RE.match(text)
     if m is None:
         raise ValueError(
-            f"{text!r} is not a size (expected a non-negative number of "
+            f"{_shown(text)} is not a size (expected a non-negative number of "
             "bytes, optionally with a K/M/G/T suffix, e.g. 2147483648 or 2G)"
         )
     number, unit, _ = m.groups()
     if unit == "" and m.group(3) is not None and m.group(3).lower() == "ib":
-        raise ValueError(f"{text!r} is not a size ('iB' needs a K/M/G/T prefix)")
-    mult = _SIZE_MULT[unit.lower()]
-    if "." in number:
-        return int(float(number) * mult)
-    return int(number) * mult
+        raise ValueError(f"{_shown(text)} is not a size ('iB' needs a K/M/G/T prefix)")
+    if len(number.lstrip("0").partition(".")[0]) > 30:  # far above MAX_SIZE, whatever the suffix
+        raise ValueError(f"{_shown(text)} is too large a size (at most {MAX_SIZE} bytes, 8 EiB)")
+    with decimal.localcontext() as ctx:
+        ctx.prec = 60  # exact for every number of <= 30 integer digits times a suffix
+        value = decimal.Decimal(number) * _SIZE_MULT[unit.lower()]
+    if value > MAX_SIZE:
+        raise ValueError(f"{_shown(text)} is too large a size (at most {MAX_SIZE} bytes, 8 EiB)")
+    return int(value)
 
 
 def cache_max_bytes() -> int:

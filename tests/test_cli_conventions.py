@@ -58,9 +58,9 @@ def test_version_and_bare_commands_print_help():
     rc, out, _ = run_main(["--version"])
     assert rc == 0 and out.strip() == f"msa-jit {__version__}"
     rc, out, err = run_main([])
-    assert rc == 2 and "usage: msa-jit" in out and "warmup" in out and "selftest" in out and "error" not in err
+    assert rc == 0 and "usage: msa-jit" in out and "warmup" in out and "selftest" in out and "error" not in err
     rc, out, err = run_main(["cache"])
-    assert rc == 2 and "usage: msa-jit cache" in out and "verify" in out and "error" not in err
+    assert rc == 0 and "usage: msa-jit cache" in out and "verify" in out and "error" not in err
 
 
 @pytest.mark.parametrize("jobs", ["0", "-1", "two"])
@@ -77,7 +77,7 @@ def test_preset_and_heads_exclude_each_other(fake_run):
 def test_bench_q_dtype_takes_warmups_names():
     parser = cli.build_parser()
     for name, want in (("bf16", "bfloat16"), ("fp8", "float8_e4m3fn"), ("bfloat16", "bfloat16")):
-        assert parser.parse_args(["bench", "--q-dtype", name]).q_dtype == want
+        assert common.q_dtypes_from(parser.parse_args(["bench", "--q-dtype", name])) == [want]
         assert common.parse_q_dtype(name) == want
     rc, _, err = run_main(["bench", "--q-dtype", "fp16"])
     assert rc == 2 and "--q-dtype 'fp16'" in err
@@ -264,8 +264,9 @@ def test_selftest_grid_quick_and_forced_splits():
 def test_bench_bad_flags_and_out(tmp_path):
     (tmp_path / "file").write_text("x")
     for argv, says in ((["--out", str(tmp_path / "file")], "is not a directory"),
-                       (["--geometries", "64/3"], "unknown '64/3'"),
-                       (["--batches", "1,x"], "--batches"), (["--iters", "0"], "--iters")):
+                       (["--heads", "64/3"], "no bench geometry '64/3'"),
+                       (["--batch", "1,x"], "--batch"), (["--iters", "0"], "--iters"),
+                       (["--q-dtype", "bf16,fp8"], "--q-dtype: one value only")):
         rc, _, err = run_main(["bench", *argv])
         assert rc == 2 and says in err, (argv, err)
 
@@ -281,7 +282,7 @@ def test_bench_table_of_a_bad_file(tmp_path):
 
     good = ROOT / "tests/fixtures/bench-per-step-only.json"
     rc, out, _ = run_main(["bench", "--table", str(good)])
-    assert rc == 0 and out.strip() == bench.readme_table(json.loads(good.read_text()))
+    assert rc == 0 and out.strip() == bench.result_tables(json.loads(good.read_text()))
 
 
 @pytest.mark.parametrize("command", ["warmup", "inspect"])

@@ -1,6 +1,6 @@
 """Bad `msa-jit` input refused up front (exit 2, one line naming the flag), no GPU needed.
 
-bench's --layers / --decode-query-lens / --kv-dtypes, empty comma lists, non-bench JSON for
+bench's --layers / --decode-query-len / --kv-dtype, empty comma lists, non-bench JSON for
 --table, and doctor's cap line with an invalid MSA_JIT_CACHE_MAX_BYTES. Where a
 command would get past its checks, the work (`bench.main`, `warmup.run_warmup`) is a stand-in.
 """
@@ -67,25 +67,25 @@ def test_bench_takes_two_layers(fake_bench, tmp_path):
     assert rc == 0 and fake_bench[0]["num_layers"] == 2, err
 
 
-# ----------------------------------------------------------------------------- bench --decode-query-lens
+# ----------------------------------------------------------------------------- bench --decode-query-len
 @pytest.mark.parametrize("qlens", [str(MAX_QLEN + 1), f"1,{MAX_QLEN + 1}", str(MIN_QLEN - 1)])
 def test_bench_refuses_qlens_out_of_range(qlens, fake_bench, tmp_path):
-    rc, _, err = run_main(["bench", "--decode-query-lens", qlens, "--out", str(tmp_path)])
-    assert rc == 2 and "--decode-query-lens" in err and f"{MIN_QLEN}..{MAX_QLEN}" in err and not fake_bench, err
+    rc, _, err = run_main(["bench", "--decode-query-len", qlens, "--out", str(tmp_path)])
+    assert rc == 2 and "--decode-query-len" in err and f"{MIN_QLEN}..{MAX_QLEN}" in err and not fake_bench, err
 
 
 def test_bench_takes_qlens_in_range(fake_bench, tmp_path):
-    rc, _, err = run_main(["bench", "--decode-query-lens", f"{MIN_QLEN},{MAX_QLEN}", "--out", str(tmp_path)])
+    rc, _, err = run_main(["bench", "--decode-query-len", f"{MIN_QLEN},{MAX_QLEN}", "--out", str(tmp_path)])
     assert rc == 0 and fake_bench[0]["qlens"] == (MIN_QLEN, MAX_QLEN), err
 
 
-# ----------------------------------------------------------------------------- bench --kv-dtypes
+# ----------------------------------------------------------------------------- bench --kv-dtype
 @pytest.mark.parametrize("text, want", [
     ("fp8", ("float8_e4m3fn",)), ("nvfp4", ("nvfp4",)), ("fp8,nvfp4", KV_DTYPES), ("float8_e4m3fn", ("float8_e4m3fn",)),
     (" FP8 , nvfp4 ", KV_DTYPES),
 ])
 def test_bench_kv_dtypes_take_warmups_names(text, want, fake_bench, tmp_path):
-    rc, _, err = run_main(["bench", "--kv-dtypes", text, "--out", str(tmp_path)])
+    rc, _, err = run_main(["bench", "--kv-dtype", text, "--out", str(tmp_path)])
     assert rc == 0 and fake_bench[0]["kv_dtypes"] == want, err
 
 
@@ -95,20 +95,20 @@ def test_bench_default_kv_dtypes_are_the_grids(fake_bench, tmp_path):
 
 
 def test_bench_unknown_kv_dtype_names_the_flag(fake_bench, tmp_path):
-    rc, _, err = run_main(["bench", "--kv-dtypes", "fp4", "--out", str(tmp_path)])
-    assert rc == 2 and "--kv-dtypes 'fp4'" in err and "fp8 or nvfp4" in err and not fake_bench, err
+    rc, _, err = run_main(["bench", "--kv-dtype", "fp4", "--out", str(tmp_path)])
+    assert rc == 2 and "--kv-dtype 'fp4'" in err and "fp8 or nvfp4" in err and not fake_bench, err
 
 
 # ----------------------------------------------------------------------------- bench: what reaches the grid
 def test_bench_flags_reach_the_grid(fake_bench, tmp_path):
     """--quick's qlens and shared point, --no-shared, --no-host, --in-graph, --iters and
-    --floor-batches are what bench.main gets; without them the full grid."""
+    --floor-batch are what bench.main gets; without them the full grid."""
     rc, _, err = run_main(["bench", "--out", str(tmp_path)])
     assert rc == 0, err
     kw = fake_bench[-1]
     assert (kw["qlens"], kw["shared_points"], kw["floor_batches"], kw["host"], kw["in_graph"], kw["iters"]) == (
         bench.GRID_QLENS, bench.SHARED_POINTS, bench.FLOOR_BATCHES, True, False, 50)
-    rc, _, err = run_main(["bench", "--quick", "--no-host", "--in-graph", "--iters", "7", "--floor-batches", "1,4",
+    rc, _, err = run_main(["bench", "--quick", "--no-host", "--in-graph", "--iters", "7", "--floor-batch", "1,4",
                            "--out", str(tmp_path)])
     assert rc == 0, err
     kw = fake_bench[-1]
@@ -216,7 +216,7 @@ def test_a_trailing_comma_is_still_fine(fake_run):
     assert rc == 0 and {c.arch for c in fake_run[0]} == {"sm_90a"}, err
 
 
-@pytest.mark.parametrize("flag", ["--geometries", "--batches", "--kv-dtypes", "--decode-query-lens"])
+@pytest.mark.parametrize("flag", ["--heads", "--batch", "--kv-dtype", "--q-dtype", "--decode-query-len"])
 @pytest.mark.parametrize("value", ["", ","])
 def test_bench_lists_refuse_empty(flag, value, fake_bench, tmp_path):
     rc, _, err = run_main(["bench", flag, value, "--out", str(tmp_path)])
@@ -224,7 +224,7 @@ def test_bench_lists_refuse_empty(flag, value, fake_bench, tmp_path):
 
 
 def test_bench_floor_batches_may_be_empty(fake_bench, tmp_path):
-    rc, _, err = run_main(["bench", "--floor-batches", "", "--out", str(tmp_path)])
+    rc, _, err = run_main(["bench", "--floor-batch", "", "--out", str(tmp_path)])
     assert rc == 0 and fake_bench[0]["floor_batches"] == (), err
 
 

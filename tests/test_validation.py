@@ -635,7 +635,7 @@ def test_one_set_of_parameter_names():
         assert "decode_query_len" in inspect.signature(fn).parameters, fn
     args = build_parser().parse_args(["warmup", "--heads", "8/1", "--topk-blocks", "8", "--page-size", "64"])
     assert (args.topk_blocks, args.page_size) == (8, 64)
-    assert build_parser().parse_args(["bench", "--decode-query-lens", "1,2"]).decode_query_lens == "1,2"
+    assert build_parser().parse_args(["bench", "--decode-query-len", "1,2"]).decode_query_len == ["1,2"]
 
 
 # ----------------------------------------------------------------------------- issue #21 item 9: arches

@@ -119,9 +119,9 @@ def slow_warmup(tmp_path):
 # ----------------------------------------------------------------------------- item 1: what persists
 def test_warmup_refuses_a_cache_that_would_not_outlive_it(tmp_path):
     env = driver_env(tmp_path)
-    (tmp_path / "f").write_text("x")  # MSA_JIT_CACHE_DIR is a file
+    (tmp_path / "f").write_text("x")  # MSA_JIT_CACHE_DIR cannot be created: its parent is a file
     os.symlink("/", Path(env["TMPDIR"]) / f"msa-jit-{os.getuid()}")  # the per-user temp dir is a symlink
-    env["MSA_JIT_CACHE_DIR"] = str(tmp_path / "f")
+    env["MSA_JIT_CACHE_DIR"] = str(tmp_path / "f" / "cache")
     p = run_driver(["warmup", "--heads", "8/1", "--q-dtype", "bf16", "--arch", "sm_90a"], env)
     assert p.returncode == 1, p.stdout + p.stderr
     assert "compiled" not in p.stdout and "nothing would be kept" in p.stderr and "MSA_JIT_CACHE_DIR" in p.stderr

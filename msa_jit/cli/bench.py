@@ -1,9 +1,12 @@
-"""`msa-jit bench`: the performance grid on a GPU (`msa_jit.tools.bench`), or a result file's table / targets.
+"""`msa-jit bench`: the performance grid on a GPU (`msa_jit.tools.bench`), or a result file's tables.
 
 Writes bench-<date>.json/.png into --out (created once the grid has run), compares with the
 newest previous result (exit 2 without a CUDA GPU or for a bad flag, nothing written; exit 1 on
 a point or per-layer row more than 5% slower, a row that failed, or a run stopped by SIGTERM:
-the rows done are written). `--table RESULT_JSON` prints a result file's tables (no GPU needed).
+the rows done are written). `--compare flashinfer,vllm` times those peers beside msa-jit on
+every row. `--table RESULT_JSON` prints a result file's tables (no GPU needed). The grid's flags are the shared vocabulary (`--heads`, `--q-dtype`, `--kv-dtype`:
+see `common`), and `--batch`, `--decode-query-len`, `--floor-batch` take comma lists alike.
+Nothing of the bench (torch, triton) is imported until the command runs.
 """
 
 from __future__ import annotations
@@ -14,20 +17,20 @@ import os
 import sys
 from pathlib import Path
 
-from ..tools import bench
-from ..tools.bench.peers import make_peers, parse_compare
-from ..tools.bench.report import result_problem
 from ..geometry import KV_DTYPE_SHORT, MAX_QLEN, MIN_QLEN
-from .common import int_at_least, parse_kv_dtype, positive_int, q_dtype_arg, split_list
+from .common import add_alias, add_dtype_arguments, add_heads_argument, heads_from, int_at_least, kv_dtypes_from, \
+    one_of, positive_int, q_dtypes_from, split_list
 
 HELP = "benchmark grid on this GPU: JSON + PNG (needs CUDA)"
 MIN_LAYERS = 2  # the per-layer figure is (t(L) - t(1)) / (L - 1)
 
 
-def _ints(flag: str, text: str, allow_empty: bool = False, low: int = 1, high: int | None = None
+def _ints(flag: str, text: str | list[str], allow_empty: bool = False, low: int = 1, high: int | None = None
           ) -> tuple[int, ...]:
     """A comma list of ints in low..high (no upper bound for None); ValueError naming `flag`."""
     items = split_list(flag, text, allow_empty=allow_empty)
+    if not isinstance(text, str):
+        text = ",".join(text)
     try:
         values = tuple(int(v) for v in items)
     except ValueError:
@@ -50,28 +53,33 @@ def out_dir_problem(out: Path) -> str | None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The grid (--geometries, --batches, --decode-query-lens, --kv-dtypes, --q-dtype, --quick,
-    --floor-batches, --no-shared, --layers, --iters, --in-graph, --no-host), --compare, --out, --baseline,
-    --table."""
-    p.add_argument("--out", default=bench.RESULTS_DIR, help="folder for bench-<date>.json/.png")
-    p.add_argument("--geometries", default=",".join(bench.GRID_GEOMETRIES),
-                   help="comma list of Hq/Hkv (default: %(default)s)")
-    p.add_argument("--batches", default=",".join(map(str, bench.GRID_BATCHES)),
-                   help="comma list of batch sizes (default: %(default)s)")
-    p.add_argument("--decode-query-lens", default=None,
+    """The grid (--heads, --batch, --decode-query-len, --q-dtype, --kv-dtype, --quick, --floor-batch,
+    --no-shared, --layers, --iters, --in-graph, --no-host), --compare, --out, --baseline, --table."""
+    from ..tools.bench import grid  # the grid's definition only: no torch
+
+    p.add_argument("--out", default=grid.RESULTS_DIR, help="folder for bench-<date>.json/.png (default: %(default)s)")
+    add_heads_argument(p, f"of {', '.join(grid.GEOMETRIES)}; default {','.join(grid.GRID_GEOMETRIES)}")
+    add_alias(p, "--geometries", "--heads", "heads")
+    p.add_argument("--batch", action="append", metavar="N[,...]",
+                   help=f"batch sizes, comma-separated or repeated (default {','.join(map(str, grid.GRID_BATCHES))})")
+    add_alias(p, "--batches", "--batch", "batch")
+    p.add_argument("--decode-query-len", action="append", metavar="N[,...]",
                    help=f"query tokens per request (qlen) of the grid, each in {MIN_QLEN}..{MAX_QLEN} (default "
-                        f"{','.join(map(str, bench.GRID_QLENS))}; --quick: {','.join(map(str, bench.QUICK_QLENS))})")
-    p.add_argument("--kv-dtypes", default=",".join(KV_DTYPE_SHORT[k] for k in bench.GRID_KV_DTYPES),
-                   help=f"cache formats to time, of {','.join(KV_DTYPE_SHORT.values())} (as warmup's --kv-dtype)")
-    p.add_argument("--q-dtype", default="bfloat16", type=q_dtype_arg, help="bf16 or fp8 (as warmup's --q-dtype)")
+                        f"{','.join(map(str, grid.GRID_QLENS))}; --quick: {','.join(map(str, grid.QUICK_QLENS))})")
+    add_alias(p, "--decode-query-lens", "--decode-query-len", "decode_query_len")
+    add_dtype_arguments(p, "one per run; default bf16",
+                        f"default {','.join(KV_DTYPE_SHORT[k] for k in grid.GRID_KV_DTYPES)}")
+    add_alias(p, "--kv-dtypes", "--kv-dtype", "kv_dtype")
     p.add_argument("--quick", action="store_true",
                    help="about half the rows: qlen 1 and 4 only, one speculative-decode point (64/4 B=64 qlen 4)")
-    p.add_argument("--floor-batches", default=",".join(map(str, bench.FLOOR_BATCHES)),
-                   help="batches whose rows get the floor probe ('' for none)")
+    p.add_argument("--floor-batch", action="append", metavar="N[,...]",
+                   help="batches whose rows get the floor probe (default "
+                        f"{','.join(map(str, grid.FLOOR_BATCHES))}; '' for none)")
+    add_alias(p, "--floor-batches", "--floor-batch", "floor_batch")
     p.add_argument("--no-shared", action="store_true", help="skip the speculative-decode (shared-block) rows")
-    p.add_argument("--layers", type=int_at_least(MIN_LAYERS), default=bench.NUM_LAYERS,
-                   help=f"layers per graph of the per-layer figure (>= {MIN_LAYERS})")
-    p.add_argument("--iters", type=positive_int, default=50, help="timed graph replays per figure")
+    p.add_argument("--layers", type=int_at_least(MIN_LAYERS), default=grid.NUM_LAYERS,
+                   help=f"layers per graph of the per-layer figure (>= {MIN_LAYERS}; default %(default)s)")
+    p.add_argument("--iters", type=positive_int, default=50, help="timed graph replays per figure (default 50)")
     p.add_argument("--in-graph", action="store_true", help="also time each one-layer step inside one larger graph")
     p.add_argument("--no-host", action="store_true", help="skip the host-side (CPU) figures")
     p.add_argument("--compare", metavar="PEERS", default=None,
@@ -87,6 +95,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _load_result(flag: str, path: str) -> dict:
     """The bench result in file `path`, or exit 2 with a message naming `flag` and `path`."""
+    from ..tools.bench.report import result_problem
+
     try:
         doc = json.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as e:
@@ -104,6 +114,9 @@ def _load_result(flag: str, path: str) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     """Handler of `msa-jit bench`."""
+    from ..tools import bench
+    from ..tools.bench import grid
+
     if args.table:
         result = _load_result("--table", args.table)  # no GPU: the tables of a result file
         try:
@@ -113,16 +126,20 @@ def run(args: argparse.Namespace) -> int:
             return 2
         return 0
     try:
-        geos = tuple(split_list("--geometries", args.geometries))
-        bad = [g for g in geos if g not in bench.GEOMETRIES]
+        geos = tuple(f"{hq}/{hkv}" for hq, hkv in heads_from(args)) or grid.GRID_GEOMETRIES
+        bad = [g for g in geos if g not in grid.GEOMETRIES]
         if bad:
-            raise ValueError(f"--geometries: unknown {', '.join(map(repr, bad))}; geometries are "
-                             f"{', '.join(bench.GEOMETRIES)}")
-        kvs = tuple(parse_kv_dtype(k, "--kv-dtypes") for k in split_list("--kv-dtypes", args.kv_dtypes))
-        batches = _ints("--batches", args.batches)
-        floor_batches = _ints("--floor-batches", args.floor_batches, allow_empty=True)
-        qlens = (_ints("--decode-query-lens", args.decode_query_lens, low=MIN_QLEN, high=MAX_QLEN)
-                 if args.decode_query_lens is not None else bench.QUICK_QLENS if args.quick else bench.GRID_QLENS)
+            raise ValueError(f"--heads: no bench geometry {', '.join(map(repr, bad))}; the bench has "
+                             f"{', '.join(grid.GEOMETRIES)}")
+        kvs = tuple(kv_dtypes_from(args)) or grid.GRID_KV_DTYPES
+        q_dtype = one_of("--q-dtype", q_dtypes_from(args), "a run times one query dtype") or "bfloat16"
+        batches = _ints("--batch", args.batch) if args.batch is not None else grid.GRID_BATCHES
+        floor_batches = (_ints("--floor-batch", args.floor_batch, allow_empty=True) if args.floor_batch is not None
+                         else grid.FLOOR_BATCHES)
+        qlens = (_ints("--decode-query-len", args.decode_query_len, low=MIN_QLEN, high=MAX_QLEN)
+                 if args.decode_query_len is not None else grid.QUICK_QLENS if args.quick else grid.GRID_QLENS)
+        from ..tools.bench.peers import make_peers, parse_compare
+
         compare = parse_compare(args.compare) if args.compare is not None else ()
         problem = out_dir_problem(Path(args.out).absolute())
         if problem:
@@ -138,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     shared = () if args.no_shared else bench.QUICK_SHARED_POINTS if args.quick else bench.SHARED_POINTS
     result = bench.main(args.out, geometries=geos, batches=batches, qlens=qlens, kv_dtypes=kvs,
-                        q_dtype=args.q_dtype, shared_points=shared, floor_batches=floor_batches,
+                        q_dtype=q_dtype, shared_points=shared, floor_batches=floor_batches,
                         iters=args.iters, num_layers=args.layers, in_graph=args.in_graph, host=not args.no_host,
                         baseline=args.baseline, **({"peers": make_peers(compare)} if compare else {}))
     return 1 if result.get("regressions") or result.get("errors") or result.get("incomplete") else 0

@@ -1,9 +1,17 @@
 """What several `msa-jit` commands share: sizes, times, tables, output files, and the geometry flags.
 
-The geometry flags (`--preset`, `--heads`, `--q-dtype`, `--kv-dtype`, `--arch`, `--page-size`,
-`--topk-blocks`) are parsed here for `warmup` and `inspect`; the configs they name come from
-`msa_jit.tools.warmup.warmup_configs`. `--json [FILE]` means the same in every command: FILE, or
-stdout when FILE is `-` or left out.
+One flag vocabulary for `warmup`, `inspect`, `bench` and `selftest` (the PyTorch / CUDA tools'
+habit, as nvcc's or TORCH_CUDA_ARCH_LIST's: a singular name whose value may be a comma list, and
+the flag may be repeated): `--heads 64/4,16/1`, `--q-dtype bf16,fp8`, `--kv-dtype fp8,nvfp4`,
+`--arch sm_90a,sm_100a`. `add_geometry_arguments` defines them; the configs they name come from
+`msa_jit.tools.warmup.warmup_configs`.
+
+`--json [FILE]` (`add_json_argument`) means the same in every command that takes it: the result
+as JSON into FILE, or onto stdout when FILE is `-` or left out; the text output then goes to
+stderr (`text_stream`), so stdout holds the JSON only. FILE is checked before any work.
+
+Nothing heavy is imported at module level (no torch, no compiler): `msa-jit --help` builds every
+parser from this module.
 """
 
 from __future__ import annotations
@@ -20,13 +28,15 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence, TextIO
 
-from ..jit import cache
 from .. import env
-from ..tools import warmup
-from ..jit.cache.errors import describe_oserror
-from ..geometry import (DEFAULT_ARCHES, DEFAULT_PAGE_SIZE, DEFAULT_TOPK_BLOCKS, KV_DTYPE_SHORT, Q_DTYPE_SHORT, Q_DTYPES, SparseDecodeConfig)
+from ..geometry import (DEFAULT_ARCHES, DEFAULT_PAGE_SIZE, DEFAULT_TOPK_BLOCKS, KV_DTYPE_SHORT, Q_DTYPE_SHORT, Q_DTYPES,
+                        SparseDecodeConfig)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..jit import cache
+    from ..tools import warmup
 
 __all__ = [
     "KV_DTYPE_ALIASES",
@@ -39,7 +49,17 @@ __all__ = [
     "format_table",
     "human_size",
     "int_at_least",
+    "ignore_further_interrupts",
     "interrupted",
+    "json_path_problem",
+    "say_interrupted",
+    "text_stream",
+    "cache_dir_problem",
+    "say_jobs_cap",
+    "heads_from",
+    "q_dtypes_from",
+    "kv_dtypes_from",
+    "arches_from",
     "normalize_arch",
     "open_cache",
     "parse_heads",
@@ -113,10 +133,25 @@ positive_int = int_at_least(1)  # argparse type of counts like --jobs
 
 
 def add_json_argument(p: argparse.ArgumentParser, what: str) -> None:
-    """`--json [FILE]`: `what` as JSON into FILE, or onto stdout (FILE `-` or left out)."""
+    """`--json [FILE]`: `what` as JSON into FILE, or onto stdout (FILE `-` or left out; the text
+    output then goes to stderr). The same words in every command's help."""
     p.add_argument("--json", nargs="?", const="-", metavar="FILE",
-                   help=f"write {what} as JSON to FILE (checked before any work), or to stdout with no FILE or "
-                        "'-' (the table then goes to stderr)")
+                   help=f"also write {what} as JSON into FILE (checked before any work); with no FILE or '-', "
+                        "onto stdout, and the text output goes to stderr")
+
+
+def text_stream(args: argparse.Namespace) -> TextIO:
+    """Where a command's text output goes: stderr when its JSON is on stdout (`--json` / `--json -`)."""
+    return sys.stderr if getattr(args, "json", None) == "-" else sys.stdout
+
+
+def json_path_problem(args: argparse.Namespace, command: str) -> bool:
+    """Check --json FILE before the work: False when it can be written (or is stdout / not given);
+    True after printing `msa-jit <command>: --json FILE: <why>` (the command exits 2)."""
+    problem = check_output_path(getattr(args, "json", None))
+    if problem:
+        print(f"msa-jit {command}: --json {args.json}: {problem}", file=sys.stderr)
+    return bool(problem)
 
 
 def _special(p: Path) -> bool:
@@ -155,6 +190,8 @@ def check_output_path(path: str | None) -> str | None:
     try:
         fd, probe = tempfile.mkstemp(prefix=f".{target.name}.", dir=parent)
     except OSError as e:
+        from ..jit.cache.errors import describe_oserror
+
         return f"cannot create a file in {parent} ({describe_oserror(e)})"
     os.close(fd)
     os.unlink(probe)
@@ -184,9 +221,31 @@ def emit_json(path: str | None, doc: Any) -> None:
         raise
 
 
+def cache_dir_problem(cache_dir: str | None) -> str | None:
+    """Why the cache root this command was given (--cache-dir, else MSA_JIT_CACHE_DIR) cannot be one,
+    as one line naming the flag or variable and the path; None when it can (or none is given).
+
+    A root that exists and is no directory (a file, a broken symlink) is a configuration error:
+    refused before any work, instead of a silent fallback to the per-user temp dir."""
+    from ..jit.cache.location import not_a_directory
+
+    if cache_dir:
+        source, path = "--cache-dir", Path(os.path.abspath(os.path.expanduser(cache_dir)))
+    else:
+        source, path = env.CACHE_DIR, env.cache_dir()
+        if path is None:
+            return None
+    why = not_a_directory(path)
+    if why is None:
+        return None
+    return f"{source} {path}: {why}" if source.startswith("--") else f"{source}={path}: {why}"
+
+
 def open_cache(cache_dir: str | None, command: str, *, create: bool = True) -> cache.ArtifactCache:
     """`cache.open_cache(cache_dir, create=)`, with a fallback said on stderr in one line (`msa-jit
     <command>: ...`), not only as a CacheFallbackWarning, which PYTHONWARNINGS=ignore hides."""
+    from ..jit import cache
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", cache.CacheFallbackWarning)
         c = cache.open_cache(cache_dir, create=create)
@@ -218,7 +277,7 @@ def parse_heads(text: str) -> tuple[int, int]:
 
 
 def parse_q_dtype(text: str) -> str:
-    """'bf16' / 'fp8' (or the full dtype names) -> the config's name (`warmup` and `bench` alike)."""
+    """'bf16' / 'fp8' (or the full dtype names) -> the config's name (every command alike)."""
     try:
         return Q_DTYPE_ALIASES[text.strip().lower()]
     except KeyError:
@@ -227,19 +286,11 @@ def parse_q_dtype(text: str) -> str:
 
 def parse_kv_dtype(text: str, flag: str = "--kv-dtype") -> str:
     """'fp8' / 'nvfp4' (KV cache formats, or SparseDecodeConfig.kv_dtype's names) -> the config's name
-    (warmup / inspect's --kv-dtype and bench's --kv-dtypes alike; `flag` names it in the error)."""
+    (every command alike; `flag` names it in the error)."""
     try:
         return KV_DTYPE_ALIASES[text.strip().lower()]
     except KeyError:
         raise ValueError(f"{flag} {text!r}: expected {' or '.join(KV_DTYPE_SHORT.values())}") from None
-
-
-def q_dtype_arg(text: str) -> str:
-    """`parse_q_dtype` as an argparse type (one value, e.g. bench's --q-dtype)."""
-    try:
-        return parse_q_dtype(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def normalize_arch(text: str) -> str:
@@ -251,6 +302,35 @@ def normalize_arch(text: str) -> str:
         raise ValueError(f"--arch {text!r}: {e}") from None
 
 
+# what the shared flags name, parsed (each [] when the flag is not given); ValueError naming the flag
+def heads_from(args: argparse.Namespace) -> list[tuple[int, int]]:
+    """--heads, every value and comma-list item, as (Hq, Hkv)."""
+    return [parse_heads(h) for h in split_list("--heads", getattr(args, "heads", None))]
+
+
+def q_dtypes_from(args: argparse.Namespace) -> list[str]:
+    """--q-dtype as SparseDecodeConfig.q_dtype names."""
+    return [parse_q_dtype(q) for q in split_list("--q-dtype", getattr(args, "q_dtype", None))]
+
+
+def kv_dtypes_from(args: argparse.Namespace) -> list[str]:
+    """--kv-dtype as SparseDecodeConfig.kv_dtype names."""
+    return [parse_kv_dtype(k) for k in split_list("--kv-dtype", getattr(args, "kv_dtype", None))]
+
+
+def arches_from(args: argparse.Namespace) -> list[str]:
+    """--arch as 'sm_90a' / 'sm_100a'."""
+    return [normalize_arch(a) for a in split_list("--arch", getattr(args, "arch", None))]
+
+
+def one_of(flag: str, values: list[str], why: str) -> str | None:
+    """The one value of a list flag a command takes only one of (None when not given); ValueError
+    saying `why` for more."""
+    if len(values) > 1:
+        raise ValueError(f"{flag}: one value only ({why}), got {','.join(values)}")
+    return values[0] if values else None
+
+
 def configs_from_args(args: argparse.Namespace, default_preset: str | None = None) -> list[SparseDecodeConfig]:
     """The geometries named by --preset / --heads / --q-dtype / --kv-dtype / --arch / --page-size /
     --topk-blocks (with neither --preset nor --heads: `default_preset`, if given).
@@ -259,29 +339,26 @@ def configs_from_args(args: argparse.Namespace, default_preset: str | None = Non
     Without a preset the query dtypes default to both, the KV format to fp8. Raises ValueError
     on anything the kernel cannot serve (with check_config's reason).
     """
+    from ..tools import warmup
+
     heads: list[tuple[int, int]] = []
     q_dtypes: list[str] = list(Q_DTYPES)
     kv_dtypes: list[str] = list(warmup.DEFAULT_KV_DTYPES)
     preset = getattr(args, "preset", None)
-    heads_given = split_list("--heads", args.heads)
-    q_given = split_list("--q-dtype", args.q_dtype)
-    kv_given = split_list("--kv-dtype", getattr(args, "kv_dtype", None))
-    arch_given = split_list("--arch", args.arch)
+    heads_given, q_given, kv_given, arch_given = heads_from(args), q_dtypes_from(args), kv_dtypes_from(args), \
+        arches_from(args)
     if preset and heads_given:
         raise ValueError(f"--preset {preset} and --heads name the head layouts both: give one "
                          "(--q-dtype / --kv-dtype / --arch narrow a preset)")
     preset = preset or (None if heads_given else default_preset)
     if preset:
         heads, q_dtypes, kv_dtypes = (list(x) for x in warmup.PRESETS[preset])
-    if heads_given:
-        heads = [parse_heads(h) for h in heads_given]
-    if q_given:
-        q_dtypes = [parse_q_dtype(q) for q in q_given]
-    if kv_given:
-        kv_dtypes = [parse_kv_dtype(k) for k in kv_given]
+    heads = heads_given or heads
+    q_dtypes = q_given or q_dtypes
+    kv_dtypes = kv_given or kv_dtypes
     if not heads:
         raise ValueError("no geometry: give --heads Hq/Hkv (repeatable) or --preset " + "|".join(warmup.PRESETS))
-    arches = [normalize_arch(a) for a in arch_given] or warmup.default_arches()
+    arches = arch_given or warmup.default_arches()
     return warmup.warmup_configs(heads, q_dtypes, arches, kv_dtypes=kv_dtypes, page_size=args.page_size,
                                  topk_blocks=args.topk_blocks)
 
@@ -292,31 +369,155 @@ def warm_geometry_flags(args: argparse.Namespace, command: str,
     """`warmup.run_warmup` of the configs the geometry flags name (one row per config); None,
     after printing `msa-jit <command>: <why>` to stderr, when the flags name nothing it can build.
     run_warmup's CacheDirError and WarmupInterrupted propagate (see `interrupted`)."""
+    from ..jit import cache
+    from ..tools import warmup
+
     try:
         configs = configs_from_args(args, default_preset)
     except ValueError as e:
         print(f"msa-jit {command}: {e}", file=sys.stderr)
         return None
     open_cache(args.cache_dir, command)  # says a fallback on stderr once, before the work
+    say_jobs_cap(args.jobs, command)
     with warnings.catch_warnings():  # ... so the library's own opening of it need not warn again
         warnings.simplefilter("ignore", cache.CacheFallbackWarning)
         return warmup.run_warmup(configs, jobs=args.jobs, cache_dir=args.cache_dir, quiet=args.quiet,
                                  allow_ephemeral=allow_ephemeral)
 
 
+# ----------------------------------------------------------------------------- interrupts and the exit
+EXIT_INTERRUPTED = 130
+_said = threading.Event()  # the one "interrupted" line is out
+_exit = {"late_interrupt": False, "status": None}  # a Ctrl-C after the work; what main returned
+
+
+def reset_interrupts() -> None:
+    """A new command starts (main): nothing said yet."""
+    _said.clear()
+
+
+def interrupted_already() -> bool:
+    return _said.is_set()
+
+
+def set_exit_status(rc: int) -> None:
+    """What main returned: the command's process exits with it (`exit_at_the_end`)."""
+    _exit["status"] = rc
+
+
+def say_interrupted(line: str) -> None:
+    """Print the one line of an interrupted command (later calls print nothing)."""
+    if not _said.is_set():
+        _said.set()
+        try:
+            sys.stderr.write(line + "\n")
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+
+
+def _sigint_while_exiting(signum: int, frame: Any) -> None:
+    """SIGINT once the work is over (the command prints its last lines, or the interpreter shuts
+    down): no exception, which would print a traceback from wherever it landed (an atexit
+    callback, a thread join); one line, and exit 130 at the end (`exit_at_the_end`)."""
+    _exit["late_interrupt"] = True
+    say_interrupted("msa-jit: interrupted")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def ignore_further_interrupts() -> None:
+    """From here on a Ctrl-C raises nothing: the command is exiting, and one must not turn the exit
+    into a traceback. Once the "interrupted" line is out they are ignored (SIG_IGN, which also holds
+    while the interpreter tears down); before, one makes the exit status 130. Main thread only
+    (signals reach only it)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN if _said.is_set() else _sigint_while_exiting)
+
+
+def exit_at_the_end() -> None:
+    """The command's process's last atexit callback: exit with main's status (130 after a late
+    Ctrl-C) at once. The interpreter's teardown that would follow (seconds with torch loaded) is
+    where a late Ctrl-C would kill it by SIGINT, Python's handlers being gone by then."""
+    status = EXIT_INTERRUPTED if _exit["late_interrupt"] else _exit["status"]
+    if status is None:  # main did not return (an uncaught exception): the interpreter's own exit
+        return
+    if "logging" in sys.modules:  # its own atexit callback was registered before this one: it has not run
+        sys.modules["logging"].shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    os._exit(status)
+
+
 def interrupted(command: str, e: warmup.WarmupInterrupted) -> int:
     """Ctrl-C during a warm-up: the one line saying what finished and what did not; exit 130.
     Further Ctrl-Cs are ignored from here on: the command is exiting, and one must not turn the
     exit into a traceback."""
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-    print(f"msa-jit {command}: interrupted: {warmup.interrupted_summary(e.rows)} "
-          "(finished builds are kept in the cache)", file=sys.stderr)
-    return 130
+    from ..tools import warmup
+
+    say_interrupted(f"msa-jit {command}: interrupted: {warmup.interrupted_summary(e.rows)} "
+                    "(finished builds are kept in the cache)")
+    ignore_further_interrupts()  # said: ignored from here on
+    return EXIT_INTERRUPTED
+
+
+def say_jobs_cap(jobs: int | None, command: str) -> None:
+    """Say on stderr when the warm-up will start fewer compile processes than --jobs (or its default)
+    asks: `warmup.worker_limit` caps them by the CPUs and by the available memory."""
+    from ..tools import warmup
+
+    n, why = warmup.worker_limit(jobs)
+    if why:
+        asked = f"--jobs {jobs}" if jobs is not None else "the default --jobs"
+        print(f"msa-jit {command}: {asked}: starting at most {n} compile process{'es' if n > 1 else ''} ({why})",
+              file=sys.stderr)
+
+
+# ----------------------------------------------------------------------------- the shared flags
+class DeprecatedAlias(argparse.Action):
+    """A former spelling of a flag (hidden from the help): stores into the new flag's dest, as the new
+    flag would, and says once on stderr which spelling to use."""
+
+    def __init__(self, option_strings, dest, new: str, append: bool = True, **kw) -> None:
+        self.new, self.append = new, append
+        super().__init__(option_strings, dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(f"msa-jit: {option_string} is deprecated; use {self.new}", file=sys.stderr)
+        if self.append:
+            current = getattr(namespace, self.dest, None)
+            setattr(namespace, self.dest, [*(current or []), values])
+        else:
+            setattr(namespace, self.dest, values)
+
+
+def add_alias(p: argparse.ArgumentParser, old: str, new: str, dest: str, append: bool = True) -> None:
+    """`old` as a hidden, deprecated spelling of `new` (same dest)."""
+    p.add_argument(old, dest=dest, action=DeprecatedAlias, new=new, append=append)
+
+
+def add_heads_argument(p: argparse.ArgumentParser, default: str) -> None:
+    p.add_argument("--heads", action="append", metavar="HQ/HKV[,...]",
+                   help=f"query/KV head layouts, comma-separated or repeated, e.g. 64/4,16/1 ({default})")
+
+
+def add_dtype_arguments(p: argparse.ArgumentParser, q_default: str, kv_default: str) -> None:
+    p.add_argument("--q-dtype", action="append", metavar="DTYPE[,...]",
+                   help=f"query dtypes: bf16, fp8, comma-separated or repeated ({q_default})")
+    p.add_argument("--kv-dtype", action="append", metavar="FORMAT[,...]",
+                   help=f"KV cache formats: fp8, nvfp4, comma-separated or repeated ({kv_default})")
+
+
+def add_arch_argument(p: argparse.ArgumentParser, help_text: str) -> None:
+    p.add_argument("--arch", action="append", metavar="ARCH[,...]", help=help_text)
 
 
 def add_geometry_arguments(p: argparse.ArgumentParser, default_preset: str | None = None) -> None:
     """Geometry-selection flags shared by `warmup` and `inspect`."""
+    from ..tools import warmup
+
     def short(names, table):
         return ",".join(table.get(d, d) for d in names)
 
@@ -327,17 +528,16 @@ def add_geometry_arguments(p: argparse.ArgumentParser, default_preset: str | Non
     p.add_argument("--preset", choices=sorted(warmup.PRESETS),
                    help=f"named set of geometries ({presets}){default}; not with --heads, "
                         "--q-dtype / --kv-dtype / --arch narrow it")
-    p.add_argument("--heads", action="append", metavar="HQ/HKV", help="query/KV heads, repeatable or comma-separated (e.g. 64/4)")
-    p.add_argument("--q-dtype", action="append", metavar="DTYPES", help="query dtypes: bf16,fp8 (default: both)")
-    p.add_argument("--kv-dtype", action="append", metavar="FORMATS",
-                   help="KV cache formats: fp8,nvfp4 (default: fp8; a preset: both)")
-    p.add_argument("--arch", action="append", metavar="ARCHES",
-                   help=f"{','.join(DEFAULT_ARCHES)}, the arches msa-jit builds for (the arch-specific 'a' targets; "
-                        "sm_90 / sm_100 are refused); default: $MSA_JIT_ARCH, else this GPU's arch, else all of them")
+    add_heads_argument(p, f"default: --preset {default_preset}'s" if default_preset else "not with --preset")
+    add_dtype_arguments(p, "default: both, or the preset's", "default: fp8, or the preset's")
+    add_arch_argument(p, f"{','.join(DEFAULT_ARCHES)}, the arches msa-jit builds for (the arch-specific 'a' "
+                         "targets; sm_90 / sm_100 are refused); default: $MSA_JIT_ARCH, else this GPU's arch, "
+                         "else all of them")
     p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE, help=f"KV page size (default {DEFAULT_PAGE_SIZE})")
     p.add_argument("--topk-blocks", type=int, default=DEFAULT_TOPK_BLOCKS,
                    help=f"top-k blocks per token (default {DEFAULT_TOPK_BLOCKS})")
     p.add_argument("--cache-dir", help="cache root for this run (sets MSA_JIT_CACHE_DIR for the workers)")
     p.add_argument("--jobs", "-j", type=positive_int, default=None,
-                   help="parallel compile processes, >= 1 (default min(4, CPUs))")
+                   help="parallel compile processes, >= 1 (default min(4, CPUs); never more than the CPUs, nor "
+                        f"than the available memory holds at ~{warmup.WORKER_RSS_BYTES // 1024**2} MiB each)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress output")

@@ -13,14 +13,11 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
 from typing import Any
 
-from ..jit import compiler, registry, sass
-from ..tools import warmup
 from ..geometry import build_suffix
-from .common import add_geometry_arguments, add_json_argument, check_output_path, emit_json, format_table, \
-    interrupted, warm_geometry_flags
+from .common import add_geometry_arguments, add_json_argument, emit_json, format_table, interrupted, \
+    json_path_problem, text_stream, warm_geometry_flags
 
 HELP = "compile (if needed) and summarize kernels: registers, shared memory, spills, MMA"
 DEFAULT_PRESET = "minimax-m3"
@@ -44,6 +41,8 @@ def short_kernel_name(name: str) -> str:
 def _dynamic_smem(config, kernel: str, memo: dict) -> int | None:
     """Dynamic shared memory of `kernel` of config's artifact: the decode kernel's Storage struct,
     0 for the others (the split merge); None when it cannot be computed (no DSL here)."""
+    from ..jit import compiler, registry
+
     if short_kernel_name(kernel) != registry.KERNEL_REGISTRY[registry.kernel_family(config)].module:
         return 0
     if config not in memo:
@@ -71,9 +70,10 @@ def _smem(o: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Handler of `msa-jit inspect`."""
-    problem = check_output_path(args.json)
-    if problem:
-        print(f"msa-jit inspect: --json {args.json}: {problem}", file=sys.stderr)
+    from ..jit import registry, sass
+    from ..tools import warmup
+
+    if json_path_problem(args, "inspect"):
         return 2
     try:  # the artifacts are read before this process exits: a temporary cache will do
         rows = warm_geometry_flags(args, "inspect", allow_ephemeral=True, default_preset=DEFAULT_PRESET)
@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
                                 "", "", "", "", _first_line(o["error"])]
          for o in out],
     )
-    text = sys.stderr if args.json == "-" else sys.stdout  # stdout is the JSON then
+    text = text_stream(args)  # stderr when the JSON is on stdout
     print(table, file=text)
     print("smem: bytes of shared memory per CTA, the launch's dynamic part (the kernel's storage struct,\n"
           "and a cluster merge's receive buffer) plus the static one", file=text)

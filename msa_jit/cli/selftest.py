@@ -14,31 +14,28 @@ import time
 HELP = "hardware check of this GPU: correctness on the full grid, then bench"
 
 
-def _arch(text: str) -> str:
-    from .. import env
-
-    try:
-        return env.parse_arch(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """--arch, --quick, --no-bench, --out, --iters."""
-    p.add_argument("--arch", default=None, type=_arch,
-                   help="expected arch of this GPU (sm_90a or sm_100a); refuse if it differs")
+    from ..tools.bench.grid import RESULTS_DIR
+    from .common import add_arch_argument, positive_int
+
+    add_arch_argument(p, "expected arch of this GPU (sm_90a or sm_100a, one: the selftest checks the GPU it runs "
+                         "on); refuse if it differs")
     p.add_argument("--quick", action="store_true", help="a subset of the grid (qlen 1/4, batch 1/16)")
     p.add_argument("--no-bench", action="store_true", help="stop after the correctness grid")
-    from ..tools.bench import RESULTS_DIR
-
-    p.add_argument("--out", default=RESULTS_DIR, help="folder for the bench JSON/PNG")
-    from .common import positive_int
-
+    p.add_argument("--out", default=RESULTS_DIR, help="folder for the bench JSON/PNG (default: %(default)s)")
     p.add_argument("--iters", type=positive_int, default=50, help="timed graph replays per bench figure (default 50)")
 
 
 def run(args: argparse.Namespace) -> int:
     """Handler of `msa-jit selftest`."""
+    from .common import arches_from, one_of
+
+    try:
+        expected = one_of("--arch", arches_from(args), "the selftest checks the GPU it runs on")
+    except ValueError as e:
+        print(f"msa-jit selftest: {e}", file=sys.stderr)
+        return 2
     import torch
 
     from ..tools import selftest
@@ -49,8 +46,8 @@ def run(args: argparse.Namespace) -> int:
         print("msa-jit selftest needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
         return 2
     arch = device_arch(0)
-    if args.arch and args.arch != arch:
-        print(f"--arch {args.arch} given, but this GPU is {arch} ({torch.cuda.get_device_name()}): "
+    if expected and expected != arch:
+        print(f"msa-jit selftest: --arch {expected} given, but this GPU is {arch} ({torch.cuda.get_device_name()}): "
               "the selftest checks the GPU it runs on", file=sys.stderr)
         return 2
     family = kernel_family(SparseDecodeConfig(num_q_heads=64, num_kv_heads=4, arch=arch))

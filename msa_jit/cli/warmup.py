@@ -4,7 +4,8 @@ Geometries come from flags (`--heads 64/4 --q-dtype bf16,fp8 --kv-dtype fp8,nvfp
 sm_90a,sm_100a`) or a preset (`--preset minimax-m3`); the work is `msa_jit.tools.warmup.run_warmup`.
 Prints a closing table; exit 1 if a geometry failed or if no persistent cache directory is
 usable (nothing would be kept), 2 for flags naming nothing it can build (or a --json FILE that
-cannot be written: checked first), 130 on Ctrl-C (one line on stderr: what finished, what did not).
+cannot be written, or a cache root that is no directory: checked first), 130 on Ctrl-C (one
+line on stderr: what finished, what did not).
 """
 
 from __future__ import annotations
@@ -13,14 +14,15 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-from ..jit import cache
 from .. import env
-from ..tools import warmup
 from ..geometry import build_suffix
-from .common import add_geometry_arguments, add_json_argument, check_output_path, emit_json, format_table, \
-    interrupted, warm_geometry_flags
+from .common import add_geometry_arguments, add_json_argument, emit_json, format_table, interrupted, \
+    json_path_problem, text_stream, warm_geometry_flags
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..tools import warmup
 
 HELP = "compile kernels for geometries into the cache (no GPU needed)"
 
@@ -39,6 +41,8 @@ def _occupancy(config) -> str:
 def render(rows: Sequence[warmup.WarmupRow]) -> str:
     """The closing table (the cache key's first 12 digits, the cache dirs once below), failures'
     errors, and the `N compiled, M cached, K failed` line."""
+    from ..tools import warmup
+
     table = format_table(
         ["geometry", "q", "kv", "arch", "CTAs/SM", "status", "seconds", "key"],
         [[r.geometry, r.q, r.kv, r.config.arch, _occupancy(r.config), r.status, f"{r.seconds:.2f}",
@@ -67,10 +71,11 @@ def render(rows: Sequence[warmup.WarmupRow]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Handler of `msa-jit warmup`."""
+    from ..jit import cache
+    from ..tools import warmup
+
     t0 = time.perf_counter()
-    problem = check_output_path(args.json)
-    if problem:
-        print(f"msa-jit warmup: --json {args.json}: {problem}", file=sys.stderr)
+    if json_path_problem(args, "warmup"):
         return 2
     try:
         rows = warm_geometry_flags(args, "warmup")
@@ -81,8 +86,7 @@ def run(args: argparse.Namespace) -> int:
         return interrupted("warmup", e)
     if rows is None:
         return 2
-    # with the JSON on stdout the table goes to stderr, so stdout parses
-    print(render(rows), file=sys.stderr if args.json == "-" else sys.stdout)
+    print(render(rows), file=text_stream(args))  # stderr when the JSON is on stdout
     if args.json:
         emit_json(args.json, warmup.json_document(rows, wall_seconds=round(time.perf_counter() - t0, 3)))
     return 1 if warmup.summary(rows)["failed"] else 0

@@ -2,7 +2,10 @@
 
 `collect()` gathers the report as a JSON-able dict, `render(report)` words it. Every probe
 catches its own errors and reports them, so neither raises. It never imports the DSL
-compiler (`cutlass`) and never compiles: preset readiness is a cache lookup.
+compiler (`cutlass`), never compiles, and changes nothing on disk: the cache is resolved as a
+process would resolve it but without creating anything (`resolve(create=False)`), and preset
+readiness reads each entry's meta.json and artifact sizes without a lookup (which would
+refresh the entry's last-used time, the LRU prune's clock, and remove a corrupt entry).
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ def _build_suffix(row: dict[str, Any]) -> str:
 def _probe(fn: Callable[[], Any]) -> Any:
     try:
         return fn()
+    except (KeyboardInterrupt, SystemExit):  # Ctrl-C / SIGTERM stop the report, they are no probe's result
+        raise
     except BaseException as e:  # never raise: report instead
         return {"error": f"{type(e).__name__}: {e}"}
 
@@ -131,15 +136,46 @@ def probe_toolchain() -> dict[str, Any]:
     return {"dsl_compiler": compiler, "runtime_library": runtime, "nvdisasm": _probe(sass.find_nvdisasm)}
 
 
-def probe_cache(cache_dir: str | None = None) -> dict[str, Any]:
-    """Cache root, state (ok / fallback / ephemeral), entries and size."""
+def _open_cache(cache_dir: str | None):
+    """The cache a process would use, opened without creating anything (no fallback warning: the
+    report says it)."""
+    import warnings
+
     from ..jit import cache
 
-    c = cache.open_cache(cache_dir)
-    state = "ephemeral (deleted at exit)" if c.ephemeral else ("fallback" if c.fallback_reason else "ok")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", cache.CacheFallbackWarning)
+        return cache.open_cache(cache_dir, create=False)
+
+
+def probe_cache(cache_dir: str | None = None) -> dict[str, Any]:
+    """Cache root, state (ok / fallback / ephemeral), entries and size."""
+    c = _open_cache(cache_dir)
+    state = ("ephemeral (an in-process temporary directory, deleted at exit)" if c.ephemeral
+             else "fallback" if c.fallback_reason else "ok" if c.exists else "ok, no cache there yet")
     return {"root": str(c.root), "state": state, "fallback_reason": c.fallback_reason,
             "readonly_roots": [str(r) for r in c.readonly_roots], "entries": len(c.entries()),
-            "size_bytes": c.size_bytes(), "cap_bytes": _probe(env.cache_max_bytes)}
+            "size_bytes": c.size_bytes() if c.exists else 0, "cap_bytes": _probe(env.cache_max_bytes)}
+
+
+def _present(c: Any, key: str) -> tuple[bool, str | None, str | None]:
+    """(ready, entry dir, problem) of `key` in cache `c`, read without changing anything: its
+    meta.json parses and names artifacts of the recorded sizes (no hash: `msa-jit cache verify`)."""
+    from ..jit.cache.entry import CorruptEntry, check_artifacts, read_meta
+
+    for root in (c.root, *c.readonly_roots):
+        d = c.entry_path(key, root)
+        try:
+            loaded = read_meta(d, key)
+            if loaded is None:
+                continue
+            check_artifacts(d, loaded[0], loaded[1], hash_check=False)
+        except CorruptEntry as e:
+            return False, str(d), f"corrupt: {e.reason}"
+        except OSError as e:
+            return False, str(d), f"{type(e).__name__}: {e}"
+        return True, str(d), None
+    return False, None, None
 
 
 def probe_env() -> list[dict[str, Any]]:
@@ -175,10 +211,10 @@ def target_arches(gpu: dict[str, Any]) -> list[str]:
 def probe_presets(arches: list[str], cache_dir: str | None = None) -> list[dict[str, Any]]:
     """Which MiniMax-M3 preset geometries (head layouts x query dtypes x KV cache formats x
     occupancies) are in the cache for each arch (lookup only)."""
-    from ..jit import cache, compiler
+    from ..jit import compiler, registry
     from ..geometry import (KV_DTYPE_SHORT, KV_DTYPES, MINIMAX_M3_GEOMETRIES, Q_DTYPE_SHORT, Q_DTYPES, SparseDecodeConfig)
 
-    c = cache.open_cache(cache_dir)
+    c = _open_cache(cache_dir)
     rows = []
     for arch in arches:
         for hq, hkv in MINIMAX_M3_GEOMETRIES:
@@ -191,9 +227,9 @@ def probe_presets(arches: list[str], cache_dir: str | None = None) -> list[dict[
                                                "ctas_per_sm": cfg.ctas_per_sm, "kernel": cfg.kernel,
                                                "split_merge": cfg.split_merge}
                         try:
-                            entry = c.lookup(compiler.cache_key(cfg))
-                            row["ready"] = entry is not None
-                            row["path"] = str(entry.path) if entry else None
+                            row["ready"], row["path"], problem = _present(c, compiler.cache_key(cfg))
+                            if problem:
+                                row["error"] = problem
                         except Exception as e:
                             row["ready"], row["error"] = False, f"{type(e).__name__}: {e}"
                         rows.append(row)

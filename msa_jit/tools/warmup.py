@@ -189,8 +189,37 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
+_terminating = False  # this worker got SIGTERM: it exits, whatever the build does with the exception
+
+
 def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    global _terminating
+    _terminating = True
     raise SystemExit(128 + signum)  # unwinds the build: its temp dir is deleted, its lock released
+
+
+def _exit_quietly(code: int) -> None:
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    # skip the interpreter's teardown: over a second with torch imported, past the
+    # parent's grace period (STOP_GRACE_S) on a small machine
+    os._exit(code)
+
+
+def _unraisable(hook: Callable[[Any], None]) -> Callable[[Any], None]:
+    """sys.unraisablehook of a worker: SIGTERM's SystemExit raised where it cannot propagate (a
+    __del__, a callback of the compiler's C++) ends the worker at once, instead of being printed
+    as an ignored exception while the build goes on; anything else as before."""
+    def unraisable(u: Any) -> None:
+        if _terminating and issubclass(u.exc_type, SystemExit):
+            _exit_quietly(u.exc_value.code if isinstance(getattr(u.exc_value, "code", None), int) else 143)
+        hook(u)
+
+    return unraisable
 
 
 def _worker_main(conn: Any, root: str, readonly_roots: tuple[str, ...], protect: tuple[str, ...]) -> None:
@@ -199,18 +228,15 @@ def _worker_main(conn: Any, root: str, readonly_roots: tuple[str, ...], protect:
     `compile_one`'s result."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    from ..logs import configure_logging
-
-    configure_logging()
+    sys.unraisablehook = _unraisable(sys.unraisablehook)
     try:
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        from ..logs import configure_logging
+
+        configure_logging()
         _serve(conn, root, readonly_roots, protect)
     except SystemExit as e:  # SIGTERM: the build has unwound (temp dir deleted, lock released)
-        logging.shutdown()
-        sys.stderr.flush()
-        # skip the interpreter's teardown: over a second with torch imported, past the
-        # parent's grace period (STOP_GRACE_S) on a small machine
-        os._exit(e.code if isinstance(e.code, int) else 1)
+        _exit_quietly(e.code if isinstance(e.code, int) else 1)
 
 
 def _serve(conn: Any, root: str, readonly_roots: tuple[str, ...], protect: tuple[str, ...]) -> None:
@@ -259,6 +285,8 @@ def compile_one(cfg_dict: dict[str, Any], c: cache.ArtifactCache | None = None,
             e = cache.ArtifactMissingError(e.describe, e.key, e.roots, e.warmup_hint, corrupt=corrupt)
         return _failed(plain_text(f"{type(e).__name__}: {e}"), time.perf_counter() - t0)
     except Exception as e:  # report, keep the worker; SIGTERM's SystemExit ends it
+        if _terminating:  # SIGTERM's SystemExit, caught and wrapped by the compiler: end the worker still
+            raise SystemExit(143) from None
         return _failed(plain_text(f"{type(e).__name__}: {e}"), time.perf_counter() - t0)
 
 
@@ -302,6 +330,11 @@ class _Pool:
         self.hurry = False
 
     def start(self) -> _Worker:
+        # spawn's Popen starts multiprocessing's resource tracker on first use, and unblocks SIGINT
+        # once it has: started here, before the block, so every worker starts with SIGINT blocked
+        from multiprocessing import resource_tracker
+
+        resource_tracker.ensure_running()
         parent_end, child_end = self._ctx.Pipe()
         proc = self._ctx.Process(target=_worker_main, args=(child_end, *self._args), daemon=True,
                                  name=f"msa-jit-warmup-{len(self.workers)}")
@@ -395,6 +428,52 @@ def _exit_text(code: int | None) -> str:
     return f"exit status {code}"
 
 
+# ----------------------------------------------------------------------------- how many workers
+# resident memory of one compile worker (a spawned interpreter with torch and the DSL compiler,
+# compiling one kernel): ~450 MiB measured; the bound below keeps a margin over it
+WORKER_RSS_BYTES = 512 * 1024**2
+DEFAULT_JOBS = 4  # with no --jobs: at most this many (and at most the CPUs)
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where there is no such file or line)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def cpu_count() -> int:
+    """CPUs this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def worker_limit(jobs: int | None) -> tuple[int, str | None]:
+    """(compile processes to start at most, why that is fewer than asked or None): `jobs`
+    (default min(DEFAULT_JOBS, CPUs)), bounded by the CPUs and by MemAvailable at
+    WORKER_RSS_BYTES each; always at least one."""
+    cpus = cpu_count()
+    want = jobs if jobs is not None else min(DEFAULT_JOBS, cpus)
+    mem = available_memory_bytes()
+    by_memory = max(1, mem // WORKER_RSS_BYTES) if mem is not None else want
+    n = max(1, min(want, cpus, by_memory))
+    if n >= want:
+        return n, None
+    why = []  # what binds
+    if cpus == n:
+        why.append(f"{cpus} CPU{'s' if cpus > 1 else ''}")
+    if by_memory == n:
+        why.append(f"{mem / 1024**3:.1f} GiB of memory available, ~{WORKER_RSS_BYTES // 1024**2} MiB per compile process")
+    return n, "; ".join(why)
+
+
 # ----------------------------------------------------------------------------- the warm-up
 def _keys_and_cached(rows: list[WarmupRow], c: cache.ArtifactCache) -> list[str]:
     """Set each row's key, mark rows already in the cache as cached (no compiler import, no
@@ -486,7 +565,8 @@ def run_warmup(
 ) -> list[WarmupRow]:
     """Ensure every config is compiled; returns one row per config (in the given order).
 
-    The cache root is resolved once, here, and the workers write exactly there. Raises
+    The cache root is resolved once, here, and the workers write exactly there; at most
+    `worker_limit(jobs)` of them run (`jobs`, bounded by the CPUs and the available memory). Raises
     CacheDirError when that root is an in-process temporary directory (nothing would outlive
     the warm-up) unless `allow_ephemeral` (`msa-jit inspect` reads the artifacts before it
     exits); WarmupInterrupted (a KeyboardInterrupt) on Ctrl-C, after cancelling the queued
@@ -508,7 +588,7 @@ def run_warmup(
         pending = deque(r for r in rows if r.status == "pending")
         if pending:
             pool = _Pool(c, keys)
-            for _ in range(max(1, min(jobs or min(4, os.cpu_count() or 1), len(pending)))):
+            for _ in range(min(worker_limit(jobs)[0], len(pending))):
                 pool.give(pool.start(), pending.popleft())
             while pool.busy():
                 for w, res in pool.wait():

@@ -26,6 +26,7 @@ from .errors import CacheDirError, describe_oserror
 __all__ = [
     "Resolution",
     "check_private_dir",
+    "home_directory",
     "not_a_directory",
     "pinned",
     "preferred_root",
@@ -44,13 +45,33 @@ def preferred_root() -> tuple[Path, str]:
     xdg = os.environ.get("XDG_CACHE_HOME", "")
     if xdg and os.path.isabs(xdg):
         return Path(xdg) / "msa-jit", "XDG_CACHE_HOME"
-    try:
-        home = Path.home()
-    except Exception:  # no HOME and no passwd entry (containers with arbitrary uids)
-        home = None
-    if home is not None and str(home) not in ("", "."):
+    home = home_directory()
+    if home is not None:
         return home / ".cache" / "msa-jit", "home directory"
     return user_temp_root(), "per-user temp dir"
+
+
+def home_directory() -> Path | None:
+    """The home directory, or None when it cannot be determined: $HOME, else (unset or empty: an
+    empty HOME is no home, though Python's expanduser reads it as "/") the password database's
+    entry for this uid. A relative one (HOME=".", a container user without a home) is none
+    either: the cache would move with the working directory."""
+    home = os.environ.get("HOME")
+    if home is not None and home.strip() == "":
+        home = None
+    if home is None:
+        try:
+            import pwd
+
+            home = pwd.getpwuid(os.getuid()).pw_dir
+        except (ImportError, KeyError, OSError, AttributeError):  # no passwd entry (an arbitrary uid), Windows
+            try:
+                home = str(Path.home()) if "HOME" not in os.environ else None
+            except (RuntimeError, KeyError, OSError):
+                home = None
+    if not home or not os.path.isabs(home):
+        return None
+    return Path(home)
 
 
 def _user_tag() -> str:
@@ -103,12 +124,20 @@ def probe_writable(root: Path) -> str | None:
 
 
 def check_private_dir(path: Path) -> str | None:
-    """The per-user temp dir must be ours and private (we dlopen what is in it)."""
+    """The per-user temp dir must be ours and private (we dlopen what is in it); created (0700)
+    when it does not exist."""
     try:
-        try:
-            os.mkdir(path, 0o700)
-        except FileExistsError:
-            pass
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        return describe_oserror(e)
+    return _private_dir_problem(path)
+
+
+def _private_dir_problem(path: Path) -> str | None:
+    """Why the existing ``path`` is no private directory of this user (None when it is one)."""
+    try:
         st = os.lstat(path)
     except OSError as e:
         return describe_oserror(e)
@@ -151,23 +180,97 @@ def _absolute(path: os.PathLike | str) -> Path:
     return Path(os.path.abspath(os.path.expanduser(os.fspath(path))))
 
 
-def _creatable(root: Path) -> bool:
-    """Whether ``root``, or its nearest existing ancestor, is a directory in which a
-    directory can be made (so that creating it is what a first use would do, not a fallback).
+def _creatable(root: Path) -> str | None:
+    """Why ``root``, which does not exist, could not be created by a first use (None when it
+    could): its nearest existing ancestor must be a directory in which a directory can be made.
     Asked by making and removing a probe directory there: permission bits do not tell (root
     passes every access check, and still cannot create under /sys or /proc)."""
     p = root
     while not os.path.lexists(p):
         if p.parent == p:
-            return False
+            return f"no ancestor of {root} exists"
         p = p.parent
-    if not os.path.isdir(p):
-        return False
+    why = not_a_directory(p)
+    if why is not None:
+        return why
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".msa-jit-probe-", dir=p))
-    except OSError:
-        return False
-    return True
+    except OSError as e:
+        return f"cannot create a directory in {p} ({describe_oserror(e)})"
+    return None
+
+
+def _writable_as_is(root: Path) -> str | None:
+    """Why the existing cache tree ``root/v1`` could not be written (None when it could), asked
+    without writing: no directory of it may be anything else, the filesystem may not be
+    read-only or full, and this process needs write and search access to v1/ and to what of
+    tmp/ and locks/ exists."""
+    v1 = root / LAYOUT
+    for d in (root, v1, v1 / "tmp", v1 / "locks"):
+        why = not_a_directory(d)
+        if why is not None:
+            return why
+    try:
+        st = os.statvfs(v1)
+    except (OSError, AttributeError) as e:
+        if isinstance(e, OSError):
+            return describe_oserror(e)
+        st = None
+    if st is not None:
+        if st.f_flag & getattr(os, "ST_RDONLY", 1):
+            return f"{v1} is on a read-only filesystem"
+        if st.f_bavail == 0:
+            return f"the filesystem of {v1} is full"
+    for d in (v1, v1 / "tmp", v1 / "locks"):
+        if os.path.isdir(d) and not os.access(d, os.W_OK | os.X_OK):
+            return f"{d} is not writable by this user"
+    return None
+
+
+def _view(pref: Path, source: str) -> Resolution:
+    """`resolve(create=False)`: the root a process would choose, found without creating anything
+    (no root, no per-user temp dir, no v1/ tree, no in-process temp dir): a root that does not
+    exist and could be created is reported as it is (``exists=False``: an empty cache); a root
+    without a usable tree falls back as at run time, and the message is the one a process
+    would print."""
+    user_tmp = user_temp_root()
+    candidates = [pref] if pref == user_tmp else [pref, user_tmp]
+    rejected: list[tuple[Path, str]] = []
+    readonly: list[Path] = []
+    for c in candidates:
+        exists = os.path.lexists(c / LAYOUT)
+        if c == user_tmp and os.path.lexists(c):
+            reason = _private_dir_problem(c)
+        else:
+            reason = None
+        if reason is None:
+            reason = _writable_as_is(c) if exists else (
+                not_a_directory(c) if os.path.lexists(c) and not os.path.isdir(c) else _creatable(c / LAYOUT))
+        if reason is None:
+            message = None
+            if rejected:
+                message = _fallback_message(rejected, c, False, readonly)
+            return Resolution(pref, source, c, tuple(readonly), False, message, exists=exists)
+        if readable_v1(c):
+            readonly.append(c)
+        rejected.append((c, reason))
+    where = Path(tempfile.gettempdir()) / "msa-jit-XXXXXXXX"  # what mkdtemp would make: nothing is made here
+    return Resolution(pref, source, where, tuple(readonly), True, _fallback_message(rejected, where, True, readonly),
+                      exists=False)
+
+
+def _fallback_message(rejected: list[tuple[Path, str]], chosen: Path, ephemeral: bool, readonly: list[Path]) -> str:
+    parts = [f"cannot use {p} ({r})" for p, r in rejected]
+    message = f"msa-jit cache: {'; '.join(parts)}; using {chosen} instead"
+    if ephemeral:
+        message += (
+            " (an in-process temporary directory deleted at exit: compiled kernels will "
+            "not be reused by other processes)"
+        )
+    if readonly:
+        message += f". Artifacts already in {', '.join(map(str, readonly))} are still used read-only"
+    message += f". Set {env.CACHE_DIR} to a writable directory to silence this warning."
+    return message
 
 
 def pinned(root: os.PathLike | str, readonly: tuple[os.PathLike | str, ...] = ()) -> Resolution:
@@ -185,15 +288,18 @@ def resolve(requested: os.PathLike | str | None, *, create: bool = True) -> Reso
     """Choose the cache root for ``ArtifactCache(requested)`` (docs/cache.md §1): the
     preferred root, else the private per-user temp dir, else an in-process temp dir.
 
-    ``create=False`` (the maintenance commands): a preferred root without a ``v1/`` tree that
-    a first use would simply create is reported as it is (``exists=False``: an empty cache)
-    instead of being created; an unusable one still falls back, as it would at run time."""
+    ``create=False`` (the maintenance commands, doctor): the same choice, found without
+    creating or writing anything (`_view`): a root without a ``v1/`` tree that a first use would
+    simply create is reported as it is (``exists=False``: an empty cache); an unusable one
+    falls back, as it would at run time, to the per-user temp dir (``exists=False`` when there
+    is none yet) or, where neither is usable, to an in-process temp dir (``ephemeral``; its
+    name is mkdtemp's pattern, no directory is made)."""
     if requested is None:
         pref, source = preferred_root()
     else:
         pref, source = _absolute(requested), "argument"
-    if not create and not os.path.lexists(pref / LAYOUT) and _creatable(pref):
-        return Resolution(pref, source, pref, (), False, None, exists=False)
+    if not create:
+        return _view(pref, source)
     user_tmp = user_temp_root()
     candidates = [pref] if pref == user_tmp else [pref, user_tmp]
     rejected: list[tuple[Path, str]] = []
@@ -225,16 +331,5 @@ def resolve(requested: os.PathLike | str | None, *, create: bool = True) -> Reso
         reason = probe_writable(chosen)
         if reason is not None:
             raise CacheDirError(f"msa-jit: temporary cache directory {chosen} is unusable ({reason})")
-    message = None
-    if rejected:
-        parts = [f"cannot use {p} ({r})" for p, r in rejected]
-        message = f"msa-jit cache: {'; '.join(parts)}; using {chosen} instead"
-        if ephemeral:
-            message += (
-                " (an in-process temporary directory deleted at exit: compiled kernels will "
-                "not be reused by other processes)"
-            )
-        if readonly:
-            message += f". Artifacts already in {', '.join(map(str, readonly))} are still used read-only"
-        message += f". Set {env.CACHE_DIR} to a writable directory to silence this warning."
+    message = _fallback_message(rejected, chosen, ephemeral, readonly) if rejected else None
     return Resolution(pref, source, chosen, tuple(readonly), ephemeral, message)

@@ -1,4 +1,4 @@
-"""`msa-jit bench`: the performance grid, measured as METHOD.md says.
+"""`msa-jit bench`: the performance grid, measured as docs/performance.md ("How msa-jit measures") says.
 
 Every figure is a CUDA-graph replay with L2 flushed (by reading) before each replay, after a
 warm-up, median taken; every bandwidth is also a ratio to a 2 GiB device-to-device copy
@@ -11,18 +11,38 @@ one prologue, then L layers in one graph; `per_layer` rows give what one more la
 
 Modules: `timing` (how things are timed), `steps` (random fp8 / NVFP4 decode steps, byte
 accounting), `readers` (Triton read-only kernels: the 2 GiB stream, the floor probe; imports
-triton), `grid` (which rows, pure Python), `measure` (timing them: `run_grid`, `main`), `report` (README tables, plot,
-regression check). The names below are what bench/*.py and
-the CLI import.
+triton), `grid` (which rows, pure Python), `measure` (timing them: `run_grid`, `main`), `report` (result tables, plot,
+regression check), `peers` (other decode kernels timed beside msa-jit). The names below are what bench/*.py and
+the CLI import; all but `grid`'s are imported on first use.
 """
 
 from __future__ import annotations
 
-from .grid import (FLOOR_BATCHES, GRID_BATCHES, GRID_GEOMETRIES, GRID_KV_DTYPES, GRID_QLENS, NUM_LAYERS, QUICK_QLENS, QUICK_SHARED_POINTS, RESULTS_DIR, SHARED_BLOCKS, SHARED_POINTS, RowSpec, add_speedups, grid_rows)
-from .measure import BenchPoint, environment, host_overheads, main, measure_row, per_layer, run_grid
-from .report import compare_with_baseline, latest_result, plot, result_tables, regressions
-from .steps import (BLOCK_BYTES, FP8_KV, GEOMETRIES, NVFP4_BLOCK_BYTES, NVFP4_KV, StepIndices, block_bytes, decode, make_indices, make_kv_cache, make_step, prepare_args)
-from .timing import (copy_bandwidth, event_seconds, interleaved_issue_us, interleaved_per_call_us, issue_us, median_in_graph, per_call_us, time_graph, time_in_graph)
+import importlib
+from typing import Any
+
+from .grid import (FLOOR_BATCHES, FP8_KV, GEOMETRIES, GRID_BATCHES, GRID_GEOMETRIES, GRID_KV_DTYPES, GRID_QLENS, NUM_LAYERS, NVFP4_KV, QUICK_QLENS, QUICK_SHARED_POINTS, RESULTS_DIR, SHARED_BLOCKS, SHARED_POINTS, RowSpec, add_speedups, grid_rows)
+
+# name -> the module that defines it, imported on first use: `grid` (pure Python) is all that
+# `msa-jit bench --help` needs, the others import torch (and `readers` triton)
+_LAZY = {
+    **dict.fromkeys(("BenchPoint", "environment", "host_overheads", "main", "measure_row", "per_layer", "run_grid"),
+                    "measure"),
+    **dict.fromkeys(("compare_with_baseline", "latest_result", "plot", "result_tables", "regressions"), "report"),
+    **dict.fromkeys(("BLOCK_BYTES", "NVFP4_BLOCK_BYTES", "StepIndices", "block_bytes", "decode", "make_indices",
+                     "make_kv_cache", "make_step", "prepare_args"), "steps"),
+    **dict.fromkeys(("copy_bandwidth", "event_seconds", "interleaved_issue_us", "interleaved_per_call_us", "issue_us",
+                     "median_in_graph", "per_call_us", "time_graph", "time_in_graph"), "timing"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "BLOCK_BYTES", "FLOOR_BATCHES", "FP8_KV", "GEOMETRIES", "GRID_BATCHES", "GRID_GEOMETRIES", "GRID_KV_DTYPES",

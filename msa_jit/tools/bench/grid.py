@@ -10,7 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .steps import FP8_KV, GEOMETRIES, KV_DTYPES, NVFP4_KV
+from ...geometry import KV_DTYPES, MINIMAX_M3_GEOMETRIES
+
+# "Hq/Hkv" -> (Hq, Hkv) of every MiniMax-M3 layout (what bench points and scripts are named by)
+GEOMETRIES = {f"{hq}/{hkv}": (hq, hkv) for hq, hkv in MINIMAX_M3_GEOMETRIES}
+FP8_KV, NVFP4_KV = KV_DTYPES  # SparseDecodeConfig.kv_dtype names, also the bench JSON's kv_dtype
 
 # the grid of `msa-jit bench` and of the README's tables
 GRID_GEOMETRIES = ("64/4", "16/1", "8/1")

@@ -13,12 +13,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from ...geometry import DEFAULT_PAGE_SIZE, DEFAULT_TOPK_BLOCKS, HEAD_DIM, KV_DTYPES, MINIMAX_M3_GEOMETRIES
+from ...geometry import DEFAULT_PAGE_SIZE, DEFAULT_TOPK_BLOCKS, HEAD_DIM, KV_DTYPES
 from ...nvfp4 import NVFP4_ROW_BYTES
-
-# "Hq/Hkv" -> (Hq, Hkv) of every MiniMax-M3 layout (what bench points and scripts are named by)
-GEOMETRIES = {f"{hq}/{hkv}": (hq, hkv) for hq, hkv in MINIMAX_M3_GEOMETRIES}
-FP8_KV, NVFP4_KV = KV_DTYPES  # SparseDecodeConfig.kv_dtype names, also the bench JSON's kv_dtype
+from .grid import FP8_KV, GEOMETRIES, NVFP4_KV  # noqa: F401 (defined with the grid, which imports no torch)
 PAGE = DEFAULT_PAGE_SIZE
 CTX_LEN = 16384
 # one (page, KV head) block of the fp8 cache: 128 tokens x (K 128 B + V 128 B) = 32 KiB
