@@ -38,7 +38,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's msa_jit, whatever is installed
 
 SCOPES = ("default", "opt_in")
-ARCHES = ("sm_90a", "sm_100a")
 PREFERRED = ("jit.compiler", "compiler", "tools.warmup", "warmup", "geometry")  # then every other module
 EM_CUDA = 190
 
@@ -153,7 +152,7 @@ def configs(scope: str, preset: str) -> list[Any]:
     plannable, union = lookup("plannable_configs"), lookup("union_configs")
     heads, q_dtypes, kv_dtypes = lookup("PRESETS")[preset]
     out: list[Any] = []
-    for (hq, hkv), q, kv, arch in itertools.product(heads, q_dtypes, kv_dtypes, ARCHES):
+    for (hq, hkv), q, kv, arch in itertools.product(heads, q_dtypes, kv_dtypes, lookup("DEFAULT_ARCHES")):
         base = lookup("SparseDecodeConfig")(hq, hkv, q_dtype=q, kv_dtype=kv, arch=arch)
         planned = plannable(base)
         picked = planned if scope == "default" else [c for c in union(base) if c not in planned]

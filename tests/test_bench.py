@@ -632,7 +632,7 @@ def test_issue_us_raises_when_the_gpu_never_holds(monkeypatch):
 ])
 def test_environment_records_the_command_as_typed(monkeypatch, argv, want):
     """A bench/ script's file named a command that does not exist ('msa-jit run --dir ...' for
-    kv_format_ab.py): 89 result files before session 23."""
+    kv_format_ab.py), which could not be rerun from the file."""
     from msa_jit.tools.bench.measure import environment
 
     monkeypatch.setattr("sys.argv", argv)

@@ -406,7 +406,10 @@ def test_cache_clear_refuses_a_fallback_root(tmp_path, capsys, cli_logging):
     blocker.write_text("x")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CacheFallbackWarning)
-        rc, out, err = run_main(["cache", "clear", "--yes", "--cache-dir", str(blocker)], capsys)
+        # a configured root that cannot be made (its parent is a file): a process falls back to `shared`
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("MSA_JIT_CACHE_DIR", str(blocker / "c"))
+            rc, out, err = run_main(["cache", "clear", "--yes"], capsys)
     assert rc == 2 and "refusing" in err and str(shared) in err and str(blocker) in err
     assert kept.path.exists()
     rc, out, err = run_main(["cache", "clear", "--yes", "--cache-dir", str(shared)], capsys)  # asked for by name

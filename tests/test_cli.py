@@ -490,10 +490,10 @@ def test_inspect_one_geometry(warm, tmp_path, monkeypatch):
     # the cluster-merge build's two decode kernels (cluster and plain launch) are numbered, not twin rows; the
     # fp8 cluster build is the dims-split kernel (msa_jit/kernels/token_dims.py)
     cluster_rows = [line for line in out.splitlines() if "cluster merge" in line and "token_dims" in line]
-    assert [re.search(r"token_dims( #\d)?", line).group(0) for line in cluster_rows] == [
-        "token_dims #1", "token_dims #2"], out
-    assert "#1 / #2: a cluster-merge build compiles its decode kernel for two launches" in out
-    assert not re.search(r"(?<!cluster merge)  (token|token_dims|union) #", out)  # other builds: one kernel
+    assert [re.search(r"token_dims( \(\d\))?", line).group(0) for line in cluster_rows] == [
+        "token_dims (1)", "token_dims (2)"], out
+    assert "(1) / (2): a cluster-merge build compiles its decode kernel for two launches" in out
+    assert not re.search(r"(?<!cluster merge)  (token|token_dims|union) \(", out)  # other builds: one kernel
 
     from msa_jit.jit import sass
 
@@ -508,7 +508,7 @@ def test_inspect_one_geometry(warm, tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_inspect_smem_is_what_the_launch_uses(warm, tmp_path):
-    """#21 item 11: "smem" was the static shared memory only (1024 B for every kernel); the decode
+    """The "smem" column: it was the static shared memory only (1024 B for every kernel); the decode
     kernel runs on its dynamic Storage struct: >= 2 KV stages of a 128-token page (2 x 32 KiB),
     within the SM's 228 KiB at its occupancy."""
     js = tmp_path / "inspect.json"
@@ -538,7 +538,7 @@ def test_inspect_smem_is_what_the_launch_uses(warm, tmp_path):
 
 @pytest.mark.slow
 def test_inspect_without_nvdisasm_shows_resources(warm, monkeypatch):
-    """#21 item 11: without nvdisasm (the main-job install had none) every row was an ERROR; now
+    """Without nvdisasm (the main-job install had none) every row was an ERROR; now
     registers and shared memory are shown, and one line says what is missing."""
     from msa_jit.jit import sass
 
@@ -572,7 +572,7 @@ def test_nvdisasm_of_the_core_install(mode, found, monkeypatch, tmp_path):
 
 @pytest.mark.slow
 def test_warmup_nvfp4_compiles(tmp_path):
-    """#18: `msa-jit warmup --heads 64/4 --q-dtype bf16 --kv-dtype nvfp4 --arch sm_90a` builds the
+    """`msa-jit warmup --heads 64/4 --q-dtype bf16 --kv-dtype nvfp4 --arch sm_90a` builds the
     NVFP4 kernel (both occupancies, and the 2-CTA cluster-merge build); the cache lists it as kv nvfp4."""
     root, js = tmp_path / "cache", tmp_path / "w.json"
     rc, out, err = run_main(["warmup", "--heads", "64/4", "--q-dtype", "bf16", "--kv-dtype", "nvfp4", "--arch", "sm_90a",

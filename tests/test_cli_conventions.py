@@ -1,4 +1,4 @@
-"""The `msa-jit` command's conventions and messages (issue #21 items 9, 10, 12, 13; #18's flags).
+"""The `msa-jit` command's conventions and messages (arches, variables, flags, errors).
 
 No kernel is compiled here: where a warm-up would run, `warmup.run_warmup` is replaced by a
 stand-in that records its configs (named `fake_run`), or the command must stop before it.
@@ -525,7 +525,7 @@ def test_no_numpy_warning_without_numpy(tmp_path):
     assert "NumPy" not in p.stderr, p.stderr
 
 
-# ----------------------------------------------------------------------------- #18: --kv-dtype
+# ----------------------------------------------------------------------------- --kv-dtype
 def test_kv_dtype_flag(fake_run):
     rc, out, _ = run_main(["warmup", "--heads", "64/4", "--q-dtype", "bf16", "--kv-dtype", "fp8,nvfp4",
                            "--arch", "sm_90a", "-q"])

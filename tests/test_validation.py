@@ -638,7 +638,7 @@ def test_one_set_of_parameter_names():
     assert build_parser().parse_args(["bench", "--decode-query-len", "1,2"]).decode_query_len == ["1,2"]
 
 
-# ----------------------------------------------------------------------------- issue #21 item 9: arches
+# ----------------------------------------------------------------------------- arches
 @pytest.mark.parametrize("arch, says", [("sm_80", "not one msa-jit builds for"), ("sm_120a", "not one msa-jit"),
                                         ("sm_90", "baseline target"), ("sm_100f", "family target")])
 def test_unsupported_arches_are_refused_with_the_list(arch, says, monkeypatch):
@@ -664,7 +664,7 @@ def test_unsupported_arches_are_refused_with_the_list(arch, says, monkeypatch):
         assert supports(num_q_heads=64, num_kv_heads=4, page_size=128, topk_blocks=16, arch=ok)
 
 
-# ----------------------------------------------------------------------------- issue #21 item 14
+# ----------------------------------------------------------------------------- meta tensors
 def test_prepare_refuses_meta_tensors():
     a = _prepare_base()
     a.update(block_table=a["block_table"].to("meta"), seq_lens=a["seq_lens"].to("meta"))

@@ -606,20 +606,13 @@ def _preflight() -> dict[str, Any]:
 
         configs = warmup.warmup_configs([(64, 4)], ["bfloat16", "float8_e4m3fn"], ["sm_90a"],
                                         kv_dtypes=["float8_e4m3fn", "nvfp4"])
+        from msa_jit.jit import cache as msa_cache
+
+        store = msa_cache.default_cache()
         missing = []
-        saved = os.environ.get("MSA_JIT_NO_COMPILE")
-        os.environ["MSA_JIT_NO_COMPILE"] = "1"  # look up only: never compile here
-        try:
-            for cfg in configs:
-                try:
-                    compiler.ensure_compiled(cfg)
-                except Exception as e:  # noqa: BLE001
-                    missing.append(f"{cfg.describe()}: {type(e).__name__}: {str(e)[:300]}")
-        finally:
-            if saved is None:
-                del os.environ["MSA_JIT_NO_COMPILE"]
-            else:
-                os.environ["MSA_JIT_NO_COMPILE"] = saved
+        for cfg in configs:  # look up only: never compile here
+            if store.lookup(compiler.cache_key(cfg)) is None:
+                missing.append(f"{cfg.describe()}: no entry {compiler.cache_key(cfg)} in {store.root}")
         out["kernels"] = {"needed": len(configs), "missing": missing,
                           "fingerprint": compiler.fingerprint(configs[0])}
         if missing:

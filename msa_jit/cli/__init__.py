@@ -42,7 +42,6 @@ __all__ = ["build_parser", "main"]
 COMMANDS = ("warmup", "cache", "doctor", "inspect", "bench", "selftest")
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_PIPE = 0, 1, 2, 141
-EXIT_INTERRUPTED = common.EXIT_INTERRUPTED  # 130
 
 EPILOG = ("exit status: 0 done, 1 the work failed, 2 a usage or configuration error (before any work), "
           "130 interrupted, 141 stdout closed by its reader")
@@ -158,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             if main_thread:
                 signal.signal(signal.SIGINT, signal.SIG_IGN)  # first: a second Ctrl-C must not land in here
             common.say_interrupted(f"{name[0]}: interrupted")
-            rc = EXIT_INTERRUPTED
+            rc = common.EXIT_INTERRUPTED
         except BrokenPipeError:  # `msa-jit ... | head`: the reader is gone, as for any Unix tool (no message)
             _quiet_stdout()
             rc = EXIT_PIPE

@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
         if names[k] == 1:
             return k[1]
         seen[k] = seen.get(k, 0) + 1
-        return f"{k[1]} #{seen[k]}"
+        return f"{k[1]} ({seen[k]})"
 
     table = format_table(
         ["geometry", "q", "kv", "arch", "CTAs/SM", "kernel", "sm", "regs", "smem", "LDL/STL", "MMA"],
@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     print("smem: bytes of shared memory per CTA, the launch's dynamic part (the kernel's storage struct,\n"
           "and a cluster merge's receive buffer) plus the static one", file=text)
     if any(n > 1 for n in names.values()):
-        print("#1 / #2: a cluster-merge build compiles its decode kernel for two launches, in a cluster and plain\n"
+        print("(1) / (2): a cluster-merge build compiles its decode kernel for two launches, in a cluster and plain\n"
               "(one split, or clusters the GPU cannot hold)", file=text)
     if not with_sass:
         print(f"LDL/STL and MMA need the SASS, and nvdisasm was not found: {sass.NVDISASM_HINT}; "
