@@ -11,6 +11,8 @@ import tempfile
 import pytest
 import torch
 
+pytest_plugins = ["pytester"]  # tests/test_vllm_files.py runs pytest on a guarded module
+
 _HAS_CUDA = torch.cuda.is_available()
 
 # Triton kernels run on CPU tensors only in interpreter mode, which must be chosen before
@@ -68,13 +70,17 @@ def launched_configs(monkeypatch):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
-    """Say it at the end when the real vLLM files were not found: the tests that read them skip
-    then, and a run that passes has not tested the engine fit (a clone not beside ../shared)."""
-    import vllm_standins as vs
-
+    """Say it at the end when vLLM's files were not available (the tests that read them skip then,
+    and a run that passes has not tested the engine fit), or were downloaded by this run."""
+    vf = sys.modules.get("vllm_files")  # imported by the engine tests only: nothing to say otherwise
+    if vf is None:
+        return
+    if vf.DOWNLOADED:
+        terminalreporter.write_line(f"NOTE: vLLM {vf.VERSION}'s files for the engine tests: {vf.SOURCE}")
     skipped = [r for r in terminalreporter.stats.get("skipped", [])
-               if vs.ENGINE_SKIP_REASON in str(getattr(r, "longrepr", ""))]
+               if vf.SKIP_PREFIX in str(getattr(r, "longrepr", ""))]
     if skipped:
+        n = len(skipped)
         terminalreporter.write_line(
-            f"NOTE: {len(skipped)} tests of the real vLLM engine files skipped: {vs.ENGINE_SKIP_REASON}",
+            f"NOTE: {n} test{'s' if n != 1 else ''} of the real vLLM engine files skipped: {vf.SKIP_REASON}",
             yellow=True, bold=True)

@@ -19,14 +19,14 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from vllm_standins import ENGINE_DIR
+from vllm_standins import engine_file
 
 from msa_jit.nvfp4 import dequantize_kv_nvfp4, nvfp4_kv_cache_shape, write_kv_nvfp4
 
 FP8 = torch.float8_e4m3fn
 D = 128
 PAGE = 128
-MODEL_PY = ENGINE_DIR / "model.py"
+MODEL_PY = engine_file("model.py")
 
 
 def oracle(q: torch.Tensor, kv_cache: torch.Tensor, topk: torch.Tensor, block_table: torch.Tensor,

@@ -69,3 +69,26 @@ def capture(step) -> torch.cuda.CUDAGraph:
         step()
     return graph
 
+
+
+def compile_without_warnings(config, out_dir) -> dict:
+    """compiler.compile_sparse_decode(config, out_dir), failing on any warning raised from msa_jit's own
+    files while it traces and builds (a deprecated DSL call, the DSL's optimization warnings, ...): every
+    warning is shown here, whatever filters the DSL or pytest installed (the DSL ignores its optimization
+    warnings from its first compile on, pytest restores the filters after each test)."""
+    import warnings
+    from pathlib import Path
+
+    import msa_jit
+    from msa_jit.jit import compiler
+
+    import cutlass.cute  # noqa: F401 - the DSL installs its warning filters when imported: ours go on top
+
+    package = Path(msa_jit.__file__).resolve().parent
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = compiler.compile_sparse_decode(config, out_dir)
+    ours = [f"{Path(w.filename).resolve().relative_to(package.parent)}:{w.lineno}: {w.category.__name__}: {w.message}"
+            for w in caught if Path(w.filename).resolve().is_relative_to(package)]
+    assert not ours, f"compiling {config.describe()} {config.arch} warned from msa_jit:\n" + "\n".join(ours)
+    return result

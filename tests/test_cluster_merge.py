@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+from helpers import compile_without_warnings
 
 from msa_jit.jit import sass
-from msa_jit.jit.compiler import compile_sparse_decode
 from msa_jit.geometry import SparseDecodeConfig
 from msa_jit.planner import DEFAULT_NUM_SMS, choose_ctas_per_sm, choose_num_splits
 
@@ -103,7 +103,7 @@ def _functions(tmp_path, split_merge, hq, hkv, kv_dtype="float8_e4m3fn"):
     """The shipped build of the config (the fp8 cluster build: msa_jit/kernels/token_dims.py)."""
     cfg = SparseDecodeConfig(num_q_heads=hq, num_kv_heads=hkv, kv_dtype=kv_dtype, arch="sm_90a", split_merge=split_merge)
     tmp_path.mkdir(parents=True, exist_ok=True)
-    compile_sparse_decode(cfg, tmp_path)
+    compile_without_warnings(cfg, tmp_path)
     (cubin,) = sass.extract_cubins(tmp_path / "sparse_decode.so")
     return cubin, sass.split_functions(sass.disassemble(cubin))
 

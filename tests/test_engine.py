@@ -8,11 +8,11 @@ import ast
 import dataclasses
 import inspect
 import re
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import vllm_standins as vs
 from helpers import FP8, make_case
 
 import msa_jit
@@ -20,7 +20,6 @@ from msa_jit.integrations import engine
 from msa_jit import sparse_decode_reference
 from msa_jit.integrations.engine import (MSACutlassDecodeMetadata, MSACutlassDecodePlanCache, msa_cutlass_sparse_decode, prepare_decode_metadata, should_prepare_decode_metadata, supports_cutlass_sparse_decode)
 
-SEEDS = Path(__file__).resolve().parents[1].parent / "shared" / "seeds"
 Param = tuple[str, str, Any]  # (name, kind, default source or None)
 
 _GEOM = ("num_q_heads", "num_kv_heads", "page_size", "topk_blocks")
@@ -28,7 +27,9 @@ _K = "KEYWORD_ONLY"
 _P = "POSITIONAL_OR_KEYWORD"
 _PREP = [("block_table", _P, None), ("seq_lens", _P, None), ("seq_lens_cpu", _P, None),
          ("decode_query_len", _P, None)] + [(n, _K, None) for n in _GEOM]
-# Fallback when the seed document is absent; checked against it when it is present.
+# The seed document's API (what the reference engine exposed first): the public signatures of its
+# msa_cutlass_sparse_decode module. vLLM 0.33.0's module keeps each as its leading parameters
+# (test_seed_signatures_lead_vllm_0_33s); its additions: tests/test_engine_parity.py.
 EXPECTED: dict[str, list[Param]] = {
     "MSACutlassDecodePlanCache.prepare": [("self", _P, None)] + _PREP,
     "prepare_decode_metadata": _PREP + [("plan_cache", _K, "None")],
@@ -43,13 +44,11 @@ EXPECTED: dict[str, list[Param]] = {
 }
 
 
-def _seed_text() -> str | None:
-    files = sorted(SEEDS.glob("*.txt")) if SEEDS.is_dir() else []
-    for f in files:
-        text = f.read_text(errors="replace")
-        if "msa_cutlass_sparse_decode" in text:
-            return text
-    return None
+def _vllm_module_text() -> str:
+    """vLLM 0.33.0's msa_cutlass_sparse_decode.py (tests/vllm_files.py); skips when not available."""
+    if not vs.engine_files_present():
+        pytest.skip(vs.ENGINE_SKIP_REASON)
+    return vs.engine_file("msa_cutlass_sparse_decode.py").read_text()
 
 
 def _ast_params(fn: ast.FunctionDef) -> list[Param]:
@@ -70,7 +69,7 @@ def _ast_params(fn: ast.FunctionDef) -> list[Param]:
 
 
 def parse_seed(text: str) -> dict[str, list[Param]]:
-    """Public `def` signatures of the seed's source listings (methods as Class.name)."""
+    """Public `def` signatures of a source listing, the seed's or a module's (methods as Class.name)."""
     classes = [(m.start(), m.group(1)) for m in re.finditer(r"^class (\w+)", text, re.M)]
     out: dict[str, list[Param]] = {}
     for m in re.finditer(r"^([ \t]*)def (\w+)\(", text, re.M):
@@ -100,43 +99,40 @@ def _ours(qualname: str) -> list[Param]:
             for p in sig.parameters.values()]
 
 
-def _expected() -> dict[str, list[Param]]:
-    text = _seed_text()
-    return EXPECTED if text is None else parse_seed(text)
-
-
-def test_seed_document_parses_to_the_fallback():
-    text = _seed_text()
-    if text is None:
-        pytest.skip(f"seed document not found under {SEEDS}: using the hardcoded signatures")
-    assert parse_seed(text) == EXPECTED
-    for cls in re.findall(r"^class (\w+)", text, re.M):
-        assert hasattr(engine, cls), cls
-    assert "MSACutlassDecodeMetadata(" in text and hasattr(engine, "MSACutlassDecodeMetadata")
+def test_seed_signatures_lead_vllm_0_33s():
+    """Each seed signature is the leading part of vLLM 0.33.0's, whose additions all have defaults;
+    the module's classes are the adapter's."""
+    text = _vllm_module_text()
+    real = parse_seed(text)
+    for qualname, params in EXPECTED.items():
+        assert real[qualname][:len(params)] == params, qualname
+        assert all(default is not None for _, _, default in real[qualname][len(params):]), qualname
+    classes = re.findall(r"^class (\w+)", text, re.M)
+    assert classes and all(hasattr(engine, cls) for cls in classes), classes
 
 
 @pytest.mark.parametrize("qualname", sorted(EXPECTED))
 def test_signature_accepts_seed(qualname):
     """The seed's parameters come first, unchanged; what vLLM 0.33 added (tests/test_engine_parity.py)
     follows, each with a default, so every seed call still binds."""
-    expected = _expected()
-    assert qualname in expected
     ours = _ours(qualname)
-    assert ours[:len(expected[qualname])] == expected[qualname]
-    assert all(default is not None for _, _, default in ours[len(expected[qualname]):])
+    assert ours[:len(EXPECTED[qualname])] == EXPECTED[qualname]
+    assert all(default is not None for _, _, default in ours[len(EXPECTED[qualname]):])
 
 
 def test_dataclasses_match_seed():
-    text = _seed_text() or ""
     cache = MSACutlassDecodePlanCache()  # `plans` is init=False, as in the engine
     assert dataclasses.is_dataclass(cache) and cache.plans == {}
     plans = {f.name: f for f in dataclasses.fields(MSACutlassDecodePlanCache)}["plans"]
     assert plans.init is False
-    if text:
-        assert re.search(r"plans: dict\[.*\] = field\(init=False, default_factory=dict\)", text)
-        kws = re.findall(r"MSACutlassDecodeMetadata\(\s*(\w+)=\w+,\s*(\w+)=", text)
-        assert kws == [("plan", "page_table")]
     assert list(inspect.signature(MSACutlassDecodeMetadata).parameters) == ["plan", "page_table"]
+
+
+def test_dataclasses_are_built_as_vllm_0_33_builds_them():
+    text = _vllm_module_text()
+    assert re.search(r"plans: dict\[.*\] = field\(init=False, default_factory=dict\)", text)
+    kws = re.findall(r"MSACutlassDecodeMetadata\(\s*(\w+)=\w+,\s*(\w+)=", text)
+    assert kws == [("plan", "page_table")]
 
 
 # ----------------------------------------------------------------------------- support checks

@@ -19,9 +19,8 @@ import vllm_standins as vs
 
 from msa_jit.integrations import engine, vllm_plugin
 
-ENGINE = vs.ENGINE_DIR
-CALLER = ENGINE / "sparse_attention_msa.py"
-MODULE = ENGINE / "msa_cutlass_sparse_decode.py"
+CALLER = vs.engine_file("sparse_attention_msa.py")
+MODULE = vs.engine_file("msa_cutlass_sparse_decode.py")
 MODULE_NAME = "vllm.models.minimax_m3.nvidia.msa_cutlass_sparse_decode"
 
 pytestmark = pytest.mark.skipif(not vs.engine_files_present(), reason=vs.ENGINE_SKIP_REASON)

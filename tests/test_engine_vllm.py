@@ -1,9 +1,8 @@
 """vLLM 0.33's own MiniMax-M3 attention code, unmodified, with msa_jit.integrations.vllm_plugin applied.
 
-The real vLLM files (tests/vllm_standins.ENGINE_DIR: `shared/engine/vllm-0.33.0/` or
-$MSA_JIT_TEST_ENGINE_DIR) run on the stand-ins of tests/vllm_standins.py (which names every
-stand-in): model.py's impl choice and construction and its `_allocate_query_fp8`
-(tests/engine_cases.py, by ast), `MiniMaxM3SparseMSAMetadataBuilder.build` and
+The real vLLM files (the vLLM 0.33.0 release's: tests/vllm_files.py) run on the stand-ins of
+tests/vllm_standins.py (which names every stand-in): model.py's impl choice and construction and
+its `_allocate_query_fp8` (tests/engine_cases.py, by ast), `MiniMaxM3SparseMSAMetadataBuilder.build` and
 `MiniMaxM3SparseMSAImpl.forward` on a real step, fp8 and NVFP4 caches, checked against a
 float64 oracle. CPU: the op's float64 reference backend (engine._device_capability reports
 9.0). GPU (`-m gpu`, an SM90 device): the same code with CUDA tensors and the compiled kernel.

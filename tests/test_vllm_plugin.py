@@ -42,27 +42,6 @@ def _untouched(ns) -> bool:
             and not hasattr(ns.common.select_main_backend_and_impl_cls, "__msa_jit_original__"))
 
 
-def test_engine_files_are_found_where_the_variable_says(monkeypatch, tmp_path):
-    """$MSA_JIT_TEST_ENGINE_DIR first (absolute, or relative to the repo root), then shared/;
-    a folder missing one of the four files is passed over."""
-    copy = tmp_path / "vllm-0.33.0"
-    for f in vs.ENGINE_FILES:
-        (copy / f).parent.mkdir(parents=True, exist_ok=True)
-        (copy / f).write_text("# stand-in file\n")
-    monkeypatch.setenv(vs.ENGINE_DIR_VAR, str(copy))
-    assert vs.engine_dir_candidates() == [copy, vs.DEFAULT_ENGINE_DIR]
-    assert vs.find_engine_dir() == copy
-    monkeypatch.setenv(vs.ENGINE_DIR_VAR, "some/where")
-    assert vs.engine_dir_candidates()[0] == ROOT / "some" / "where"
-    (copy / "model.py").unlink()
-    monkeypatch.setenv(vs.ENGINE_DIR_VAR, str(copy))
-    default_ok = all((vs.DEFAULT_ENGINE_DIR / f).is_file() for f in vs.ENGINE_FILES)
-    assert vs.find_engine_dir() == (vs.DEFAULT_ENGINE_DIR if default_ok else None)
-    monkeypatch.delenv(vs.ENGINE_DIR_VAR)
-    assert vs.engine_dir_candidates() == [vs.DEFAULT_ENGINE_DIR]
-    assert vs.ENGINE_DIR_VAR in vs.ENGINE_SKIP_REASON and str(vs.DEFAULT_ENGINE_DIR) in vs.ENGINE_SKIP_REASON
-
-
 def test_without_vllm_it_logs_one_line_and_returns(monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
     assert _register(caplog) == "msa-jit vLLM plugin: vLLM is not installed; nothing patched"

@@ -1,7 +1,7 @@
 """Stand-ins for the vLLM 0.33.0 infrastructure that the real engine files import (vLLM is not
 installed in CI). The engine's own code is never stood in for: `install()` loads the unmodified
-files of `shared/engine/vllm-0.33.0/` (or of $MSA_JIT_TEST_ENGINE_DIR: `ENGINE_DIR`) under their
-real module names
+files of the vLLM 0.33.0 release (tests/vllm_files.py says where they come from) under their real
+module names
 
     vllm.models.minimax_m3.common.sparse_attention       <- common/sparse_attention.py
     vllm.models.minimax_m3.nvidia.msa_cutlass_sparse_decode <- msa_cutlass_sparse_decode.py
@@ -30,7 +30,7 @@ own definitions where behaviour matters):
                                            get_kv_quant_mode, is_quantized_kv_cache
     vllm.models.minimax_m3.common.ops.sparse_attn
                                            SPARSE_BLOCK_SIZE = 128 and the engine's two Triton kernels,
-                                           which are not in shared/engine: `minimax_m3_sparse_attn_decode`
+                                           whose file the tests do not read: `minimax_m3_sparse_attn_decode`
                                            RAISES (with the plugin applied decode must never reach it);
                                            `minimax_m3_sparse_attn` (Triton prefill) RECORDS its
                                            arguments and calls `prefill_hook` (a test's float64 answer).
@@ -45,7 +45,6 @@ import enum
 import importlib.util
 from abc import ABC
 import logging
-import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,45 +53,30 @@ from typing import Any, Generic, Literal, NamedTuple, Protocol, TypeVar
 
 import pytest
 import torch
+import vllm_files
 
-ROOT = Path(__file__).resolve().parents[1]
-# Where the tests find the vLLM files: this test-only variable when set (a GPU host gets the repo
-# alone, not shared/: copy the folder into a git-ignored one of the repo and point here; a
-# relative path is taken from the repository root), else shared/ beside the checkout.
-ENGINE_DIR_VAR = "MSA_JIT_TEST_ENGINE_DIR"
-DEFAULT_ENGINE_DIR = ROOT.parent / "shared" / "engine" / "vllm-0.33.0"
 # The four files every engine test reads (model.py: tests/engine_cases.py's ModelWiring).
-ENGINE_FILES = ("common/sparse_attention.py", "msa_cutlass_sparse_decode.py", "sparse_attention_msa.py",
-                "model.py")
+ENGINE_FILES = tuple(vllm_files.ENGINE_FILES)
+ENGINE_SKIP_REASON = vllm_files.SKIP_REASON
 
 
-def engine_dir_candidates() -> list[Path]:
-    """$MSA_JIT_TEST_ENGINE_DIR (if set), then shared/engine/vllm-0.33.0 beside the checkout."""
-    value = os.environ.get(ENGINE_DIR_VAR, "").strip()
-    given = [] if not value else [Path(value).expanduser()]
-    return [p if p.is_absolute() else ROOT / p for p in given] + [DEFAULT_ENGINE_DIR]
+def engine_file(name: str) -> Path:
+    """Where the tests read the vLLM file `name` (one of ENGINE_FILES); a path that does not exist
+    when the files are not available (the tests that read it skip then)."""
+    return (vllm_files.FILES or {}).get(name, vllm_files.cache_dir() / name)
 
 
-def find_engine_dir() -> Path | None:
-    """The first of `engine_dir_candidates()` holding all of ENGINE_FILES, None if none does."""
-    return next((d for d in engine_dir_candidates() if all((d / f).is_file() for f in ENGINE_FILES)), None)
-
-
-_FOUND = find_engine_dir()
-ENGINE_DIR = _FOUND if _FOUND is not None else engine_dir_candidates()[0]
-ENGINE_SKIP_REASON = (f"the vLLM 0.33.0 engine files ({', '.join(ENGINE_FILES)}) are in none of "
-                      f"{', '.join(str(d) for d in engine_dir_candidates())} (set {ENGINE_DIR_VAR})")
 REAL_FILES = {
-    "vllm.models.minimax_m3.common.sparse_attention": ENGINE_DIR / "common" / "sparse_attention.py",
-    "vllm.models.minimax_m3.nvidia.msa_cutlass_sparse_decode": ENGINE_DIR / "msa_cutlass_sparse_decode.py",
-    "vllm.models.minimax_m3.nvidia.sparse_attention_msa": ENGINE_DIR / "sparse_attention_msa.py",
+    "vllm.models.minimax_m3.common.sparse_attention": engine_file("common/sparse_attention.py"),
+    "vllm.models.minimax_m3.nvidia.msa_cutlass_sparse_decode": engine_file("msa_cutlass_sparse_decode.py"),
+    "vllm.models.minimax_m3.nvidia.sparse_attention_msa": engine_file("sparse_attention_msa.py"),
 }
 
 
 def engine_files_present() -> bool:
-    """Whether ENGINE_DIR holds the four engine files (else the engine tests skip with
+    """Whether the four engine files were found (else the engine tests skip with
     ENGINE_SKIP_REASON)."""
-    return _FOUND is not None
+    return vllm_files.FILES is not None
 
 
 # ----------------------------------------------------------------------------- stand-ins

@@ -495,8 +495,9 @@ class SparseDecodeUnionKernel(SparseDecodeKernelBase):
         bufk = ptx.smem_addr(storage.bufk.data_ptr())
         bufv = ptx.smem_addr(storage.bufv.data_ptr())
         sQScale = storage.qscale.get_tensor(cute.make_layout(ROWS))
-        for i in cutlass.range_constexpr(cute.size(acc_o)):  # O, rows 16w + g + 8hh, dims 8j + 2c + e: [e + 2hh + 4j]
-            acc_o[i] = Float32(0.0)
+        for j in cutlass.range_constexpr(cute.size(acc_o) // 4):  # O, rows 16w + g + 8hh, dims 8j + 2c + e:
+            for i in cutlass.range_constexpr(4):  # [e + 2hh + 4j] (by j: one loop of 64 is flagged by the DSL)
+                acc_o[4 * j + i] = Float32(0.0)
         row_max, row_sum = row_state()
         # block i's chain: S and V's conversion (s_and_v), softmax, P V. P V is issued and left running
         # on the tensor cores while block i + wgs's stage is waited for and its S issued; no MMA is in
@@ -715,8 +716,9 @@ class SparseDecodeUnionKernel(SparseDecodeKernelBase):
         if cutlass.const_expr(self.wgs > 1):
             cute.arch.barrier(barrier_id=BAR_ALL, number_of_threads=nthr * self.wgs)
             if cutlass.const_expr(wg == 1):
-                for k in cutlass.range_constexpr(cute.size(acc_o)):
-                    st_shared_f32(o_other + (k * nthr + tidx) * 4, acc_o[k])
+                for j in cutlass.range_constexpr(cute.size(acc_o) // 4):  # k = 4j + i, in order (one loop
+                    for i in cutlass.range_constexpr(4):  # of 64 is flagged by the DSL)
+                        st_shared_f32(o_other + ((4 * j + i) * nthr + tidx) * 4, acc_o[4 * j + i])
             cute.arch.barrier(barrier_id=BAR_ALL, number_of_threads=nthr * self.wgs)
         else:
             cute.arch.barrier(barrier_id=BAR_WG, number_of_threads=nthr)
