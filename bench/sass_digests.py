@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's msa_jit, whatever is installed
 
 SCOPES = ("default", "opt_in")
-PREFERRED = ("jit.compiler", "compiler", "tools.warmup", "warmup", "geometry")  # then every other module
+PREFERRED = ("jit.compiler", "jit.registry", "compiler", "tools.warmup", "warmup", "geometry")  # then every other module
 EM_CUDA = 190
 
 
@@ -63,7 +63,8 @@ def lookup(name: str) -> Any:
 
     def candidates() -> Iterator[str]:
         yield from (f"msa_jit.{n}" for n in PREFERRED)
-        yield from sorted(m.name for m in pkgutil.walk_packages(msa_jit.__path__, "msa_jit."))
+        yield from sorted(m.name for m in pkgutil.walk_packages(msa_jit.__path__, "msa_jit.")
+                          if not m.name.endswith("__main__"))  # importing it runs the command
 
     for mod in candidates():
         m = local_module(mod)
