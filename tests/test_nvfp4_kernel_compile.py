@@ -1,6 +1,7 @@
 """The NVFP4 kernel builds, here without a GPU: every MiniMax-M3 geometry x query dtype x occupancy
-for sm_90a and sm_100a, with the instructions its data path promises and no spills beyond the
-accepted ones (its correctness runs on the H200: tests/test_kernel_gpu.py)."""
+for sm_90a and sm_100a (four by default, all with `-m sweep`), with the instructions its data path
+promises, no spills beyond the accepted ones and no warning from msa_jit while compiling (its
+correctness runs on the H200: tests/test_kernel_gpu.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 from msa_jit.jit import compiler, registry, sass
 from msa_jit.geometry import DEFAULT_ARCHES, MINIMAX_M3_GEOMETRIES, SparseDecodeConfig
 
+from helpers import compile_without_warnings
 from ptx_model import ptx_of, run_ptx
 
 pytestmark = pytest.mark.slow
@@ -25,30 +27,56 @@ def _ops(text: str) -> collections.Counter:
     return base
 
 
+def _nvfp4_builds(arch: str) -> list[SparseDecodeConfig]:
+    """Every build the planner may pick for an NVFP4 cache on `arch`: each MiniMax-M3 geometry x
+    query dtype x occupancy (and sm_90a's cluster-merge build of each)."""
+    return [cfg for (hq, hkv) in MINIMAX_M3_GEOMETRIES for q_dtype in ("bfloat16", "float8_e4m3fn")
+            for cfg in registry.plannable_configs(SparseDecodeConfig(
+                num_q_heads=hq, num_kv_heads=hkv, q_dtype=q_dtype, kv_dtype="nvfp4", arch=arch))]
+
+
+# The default run compiles four: sm_90a's 3-per-SM build (128 registers) and cluster-merge build (two
+# decode kernels), sm_100a's 3-per-SM bf16-query build (its accepted local memory) and a 2-per-SM
+# fp8-query one: both arches' conversions, both occupancies, both query dtypes. The rest is the `sweep`.
+_DEFAULT_NVFP4_BUILDS = {("sm_90a", 64, 4, "bfloat16", 3, "kernel"), ("sm_90a", 64, 4, "bfloat16", 2, "cluster"),
+                         ("sm_100a", 64, 4, "bfloat16", 3, "kernel"), ("sm_100a", 16, 1, "float8_e4m3fn", 2, "kernel")}
+
+
+def _nvfp4_param(cfg: SparseDecodeConfig):
+    key = (cfg.arch, cfg.num_q_heads, cfg.num_kv_heads, cfg.q_dtype, cfg.ctas_per_sm, cfg.split_merge)
+    name = (f"{cfg.arch}-{cfg.num_q_heads}/{cfg.num_kv_heads}-{cfg.q_dtype}-{cfg.ctas_per_sm}perSM"
+            + ("-cluster" if cfg.split_merge == "cluster" else ""))
+    return pytest.param(cfg, id=name, marks=() if key in _DEFAULT_NVFP4_BUILDS else pytest.mark.sweep)
+
+
 @pytest.mark.parametrize("arch", DEFAULT_ARCHES)
-def test_every_geometry_compiles_with_nvfp4(arch):
-    seen = set()
-    for (hq, hkv) in MINIMAX_M3_GEOMETRIES:
-        for q_dtype in ("bfloat16", "float8_e4m3fn"):
-            base = SparseDecodeConfig(num_q_heads=hq, num_kv_heads=hkv, q_dtype=q_dtype, kv_dtype="nvfp4", arch=arch)
-            for cfg in registry.plannable_configs(base):
-                assert registry.kernel_family(cfg) == "token"
-                with tempfile.TemporaryDirectory() as d:
-                    compiler.compile_sparse_decode(cfg, d)
-                    (cubin,) = sass.extract_cubins(Path(d) / "sparse_decode.so")
-                    funcs = sass.split_functions(sass.disassemble(cubin))
-                    decode = [v for k, v in funcs.items() if "merge" not in k.lower()]
-                    res = [r for r in sass.kernel_resources(cubin) if "merge" not in r.name.lower()]
-                # the counts per decode kernel (a cluster-merge build has two: launched with and without
-                # its cluster)
-                assert len(decode) == (2 if cfg.split_merge == "cluster" else 1), (cfg, list(funcs))
-                for main in decode:
-                    _check_decode_sass(cfg, arch, main)
-                assert all(r.registers <= (128 if cfg.ctas_per_sm == 3 else 255) for r in res), (cfg, res)
-                assert all(r.sm == int(arch[3:-1]) for r in res)
-                seen.add((hq, hkv, q_dtype, cfg.ctas_per_sm, cfg.split_merge))
-    # 4 geometries x 2 query dtypes x 2 occupancies, and sm_90a's cluster-merge build of each
-    assert len(seen) == (24 if arch == "sm_90a" else 16)
+def test_every_geometry_has_nvfp4_builds(arch):
+    """4 geometries x 2 query dtypes x 2 occupancies, and sm_90a's cluster-merge build of each, all of
+    the token kernel (each compiled by test_nvfp4_build_compiles_to_its_data_path)."""
+    builds = _nvfp4_builds(arch)
+    seen = {(c.num_q_heads, c.num_kv_heads, c.q_dtype, c.ctas_per_sm, c.split_merge) for c in builds}
+    assert len(seen) == len(builds) == (24 if arch == "sm_90a" else 16)
+    assert {(c.num_q_heads, c.num_kv_heads) for c in builds} == set(MINIMAX_M3_GEOMETRIES)
+    assert all(registry.kernel_family(c) == "token" for c in builds)
+    keys = {(c.arch, c.num_q_heads, c.num_kv_heads, c.q_dtype, c.ctas_per_sm, c.split_merge) for c in builds}
+    assert {k for k in _DEFAULT_NVFP4_BUILDS if k[0] == arch} <= keys  # the default run's builds are plannable
+
+
+@pytest.mark.parametrize("cfg", [_nvfp4_param(c) for arch in DEFAULT_ARCHES for c in _nvfp4_builds(arch)])
+def test_nvfp4_build_compiles_to_its_data_path(cfg):
+    arch = cfg.arch
+    with tempfile.TemporaryDirectory() as d:
+        compile_without_warnings(cfg, d)
+        (cubin,) = sass.extract_cubins(Path(d) / "sparse_decode.so")
+        funcs = sass.split_functions(sass.disassemble(cubin))
+        decode = [v for k, v in funcs.items() if "merge" not in k.lower()]
+        res = [r for r in sass.kernel_resources(cubin) if "merge" not in r.name.lower()]
+    # the counts per decode kernel (a cluster-merge build has two: launched with and without its cluster)
+    assert len(decode) == (2 if cfg.split_merge == "cluster" else 1), (cfg, list(funcs))
+    for main in decode:
+        _check_decode_sass(cfg, arch, main)
+    assert all(r.registers <= (128 if cfg.ctas_per_sm == 3 else 255) for r in res), (cfg, res)
+    assert all(r.sm == int(arch[3:-1]) for r in res)
 
 
 def _check_decode_sass(cfg: SparseDecodeConfig, arch: str, main: str) -> None:

@@ -191,8 +191,9 @@ def test_op_launches_the_cache_formats_build_with_its_split_count(monkeypatch, k
     fmt = "nvfp4" if kv_dtype == "nvfp4" else "float8_e4m3fn"
     planner = SparseDecodePlanner(num_sms=132, arch="sm_90a")
     plans = []
-    for batch in (12, 128):
-        c = make_case(batch, 1, 64, 4, q_dtype=torch.bfloat16, seed=batch, kv_dtype=kv_dtype, page_size=64)
+    for batch in (12, 128):  # 3 pages a request: the same plans as random longer contexts, a smaller cache
+        c = make_case(batch, 1, 64, 4, q_dtype=torch.bfloat16, seed=batch, kv_dtype=kv_dtype, page_size=64,
+                      ctx_lens=[3 * 64] * batch)
         plan = _plan(c, planner)
         plans.append(plan)
         launches.clear()

@@ -56,6 +56,7 @@ ENGINE_FILES: dict[str, tuple[str, str]] = {
 }
 SKIP_PREFIX = f"vLLM {VERSION}'s source files are not available"
 PIP_TIMEOUT_S = 15  # per network read (pip --timeout); a host without network fails in seconds
+PIP_TOTAL_S = 900  # the whole download (336 MB; 15-25 s on the CI machines)
 
 
 def cache_dir() -> Path:
@@ -117,7 +118,10 @@ def download(dest: Path) -> str:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir", "--only-binary=:all:",
                "--disable-pip-version-check", "--timeout", str(PIP_TIMEOUT_S), "--retries", "2",
                "-d", tmp, f"vllm=={VERSION}"]
-        r = subprocess.run(cmd, capture_output=True, text=True)
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=PIP_TOTAL_S)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"`pip download --no-deps vllm=={VERSION}` took over {PIP_TOTAL_S} s") from None
         wheels = sorted(Path(tmp).glob(f"vllm-{VERSION}-*.whl"))
         if r.returncode != 0 or not wheels:
             last = (r.stderr.strip() or r.stdout.strip() or "no output").splitlines()[-1]
@@ -163,14 +167,14 @@ def resolve() -> tuple[dict[str, Path] | None, str]:
         return found, f"this machine's copy ({dest})"
     from filelock import FileLock
 
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(dest) + ".lock"):
-        if check_dir(dest) is None:  # another run fetched it while this one waited
-            return found, f"this machine's copy ({dest})"
-        try:
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(dest) + ".lock"):
+            if check_dir(dest) is None:  # another run fetched it while this one waited
+                return found, f"this machine's copy ({dest})"
             return found, download(dest)
-        except (RuntimeError, OSError, zipfile.BadZipFile) as e:
-            tried.append(str(e))
+    except (RuntimeError, OSError, zipfile.BadZipFile) as e:  # OSError: an unwritable cache folder too
+        tried.append(str(e))
     return None, (f"{SKIP_PREFIX} ({'; '.join(tried)}); to run these tests without network, copy {dest} "
                   f"from a machine that has it and set ${ENGINE_DIR_VAR} to the copy")
 
