@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-PTX_PY = Path(__file__).resolve().parents[1] / "kernels" / "ptx.py"
+PTX_PY = Path(__file__).resolve().parents[1] / "msa_jit" / "kernels" / "ptx.py"
 _M32 = 0xFFFFFFFF
 _F32, _F64, _U32 = np.float32, np.float64, np.uint32
 _TINY = np.finfo(_F32).tiny

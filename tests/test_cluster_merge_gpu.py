@@ -2,7 +2,7 @@
 against the float64 reference on an H200 (`pytest -m gpu`).
 
 The planner is pinned to it (split_merge="cluster"), so every split step served at 2 CTAs per SM
-takes it, not only where the planner's default (`MSA_JIT_ENABLE_CLUSTER_MERGE`, on) picks it. Every
+takes it, not only where the planner's default picks it. Every
 geometry x query dtype x cache format x split factor (2, 3, 4, 6, 8, 16: those whose rows fit the
 receive buffer merge in the cluster, 3 and 6 at G = 16 fall back to the merge kernel of the same
 build; 2 is fp8's only; fp8's rule gives powers of two only, so its 3 and 6 are forced) x two step shapes (batch 1, and 3 padded requests of 2 tokens); outputs poisoned with NaN

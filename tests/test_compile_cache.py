@@ -90,6 +90,7 @@ LOADER = textwrap.dedent("""
     import json, sys, time
     t0 = time.perf_counter()
     from msa_jit.jit import cache, compiler, loader
+    from msa_jit.kernels import convention
     from msa_jit.geometry import SparseDecodeConfig
     import_ms = (time.perf_counter() - t0) * 1e3
     out = {"import_ms": import_ms, "load_ms": {}, "lookup_ms": {}}
@@ -140,7 +141,7 @@ def test_corrupted_artifact_detected_and_rebuilt(warm16, tmp_path):
 
 def test_four_concurrent_warmups_compile_once(tmp_path):
     root = tmp_path / "shared-cache"
-    cmd = [sys.executable, "-m", "msa_jit", "warmup", "--heads", "8/1", "--q-dtype", "bf16", "--arch", "sm_90a",
+    cmd = [sys.executable, "-m", "msa_jit", "warmup", "--heads", "8/1", "--q-dtype", "bf16", "--arch", "sm_100a",
            "--cache-dir", str(root), "--jobs", "1"]
     e = sub_env(tmp_path / "unused", MSA_JIT_LOG_LEVEL="info")
     del e["MSA_JIT_CACHE_DIR"]  # --cache-dir alone must route the workers
@@ -182,6 +183,7 @@ SLOW_BUILD = textwrap.dedent("""
     import sys, time
     from pathlib import Path
     from msa_jit.jit import compiler
+    from msa_jit.kernels import convention
     from msa_jit.geometry import SparseDecodeConfig
 
     def slow(config, out_dir):

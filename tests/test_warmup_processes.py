@@ -22,18 +22,15 @@ from msa_jit.geometry import SparseDecodeConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = Path(__file__).with_name("warmup_driver.py")
-FOUR = ["--heads", "8/1,16/1", "--q-dtype", "bf16", "--arch", "sm_90a"]  # 2 geometries x 2 occupancies
+# sm_100a: the token kernel at 2 occupancies and nothing else (on sm_90a a warmup adds the union and
+# cluster-merge builds, counted in test_cli): 2 geometries x 2 occupancies
+FOUR = ["--heads", "8/1,16/1", "--q-dtype", "bf16", "--arch", "sm_100a"]
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("isolated_env")]
 
 
 def driver_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     e = {k: v for k, v in os.environ.items() if not k.startswith("MSA_JIT_")}
-    # the warmup's processes, not its builds, are under test here: each geometry's two occupancies
-    # (the cluster-merge and union builds, on by default on sm_90a, are counted in test_cli,
-    # test_cluster_merge_planning and test_union_planning)
-    e["MSA_JIT_ENABLE_CLUSTER_MERGE"] = "0"
-    e["MSA_JIT_ENABLE_SM90_UNION"] = "0"
     e["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     e["TMPDIR"] = str(tmp_path / "tmp")
     e["FAKE_MARKS"] = str(tmp_path / "marks")
@@ -122,7 +119,7 @@ def test_warmup_refuses_a_cache_that_would_not_outlive_it(tmp_path):
     (tmp_path / "f").write_text("x")  # MSA_JIT_CACHE_DIR cannot be created: its parent is a file
     os.symlink("/", Path(env["TMPDIR"]) / f"msa-jit-{os.getuid()}")  # the per-user temp dir is a symlink
     env["MSA_JIT_CACHE_DIR"] = str(tmp_path / "f" / "cache")
-    p = run_driver(["warmup", "--heads", "8/1", "--q-dtype", "bf16", "--arch", "sm_90a"], env)
+    p = run_driver(["warmup", "--heads", "8/1", "--q-dtype", "bf16", "--arch", "sm_100a"], env)
     assert p.returncode == 1, p.stdout + p.stderr
     assert "compiled" not in p.stdout and "nothing would be kept" in p.stderr and "MSA_JIT_CACHE_DIR" in p.stderr
     assert marks(env) == []  # refused before any build
@@ -175,7 +172,7 @@ def test_no_compile_warmup_names_the_corrupt_entry(tmp_path):
     """MSA_JIT_NO_COMPILE=1: the parent's lookup finds the corrupt entry (and removes it); the
     failed row's ArtifactMissingError must still say so, not read like a plain miss."""
     root = tmp_path / "cache"
-    args = ["warmup", "--heads", "8/1", "--q-dtype", "bf16", "--arch", "sm_90a", "--cache-dir", str(root)]
+    args = ["warmup", "--heads", "8/1", "--q-dtype", "bf16", "--arch", "sm_100a", "--cache-dir", str(root)]
     env = driver_env(tmp_path)
     assert run_driver(args, env).returncode == 0
     entries = {e.meta["config"]["ctas_per_sm"]: e for e in ArtifactCache(root).entries()}

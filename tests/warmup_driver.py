@@ -13,7 +13,7 @@ it runs anything, so the warm-up's worker processes build with the fake too: eve
 
 Usage: `python tests/warmup_driver.py warmup --heads 8/1 ...` (any msa-jit command line), or
 `python tests/warmup_driver.py run_warmup HQ/HKV...`: `warmup.run_warmup(..., allow_ephemeral=True)`
-of those geometries (bf16, sm_90a), printing one JSON line: the cache root and, per row, its
+of those geometries (bf16, sm_100a: the token kernel's two occupancies only), printing one JSON line: the cache root and, per row, its
 status and whether its artifact exists at that moment.
 """
 
@@ -51,7 +51,7 @@ def run_warmup(heads: list[str]) -> int:
     from msa_jit.tools import warmup
 
     pairs = [tuple(int(x) for x in h.split("/")) for h in heads]
-    rows = warmup.run_warmup(warmup.warmup_configs(pairs, ["bfloat16"], ["sm_90a"]), quiet=True,
+    rows = warmup.run_warmup(warmup.warmup_configs(pairs, ["bfloat16"], ["sm_100a"]), quiet=True,
                              allow_ephemeral=True)
     print(json.dumps({
         "root": str(cache.default_cache().root), "ephemeral": cache.default_cache().ephemeral,

@@ -200,6 +200,7 @@ def _hook_check(llm: Any, vocab: int) -> dict[str, Any]:
             _sync()
             p = metadata.plan
             nvfp4 = kv_cache.dtype == torch.uint8 and kv_cache.shape[-1] == 72
+            fmt = "nvfp4" if nvfp4 else "float8_e4m3fn"
             ks = k_scale if nvfp4 else k_scale_float
             vs = v_scale if nvfp4 else v_scale_float
             ref, _ = sparse_decode_reference(query_fp8, kv_cache, topk, p.block_table[:p.batch], p.seq_lens[:p.batch],
@@ -211,7 +212,7 @@ def _hook_check(llm: Any, vocab: int) -> dict[str, Any]:
                 "call": want_call, "tokens": int(query_fp8.shape[0]), "batch": int(p.batch), "qlen": int(p.qlen),
                 "seq_lens": [int(x) for x in p.seq_lens[:p.batch].tolist()], "kv_cache": list(kv_cache.shape),
                 "kv_dtype": str(kv_cache.dtype), "kv_strides": list(kv_cache.stride()), "nvfp4": nvfp4,
-                "query_dtype": str(query_fp8.dtype), "kernel": p.kernel, "splits": int(p.num_splits),
+                "query_dtype": str(query_fp8.dtype), "kernel": p.launch(fmt).kernel, "splits": int(p.launch(fmt).num_splits),
                 "rel_err": err, "max_abs_err": (got - ref).abs().max().item(),
                 "ref_rms": ref.pow(2).mean().sqrt().item(), "finite": bool(torch.isfinite(got).all()),
                 "tolerance": plan.HOOK_MAX_REL_ERR, "ok": bool(torch.isfinite(got).all()) and err <= plan.HOOK_MAX_REL_ERR,
