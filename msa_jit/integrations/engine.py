@@ -1,8 +1,7 @@
 """Drop-in for vLLM's `vllm.models.minimax_m3.nvidia.msa_cutlass_sparse_decode` module.
 
-Same public names, parameter names, kinds and defaults as that module of vLLM 0.33.0 (the file in
-`shared/engine/vllm-0.33.0/`; the seed document `shared/seeds/000_*.txt` shows a subset, still
-accepted), backed by msa_jit's planner and op:
+Same public names, parameter names, kinds and defaults as that module of vLLM 0.33.0 (an earlier
+subset of its signatures is still accepted), backed by msa_jit's planner and op:
 
     cache = MSACutlassDecodePlanCache()
     md = cache.prepare(block_table, seq_lens, seq_lens_cpu, qlen, num_q_heads=64,

@@ -49,7 +49,7 @@ PIP_NAMES = {"pynvml": "nvidia-ml-py", "tvm_ffi": "apache-tvm-ffi", "flashinfer"
 INSTALL = {
     "flashinfer": "pip install flashinfer-python==0.7.4; on the GPU host build .fi-bundle with "
                   "bench/peers/make_flashinfer_bundle.sh, carry it and `source .fi-bundle/setup.sh`",
-    "vllm": "pip install vllm==0.33.0; on the GPU host carry the bundle of shared/gpu-host/vllm-bundle/make.sh "
+    "vllm": "pip install vllm==0.33.0; on a host without a package index carry a vLLM bundle (bench/e2e/README.md) "
             "and put its /tmp/site on PYTHONPATH",
 }
 
