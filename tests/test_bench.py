@@ -519,7 +519,7 @@ def test_result_tables_of_an_old_file_is_its_per_step_table():
     assert rows == [(g, q) for g in bench.GRID_GEOMETRIES for q in "14"], rows
 
 
-# ---------------------------------------------------------------- on the GPU (bench/h200_run.sh tests)
+# ---------------------------------------------------------------- on the GPU (bench/device_run.sh tests)
 
 
 @pytest.mark.gpu

@@ -4,8 +4,7 @@ Here, without a GPU: every partial row of every split lands in exactly one recei
 CTA that merges it, that CTA expects exactly the bytes its peers push, every split factor the
 planner gives a 2-CTA grid merges in a cluster, and the compiled SASS pushes with st.async, waits
 on a cluster barrier and an mbarrier, and has no memory fence, no local memory and an unchanged
-default build. On the GPU: bench/kv_format_ab.py's check (1 and many splits, 3 launches per plan)
-and the timing of `s19p_*` (docs/gpu-workflow.md).
+default build. On the GPU: tests/test_cluster_merge_gpu.py.
 """
 
 from __future__ import annotations

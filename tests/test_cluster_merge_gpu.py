@@ -64,7 +64,7 @@ def _run(case, split_merge: str, splits: int, *, scale_tensors: bool = False):
     fmt = "nvfp4" if case.kv_dtype == "nvfp4" else "float8_e4m3fn"
     num_sms = _num_sms_for(splits, case.num_tokens * case.num_kv_heads, fmt, split_merge == "cluster")
     planner = msa_jit.SparseDecodePlanner(num_sms=num_sms or 132, ctas_per_sm=2, split_merge=split_merge)
-    # a count the cluster rule never gives (fp8 in 3 or 6) is forced, as bench/split_count_ab.py does: the
+    # a count the cluster rule never gives (fp8 in 3 or 6) is forced, as a split-count A/B does: the
     # cluster build's plain launch then writes its partials for the merge kernel (3 and 6 do not fit the
     # receive buffer at G = 16), the path a GPU that cannot hold the clusters takes
     forced = mock.patch.object(planner_mod, "choose_num_splits", lambda *_a, **_k: splits)

@@ -1,5 +1,5 @@
 """The union kernel (msa_jit/kernels/union.py) against the float64 reference on an H200
-(`pytest -m gpu`; `bash bench/h200_run.sh union_tests`).
+(`pytest -m gpu`; `bash bench/device_run.sh union_tests`).
 
 The planner is pinned to it (kernel="union"), so it serves every step shape here, qlen 1 and split
 grids included, not only where the planner's rule picks it. Every

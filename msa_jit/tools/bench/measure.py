@@ -162,7 +162,7 @@ def per_layer(copy_bw: float, points=(("64/4", 64), ("8/1", 256), ("64/4", 256),
               num_layers: int = NUM_LAYERS, log=print, ctas_per_sm: int | None = None,
               kv_dtypes=(FP8_KV,), floor: bool = False, q_dtype: str = "bfloat16",
               iters: int = 50) -> list[dict[str, Any]]:
-    """`per_layer` rows at a few points (bench/ceilings.py, bench/per_layer_ab.py).
+    """`per_layer` rows at a few points (for A/B comparisons of builds in one process).
 
     points: (geometry, batch) or (geometry, batch, qlen) or (geometry, batch, qlen, shared_blocks).
     ctas_per_sm: pin the kernel build (None: the planner's choice, reported per row).
@@ -302,7 +302,7 @@ def environment() -> dict[str, str]:
 
 
 class _Stopped(BaseException):  # not an Exception: the per-row `except Exception` must not swallow it
-    """SIGTERM while the grid runs (bench/h200_run.sh's timeout): keep the rows done."""
+    """SIGTERM while the grid runs (a device script's timeout): keep the rows done."""
 
 
 @contextlib.contextmanager
