@@ -220,6 +220,11 @@ def _hook_check(llm: Any, vocab: int) -> dict[str, Any]:
             }
         except Exception as e:  # noqa: BLE001
             state["result"] = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}
+            return
+        if not state["result"]["nvfp4"]:
+            state["result"]["engine_triton"] = _against_engine_triton(
+                msa, query_fp8, kv_cache, topk, output, metadata.plan, scale, q_scale_float, k_scale_float,
+                v_scale_float)
 
     msa.msa_cutlass_sparse_decode = hooked
     try:
@@ -229,6 +234,31 @@ def _hook_check(llm: Any, vocab: int) -> dict[str, Any]:
     finally:
         msa.msa_cutlass_sparse_decode = real
     return state["result"] or {"ok": False, "error": f"the decode function was called {state['calls']} times"}
+
+
+def _against_engine_triton(msa: Any, query_fp8: Any, kv_cache: Any, topk: Any, output: Any, p: Any, scale: float,
+                           q_scale_float: float, k_scale_float: float, v_scale_float: float) -> dict[str, Any]:
+    """vLLM's own Triton decode on the same tensors msa-jit was given (its fp8 path, as
+    sparse_attention_msa runs it without the CUTLASS knob): the relative L2 between the two outputs.
+    The reference check above compares msa-jit with msa-jit's reading of the contract; this one
+    compares it with what the engine means by the same arguments."""
+    import torch
+
+    try:
+        q = msa._dequantize_query(query_fp8, q_scale_float,
+                                  torch.empty(query_fp8.shape, dtype=torch.bfloat16, device=query_fp8.device))
+        ref = torch.full_like(output, float("nan"))
+        scales = dict(device=query_fp8.device, dtype=torch.float32)
+        msa.minimax_m3_sparse_attn_decode(
+            q, kv_cache, topk.transpose(0, 1), p.block_table[:p.batch], p.seq_lens[:p.batch], kv_cache.shape[1],
+            scale, ref, p.qlen, k_scale=torch.tensor([k_scale_float], **scales),
+            v_scale=torch.tensor([v_scale_float], **scales))
+        _sync()
+        got, want = output.double(), ref.double()
+        err = (got - want).norm().item() / max(want.norm().item(), 1e-30)
+        return {"rel_err": err, "finite": bool(torch.isfinite(want).all()), "ok": err <= plan.HOOK_MAX_REL_ERR}
+    except Exception as e:  # noqa: BLE001
+        return {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
 
 
 def _mtp_layer_offset() -> str:
@@ -715,6 +745,10 @@ def _print_table(s: dict[str, Any]) -> None:
         hc = r.get("hook_check")
         if hc:
             print(f"hook check {k}: ok={hc.get('ok')} rel_err={hc.get('rel_err')} {hc.get('error', '')}")
+            et = hc.get("engine_triton")
+            if et:
+                print(f"  vs vLLM's own Triton decode on the same tensors: ok={et.get('ok')} rel_err={et.get('rel_err')} "
+                      f"{et.get('error', '')}")
         pr = r.get("profile")
         if pr:
             print(f"profile {k} B={pr.get('batch')} ctx={pr.get('context')}: wall {pr.get('wall_ms_per_step')} ms/step, "
