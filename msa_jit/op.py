@@ -32,9 +32,10 @@ from typing import Any
 
 import torch
 
+from .kernels.constants import FP8_KV, NVFP4_KV, NVFP4_ROW_BYTES
 from .plan import SparseDecodePlan
 from .reference import sparse_decode_reference
-from .validation import FP8_KV, NVFP4_KV, check_kv_scale, check_scale, validate_sparse_decode
+from .validation import check_kv_scale, check_scale, validate_sparse_decode
 
 __all__ = ["LOG2E", "sparse_decode"]
 
@@ -46,9 +47,6 @@ _FP8 = torch.float8_e4m3fn
 _U8 = torch.uint8
 _I32 = torch.int32
 _INF = math.inf
-# the last dim of an NVFP4 cache [P, 2*Hkv, page, 72] (head_dim 128: 64 code bytes + 8 scales);
-# an fp8 cache's is 256. Only picks which kernel's argument checks then decide.
-_NVFP4_ROW = 72
 
 
 # 0-dim device scales (vLLM's layer._k_scale / _v_scale) -> their [1] view, made once per tensor: a
@@ -164,7 +162,8 @@ def _kernel_fast_path(query: Any, kv_cache: Any, topk: Any, out: Any, plan: Spar
     if kv_dtype is _FP8:
         fmt, kv = FP8_KV, kv_cache
     elif kv_dtype is _U8:  # NVFP4, or the uint8 storage of an fp8 cache (the kernel takes it as fp8)
-        if kv_shape[-1] == _NVFP4_ROW:
+        # the last dim of an NVFP4 cache (an fp8 cache's is 256): only picks which kernel's checks decide
+        if kv_shape[-1] == NVFP4_ROW_BYTES:
             fmt, kv = NVFP4_KV, kv_cache
         else:
             fmt, kv = FP8_KV, kv_cache.view(_FP8)

@@ -21,6 +21,7 @@ import torch
 from helpers import GraphInputs, capture, make_case
 from msa_jit.kernels import convention
 from msa_jit.geometry import MINIMAX_M3_GEOMETRIES as GEOMETRIES
+from msa_jit.geometry import KV_DTYPE_SHORT
 from msa_jit.geometry import CTAS_PER_SM  # every occupancy is pinned in turn, so both builds run at every shape
 from msa_jit.testing import compare_with_reference, rel_l2
 
@@ -30,7 +31,7 @@ QLENS = [1, 2, 4, 8, 32]
 Q_DTYPES = [torch.bfloat16, torch.float8_e4m3fn]
 BATCHES = [1, 3, 16, 64]
 KV_DTYPES = ["fp8", "nvfp4"]
-KV_FULL = {"fp8": "float8_e4m3fn", "nvfp4": "nvfp4"}  # make_case's short names -> the plan's
+KV_FULL = {short: full for full, short in KV_DTYPE_SHORT.items()}  # make_case's names -> the plan's
 TOL = 1e-2
 
 

@@ -46,7 +46,8 @@ from typing import Any, Callable
 import torch
 
 from ..geometry import HEAD_DIM, device_arch
-from ..kernels.constants import FP8_KV, NVFP4_KV, NVFP4_ROW_BYTES
+from ..kernels.constants import FP8_KV, NVFP4_KV
+from ..nvfp4 import is_nvfp4_kv_layout
 from ..op import sparse_decode
 from ..plan import LaunchChoice, SparseDecodePlan
 from ..validation import check_scale
@@ -212,10 +213,9 @@ def op_args(
     v_t = v_scale if isinstance(v_scale, torch.Tensor) else None
     ks = 1.0 if k_t is not None else check_scale("k_scale", k_scale)
     vs = 1.0 if v_t is not None else check_scale("v_scale", v_scale)
-    # the call's cache format, as the op tells it (an fp8 cache may come as its uint8 storage)
-    nvfp4 = (isinstance(kv_cache, torch.Tensor) and kv_cache.dtype == torch.uint8
-             and kv_cache.shape[-1:] == (NVFP4_ROW_BYTES,))
-    fmt = NVFP4_KV if nvfp4 else FP8_KV
+    # the call's cache format (an fp8 cache may come as its uint8 storage); a malformed cache is the op's
+    # named error either way
+    fmt = NVFP4_KV if is_nvfp4_kv_layout(kv_cache) else FP8_KV
     launch = plan.launch(fmt)
     return (
         query, kv_cache, topk, out,

@@ -13,6 +13,7 @@ from typing import Any, Callable, Mapping
 
 from ..geometry import (UNION_CTAS_PER_SM, UNION_PLANNED_CTAS_PER_SM, SparseDecodeConfig, cluster_merge_problems,
                         union_problems)
+from ..kernels.constants import FP8_KV
 
 
 def _token_kernel() -> type:
@@ -67,7 +68,7 @@ def kernel_family(config: SparseDecodeConfig) -> str:
     the token kernel's cluster build (split_merge="cluster") its cache format and page size."""
     if config.kernel == "union":
         return "union"
-    if config.split_merge == "cluster" and config.kv_dtype == "float8_e4m3fn" and config.page_size == 128:
+    if config.split_merge == "cluster" and config.kv_dtype == FP8_KV and config.page_size == 128:
         return "token_dims"
     return "token"
 
