@@ -79,6 +79,10 @@ def test_mode_table_engine_arguments():
     # the engine's own knob, passed as vLLM 0.33's AttentionConfig field
     assert kw["msa_fp8"]["eager"]["attention_config"] == {"minimax_m3_msa_decode_backend": "cutlass"}
     assert plan.mode_env(plan.MODES["msa_fp8"]) == {"MSA_JIT_VLLM_PLUGIN": "1"}
+    # the engine-decode control: the plugin's path, the CUTLASS floor above every batch, no hook
+    ctl = plan.MODES["msa_fp8_engine_triton"]
+    assert plan.mode_env(ctl) == {"MSA_JIT_VLLM_PLUGIN": "1", "VLLM_MINIMAX_M3_MSA_CUTLASS_MIN_BATCH": "1000000"}
+    assert not ctl.msa and int(dict(ctl.env)["VLLM_MINIMAX_M3_MSA_CUTLASS_MIN_BATCH"]) > plan.MAX_NUM_SEQS
     # NVFP4: no knob needed; the dense layer keeps a bf16 cache (vLLM's kv_cache_dtype_skip_layers)
     nv = kw["msa_nvfp4"]["eager"]
     assert nv["kv_cache_dtype"] == "nvfp4" and nv["kv_cache_dtype_skip_layers"] == ["0"] and "attention_config" not in nv
@@ -99,7 +103,8 @@ def test_schedule_and_selection():
     assert [m.name for m in modes] == list(plan.DEFAULT_MODES)
     runs = plan.schedule(modes, ["eager", "graph"])
     names = [(m.name, g) for m, g in runs]
-    assert names[:4] == [("triton_fp8", "eager"), ("msa_fp8", "eager"), ("msa_nvfp4", "eager"), ("msa_mtp", "eager")]
+    assert names[:5] == [("triton_fp8", "eager"), ("msa_fp8", "eager"), ("msa_fp8_engine_triton", "eager"),
+                         ("msa_nvfp4", "eager"), ("msa_mtp", "eager")]
     assert names[-2:] == [("msa_nvfp4_allsparse", "eager"), ("msa_nvfp4_allsparse", "graph")]  # fallbacks last
     with pytest.raises(ValueError, match="unknown mode"):
         plan.selected_modes(["msa_fp16"])

@@ -81,6 +81,11 @@ NEAR_TIE_FLOOR = 0.05
 # few tenths at most: |delta| <= FP8_MAX_ABS_DLOGPROB on agreeing steps, median far below.
 FP8_MAX_ABS_DLOGPROB = 0.25
 FP8_MEDIAN_ABS_DLOGPROB = 0.05
+# msa-jit vs vLLM's Triton decode inside the same engine path (same fp8 query, same prefill): only the
+# decode kernels' accumulation order differs (bf16 P in Triton, fp32 partials in both), ~2e-3 relative
+# per layer (the hook's figure), so per-token log-probs move by hundredths.
+SAME_PATH_MAX_ABS_DLOGPROB = 0.05
+SAME_PATH_MEDIAN_ABS_DLOGPROB = 0.01
 # The hooked layer's output against msa_jit.reference (float64, same fp8/NVFP4 inputs): bf16
 # output rounding and fp32 accumulation, far under the fp8 / NVFP4 quantization itself.
 HOOK_MAX_REL_ERR = 2e-2
@@ -100,10 +105,12 @@ class Mode:
     all_sparse: bool = False  # the config with every layer sparse (no dense layer)
     expect_log: tuple[str, ...] = ()  # substrings vLLM's log must show
     fallback_for: str | None = None  # run only where that mode failed (or when named)
+    env: tuple[tuple[str, str], ...] = ()  # extra environment of the mode's process
+    engine_decode: bool = False  # decode through vLLM's own kernel although the plugin is on
 
     @property
     def msa(self) -> bool:
-        return self.plugin and (self.kv_cache_dtype.startswith("nvfp4") or
+        return self.plugin and not self.engine_decode and (self.kv_cache_dtype.startswith("nvfp4") or
                                 self.attention_config.get("minimax_m3_msa_decode_backend") == "cutlass")
 
 
@@ -113,6 +120,11 @@ MODES: dict[str, Mode] = {m.name: m for m in (
     Mode("msa_fp8", "msa-jit through the plugin, fp8 cache, the engine's cutlass knob", "fp8", plugin=True,
          attention_config=dict(CUTLASS_KNOB),
          expect_log=("msa-jit vLLM plugin: MiniMax-M3 decode on SM90", "MSA sparse decode selected CUTLASS")),
+    Mode("msa_fp8_engine_triton", "the plugin's engine path (vLLM's MSA backend: the fused insert's fp8 query, "
+         "msa-jit's prefill) with decode through vLLM's own Triton kernel: the CUTLASS floor above every batch, "
+         "so the decode kernel is the only difference from msa_fp8", "fp8", plugin=True,
+         attention_config=dict(CUTLASS_KNOB), env=(("VLLM_MINIMAX_M3_MSA_CUTLASS_MIN_BATCH", "1000000"),), engine_decode=True,
+         expect_log=("msa-jit vLLM plugin: MiniMax-M3 decode on SM90",)),
     Mode("msa_nvfp4", "msa-jit, NVFP4 cache on the sparse layers; the dense layers kept bf16 "
          "(kv_cache_dtype_skip_layers), which FA3 serves on SM90", "nvfp4", plugin=True, skip_dense_layers=True,
          expect_log=("msa-jit vLLM plugin: MiniMax-M3 decode on SM90", "MSA sparse decode selected CUTLASS")),
@@ -124,13 +136,15 @@ MODES: dict[str, Mode] = {m.name: m for m in (
          attention_config=dict(CUTLASS_KNOB), speculative_tokens=MTP_TOKENS,
          expect_log=("MSA sparse decode selected CUTLASS",)),
 )}
-DEFAULT_MODES = ("triton_fp8", "msa_fp8", "msa_nvfp4", "msa_nvfp4_allsparse", "msa_mtp")
+DEFAULT_MODES = ("triton_fp8", "msa_fp8", "msa_fp8_engine_triton", "msa_nvfp4", "msa_nvfp4_allsparse", "msa_mtp")
 # (mode, other) pairs the summary compares: the first is the reference.
 # (mode, other, log-prob tolerance or None: reported, not judged) pairs the summary compares: the
 # first is the reference. NVFP4 against fp8 is a format change (4-bit values): its deviation is
 # reported; MTP against no speculation is the same arithmetic per verified token.
 COMPARISONS = (
     ("triton_fp8", "msa_fp8", (FP8_MAX_ABS_DLOGPROB, FP8_MEDIAN_ABS_DLOGPROB)),
+    ("msa_fp8_engine_triton", "msa_fp8", (SAME_PATH_MAX_ABS_DLOGPROB, SAME_PATH_MEDIAN_ABS_DLOGPROB)),
+    ("triton_fp8", "msa_fp8_engine_triton", None),
     ("msa_fp8", "msa_nvfp4", None),
     ("msa_fp8", "msa_nvfp4_allsparse", None),
     ("triton_fp8", "msa_nvfp4", None),
@@ -225,7 +239,7 @@ def llm_kwargs(mode: Mode, graphs: str, model_dir: str, config: dict[str, Any]) 
 
 def mode_env(mode: Mode) -> dict[str, str]:
     """Environment variables of `mode`'s process, beyond device_run.sh's."""
-    return {"MSA_JIT_VLLM_PLUGIN": "1" if mode.plugin else "0"}
+    return {"MSA_JIT_VLLM_PLUGIN": "1" if mode.plugin else "0", **dict(mode.env)}
 
 
 # ----------------------------------------------------------------------------- speed grid

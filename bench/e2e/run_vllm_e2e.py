@@ -348,19 +348,33 @@ def _cache_stats(kv_cache: Any, topk: Any, p: Any, nvfp4: bool, k_scale: Any, v_
 
     seq = int(p.seq_lens[0])
     page = int(kv_cache.shape[2])
-    blocks = [int(b) for b in topk[0, 0].tolist() if 0 <= int(b) < -(-seq // page)]
-    if not blocks:
-        return {"blocks": 0}
-    pages = p.block_table[0, torch.tensor(blocks, device=p.block_table.device)].to("cpu", torch.int64)
     fn = reference._nvfp4_keys_values if nvfp4 else reference._dense_keys_values
-    kk, vv = fn(kv_cache, pages, 0, 128, float(k_scale), float(v_scale))
-    pos = (torch.tensor(blocks)[:, None] * page + torch.arange(page)).reshape(-1)
-    kk, vv = kk[pos < seq], vv[pos < seq]
 
     def rms(x: Any) -> float:
         return x.pow(2).mean().sqrt().item() if x.numel() else float("nan")
 
-    return {"blocks": len(blocks), "keys": int(kk.shape[0]), "k_rms": rms(kk), "v_rms": rms(vv),
+    # Which top-k entries are live per decode token (KV head 0): the local block alone means the
+    # indexer's scores were not finite (its selection falls back to the forced blocks).
+    live = [sum(1 for b in row.tolist() if 0 <= b < -(-int(p.seq_lens[min(t // p.qlen, p.batch - 1)]) // page))
+            for t, row in enumerate(topk[:, 0].to("cpu"))]
+    out: dict[str, Any] = {"live_topk_per_token": live, "topk_token0_head0": [int(b) for b in topk[0, 0].tolist()],
+                           "k_scale": float(k_scale), "v_scale": float(v_scale)}
+    # The first and the newest key of request 0: the prefill's insert wrote the first, this decode
+    # step's insert the newest (the two writers of the engine).
+    for name, pos in (("first_key", 0), ("newest_key", seq - 1)):
+        pg = p.block_table[0, pos // page].reshape(1).to("cpu", torch.int64)
+        k1, v1 = fn(kv_cache, pg, 0, 128, float(k_scale), float(v_scale))
+        row = kv_cache[int(pg), 0, pos % page]
+        out[name] = {"position": pos, "page": int(pg), "k_rms": rms(k1[pos % page]), "v_rms": rms(v1[pos % page]),
+                     "raw_head": [int(x) for x in row.view(torch.uint8)[:16].tolist()]}
+    blocks = [int(b) for b in topk[0, 0].tolist() if 0 <= int(b) < -(-seq // page)]
+    if not blocks:
+        return {**out, "blocks": 0}
+    pages = p.block_table[0, torch.tensor(blocks, device=p.block_table.device)].to("cpu", torch.int64)
+    kk, vv = fn(kv_cache, pages, 0, 128, float(k_scale), float(v_scale))
+    pos = (torch.tensor(blocks)[:, None] * page + torch.arange(page)).reshape(-1)
+    kk, vv = kk[pos < seq], vv[pos < seq]
+    return {**out, "blocks": len(blocks), "keys": int(kk.shape[0]), "k_rms": rms(kk), "v_rms": rms(vv),
             "k_zero_fraction": (kk == 0).double().mean().item(), "v_zero_fraction": (vv == 0).double().mean().item(),
             "finite": bool(torch.isfinite(kk).all() and torch.isfinite(vv).all())}
 
