@@ -12,7 +12,8 @@ after every phase, its error and traceback included. `bench/e2e/device_run.sh` s
 and calls `run`; the tiny model is `bench/e2e/tiny_m3/config.json` (dummy weights, no tokenizer).
 
 A child's phases: engine start (the plugin's and the engine's log lines recorded); weights redrawn
-(`plan.REINIT`, the same model in every mode); correctness (a mixed batch of prompts, greedy, top-5
+(`plan.REINIT`, the same model in every mode) and the attention layers' scale buffers put back to
+1.0 (`reset_scale_buffers`: what the dummy load left is recorded); correctness (a mixed batch of prompts, greedy, top-5
 log-probs per step); for msa-jit modes the hook check (one sparse layer's decode output against
 `msa_jit.reference` on the engine's own cache, query, top-k and block table); the speed grid
 (per-step wall time of pure decode steps, `plan.speed_points`); torch.profiler over a few decode
@@ -126,16 +127,60 @@ def reinit_module(module: Any, spec: dict[str, float]) -> int:
     return n
 
 
-def _reinit_worker(worker: Any, spec: dict[str, float]) -> dict[str, int]:
-    """collective_rpc target: reinit_module on the target model and, with MTP, the drafter's."""
+# The quantization scale buffers of vLLM's attention layers (set_default_quant_scales registers
+# them at 1.0) and their host copies.
+SCALE_BUFFERS = ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
+SCALE_FLOATS = ("_k_scale_float", "_v_scale_float", "_q_scale_float", "_prob_scale_float")
+
+
+def reset_scale_buffers(module: Any) -> dict[str, Any]:
+    """Put the scale buffers of every attention layer in `module` back to 1.0, what a checkpoint
+    load leaves them at, and say what they held: {"layers": n, "before": [[value, count], ...]}.
+
+    The harness loads dummy weights, and vLLM 0.33's dummy loader fills every persistent buffer
+    with uniform(-1e-3, 1e-3) values (seed 1234: -7.4558414e-4 on a GPU). vLLM's Attention resets
+    its own after loading; MiniMax-M3's sparse layer has no such step (the msa-jit plugin adds it
+    to the layers it serves). Left as loaded, the NVFP4 insert and msa-jit take that value as the
+    global scale (negative: a cache of signs, NaN), and the engine's Triton fp8 decode and prefill
+    multiply K and V by it while its fp8 insert writes with 1.0: the baseline must be reset too."""
+    import torch
+
+    seen: dict[float, int] = {}
+    layers = 0
+    with torch.no_grad():
+        for m in module.modules():
+            bufs = [b for b in (getattr(m, n, None) for n in SCALE_BUFFERS)
+                    if isinstance(b, torch.Tensor) and b.is_floating_point()]
+            if not bufs:
+                continue
+            layers += 1
+            for b in bufs:
+                for x in b.detach().reshape(-1).tolist():
+                    seen[x] = seen.get(x, 0) + 1
+                b.fill_(1.0)
+            for name in SCALE_FLOATS:
+                if isinstance(getattr(m, name, None), float):
+                    setattr(m, name, 1.0)
+            for name in ("_k_scale_cpu", "_v_scale_cpu"):
+                t = getattr(m, name, None)
+                if isinstance(t, torch.Tensor):
+                    t.fill_(1.0)
+    return {"layers": layers, "before": sorted([v, c] for v, c in seen.items())}
+
+
+def _reinit_worker(worker: Any, spec: dict[str, float]) -> dict[str, Any]:
+    """collective_rpc target: reinit_module and reset_scale_buffers on the target model and, with
+    MTP, the drafter's."""
     import torch.nn as nn
 
-    done = {"target": reinit_module(worker.get_model(), spec)}
+    model = worker.get_model()
+    done: dict[str, Any] = {"target": reinit_module(model, spec), "target_scales": reset_scale_buffers(model)}
     runner = getattr(worker, "model_runner", None)
     for attr in ("drafter", "speculator", "proposer"):
         model = getattr(getattr(runner, attr, None), "model", None)
         if isinstance(model, nn.Module):
             done[attr] = reinit_module(model, spec)
+            done[f"{attr}_scales"] = reset_scale_buffers(model)
     return done
 
 
@@ -215,6 +260,7 @@ def _hook_check(llm: Any, vocab: int) -> dict[str, Any]:
                 "query_dtype": str(query_fp8.dtype), "kernel": p.launch(fmt).kernel, "splits": int(p.launch(fmt).num_splits),
                 "rel_err": err, "max_abs_err": (got - ref).abs().max().item(),
                 "ref_rms": ref.pow(2).mean().sqrt().item(), "finite": bool(torch.isfinite(got).all()),
+                "k_scale": float(ks), "v_scale": float(vs),  # the global / per-tensor scales the op got
                 "tolerance": plan.HOOK_MAX_REL_ERR, "ok": bool(torch.isfinite(got).all()) and err <= plan.HOOK_MAX_REL_ERR,
                 "cache": stats,
             }
