@@ -319,7 +319,7 @@ def test_scale_buffers_are_put_back_to_one_after_the_dummy_load():
     them): the harness puts them back to 1.0, a checkpoint's value, and records what it found."""
     import torch
 
-    runner = _load("run_vllm_e2e_scales", E2E / "run_vllm_e2e.py")
+    runner = _load("e2e_weights", E2E / "e2e_weights.py")
     model = torch.nn.Module()
     model.attn = torch.nn.Module()
     model.attn.inner = torch.nn.Module()  # a layer without scales: not counted
@@ -340,5 +340,5 @@ def test_scale_buffers_are_put_back_to_one_after_the_dummy_load():
     worker = type("W", (), {"get_model": lambda self: model, "model_runner": None})()
     for name in runner.SCALE_BUFFERS:
         getattr(model.attn, name).fill_(-7.4558414e-4)
-    done = runner._reinit_worker(worker, plan.REINIT)
+    done = runner.reinit_worker(worker, plan.REINIT)
     assert done["target_scales"]["layers"] == 2 and model.attn._v_scale.item() == 1.0
