@@ -272,12 +272,15 @@ def test_harness_end_to_end_on_a_fake_vllm(tmp_path):
         assert r["ok"], (key, r["error"], r.get("traceback"))
         assert all(r["expect_log"].values()), r["expect_log"]
         assert [p_["ok"] for p_ in r["speed"]] == [True, True]
+        # the fake model's attention scales, as a dummy load leaves them, put back to 1.0
+        assert r["reinit"]["params"][0]["target_scales"] == {"layers": 1, "before": [[pytest.approx(-7.4558414e-4), 4]]}
     assert s["results"]["msa_mtp-eager"]["speed"][0]["tokens_per_step"] == 4.0
     assert s["results"]["msa_fp8-eager"]["gemma_norm"].startswith("vLLM's GemmaRMSNorm.forward_native")
     for key in ("msa_fp8-eager", "msa_nvfp4-eager"):
         hc = s["results"][key]["hook_check"]
         assert hc["ok"] and hc["rel_err"] < 1e-2 and hc["cache"]["finite"], hc
         assert hc["nvfp4"] is (key == "msa_nvfp4-eager")
+        assert hc["k_scale"] > 0 and hc["v_scale"] > 0
     assert s["results"]["triton_fp8-eager"]["hook_check"] is None
     prof = s["results"]["msa_fp8-eager"]["profile"]  # 32x8192 is the profiled point (no CUDA kernels here)
     assert (prof["batch"], prof["context"], prof["steps"]) == (32, 8192, plan.PROFILE_STEPS) and prof["all_requests_decoding"]
@@ -313,3 +316,34 @@ def test_mtp_layers_renamed_after_the_target(monkeypatch):
     Layer(cfg, "layers.1")
     assert seen == ["model.layers.8", "layers.9"]
     assert runner._mtp_layer_offset() == "already patched"
+
+
+def test_scale_buffers_are_put_back_to_one_after_the_dummy_load():
+    """vLLM 0.33's dummy load leaves -7.4558414e-4 in the attention layers' scale buffers (MiniMax-M3's
+    sparse layer never resets them; the NVFP4 insert, msa-jit and the engine's Triton fp8 path read
+    them): the harness puts them back to 1.0, a checkpoint's value, and records what it found."""
+    import torch
+
+    runner = _load("e2e_weights", E2E / "e2e_weights.py")
+    model = torch.nn.Module()
+    model.attn = torch.nn.Module()
+    model.attn.inner = torch.nn.Module()  # a layer without scales: not counted
+    for name in runner.SCALE_BUFFERS:
+        model.attn.register_buffer(name, torch.tensor(-7.4558414e-4))
+    model.attn._k_scale_float = 1.0
+    model.attn._k_scale_cpu = torch.tensor(-7.4558414e-4)
+    model.dense = torch.nn.Module()
+    model.dense.register_buffer("_k_scale", torch.tensor(1.0))
+    got = runner.reset_scale_buffers(model)
+    assert got["layers"] == 2
+    assert got["before"] == [[pytest.approx(-7.4558414e-4), 4], [1.0, 1]]
+    for layer in (model.attn, model.dense):
+        assert all(b.item() == 1.0 for b in layer.buffers(recurse=False))
+    assert model.attn._k_scale_float == 1.0 and model.attn._k_scale_cpu.item() == 1.0
+    assert runner.reset_scale_buffers(model)["before"] == [[1.0, 5]]
+    # the worker entry point resets what it redraws
+    worker = type("W", (), {"get_model": lambda self: model, "model_runner": None})()
+    for name in runner.SCALE_BUFFERS:
+        getattr(model.attn, name).fill_(-7.4558414e-4)
+    done = runner.reinit_worker(worker, plan.REINIT)
+    assert done["target_scales"]["layers"] == 2 and model.attn._v_scale.item() == 1.0

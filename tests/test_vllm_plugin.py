@@ -285,3 +285,118 @@ def test_mixed_step_puts_the_metadata_back_when_the_decode_raises():
     with pytest.raises(RuntimeError, match="decode failed"):
         impl.forward(SimpleNamespace(layer_name="layer0"), torch.empty(0), torch.empty(0), torch.empty(0))
     assert ctx.attn_metadata["layer0"] is md
+
+
+# ----------------------------------------------------------------------------- scales after loading
+# vLLM 0.33's DummyModelLoader value for a 1-element float32 buffer on a GPU worker
+# (tests/test_nvfp4_vllm_writer.py derives it from the generator).
+DUMMY_SCALE = -7.4558414e-4
+SCALE_BUFFERS = ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
+
+
+def _set_default_quant_scales(layer, register_buffer: bool = False) -> None:
+    """Stand-in for vLLM 0.33.0's `set_default_quant_scales`
+    (vllm/model_executor/layers/attention/attention.py), written after its definition."""
+    import torch
+
+    for name in SCALE_BUFFERS:
+        if register_buffer:
+            layer.register_buffer(name, torch.tensor(1.0, dtype=torch.float32))
+        else:
+            getattr(layer, name).fill_(1.0)
+    layer._q_scale_float = layer._k_scale_float = layer._v_scale_float = layer._prob_scale_float = 1.0
+    layer._k_scale_cpu = torch.tensor(1.0, dtype=torch.float32)
+    layer._v_scale_cpu = torch.tensor(1.0, dtype=torch.float32)
+
+
+def _model_module(monkeypatch, with_method: bool = False) -> ModuleType:
+    """Stand-in for model.py: its sparse attention layer as far as scales go (the buffers its
+    __init__ registers, the selector it calls) and the set_default_quant_scales it imports."""
+    import torch
+
+    model = ModuleType(vllm_plugin.MODEL_MODULE)
+
+    class MiniMaxM3SparseAttention(torch.nn.Module):
+        def __init__(self, kv_cache_dtype: str) -> None:
+            super().__init__()
+            model.set_default_quant_scales(self, register_buffer=True)
+            self.attn_backend, self.impl_cls = model.select_main_backend_and_impl_cls(
+                topk_blocks=16, kv_cache_dtype=kv_cache_dtype, num_kv_heads=1)
+
+    if with_method:
+        MiniMaxM3SparseAttention.process_weights_after_loading = lambda self, act_dtype: None
+    model.MiniMaxM3SparseAttention = MiniMaxM3SparseAttention
+    model.set_default_quant_scales = _set_default_quant_scales
+    monkeypatch.setitem(sys.modules, vllm_plugin.MODEL_MODULE, model)
+    return model
+
+
+def _load_dummy_weights(layer) -> None:
+    """What vLLM's loader does to the layer's scales under load_format="dummy": every persistent
+    buffer filled (initialize_single_dummy_weight), then, on an attention layer that has one,
+    process_weights_after_loading (model_loader/utils.py, is_deferred_attention_layer)."""
+    import torch
+
+    for name, buf in layer.named_buffers(recurse=False):
+        buf.fill_(DUMMY_SCALE)
+    if callable(getattr(layer, "process_weights_after_loading", None)):
+        layer.process_weights_after_loading(torch.bfloat16)
+
+
+@needs_engine
+@pytest.mark.parametrize("kv_cache_dtype,backend,served", [("nvfp4", "triton", True), ("fp8", "cutlass", True),
+                                                            ("fp8", "triton", False)])
+def test_served_layers_get_their_scales_back_after_loading(monkeypatch, caplog, kv_cache_dtype, backend, served):
+    """A layer the plugin routes to msa-jit ends loading with its scale buffers at 1.0 (what a
+    checkpoint leaves; the NVFP4 insert and msa-jit read _k_scale / _v_scale, and a dummy load
+    left them at -7.5e-4). A layer the engine keeps is left as the engine has it."""
+    import engine_cases as ec
+
+    ns = vs.install(monkeypatch, capability=(9, 0))
+    model = _model_module(monkeypatch)
+    _register(caplog)
+    model.select_main_backend_and_impl_cls = ns.common.select_main_backend_and_impl_cls  # model.py's import
+    ns.config.vllm_config = ec.vllm_config(num_q_heads=16, decode_backend=backend, kv_cache_dtype=kv_cache_dtype)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=vllm_plugin.LOG.name):
+        layer = model.MiniMaxM3SparseAttention(kv_cache_dtype)
+        model.MiniMaxM3SparseAttention(kv_cache_dtype)  # the second layer finds the method in place
+    assert issubclass(layer.impl_cls, vllm_plugin.MsaJitPrefillMixin) is served
+    _load_dummy_weights(layer)
+    want = 1.0 if served else DUMMY_SCALE
+    for name in SCALE_BUFFERS:
+        assert getattr(layer, name).item() == pytest.approx(want, rel=1e-7), name
+    if served:
+        assert layer._k_scale_float == layer._v_scale_float == 1.0
+        assert model.MiniMaxM3SparseAttention.process_weights_after_loading.__msa_jit_scale_reset__
+    added = [r.getMessage() for r in caplog.records if "process_weights_after_loading added" in r.getMessage()]
+    assert len(added) == served  # once, for the class
+
+
+def test_an_existing_post_load_step_is_kept(monkeypatch):
+    model = _model_module(monkeypatch, with_method=True)
+    own = model.MiniMaxM3SparseAttention.process_weights_after_loading
+    assert vllm_plugin.add_scale_reset(model.MiniMaxM3SparseAttention, model.set_default_quant_scales) is False
+    assert model.MiniMaxM3SparseAttention.process_weights_after_loading is own
+
+
+@needs_engine
+def test_the_engines_layer_needs_the_reset():
+    """vLLM 0.33.0's model.py, as written: the layer registers its scale buffers at 1.0 with
+    set_default_quant_scales, gives _k_scale / _v_scale to the fused insert for NVFP4, and has
+    no post-load step of its own (add_scale_reset would keep one)."""
+    import ast
+
+    import engine_cases as ec
+
+    tree = ast.parse(ec.MODEL_PY.read_text())
+    assert any(isinstance(n, ast.ImportFrom) and n.module == "vllm.model_executor.layers.attention.attention"
+               and vllm_plugin.SCALE_RESET in [a.name for a in n.names] for n in tree.body)
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == vllm_plugin.LAYER_CLASS)
+    methods = {n.name: n for n in cls.body if isinstance(n, ast.FunctionDef)}
+    assert "process_weights_after_loading" not in methods
+    calls = [ast.unparse(n) for n in ast.walk(methods["__init__"]) if isinstance(n, ast.Call)]
+    assert "set_default_quant_scales(self, register_buffer=True)" in calls
+    forward = ast.unparse(methods["forward"])
+    assert "kv_k_scale=self._k_scale if self.use_nvfp4_kv else None" in forward
+    assert "kv_v_scale=self._v_scale if self.use_nvfp4_kv else None" in forward

@@ -12,7 +12,8 @@ after every phase, its error and traceback included. `bench/e2e/device_run.sh` s
 and calls `run`; the tiny model is `bench/e2e/tiny_m3/config.json` (dummy weights, no tokenizer).
 
 A child's phases: engine start (the plugin's and the engine's log lines recorded); weights redrawn
-(`plan.REINIT`, the same model in every mode); correctness (a mixed batch of prompts, greedy, top-5
+(`plan.REINIT`, the same model in every mode) and the attention layers' scale buffers put back to
+1.0 (`e2e_weights`: what the dummy load left is recorded); correctness (a mixed batch of prompts, greedy, top-5
 log-probs per step); for msa-jit modes the hook check (one sparse layer's decode output against
 `msa_jit.reference` on the engine's own cache, query, top-k and block table); the speed grid
 (per-step wall time of pure decode steps, `plan.speed_points`); torch.profiler over a few decode
@@ -25,7 +26,6 @@ import argparse
 import datetime as _dt
 import json
 import logging
-import math
 import os
 import re
 import shlex
@@ -35,12 +35,12 @@ import sys
 import tempfile
 import time
 import traceback
-import zlib
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import e2e_plan as plan  # noqa: E402  (beside this file)
+import e2e_weights as weights  # noqa: E402
 
 LOG_PATTERNS = ("msa-jit", "MiniMax M3", "attention backend", "Using ", "block size", "KV cache",
                 "kv cache", "speculative", "CUDA graph", "cudagraph", "skip", "nvfp4", "NVFP4", "Error", "error",
@@ -96,47 +96,6 @@ def _versions() -> dict[str, Any]:
         if os.environ.get(name):
             out[name.lower()] = os.environ[name]
     return out
-
-
-def reinit_module(module: Any, spec: dict[str, float]) -> int:
-    """Redraw `module`'s float matrices (plan.REINIT): N(0, 1/fan_in) from a generator seeded by
-    the parameter's name; the LM head x lm_head_gain, embeddings N(0, embed_std); the per-head
-    q norms' Gemma weights (scale 1 + w) set to q_norm_scale - 1. Returns how many were set."""
-    import torch
-
-    n = 0
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if not p.dtype.is_floating_point or p.element_size() < 2:
-                continue
-            if name.endswith("q_norm.weight") and "index" not in name:
-                p.fill_(spec["q_norm_scale"] - 1.0)
-                n += 1
-                continue
-            if p.dim() < 2 or "norm" in name:
-                continue
-            g = torch.Generator(device=p.device)
-            g.manual_seed((zlib.crc32(name.encode()) + int(spec["seed"])) & 0x7FFFFFFF)
-            if "embed_tokens" in name:
-                std = spec["embed_std"]
-            else:
-                std = 1.0 / math.sqrt(p.shape[-1]) * (spec["lm_head_gain"] if "lm_head" in name else 1.0)
-            p.normal_(0.0, std, generator=g)
-            n += 1
-    return n
-
-
-def _reinit_worker(worker: Any, spec: dict[str, float]) -> dict[str, int]:
-    """collective_rpc target: reinit_module on the target model and, with MTP, the drafter's."""
-    import torch.nn as nn
-
-    done = {"target": reinit_module(worker.get_model(), spec)}
-    runner = getattr(worker, "model_runner", None)
-    for attr in ("drafter", "speculator", "proposer"):
-        model = getattr(getattr(runner, attr, None), "model", None)
-        if isinstance(model, nn.Module):
-            done[attr] = reinit_module(model, spec)
-    return done
 
 
 def _logprob_rows(logprobs: Any) -> list[list[list[float]]] | None:
@@ -215,6 +174,7 @@ def _hook_check(llm: Any, vocab: int) -> dict[str, Any]:
                 "query_dtype": str(query_fp8.dtype), "kernel": p.launch(fmt).kernel, "splits": int(p.launch(fmt).num_splits),
                 "rel_err": err, "max_abs_err": (got - ref).abs().max().item(),
                 "ref_rms": ref.pow(2).mean().sqrt().item(), "finite": bool(torch.isfinite(got).all()),
+                "k_scale": float(ks), "v_scale": float(vs),  # the global / per-tensor scales the op got
                 "tolerance": plan.HOOK_MAX_REL_ERR, "ok": bool(torch.isfinite(got).all()) and err <= plan.HOOK_MAX_REL_ERR,
                 "cache": stats,
             }
@@ -548,7 +508,7 @@ def child(args: argparse.Namespace) -> int:
         result["expect_log"] = {s: any(s in line for line in tap.lines) for s in mode.expect_log}
         phase("engine")
         vocab = plan.text_config(config)["vocab_size"]
-        result["reinit"] = {"spec": plan.REINIT, "params": llm.collective_rpc(_reinit_worker, args=(plan.REINIT,))}
+        result["reinit"] = {"spec": plan.REINIT, "params": llm.collective_rpc(weights.reinit_worker, args=(plan.REINIT,))}
         phase("reinit")
         result["correctness"] = _correctness(llm, vocab, mode.speculative_tokens)
         phase("correctness")

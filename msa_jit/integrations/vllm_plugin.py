@@ -6,7 +6,7 @@ before it builds a model. `register()` is cheap, idempotent, never raises, and l
 (logger `vllm.plugins.msa_jit`, so vLLM's own log shows it) saying what it did or why not.
 
 What it patches (vLLM 0.33.0 only, local build labels such as `0.33.0+cu126` included), module
-globals, before any model is built:
+globals before any model is built, and one method while the model is built:
 
 1. `vllm.models.minimax_m3.nvidia.sparse_attention_msa`: the eight names it imported from
    `msa_cutlass_sparse_decode` are rebound to `msa_jit.integrations.engine`'s (same signatures), so the
@@ -23,6 +23,15 @@ globals, before any model is built:
    (Blackwell only): fp8 caches through the engine's Triton prefill (`minimax_m3_sparse_attn`,
    what its Triton impl runs), NVFP4 through `msa_jit.integrations.engine.msa_sparse_prefill`. Everything
    else (bf16 or e5m2 caches, fp8 without the opt-in, other top-k) gets the engine's own choice.
+3. On SM90, the first time the selector routes a layer to msa-jit (NVFP4, or fp8 with the opt-in):
+   `MiniMaxM3SparseAttention.process_weights_after_loading` in `...nvidia.model`, which vLLM
+   0.33 lacks (`add_scale_reset`): after loading, the layer's quantization scale buffers go back
+   to 1.0 through vLLM's own `set_default_quant_scales(layer, register_buffer=False)`, as vLLM's
+   `Attention` does when no quantization weights load. Nothing loads them for this layer (its
+   `load_weights` cannot reach buffers), so a checkpoint leaves 1.0 anyway; but
+   `load_format="dummy"` fills every buffer with uniform(-1e-3, 1e-3) values (-7.4558414e-4 on a
+   GPU), which the NVFP4 insert divides by, msa-jit multiplies by (a negative scale: NaN), and the
+   engine's Triton fp8 prefill multiplies K and V by.
 
 Opt-in exactly as the engine's: an fp8 cache takes this path with
 `--attention-config '{"minimax_m3_msa_decode_backend": "cutlass"}'`; NVFP4 always does.
@@ -45,8 +54,8 @@ import torch
 from . import engine
 from .. import env
 
-__all__ = ["KNOWN_VLLM_VERSIONS", "REBOUND_NAMES", "MsaJitPrefillMixin", "make_backend_cls", "make_impl_cls",
-           "register", "wrap_selector"]
+__all__ = ["KNOWN_VLLM_VERSIONS", "REBOUND_NAMES", "MsaJitPrefillMixin", "add_scale_reset", "make_backend_cls",
+           "make_impl_cls", "register", "wrap_selector"]
 
 LOG = logging.getLogger("vllm.plugins.msa_jit")
 
@@ -55,6 +64,8 @@ MSA_MODULE = "vllm.models.minimax_m3.nvidia.sparse_attention_msa"
 COMMON_MODULE = "vllm.models.minimax_m3.common.sparse_attention"
 MODEL_MODULE = "vllm.models.minimax_m3.nvidia.model"
 SELECTOR = "select_main_backend_and_impl_cls"
+LAYER_CLASS = "MiniMaxM3SparseAttention"  # model.py's sparse attention layer (it calls SELECTOR)
+SCALE_RESET = "set_default_quant_scales"  # vLLM's function, as model.py imports it
 # Every name sparse_attention_msa.py imports from vllm.models.minimax_m3.nvidia.
 # msa_cutlass_sparse_decode (tests/test_engine_parity.py checks this list against the real file).
 REBOUND_NAMES = (
@@ -71,6 +82,7 @@ REBOUND_NAMES = (
 _MSA_TOPK_BLOCKS = (4, 8, 16, 32)
 _APPLIED = "_msa_jit_plugin_applied"  # set on the patched sparse_attention_msa module
 _PREFIX = "msa-jit vLLM plugin:"
+_WARNED: set[str] = set()  # modules whose missing scale-reset target was already logged
 
 
 class MsaJitPrefillMixin:
@@ -176,6 +188,39 @@ def make_backend_cls(msa: ModuleType) -> type:
     })
 
 
+def add_scale_reset(layer_cls: type, set_default_quant_scales: Callable[..., None]) -> bool:
+    """Give `layer_cls` the post-load step of vLLM's `Attention` when it has none: a
+    `process_weights_after_loading(act_dtype)` that calls `set_default_quant_scales(self,
+    register_buffer=False)` (the scale buffers filled with 1.0, their host copies 1.0). vLLM's
+    loader calls it on every attention layer that has one, after the weights are loaded.
+    Returns whether it was added (False: the class already has such a method)."""
+    if callable(getattr(layer_cls, "process_weights_after_loading", None)):
+        return False
+
+    def process_weights_after_loading(self: Any, act_dtype: torch.dtype) -> None:
+        set_default_quant_scales(self, register_buffer=False)
+
+    process_weights_after_loading.__msa_jit_scale_reset__ = True  # type: ignore[attr-defined]
+    layer_cls.process_weights_after_loading = process_weights_after_loading  # type: ignore[attr-defined]
+    return True
+
+
+def _reset_scales_after_loading() -> None:
+    """`add_scale_reset` on model.py's layer class, found when its layers are being built (the
+    selector runs inside the layer's __init__, so the module is imported by then)."""
+    model = sys.modules.get(MODEL_MODULE)
+    layer_cls, reset = getattr(model, LAYER_CLASS, None), getattr(model, SCALE_RESET, None)
+    if not isinstance(layer_cls, type) or not callable(reset):
+        if MODEL_MODULE not in _WARNED:
+            _WARNED.add(MODEL_MODULE)
+            LOG.warning(f"{_PREFIX} {MODEL_MODULE} has no {LAYER_CLASS} / {SCALE_RESET}: its scale buffers "
+                        "keep whatever loading left in them (a dummy load: random values)")
+        return
+    if add_scale_reset(layer_cls, reset):
+        LOG.info(f"{_PREFIX} {LAYER_CLASS}.process_weights_after_loading added: its k/v/q scale "
+                 "buffers are 1.0 after loading, as vLLM's Attention leaves them")
+
+
 def _decode_backend() -> str:
     """vLLM's `attention_config.minimax_m3_msa_decode_backend` of the model being built."""
     try:
@@ -190,15 +235,18 @@ def wrap_selector(original: Callable[..., Any], fp8_backend: type, nvfp4_backend
                   impl_cls: type) -> Callable[..., Any]:
     """`select_main_backend_and_impl_cls` that picks (fp8_backend, impl_cls) for fp8 with the
     "cutlass" decode backend and (nvfp4_backend, impl_cls) for NVFP4 (SM90: the engine's own
-    check would say Triton / refuse); `original` decides everything else."""
+    check would say Triton / refuse); `original` decides everything else. Routing a layer to
+    msa-jit also gives model.py's layer class its post-load scale reset (`add_scale_reset`)."""
 
     @functools.wraps(original)
     def select_main_backend_and_impl_cls(*, topk_blocks: int, kv_cache_dtype: str, num_kv_heads: int,
                                          emits_sparse_block_table: bool = False) -> tuple[type, type]:
         if topk_blocks in _MSA_TOPK_BLOCKS:
             if kv_cache_dtype == "nvfp4":  # other NVFP4 spellings: the engine's own error
+                _reset_scales_after_loading()
                 return nvfp4_backend, impl_cls
             if kv_cache_dtype in engine.KV_CACHE_DTYPES and _decode_backend() == "cutlass":
+                _reset_scales_after_loading()
                 return fp8_backend, impl_cls
         return original(topk_blocks=topk_blocks, kv_cache_dtype=kv_cache_dtype,
                         num_kv_heads=num_kv_heads, emits_sparse_block_table=emits_sparse_block_table)

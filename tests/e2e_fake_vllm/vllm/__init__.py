@@ -4,7 +4,8 @@ the harness's processes, phases and result files run on a CPU. Nothing here mode
 - LLM(**kwargs): logs the lines a real start logs (the plugin's; "MiniMax M3 MSA sparse decode
   selected CUTLASS" or, vLLM alone, "MiniMax M3 sparse attention selected Triton");
   collective_rpc(fn, args) calls fn(worker) on a worker whose get_model() is a small torch module
-  with M3-like parameter names; generate() greedy-decodes a deterministic function of the context
+  with M3-like parameter names and one attention layer's scale buffers as a dummy load leaves them
+  (DUMMY_SCALE); generate() greedy-decodes a deterministic function of the context
   (top-5 log-probs on request; the msa-jit modes' values 0.001 lower, so comparisons have something
   to measure); llm_engine: add_request / step / has_unfinished_requests / abort_request with
   chunked prefill (max_num_batched_tokens a step) and DELTA outputs.
@@ -31,6 +32,7 @@ _LOG = logging.getLogger("vllm")
 _LOG.setLevel(logging.INFO)
 SPARSE_LAYERS = 3  # enough for the harness hook (it checks the third call); each is a float64 reference
 VOCAB = 4096
+DUMMY_SCALE = -7.4558414e-4  # vLLM 0.33's dummy loader's value for a 1-element buffer on a GPU
 
 
 @dataclass
@@ -74,6 +76,10 @@ class _Model(torch.nn.Module):
         self.qkv_proj = torch.nn.Linear(16, 32, bias=False)
         self.input_layernorm = torch.nn.Linear(16, 1, bias=False)
         self.lm_head = torch.nn.Linear(16, 64, bias=False)
+        self.attn = torch.nn.Module()
+        for name in ("_k_scale", "_v_scale", "_q_scale", "_prob_scale"):
+            self.attn.register_buffer(name, torch.tensor(DUMMY_SCALE, dtype=torch.float32))
+        self.attn._k_scale_float = self.attn._v_scale_float = 1.0
 
 
 class _Worker:
