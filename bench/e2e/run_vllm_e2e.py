@@ -41,6 +41,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import e2e_plan as plan  # noqa: E402  (beside this file)
+import hook_probes as probes  # noqa: E402
 
 LOG_PATTERNS = ("msa-jit", "MiniMax M3", "attention backend", "Using ", "block size", "KV cache",
                 "kv cache", "speculative", "CUDA graph", "cudagraph", "skip", "nvfp4", "NVFP4", "Error", "error",
@@ -175,7 +176,8 @@ def _correctness(llm: Any, vocab: int, spec_tokens: int) -> dict[str, Any]:
 def _hook_check(llm: Any, vocab: int) -> dict[str, Any]:
     """Wrap the decode function vLLM's MSA impl calls (the name the plugin rebound), run a short
     generate, and on the third decode call (a middle sparse layer of the first decode step) compare the output with msa_jit.reference
-    (float64 on the CPU, the same query / cache / top-k / block table / scales)."""
+    (float64 on the CPU, the same query / cache / top-k / block table / scales); on the fourth, whether the
+    decode runs in order on the engine's stream (`hook_probes.stream_order_probe`)."""
     import importlib
 
     import torch
@@ -187,13 +189,19 @@ def _hook_check(llm: Any, vocab: int) -> dict[str, Any]:
     msa = importlib.import_module("vllm.models.minimax_m3.nvidia.sparse_attention_msa")
     real = msa.msa_cutlass_sparse_decode
     want_call = 3  # a middle sparse layer of the first decode step
-    state: dict[str, Any] = {"calls": 0, "result": None}
+    state: dict[str, Any] = {"calls": 0, "result": None, "stream": None}
 
     def hooked(query_fp8, kv_cache, topk, output, metadata, *, scale, q_scale_float, k_scale_float,
                v_scale_float, k_scale=None, v_scale=None):
-        real(query_fp8, kv_cache, topk, output, metadata, scale=scale, q_scale_float=q_scale_float,
-             k_scale_float=k_scale_float, v_scale_float=v_scale_float, k_scale=k_scale, v_scale=v_scale)
+        def call() -> None:
+            real(query_fp8, kv_cache, topk, output, metadata, scale=scale, q_scale_float=q_scale_float,
+                 k_scale_float=k_scale_float, v_scale_float=v_scale_float, k_scale=k_scale, v_scale=v_scale)
+
         state["calls"] += 1
+        if state["calls"] == want_call + 1 and state["stream"] is None:
+            state["stream"] = probes.stream_order_probe(call, output)
+            return
+        call()
         if state["calls"] != want_call or state["result"] is not None:
             return
         try:
@@ -222,7 +230,7 @@ def _hook_check(llm: Any, vocab: int) -> dict[str, Any]:
             state["result"] = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}
             return
         if not state["result"]["nvfp4"]:
-            state["result"]["engine_triton"] = _against_engine_triton(
+            state["result"]["engine_triton"] = probes.against_engine_triton(
                 msa, query_fp8, kv_cache, topk, output, metadata.plan, scale, q_scale_float, k_scale_float,
                 v_scale_float)
 
@@ -233,32 +241,9 @@ def _hook_check(llm: Any, vocab: int) -> dict[str, Any]:
         llm.generate([TokensPrompt(prompt_token_ids=x) for x in ids], sp, use_tqdm=False)
     finally:
         msa.msa_cutlass_sparse_decode = real
-    return state["result"] or {"ok": False, "error": f"the decode function was called {state['calls']} times"}
-
-
-def _against_engine_triton(msa: Any, query_fp8: Any, kv_cache: Any, topk: Any, output: Any, p: Any, scale: float,
-                           q_scale_float: float, k_scale_float: float, v_scale_float: float) -> dict[str, Any]:
-    """vLLM's own Triton decode on the same tensors msa-jit was given (its fp8 path, as
-    sparse_attention_msa runs it without the CUTLASS knob): the relative L2 between the two outputs.
-    The reference check above compares msa-jit with msa-jit's reading of the contract; this one
-    compares it with what the engine means by the same arguments."""
-    import torch
-
-    try:
-        q = msa._dequantize_query(query_fp8, q_scale_float,
-                                  torch.empty(query_fp8.shape, dtype=torch.bfloat16, device=query_fp8.device))
-        ref = torch.full_like(output, float("nan"))
-        scales = dict(device=query_fp8.device, dtype=torch.float32)
-        msa.minimax_m3_sparse_attn_decode(
-            q, kv_cache, topk.transpose(0, 1), p.block_table[:p.batch], p.seq_lens[:p.batch], kv_cache.shape[1],
-            scale, ref, p.qlen, k_scale=torch.tensor([k_scale_float], **scales),
-            v_scale=torch.tensor([v_scale_float], **scales))
-        _sync()
-        got, want = output.double(), ref.double()
-        err = (got - want).norm().item() / max(want.norm().item(), 1e-30)
-        return {"rel_err": err, "finite": bool(torch.isfinite(want).all()), "ok": err <= plan.HOOK_MAX_REL_ERR}
-    except Exception as e:  # noqa: BLE001
-        return {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
+    result = state["result"] or {"ok": False, "error": f"the decode function was called {state['calls']} times"}
+    result["stream_order"] = state["stream"]
+    return result
 
 
 def _mtp_layer_offset() -> str:
@@ -745,6 +730,10 @@ def _print_table(s: dict[str, Any]) -> None:
         hc = r.get("hook_check")
         if hc:
             print(f"hook check {k}: ok={hc.get('ok')} rel_err={hc.get('rel_err')} {hc.get('error', '')}")
+            so = hc.get("stream_order")
+            if so:
+                print(f"  decode in order on the engine's stream: {so.get('ordered')} "
+                      f"({so.get('rows_written_after_poison')}/{so.get('rows')} rows) {so.get('error', '')}")
             et = hc.get("engine_triton")
             if et:
                 print(f"  vs vLLM's own Triton decode on the same tensors: ok={et.get('ok')} rel_err={et.get('rel_err')} "
