@@ -43,7 +43,7 @@ def write_files(folder: Path, layout: str = "flat", **changed: bytes) -> Path:
 
 def fake_pip(monkeypatch, calls: list, *, fail: str | None = None, extra: dict[str, bytes] | None = None):
     """pip download stood in for: records the command, writes a wheel (a zip in the wheel's layout
-    holding the four files and `extra`) into its -d folder, or fails with `fail` on stderr."""
+    holding the ENGINE_FILES and `extra`) into its -d folder, or fails with `fail` on stderr."""
     def run(cmd, **kw):
         calls.append(cmd)
         if fail is not None:
@@ -62,7 +62,7 @@ def fake_pip(monkeypatch, calls: list, *, fail: str | None = None, extra: dict[s
 def test_the_real_files_are_pinned_to_the_release():
     """The digests are the wheel RECORD's, and the files in use (when found) match them."""
     assert set(vf.ENGINE_FILES) == {"common/sparse_attention.py", "msa_cutlass_sparse_decode.py",
-                                    "sparse_attention_msa.py", "model.py"}
+                                    "sparse_attention_msa.py", "model.py", "common/ops/sparse_attn.py"}
     assert all(member.startswith("vllm/models/minimax_m3/") and len(digest) == 64
                for member, digest in vf.ENGINE_FILES.values())
     if vf.FILES is None:
@@ -102,7 +102,7 @@ def test_an_installed_vllm_is_read_in_its_own_layout(release, monkeypatch):
     assert "installed vLLM" in source
 
 
-def test_the_wheel_is_fetched_once_and_only_four_files_kept(release, monkeypatch):
+def test_the_wheel_is_fetched_once_and_only_the_engine_files_kept(release, monkeypatch):
     calls: list = []
     fake_pip(monkeypatch, calls, extra={"vllm/__init__.py": b"import torch\n", "vllm/big.so": b"\0" * 1000})
     files, source = vf.resolve()

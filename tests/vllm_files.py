@@ -1,9 +1,10 @@
 """vLLM 0.33.0's own source files that the engine tests read, and where they come from.
 
-tests/vllm_standins.py runs three of them unmodified, tests/engine_cases.py runs model.py's wiring
-(by ast), tests/test_engine_parity.py parses two. They are not part of this repository (nothing of
-vLLM is copied into it): the first of these places that holds all four, each byte-identical to the
-release (its SHA-256 in the wheel's RECORD, pinned below), is used:
+tests/vllm_standins.py runs three of them unmodified (four with vLLM's own Triton decode kernels,
+common/ops/sparse_attn.py, run by the Triton interpreter), tests/engine_cases.py runs model.py's
+wiring (by ast), tests/test_engine_parity.py parses two. They are not part of this repository
+(nothing of vLLM is copied into it): the first of these places that holds all five, each
+byte-identical to the release (its SHA-256 in the wheel's RECORD, pinned below), is used:
 
 1. $MSA_JIT_TEST_ENGINE_DIR, when set: a folder in the layout of ENGINE_FILES (a relative path is
    taken from the repository root). For a host without network: copy CACHE_DIR there.
@@ -11,7 +12,7 @@ release (its SHA-256 in the wheel's RECORD, pinned below), is used:
 3. CACHE_DIR, this machine's copy: `$XDG_CACHE_HOME/msa-jit-tests/vllm-0.33.0` (else under
    ~/.cache), or $MSA_JIT_TEST_CACHE_DIR/vllm-0.33.0.
 4. The pinned wheel, fetched into CACHE_DIR once per machine: `pip download --no-deps vllm==0.33.0`
-   (about 340 MB, pip's own cache bypassed), the four files extracted from its zip (nothing is
+   (about 340 MB, pip's own cache bypassed), the five files extracted from its zip (nothing is
    installed), the wheel deleted. Two test runs at once download it once (a file lock).
 
 `FILES` maps each name of ENGINE_FILES to the file used. When no place holds them (no network and
@@ -53,6 +54,9 @@ ENGINE_FILES: dict[str, tuple[str, str]] = {
     "model.py": (
         f"{PACKAGE}/nvidia/model.py",
         "f31f18ed74f260170f1313a8aa49ef279e9564e4e45d57ef634c394fe5aa8f05"),
+    "common/ops/sparse_attn.py": (
+        f"{PACKAGE}/common/ops/sparse_attn.py",
+        "ce426367eba80e32808efb346c6d42eab834099d4db2e134e6525fc27e7704e1"),
 }
 SKIP_PREFIX = f"vLLM {VERSION}'s source files are not available"
 PIP_TIMEOUT_S = 15  # per network read (pip --timeout); a host without network fails in seconds
@@ -75,7 +79,7 @@ def _sha256(path: Path) -> str:
 
 
 def check_dir(folder: Path, names: dict[str, str] | None = None) -> str | None:
-    """None if `folder` holds the release's four files (at `names[name]`, default the name itself),
+    """None if `folder` holds the release's five files (at `names[name]`, default the name itself),
     else what is wrong."""
     for name, (_, digest) in ENGINE_FILES.items():
         path = folder / (names or {}).get(name, name)
@@ -141,7 +145,7 @@ def download(dest: Path) -> str:
         if dest.exists():
             shutil.rmtree(dest)
         os.replace(staged, dest)
-    return f"downloaded {wheel.name} ({size / 1e6:.0f} MB) in {seconds:.0f} s, kept its four files in {dest}"
+    return f"downloaded {wheel.name} ({size / 1e6:.0f} MB) in {seconds:.0f} s, kept its {len(ENGINE_FILES)} files in {dest}"
 
 
 def resolve() -> tuple[dict[str, Path] | None, str]:

@@ -29,11 +29,21 @@ own definitions where behaviour matters):
     vllm.v1.kv_cache_interface             AttentionSpec, KVCacheLayout, KVQuantMode,
                                            get_kv_quant_mode, is_quantized_kv_cache
     vllm.models.minimax_m3.common.ops.sparse_attn
-                                           SPARSE_BLOCK_SIZE = 128 and the engine's two Triton kernels,
-                                           whose file the tests do not read: `minimax_m3_sparse_attn_decode`
-                                           RAISES (with the plugin applied decode must never reach it);
-                                           `minimax_m3_sparse_attn` (Triton prefill) RECORDS its
-                                           arguments and calls `prefill_hook` (a test's float64 answer).
+                                           SPARSE_BLOCK_SIZE = 128 and the engine's two Triton kernels:
+                                           `minimax_m3_sparse_attn_decode` RAISES (with the plugin applied
+                                           decode must never reach it); `minimax_m3_sparse_attn` (Triton
+                                           prefill) RECORDS its arguments and calls `prefill_hook` (a
+                                           test's float64 answer). With `install(triton_kernels=True)` this
+                                           module is instead vLLM's own file (common/ops/sparse_attn.py),
+                                           run by Triton's interpreter on CPU tensors.
+
+`current_platform.is_arch_support_pdl()` is False (no programmatic dependent launch under the
+interpreter). Three defects of the Triton interpreter (3.9) itself are worked around while vLLM's
+kernels run (`interpreter_fixes`): `tl.dot` of bfloat16 operands multiplies their raw 16-bit
+patterns as integers (the interpreter stores bfloat16 as uint16); a load / store mask the
+interpreter types int32 (values 0 / 1; a compiled kernel has an int1 mask there) is refused; and
+a float32 -> bfloat16 conversion truncates, where a GPU rounds to nearest even (left truncating,
+the engine's decode lands 3x further from the float64 oracle: 8.7e-3 per token against 2.9e-3).
 
 Nothing else of vLLM exists: `vllm.third_party.fmha_sm100` (Blackwell kernels) is absent on
 purpose, so reaching it fails with ModuleNotFoundError.
@@ -55,7 +65,8 @@ import pytest
 import torch
 import vllm_files
 
-# The four files every engine test reads (model.py: tests/engine_cases.py's ModelWiring).
+# The files the engine tests read (model.py: tests/engine_cases.py's ModelWiring; common/ops/sparse_attn.py:
+# install(triton_kernels=True)).
 ENGINE_FILES = tuple(vllm_files.ENGINE_FILES)
 ENGINE_SKIP_REASON = vllm_files.SKIP_REASON
 
@@ -66,6 +77,10 @@ def engine_file(name: str) -> Path:
     return (vllm_files.FILES or {}).get(name, vllm_files.cache_dir() / name)
 
 
+# vLLM's Triton decode and prefill kernels (install(triton_kernels=True)): module name, file
+TRITON_KERNELS = "vllm.models.minimax_m3.common.ops.sparse_attn"
+TRITON_KERNELS_FILE = "common/ops/sparse_attn.py"
+
 REAL_FILES = {
     "vllm.models.minimax_m3.common.sparse_attention": engine_file("common/sparse_attention.py"),
     "vllm.models.minimax_m3.nvidia.msa_cutlass_sparse_decode": engine_file("msa_cutlass_sparse_decode.py"),
@@ -74,7 +89,7 @@ REAL_FILES = {
 
 
 def engine_files_present() -> bool:
-    """Whether the four engine files were found (else the engine tests skip with
+    """Whether the engine files were found (else the engine tests skip with
     ENGINE_SKIP_REASON)."""
     return vllm_files.FILES is not None
 
@@ -117,6 +132,9 @@ class Platform:
         return torch.float8_e4m3fn
 
     def is_fp8_fnuz(self) -> bool:
+        return False
+
+    def is_arch_support_pdl(self) -> bool:
         return False
 
 
@@ -285,15 +303,68 @@ def _module(name: str, **attrs: Any) -> ModuleType:
     return m
 
 
+def interpreter_fixes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Work around the three Triton interpreter defects named in the module docstring (undone by
+    monkeypatch): bfloat16 operands of `tl.dot` are widened to float32 by their bits (exact), a
+    non-boolean mask is read as `mask != 0`, float32 -> bfloat16 rounds to nearest even (torch's
+    conversion)."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter as interp
+
+    builder = interp.InterpreterBuilder
+    dot, load, store = builder.create_dot, builder.create_masked_load, builder.create_masked_store
+    cast = builder.cast_impl
+
+    def widened(h: Any) -> Any:
+        if h.dtype.scalar == tl.bfloat16 and h.data.dtype == np.uint16:
+            return interp.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+        return h
+
+    def boolean(m: Any) -> Any:
+        return m if m.data.dtype == np.bool_ else interp.TensorHandle(m.data != 0, tl.int1)
+
+    def create_dot(self: Any, a: Any, b: Any, d: Any, *args: Any) -> Any:
+        return dot(self, widened(a), widened(b), d, *args)
+
+    def create_masked_load(self: Any, ptrs: Any, mask: Any, *args: Any) -> Any:
+        return load(self, ptrs, boolean(mask), *args)
+
+    def create_masked_store(self: Any, ptrs: Any, value: Any, mask: Any, *args: Any) -> Any:
+        return store(self, ptrs, value, boolean(mask), *args)
+
+    def cast_impl(self: Any, src: Any, dst_type: Any) -> Any:
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            rounded = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32)).to(torch.bfloat16)
+            return interp.TensorHandle(rounded.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
+        return cast(self, src, dst_type)
+
+    monkeypatch.setattr(builder, "cast_impl", cast_impl)
+    monkeypatch.setattr(builder, "create_dot", create_dot)
+    monkeypatch.setattr(builder, "create_masked_load", create_masked_load)
+    monkeypatch.setattr(builder, "create_masked_store", create_masked_store)
+
+
+def _load(monkeypatch: pytest.MonkeyPatch, name: str, path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    m = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, m)
+    spec.loader.exec_module(m)
+    return m
+
+
 def install(monkeypatch: pytest.MonkeyPatch, *, capability: tuple[int, int] | None = (9, 0),
-            vllm_config: Any = None, version: str = "0.33.0") -> SimpleNamespace:
+            vllm_config: Any = None, version: str = "0.33.0", triton_kernels: bool = False) -> SimpleNamespace:
     """Put the stand-ins and the three real engine files into sys.modules (undone by
     monkeypatch). Returns the modules: .msa, .common, .engine_msa (vLLM's own
-    msa_cutlass_sparse_decode), .kernels (EngineKernelStandIn), .forward_context, .config."""
+    msa_cutlass_sparse_decode), .kernels (EngineKernelStandIn; with triton_kernels, vLLM's own
+    common/ops/sparse_attn.py, its kernels decorated for the Triton interpreter), .forward_context,
+    .config."""
     import triton
     import triton.language as tl
 
-    kernels = EngineKernelStandIn()
+    kernels: Any = EngineKernelStandIn()
     forward_context = ForwardContext()
     holder = SimpleNamespace(vllm_config=vllm_config)
 
@@ -348,14 +419,14 @@ def install(monkeypatch: pytest.MonkeyPatch, *, capability: tuple[int, int] | No
         monkeypatch.delitem(sys.modules, name)  # a real vLLM never mixes with the stand-ins
     for name, m in mods.items():
         monkeypatch.setitem(sys.modules, name, m)
+    if triton_kernels:
+        # the kernels are decorated when the file runs: the interpreter must be chosen by then
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        interpreter_fixes(monkeypatch)
+        kernels = _load(monkeypatch, TRITON_KERNELS, engine_file(TRITON_KERNELS_FILE))
     loaded = {}
     for name, path in REAL_FILES.items():  # in import order: common, engine module, msa
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None and spec.loader is not None
-        m = importlib.util.module_from_spec(spec)
-        monkeypatch.setitem(sys.modules, name, m)
-        spec.loader.exec_module(m)
-        loaded[name] = m
+        loaded[name] = _load(monkeypatch, name, path)
     return SimpleNamespace(
         common=loaded["vllm.models.minimax_m3.common.sparse_attention"],
         engine_msa=loaded["vllm.models.minimax_m3.nvidia.msa_cutlass_sparse_decode"],

@@ -86,6 +86,10 @@ FP8_MEDIAN_ABS_DLOGPROB = 0.05
 # per layer (the hook's figure), so per-token log-probs move by hundredths.
 SAME_PATH_MAX_ABS_DLOGPROB = 0.05
 SAME_PATH_MEDIAN_ABS_DLOGPROB = 0.01
+# Sparse-layer decode calls of the correctness generate compared per token with vLLM's Triton decode
+# (msa-jit fp8 modes): the first two decode steps of the 7 sparse layers, the plan's first step
+# (plan build, kernel load) included.
+WATCHED_DECODE_CALLS = 14
 # The hooked layer's output against msa_jit.reference (float64, same fp8/NVFP4 inputs): bf16
 # output rounding and fp32 accumulation, far under the fp8 / NVFP4 quantization itself.
 HOOK_MAX_REL_ERR = 2e-2

@@ -41,6 +41,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import e2e_plan as plan  # noqa: E402  (beside this file)
 import e2e_weights as weights  # noqa: E402
+import hook_probes as probes  # noqa: E402
 
 LOG_PATTERNS = ("msa-jit", "MiniMax M3", "attention backend", "Using ", "block size", "KV cache",
                 "kv cache", "speculative", "CUDA graph", "cudagraph", "skip", "nvfp4", "NVFP4", "Error", "error",
@@ -108,9 +109,19 @@ def _logprob_rows(logprobs: Any) -> list[list[list[float]]] | None:
     return rows
 
 
-def _correctness(llm: Any, vocab: int, spec_tokens: int) -> dict[str, Any]:
+def _correctness(llm: Any, vocab: int, spec_tokens: int, watch: bool = False) -> dict[str, Any]:
+    """Greedy tokens and log-probs of the mixed batch; with `watch` (an msa-jit fp8 mode), every
+    sparse layer of the first decode steps also compared per token with vLLM's Triton decode."""
+    import importlib
+
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
+
+    msa = importlib.import_module("vllm.models.minimax_m3.nvidia.sparse_attention_msa") if watch else None
+    real = msa.msa_cutlass_sparse_decode if msa else None
+    watched: list[dict[str, Any]] = []
+    if msa is not None:
+        msa.msa_cutlass_sparse_decode, watched = probes.first_step_watch(msa, plan.WATCHED_DECODE_CALLS)
 
     ids = plan.prompt_ids(plan.CORRECTNESS_PROMPT_LENS, vocab)
     sp = SamplingParams(temperature=0.0, max_tokens=plan.CORRECTNESS_MAX_TOKENS, ignore_eos=True,
@@ -124,9 +135,12 @@ def _correctness(llm: Any, vocab: int, spec_tokens: int) -> dict[str, Any]:
         sp = SamplingParams(temperature=0.0, max_tokens=plan.CORRECTNESS_MAX_TOKENS, ignore_eos=True,
                             detokenize=False)
         outs = llm.generate([TokensPrompt(prompt_token_ids=x) for x in ids], sp, use_tqdm=False)
+    finally:
+        if msa is not None:
+            msa.msa_cutlass_sparse_decode = real
     wall = time.perf_counter() - t0
     return {"prompt_lens": list(plan.CORRECTNESS_PROMPT_LENS), "max_tokens": plan.CORRECTNESS_MAX_TOKENS,
-            "wall_s": round(wall, 3), "spec_tokens": spec_tokens, "note": note,
+            "wall_s": round(wall, 3), "spec_tokens": spec_tokens, "note": note, "first_steps_vs_triton": watched,
             "outputs": [{"token_ids": list(o.outputs[0].token_ids),
                          "logprobs": _logprob_rows(o.outputs[0].logprobs)} for o in outs]}
 
@@ -134,7 +148,8 @@ def _correctness(llm: Any, vocab: int, spec_tokens: int) -> dict[str, Any]:
 def _hook_check(llm: Any, vocab: int) -> dict[str, Any]:
     """Wrap the decode function vLLM's MSA impl calls (the name the plugin rebound), run a short
     generate, and on the third decode call (a middle sparse layer of the first decode step) compare the output with msa_jit.reference
-    (float64 on the CPU, the same query / cache / top-k / block table / scales)."""
+    (float64 on the CPU, the same query / cache / top-k / block table / scales); on the fourth, whether the
+    decode runs in order on the engine's stream (`hook_probes.stream_order_probe`)."""
     import importlib
 
     import torch
@@ -146,13 +161,19 @@ def _hook_check(llm: Any, vocab: int) -> dict[str, Any]:
     msa = importlib.import_module("vllm.models.minimax_m3.nvidia.sparse_attention_msa")
     real = msa.msa_cutlass_sparse_decode
     want_call = 3  # a middle sparse layer of the first decode step
-    state: dict[str, Any] = {"calls": 0, "result": None}
+    state: dict[str, Any] = {"calls": 0, "result": None, "stream": None}
 
     def hooked(query_fp8, kv_cache, topk, output, metadata, *, scale, q_scale_float, k_scale_float,
                v_scale_float, k_scale=None, v_scale=None):
-        real(query_fp8, kv_cache, topk, output, metadata, scale=scale, q_scale_float=q_scale_float,
-             k_scale_float=k_scale_float, v_scale_float=v_scale_float, k_scale=k_scale, v_scale=v_scale)
+        def call() -> None:
+            real(query_fp8, kv_cache, topk, output, metadata, scale=scale, q_scale_float=q_scale_float,
+                 k_scale_float=k_scale_float, v_scale_float=v_scale_float, k_scale=k_scale, v_scale=v_scale)
+
         state["calls"] += 1
+        if state["calls"] == want_call + 1 and state["stream"] is None:
+            state["stream"] = probes.stream_order_probe(call, output)
+            return
+        call()
         if state["calls"] != want_call or state["result"] is not None:
             return
         try:
@@ -182,7 +203,7 @@ def _hook_check(llm: Any, vocab: int) -> dict[str, Any]:
             state["result"] = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}
             return
         if not state["result"]["nvfp4"]:
-            state["result"]["engine_triton"] = _against_engine_triton(
+            state["result"]["engine_triton"] = probes.against_engine_triton(
                 msa, query_fp8, kv_cache, topk, output, metadata.plan, scale, q_scale_float, k_scale_float,
                 v_scale_float)
 
@@ -193,32 +214,9 @@ def _hook_check(llm: Any, vocab: int) -> dict[str, Any]:
         llm.generate([TokensPrompt(prompt_token_ids=x) for x in ids], sp, use_tqdm=False)
     finally:
         msa.msa_cutlass_sparse_decode = real
-    return state["result"] or {"ok": False, "error": f"the decode function was called {state['calls']} times"}
-
-
-def _against_engine_triton(msa: Any, query_fp8: Any, kv_cache: Any, topk: Any, output: Any, p: Any, scale: float,
-                           q_scale_float: float, k_scale_float: float, v_scale_float: float) -> dict[str, Any]:
-    """vLLM's own Triton decode on the same tensors msa-jit was given (its fp8 path, as
-    sparse_attention_msa runs it without the CUTLASS knob): the relative L2 between the two outputs.
-    The reference check above compares msa-jit with msa-jit's reading of the contract; this one
-    compares it with what the engine means by the same arguments."""
-    import torch
-
-    try:
-        q = msa._dequantize_query(query_fp8, q_scale_float,
-                                  torch.empty(query_fp8.shape, dtype=torch.bfloat16, device=query_fp8.device))
-        ref = torch.full_like(output, float("nan"))
-        scales = dict(device=query_fp8.device, dtype=torch.float32)
-        msa.minimax_m3_sparse_attn_decode(
-            q, kv_cache, topk.transpose(0, 1), p.block_table[:p.batch], p.seq_lens[:p.batch], kv_cache.shape[1],
-            scale, ref, p.qlen, k_scale=torch.tensor([k_scale_float], **scales),
-            v_scale=torch.tensor([v_scale_float], **scales))
-        _sync()
-        got, want = output.double(), ref.double()
-        err = (got - want).norm().item() / max(want.norm().item(), 1e-30)
-        return {"rel_err": err, "finite": bool(torch.isfinite(want).all()), "ok": err <= plan.HOOK_MAX_REL_ERR}
-    except Exception as e:  # noqa: BLE001
-        return {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
+    result = state["result"] or {"ok": False, "error": f"the decode function was called {state['calls']} times"}
+    result["stream_order"] = state["stream"]
+    return result
 
 
 def _mtp_layer_offset() -> str:
@@ -510,7 +508,8 @@ def child(args: argparse.Namespace) -> int:
         vocab = plan.text_config(config)["vocab_size"]
         result["reinit"] = {"spec": plan.REINIT, "params": llm.collective_rpc(weights.reinit_worker, args=(plan.REINIT,))}
         phase("reinit")
-        result["correctness"] = _correctness(llm, vocab, mode.speculative_tokens)
+        result["correctness"] = _correctness(llm, vocab, mode.speculative_tokens,
+                                             watch=mode.msa and mode.kv_cache_dtype == "fp8")
         phase("correctness")
         if mode.msa and args.graphs == "eager":
             result["hook_check"] = _hook_check(llm, vocab)
@@ -716,9 +715,20 @@ def _print_table(s: dict[str, Any]) -> None:
             print(f"{k:42s} {a['verdict']:21s} {str(a.get('max_abs_dlogprob')):14s} "
                   f"{str(a.get('within_tolerance', '-')):12s} {a.get('agree_steps')}")
     for k, r in s["results"].items():
+        watched = (r.get("correctness") or {}).get("first_steps_vs_triton") or []
+        if watched:
+            worst = max(((e, w["call"], t) for w in watched for t, e in enumerate(w.get("rel_err_per_token") or [])),
+                        default=None)
+            errors = [w["error"] for w in watched if w.get("error")]
+            print(f"first decode steps of {k} vs vLLM's Triton decode, per token: {len(watched)} calls, worst "
+                  f"{worst and f'{worst[0]:.4g} (call {worst[1]}, token {worst[2]})'} {errors[:1]}")
         hc = r.get("hook_check")
         if hc:
             print(f"hook check {k}: ok={hc.get('ok')} rel_err={hc.get('rel_err')} {hc.get('error', '')}")
+            so = hc.get("stream_order")
+            if so:
+                print(f"  decode in order on the engine's stream: {so.get('ordered')} "
+                      f"({so.get('rows_written_after_poison')}/{so.get('rows')} rows) {so.get('error', '')}")
             et = hc.get("engine_triton")
             if et:
                 print(f"  vs vLLM's own Triton decode on the same tensors: ok={et.get('ok')} rel_err={et.get('rel_err')} "
