@@ -45,6 +45,16 @@ def test_every_kernel_takes_the_convention_in_order():
         assert cls.__call__ is SparseDecodeKernelBase.__call__, f"{family} must not redefine the launch"
 
 
+def test_every_kernel_takes_the_arguments_as_one_value():
+    """The decode kernels take ARGUMENTS as one KernelArguments (fields named and ordered as
+    ARGUMENTS), then their own operands: no kernel signature spells the list out again."""
+    assert conv.KernelArguments._fields == conv.ARGUMENT_NAMES
+    for family in registry.KERNEL_REGISTRY:
+        params = list(inspect.signature(compiler._kernel_class(family).kernel).parameters.values())
+        assert params[1].annotation is conv.KernelArguments, family
+        assert not {p.name for p in params} & set(conv.ARGUMENT_NAMES), family
+
+
 def test_fake_arguments_follow_the_description():
     cfg = SparseDecodeConfig(num_q_heads=64, num_kv_heads=4)
     fakes = conv.fake_arguments(cfg)

@@ -122,6 +122,7 @@ from msa_jit.kernels import common, ptx
 
 from . import ptx_sm100
 from msa_jit.kernels.base import SparseDecodeKernelBase
+from msa_jit.kernels.convention import KernelArguments
 
 HEAD_DIM = 128
 ROW_BYTES = 2 * HEAD_DIM
@@ -243,25 +244,8 @@ class SparseDecodeSm100Kernel(SparseDecodeKernelBase):
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
-    def kernel(
-        self,
-        mQ: cute.Tensor,
-        mKV: cute.Tensor,
-        mTopk: cute.Tensor,
-        mBT: cute.Tensor,
-        mKvLens: cute.Tensor,
-        mOut: cute.Tensor,
-        mLse: cute.Tensor,
-        mPO: cute.Tensor,
-        mPL: cute.Tensor,
-        mKScale: cute.Tensor,
-        mVScale: cute.Tensor,
-        qlen: Int32,
-        num_splits: Int32,
-        qk_scale_log2: Float32,
-        v_scale: Float32,
-        Storage: cutlass.Constexpr,
-    ):
+    def kernel(self, args: KernelArguments, Storage: cutlass.Constexpr):
+        """One CTA: the convention's tensors and scalars (`args`, named as in convention.ARGUMENTS)."""
         tidx, _, _ = cute.arch.thread_idx()
         t, h, split = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(tidx // 32)
@@ -287,17 +271,17 @@ class SparseDecodeSm100Kernel(SparseDecodeKernelBase):
         sNvalid = storage.nvalid.get_tensor(cute.make_layout(4))
         sRed = storage.red.get_tensor(cute.make_layout(3 * SOFTMAX_WARPS * N_PAD))
 
-        kv_len = mKvLens[t]
-        req = t // qlen
-        num_pages = mKV.shape[0]
+        kv_len = args.kv_lens[t]
+        req = t // args.qlen
+        num_pages = args.kv_cache.shape[0]
         # the global scales as device tensors (1.0 when the caller gave python floats)
-        qk_scale_log2 = qk_scale_log2 * mKScale[0]
-        v_scale = v_scale * mVScale[0]
+        qk_scale_log2 = args.qk_scale_log2 * args.k_scale_tensor[0]
+        v_scale = args.v_scale * args.v_scale_tensor[0]
 
         # ---- 1. setup: slot compaction + barriers (warp 0), TMEM alloc (MMA warp), Q -> sQ (softmax group)
         if warp == 0:
             ballot = common.compact_valid_slots(
-                mTopk, mBT, t, h, req, kv_len, num_pages, lane, sPages, sBlocks, self.topk, self.page
+                args.topk, args.block_table, t, h, req, kv_len, num_pages, lane, sPages, sBlocks, self.topk, self.page
             )
             if lane == 0:
                 sNvalid[0] = cute.arch.popc(ballot)
@@ -311,7 +295,7 @@ class SparseDecodeSm100Kernel(SparseDecodeKernelBase):
         if warp == MMA_WARP:
             ptx_sm100.tmem_alloc(tmem_holder, self.TMEM_COLS)
         if warp < SOFTMAX_WARPS:
-            self.load_q(mQ, sq_addr, t, h, tidx)
+            self.load_q(args.query, sq_addr, t, h, tidx)
             ptx_sm100.fence_proxy_async_shared()
         cute.arch.mbarrier_init_fence()
         ptx_sm100.tc_fence_before()
@@ -320,13 +304,13 @@ class SparseDecodeSm100Kernel(SparseDecodeKernelBase):
         taddr = ptx_sm100.ld_shared_u32(tmem_holder)
 
         n_valid = sNvalid[0]
-        first, n_iter = common.split_range(n_valid, num_splits, split)
+        first, n_iter = common.split_range(n_valid, args.num_splits, split)
 
         if warp == PRODUCER_WARP:
             # ---- 2a. producer: one lane streams the selected chunks into the fp8 stages
             if lane == 0:
                 common.stream_pages(
-                    mKV, sPages, h, first, n_iter, stage_addr, full_ptr, empty_ptr,
+                    args.kv_cache, sPages, h, first, n_iter, stage_addr, full_ptr, empty_ptr,
                     self.stages, self.stage_bytes, self.hkv,
                 )
         elif warp == MMA_WARP:
@@ -369,9 +353,9 @@ class SparseDecodeSm100Kernel(SparseDecodeKernelBase):
         else:
             # ---- 2c. softmax / convert warpgroup
             self.softmax_loop(
-                mOut, mLse, mPO, mPL, sBlocks, sRed, stage_addr, sk_addr, sv_addr, sp_addr,
-                full_ptr, empty_ptr, kv_ready, s_full, p_ready, o_full, taddr,
-                t, h, split, warp, lane, tidx, kv_len, first, n_iter, num_splits, qk_scale_log2, v_scale,
+                args.out, args.lse, args.partial_o, args.partial_lse, sBlocks, sRed, stage_addr, sk_addr, sv_addr,
+                sp_addr, full_ptr, empty_ptr, kv_ready, s_full, p_ready, o_full, taddr,
+                t, h, split, warp, lane, tidx, kv_len, first, n_iter, args.num_splits, qk_scale_log2, v_scale,
             )
 
         # ---- 3. teardown: everyone is done with TMEM

@@ -4,9 +4,9 @@
 of msa_jit/kernels/convention.py (`ARGUMENTS`, in order), launches the subclass's `kernel` on its
 `grid` (by default (token, KV head, split)) and, when the top-k blocks are split, the split
 merge (msa_jit/kernels/split_merge.py) in the same launch sequence. A subclass provides `kernel` (its
-device code, taking the `ARGUMENTS` tensors and scalars, then its `kernel_operands`, then its
-shared-memory struct), `storage_type`, `threads`, and may override `grid`, `kernel_operands`
-(host-made operands such as TMA descriptors), `launch_options` and `pdl`.
+device code, taking the `ARGUMENTS` tensors and scalars as one `convention.KernelArguments`, then its
+`kernel_operands`, then its shared-memory struct), `storage_type`, `threads`, and may override `grid`,
+`kernel_operands` (host-made operands such as TMA descriptors), `launch_options` and `pdl`.
 """
 
 # no `from __future__ import annotations`: the DSL reads evaluated annotations
@@ -17,6 +17,7 @@ from cutlass import Float32, Int32
 
 from .cluster_merge import RECV_BYTES
 from .constants import MAX_GROUP_SIZE, MAX_TOPK
+from .convention import KernelArguments
 from .split_merge import SplitMergeKernel
 
 
@@ -82,9 +83,9 @@ class SparseDecodeKernelBase:
     ):
         """The exported function: msa_jit/kernels/convention.py ARGUMENTS, in order, then the stream."""
         num_tokens = query.shape[0]
-        args = (query, kv_cache, topk, block_table, kv_lens, out, lse, partial_o, partial_lse, k_scale_tensor,
-                v_scale_tensor, qlen, num_splits, qk_scale_log2, v_scale, *self.kernel_operands(kv_cache),
-                self.storage_type())
+        args = (KernelArguments(query, kv_cache, topk, block_table, kv_lens, out, lse, partial_o, partial_lse,
+                                k_scale_tensor, v_scale_tensor, qlen, num_splits, qk_scale_log2, v_scale),
+                *self.kernel_operands(kv_cache), self.storage_type())
         options = dict(
             grid=self.grid(num_tokens, qlen, num_splits),
             block=(self.threads, 1, 1),
@@ -137,5 +138,6 @@ class SparseDecodeKernelBase:
         """Extra launch options of the decode kernel."""
         return {}
 
-    def kernel(self, *args):  # pragma: no cover - every arch kernel defines its @cute.kernel
+    def kernel(self, args, *operands_then_storage):  # pragma: no cover - every arch kernel defines its @cute.kernel
+        """The decode kernel: `args` (a KernelArguments), then kernel_operands(), then the storage struct."""
         raise NotImplementedError

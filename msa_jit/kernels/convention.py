@@ -9,7 +9,8 @@ Edit any of them and every cache key changes, so a stale artifact can never be l
 against a new convention.
 
 The kernels' `__call__` (msa_jit/kernels/base.py) takes exactly `ARGUMENTS` in this order
-(tests/test_convention.py checks it). T (tokens), P (pages), B (requests), max_blocks and
+(tests/test_convention.py checks it) and hands them to the decode kernel as one `KernelArguments`,
+so no kernel signature spells the list out again. T (tokens), P (pages), B (requests), max_blocks and
 the split-KV rows are symbolic at compile time, so they never enter the cache key.
 
 Importing this module imports nothing heavy: `cutlass` only inside `fake_arguments`.
@@ -17,6 +18,7 @@ Importing this module imports nothing heavy: `cutlass` only inside `fake_argumen
 
 from __future__ import annotations
 
+from collections import namedtuple
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,6 +80,10 @@ ARGUMENTS: tuple[Argument, ...] = (
     Argument("v_scale", "scalar", "float32", source="scalar"),  # the python float (1.0 with a tensor)
 )
 ARGUMENT_NAMES = tuple(a.name for a in ARGUMENTS)
+# the arguments as one value, each field named as in ARGUMENTS: the decode kernel's first parameter
+# (the DSL passes a named tuple's fields as the kernel's parameters, in this order, and rebuilds it
+# inside the kernel), so a kernel reads `args.query`, `args.num_splits`, ...
+KernelArguments = namedtuple("KernelArguments", ARGUMENT_NAMES)
 # plan fields passed to the kernel, in the order `SparseDecodePlan.kernel_tensors` returns
 # them (the plan wraps them as TVM-FFI tensors once); lse_scratch stands in for `lse`,
 # unit_scale for a scale tensor the caller does not give

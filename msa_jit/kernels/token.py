@@ -37,6 +37,7 @@ from . import common, ptx
 from .base import SparseDecodeKernelBase
 from .cluster_merge import RECV_BYTES, ClusterMerge
 from .constants import FP8_ROW_BYTES, HEAD_DIM, KV_DTYPES, LN2, NVFP4_CODE_BYTES, NVFP4_ROW_BYTES
+from .convention import KernelArguments
 
 Q_FRAG_BYTES = 8 * 32 * 16  # 8 k-steps x 32 lanes x one 16-byte A fragment
 LAZY_RESCALE = 8.0  # log2 units: P stays <= 256 between rescales
@@ -204,25 +205,8 @@ class SparseDecodeTokenKernel(SparseDecodeKernelBase):
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
-    def kernel(
-        self,
-        mQ: cute.Tensor,
-        mKV: cute.Tensor,
-        mTopk: cute.Tensor,
-        mBT: cute.Tensor,
-        mKvLens: cute.Tensor,
-        mOut: cute.Tensor,
-        mLse: cute.Tensor,
-        mPO: cute.Tensor,
-        mPL: cute.Tensor,
-        mKScale: cute.Tensor,
-        mVScale: cute.Tensor,
-        qlen: Int32,
-        num_splits: Int32,
-        qk_scale_log2: Float32,
-        v_scale: Float32,
-        Storage: cutlass.Constexpr,
-    ):
+    def kernel(self, args: KernelArguments, Storage: cutlass.Constexpr):
+        """One CTA: the convention's tensors and scalars (`args`, named as in convention.ARGUMENTS)."""
         tidx, _, _ = cute.arch.thread_idx()
         t, h, split = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(tidx // 32)
@@ -254,47 +238,48 @@ class SparseDecodeTokenKernel(SparseDecodeKernelBase):
         cute.arch.griddepcontrol_wait()
         if cutlass.const_expr(self.ctas_per_sm < 3):
             cute.arch.griddepcontrol_launch_dependents()  # the split merge may be scheduled now
-        elif num_splits > 1:
+        elif args.num_splits > 1:
             # at 3 per SM a one-wave grid leaves up to a third of the slots free: an early
             # trigger would let the NEXT decode kernel's CTAs take them while this grid runs,
             # unevenly across SMs (per_layer T1334: +5 us per layer); only the merge may
             cute.arch.griddepcontrol_launch_dependents()
         # the global scales as device tensors (1.0 when the caller gave python floats); an NVFP4
         # block's K and V leave the conversion times 2**-14 (e2m1x8_to_f16x2x4), folded back here
-        qk_scale_log2 = qk_scale_log2 * mKScale[0] * self.kv_fold
-        v_scale = v_scale * mVScale[0] * self.kv_fold
+        qk_scale_log2 = args.qk_scale_log2 * args.k_scale_tensor[0] * self.kv_fold
+        v_scale = args.v_scale * args.v_scale_tensor[0] * self.kv_fold
 
-        kv_len = mKvLens[t]
-        req = t // qlen
-        num_pages = mKV.shape[0]
+        kv_len = args.kv_lens[t]
+        req = t // args.qlen
+        num_pages = args.kv_cache.shape[0]
 
         # ---- 1. compact the valid slots of this (t, h) into shared memory (warp 0)
         if warp == 0:
             ballot = common.compact_valid_slots(
-                mTopk, mBT, t, h, req, kv_len, num_pages, lane, sPages, sBlocks, self.topk, self.page,
+                args.topk, args.block_table, t, h, req, kv_len, num_pages, lane, sPages, sBlocks, self.topk, self.page,
             )
             if lane == 0:
                 sNvalid[0] = cute.arch.popc(ballot)
         if cutlass.const_expr(self.q_smem):
             if warp == self.warps:  # the producer warp is idle until the slots are compacted
-                self.stage_q(mQ, q_addr, t, h, lane, qk_scale_log2)
+                self.stage_q(args.query, q_addr, t, h, lane, qk_scale_log2)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         if cutlass.const_expr(self.cluster_merge is not None):
-            self.cluster_merge.arrive(num_splits)  # waited for before the first push (epilogue)
+            self.cluster_merge.arrive(args.num_splits)  # waited for before the first push (epilogue)
 
         n_valid = sNvalid[0]
-        first, n_iter = common.split_range(n_valid, num_splits, split)
+        first, n_iter = common.split_range(n_valid, args.num_splits, split)
 
         if warp == self.warps:
             # ---- 2a. producer warp: one lane streams the selected chunks into the stages
             if lane == 0:
-                self.produce(mKV, sPages, h, first, n_iter, buf_addr, full_ptr, empty_ptr)
+                self.produce(args.kv_cache, sPages, h, first, n_iter, buf_addr, full_ptr, empty_ptr)
         else:
             # ---- 2b. consumer warps
             self.consume(
-                mQ, mOut, mLse, mPO, mPL, sBlocks, sML, buf_addr, q_addr, recv, full_ptr, empty_ptr,
-                t, h, split, warp, lane, kv_len, first, n_iter, num_splits, qk_scale_log2, v_scale,
+                args.query, args.out, args.lse, args.partial_o, args.partial_lse, sBlocks, sML, buf_addr, q_addr,
+                recv, full_ptr, empty_ptr, t, h, split, warp, lane, kv_len, first, n_iter, args.num_splits,
+                qk_scale_log2, v_scale,
             )
 
     @cute.jit

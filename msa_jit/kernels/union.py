@@ -58,6 +58,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from . import common, ptx
 from .base import SparseDecodeKernelBase
 from .constants import FP8_ROW_BYTES, HEAD_DIM, LN2
+from .convention import KernelArguments
 from .union_ops import (BAR_ALL, BAR_WG, RESCALE_LOG2, ROWS, build_union, f16_tile_layout, fp8_tile_layout, ld_shared_f32, merged_row_stats, row_state, st_global_b32, st_global_v2_f32, st_shared_f32, stage_q_fp8, stage_q_split, store_f16_chunks, swizzled_f16, swizzled_fp8, tree)
 
 WG_THREADS = 128  # threads of a warpgroup
@@ -233,33 +234,14 @@ class SparseDecodeUnionKernel(SparseDecodeKernelBase):
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
-    def kernel(
-        self,
-        mQ: cute.Tensor,
-        mKV: cute.Tensor,
-        mTopk: cute.Tensor,
-        mBT: cute.Tensor,
-        mKvLens: cute.Tensor,
-        mOut: cute.Tensor,
-        mLse: cute.Tensor,
-        mPO: cute.Tensor,
-        mPL: cute.Tensor,
-        mKScale: cute.Tensor,
-        mVScale: cute.Tensor,
-        qlen: Int32,
-        num_splits: Int32,
-        qk_scale_log2: Float32,
-        v_scale: Float32,
-        tma_k: cute.CopyAtom,
-        g_k: cute.Tensor,
-        tma_v: cute.CopyAtom,
-        g_v: cute.Tensor,
-        Storage: cutlass.Constexpr,
-    ):
+    def kernel(self, args: KernelArguments, tma_k: cute.CopyAtom, g_k: cute.Tensor, tma_v: cute.CopyAtom,
+               g_v: cute.Tensor, Storage: cutlass.Constexpr):
+        """One CTA: the convention's tensors and scalars (`args`, named as in convention.ARGUMENTS), then
+        kernel_operands()."""
         tidx, _, _ = cute.arch.thread_idx()
         req, h, z = cute.arch.block_idx()
-        tile = z // num_splits
-        split = z % num_splits
+        tile = z // args.num_splits
+        split = z % args.num_splits
         warp = cute.arch.make_warp_uniform(tidx // 32)
         lane = tidx % 32
         TT = self.tile_tokens
@@ -283,16 +265,17 @@ class SparseDecodeUnionKernel(SparseDecodeKernelBase):
                     cute.arch.mbarrier_init(storage.tile_free.data_ptr(), WG_THREADS)
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()  # the split merge may be scheduled now
-        qk_scale_log2 = qk_scale_log2 * mKScale[0]
-        v_scale = v_scale * mVScale[0]
-        n_tok = cutlass.min(Int32(TT), qlen - tile * TT)
+        qk_scale_log2 = args.qk_scale_log2 * args.k_scale_tensor[0]
+        v_scale = args.v_scale * args.v_scale_tensor[0]
+        n_tok = cutlass.min(Int32(TT), args.qlen - tile * TT)
         # Q first: its loads overlap the union build's chain instead of queueing behind the first stages'
         # copies (ncu: a bf16 query's CTAs waited ~5% of the kernel for Q there)
-        q_words = self.q_half_row(mQ, req, h, tile, qlen, n_tok, tidx)
-        n_union = build_union(mTopk, mBT, mKvLens, mKV.shape[0], storage, (sPages, sBlocks, sMasks), sKvLen, req, h,
-                              tile, qlen, n_tok, warp, lane, TT, self.topk, self.page)
+        q_words = self.q_half_row(args.query, req, h, tile, args.qlen, n_tok, tidx)
+        n_union = build_union(args.topk, args.block_table, args.kv_lens, args.kv_cache.shape[0], storage,
+                              (sPages, sBlocks, sMasks), sKvLen, req, h, tile, args.qlen, n_tok, warp, lane, TT,
+                              self.topk, self.page)
         # this CTA's split: union blocks first .. first + n_split (the loops count from 0)
-        first, n_split = common.split_range(n_union, num_splits, split)
+        first, n_split = common.split_range(n_union, args.num_splits, split)
 
         # the stages as TMA destinations: (tile, stage) of K and of V; the cache as (tile, page) of this KV head
         staged = fp8_tile_layout(self.page, self.stages)
@@ -316,19 +299,20 @@ class SparseDecodeUnionKernel(SparseDecodeKernelBase):
             else:
                 stage_q_fp8(q_words, ptx.smem_addr(storage.sq.data_ptr()), tidx)
         cute.arch.sync_threads()  # sQ (fenced) is complete
-        args = (mOut, mLse, mPO, mPL, storage, sPages, sBlocks, sMasks, sKvLen, full_ptr, empty_ptr, tma,
-                req, h, tile, split, num_splits, qlen, n_tok, first, n_split, qk_scale_log2, v_scale)
+        loop_args = (args.out, args.lse, args.partial_o, args.partial_lse, storage, sPages, sBlocks, sMasks, sKvLen,
+                     full_ptr, empty_ptr, tma, req, h, tile, split, args.num_splits, args.qlen, n_tok, first, n_split,
+                     qk_scale_log2, v_scale)
         if cutlass.const_expr(self.v_converter):
             if warp < 4:
                 cute.arch.setmaxregister_increase(self.cv_regs[0])
-                self.mma_loop(*args, tidx, 0)
+                self.mma_loop(*loop_args, tidx, 0)
             else:
                 cute.arch.setmaxregister_decrease(self.cv_regs[1])
                 self.convert_loop(storage, tma, sPages, first, n_split, full_ptr, empty_ptr, tidx - 128)
         elif warp < 4:
-            self.mma_loop(*args, tidx, 0)
+            self.mma_loop(*loop_args, tidx, 0)
         elif cutlass.const_expr(self.wgs > 1):
-            self.mma_loop(*args, tidx - 128, 1)
+            self.mma_loop(*loop_args, tidx - 128, 1)
 
     # ---- the tile's union of blocks
     def union_lists(self, storage):
