@@ -191,21 +191,84 @@ def test_compare_greedy_identical_near_tie_and_divergence():
     assert c["identical"] and c["max_abs_dlogprob"] is None
 
 
-def test_compare_runs_verdicts():
-    def run(outputs):
-        return {"correctness": {"prompt_lens": [3], "outputs": outputs}}
+def _run(outputs):
+    return {"correctness": {"prompt_lens": [3] * len(outputs), "outputs": outputs}}
 
-    ref = run([_side([5, 6, 7], [[[5, -0.1]], [[6, -0.2], [8, -2.0]], [[7, -0.5], [4, -0.52]]])])
+
+def test_compare_runs_verdicts_and_pooled_figures():
+    ref = _run([_side([5, 6, 7], [[[5, -0.1]], [[6, -0.2], [8, -2.0]], [[7, -0.5], [4, -0.52]]])])
     assert plan.compare_runs(ref, ref)["verdict"] == "identical"
-    assert plan.compare_runs(ref, run([_side([5, 6, 4], None)]))["verdict"] == "agree_until_near_tie"
-    assert plan.compare_runs(ref, run([_side([5, 8, 7], None)]))["verdict"] == "diverged"
-    assert plan.compare_runs(ref, run([]))["verdict"] == "missing"
+    assert plan.compare_runs(ref, _run([_side([5, 6, 4], None)]))["verdict"] == "agree_until_near_tie"
+    assert plan.compare_runs(ref, _run([_side([5, 8, 7], None)]))["verdict"] == "diverged"
+    assert plan.compare_runs(ref, _run([]))["verdict"] == "missing"
     assert plan.compare_runs(ref, None) is None
-    close = run([_side([5, 6, 7], [[[5, -0.1]], [[6, -0.3], [8, -2.0]], [[7, -0.5], [4, -0.52]]])])
-    c = plan.compare_runs(ref, close, (0.25, 0.05))
-    assert c["within_tolerance"] and c["max_abs_dlogprob"] == pytest.approx(0.1)
-    assert not plan.compare_runs(ref, close, (0.05, 0.05))["within_tolerance"]
-    assert "within_tolerance" not in plan.compare_runs(ref, close)
+    # max and median over the agreeing steps of all prompts together, not per prompt
+    two = _run([_side([5, 6], [[[5, -0.1]], [[6, -0.2]]]), _side([1, 2, 3], [[[1, -1.0]], [[2, -1.0]], [[3, -1.0]]])])
+    other = _run([_side([5, 6], [[[5, -0.4]], [[6, -0.5]]]), _side([1, 2, 3], [[[1, -1.01]], [[2, -1.0]], [[3, -1.02]]])])
+    c = plan.compare_runs(two, other)
+    assert c["dlogprob_steps"] == 5 and c["max_abs_dlogprob"] == pytest.approx(0.3)
+    assert c["median_abs_dlogprob"] == pytest.approx(0.02)  # per-prompt medians would give 0.3 and 0.01
+    assert "within_spread" not in c
+
+
+def test_judge_spread_against_the_control():
+    base = [_side([1, 2, 3, 4], [[[t, -0.5]] for t in (1, 2, 3, 4)])]
+
+    def shifted(*d):
+        return _run([_side([1, 2, 3, 4], [[[t, -0.5 - x]] for t, x in zip((1, 2, 3, 4), d)])])
+
+    control = plan.compare_runs(_run(base), shifted(0.1, 0.3, 0.5, 0.2))  # max 0.5, median 0.25
+    inside = plan.judge_spread(plan.compare_runs(_run(base), shifted(0.2, 0.4, 0.1, 0.3)), control, "c")
+    assert inside["within_spread"] and inside["spread"]["control_max_abs_dlogprob"] == pytest.approx(0.5)
+    assert inside["spread"]["control"] == "c" and inside["max_abs_dlogprob"] == pytest.approx(0.4)
+    # past the control's max, or its median, fails
+    assert not plan.judge_spread(plan.compare_runs(_run(base), shifted(0, 0, 0, 0.6)), control, "c")["within_spread"]
+    assert not plan.judge_spread(plan.compare_runs(_run(base), shifted(0.3, 0.3, 0.3, 0.3)), control,
+                                 "c")["within_spread"]
+    # a control that agrees exactly: the floor (one bf16 step of the logits) is what is allowed
+    exact = plan.compare_runs(_run(base), _run(base))
+    assert plan.judge_spread(plan.compare_runs(_run(base), shifted(0.06, 0, 0, 0)), exact, "c")["within_spread"]
+    assert not plan.judge_spread(plan.compare_runs(_run(base), shifted(0.07, 0, 0, 0)), exact, "c")["within_spread"]
+    # parting at the first step of every prompt is outside any spread; no control: not judged
+    first = plan.compare_runs(_run(base), _run([_side([9, 2, 3, 4], [[[9, -0.1]]] * 4)]))
+    assert first["dlogprob_steps"] == 0 and plan.judge_spread(first, control, "c")["within_spread"] is False
+    assert plan.judge_spread(inside, None, "c")["within_spread"] is None
+    assert plan.judge_spread(inside, {"verdict": "missing", "prompts": []}, "c")["within_spread"] is None
+    assert plan.judge_spread(None, control, "c") is None
+
+
+def _mode_run(mode, graphs, tokens, deltas):
+    """A mode result whose one prompt decodes `tokens`, log-probs -0.5 - deltas[i]."""
+    return {"mode": mode, "graphs": graphs, "correctness": {"prompt_lens": [3], "outputs": [
+        _side(tokens, [[[t, -0.5 - d]] for t, d in zip(tokens, deltas)])]}}
+
+
+def test_agreement_judges_msa_jit_against_vllms_own_spread():
+    toks = [1, 2, 3, 4]
+    results = {
+        "triton_fp8-eager": _mode_run("triton_fp8", "eager", toks, [0, 0, 0, 0]),
+        "msa_fp8_engine_triton-eager": _mode_run("msa_fp8_engine_triton", "eager", toks, [0.2, 0.4, 0.1, 0.3]),
+        "msa_fp8-eager": _mode_run("msa_fp8", "eager", toks, [0.25, 0.45, 0.15, 0.35]),  # 0.05 from the control mode
+        "msa_mtp-eager": _mode_run("msa_mtp", "eager", [1, 2, 9, 9], [0.9, 0.25, 0, 0]),  # 0.65 from msa_fp8
+        "triton_fp8-graph": _mode_run("triton_fp8", "graph", toks, [0, 0, 0, 0]),
+        "msa_fp8-graph": _mode_run("msa_fp8", "graph", toks, [0.25, 0.45, 0.15, 0.35]),
+        "msa_mtp-graph": _mode_run("msa_mtp", "graph", [1, 9, 9, 9], [0.9, 0, 0, 0]),
+    }
+    a = plan.agreement(results)
+    ctl = a["msa_fp8_engine_triton vs triton_fp8 (eager)"]
+    assert "within_spread" not in ctl and ctl["max_abs_dlogprob"] == pytest.approx(0.4)
+    pair = a["msa_fp8 vs msa_fp8_engine_triton (eager)"]
+    assert pair["within_spread"] and pair["spread"]["control"] == "msa_fp8_engine_triton vs triton_fp8 (eager)"
+    assert pair["spread"]["control_median_abs_dlogprob"] == pytest.approx(0.25)
+    assert "within_spread" not in a["msa_fp8 vs triton_fp8 (eager)"]  # kernel and query format at once
+    mtp = a["msa_mtp vs msa_fp8 (eager)"]
+    assert mtp["agree_steps"] == [2] and mtp["within_spread"] is False  # 0.65 > the control's 0.4
+    # graph against eager: judged against vLLM alone's (identical here: the floor), MTP reported only
+    assert a["msa_fp8: graph vs eager"]["within_spread"] and a["msa_fp8: graph vs eager"]["verdict"] == "identical"
+    assert "within_spread" not in a["triton_fp8: graph vs eager"]  # the control itself
+    assert "within_spread" not in a["msa_mtp: graph vs eager"]
+    # no control in the graph setting (msa_fp8_engine_triton did not run there): not judged
+    assert a["msa_mtp vs msa_fp8 (graph)"]["within_spread"] is None
 
 
 # ----------------------------------------------------------------------------- results
@@ -258,7 +321,7 @@ def test_harness_end_to_end_on_a_fake_vllm(tmp_path):
     env.pop("TRITON_INTERPRET", None)
     out = tmp_path / "out"
     p = subprocess.run([sys.executable, str(E2E / "run_vllm_e2e.py"), "run", "--out", str(out), "--work",
-                        str(tmp_path / "work"), "--modes", "triton_fp8,msa_fp8,msa_nvfp4,msa_mtp",
+                        str(tmp_path / "work"), "--modes", "triton_fp8,msa_fp8,msa_fp8_engine_triton,msa_nvfp4,msa_mtp",
                         "--points", "1x4096,32x8192", "--deadline-s", "300", "--min-run-s", "10", "--tag", "t"],
                        env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -266,7 +329,7 @@ def test_harness_end_to_end_on_a_fake_vllm(tmp_path):
     assert (out / "vllm-e2e-t.log").exists()
     assert s["schema"] == plan.SUMMARY_SCHEMA and s["config_problems"] == []
     assert isinstance(s["preflight"]["entry_points"], list) and s["preflight"]["kernels"]["needed"] == 14
-    for key in ("triton_fp8-eager", "msa_fp8-eager", "msa_nvfp4-eager", "msa_mtp-eager"):
+    for key in ("triton_fp8-eager", "msa_fp8-eager", "msa_fp8_engine_triton-eager", "msa_nvfp4-eager", "msa_mtp-eager"):
         r = s["results"][key]
         assert plan.check_mode_result(r) == [], (key, plan.check_mode_result(r))
         assert r["ok"], (key, r["error"], r.get("traceback"))
@@ -286,9 +349,11 @@ def test_harness_end_to_end_on_a_fake_vllm(tmp_path):
     assert (prof["batch"], prof["context"], prof["steps"]) == (32, 8192, plan.PROFILE_STEPS) and prof["all_requests_decoding"]
     agree = s["agreement"]["msa_fp8 vs triton_fp8 (eager)"]
     assert agree["verdict"] == "identical" and agree["max_abs_dlogprob"] == pytest.approx(0.001)
-    assert agree["within_tolerance"]
+    assert "within_spread" not in agree  # reported: no control isolates it
+    judged = s["agreement"]["msa_fp8 vs msa_fp8_engine_triton (eager)"]
+    assert judged["within_spread"] and judged["spread"]["control"] == "msa_fp8_engine_triton vs triton_fp8 (eager)"
     assert s["agreement"]["msa_mtp vs msa_fp8 (eager)"]["verdict"] == "identical"
-    assert len(s["speed_table"]) == 8
+    assert len(s["speed_table"]) == 10
 
 
 def test_mtp_layers_renamed_after_the_target(monkeypatch):

@@ -709,11 +709,11 @@ def _print_table(s: dict[str, Any]) -> None:
     print("\nrun                          ok     error", flush=True)
     for k, r in s["runs"].items():
         print(f"{k:28s} {str(r['ok']):6s} {(r['error'] or '')[:110]}")
-    print("\nagreement                                  verdict               max|dlogprob|  within tol.  agree steps")
+    print("\nagreement                                  verdict               max|dlogprob|  in spread    agree steps")
     for k, a in s["agreement"].items():
         if a:
             print(f"{k:42s} {a['verdict']:21s} {str(a.get('max_abs_dlogprob')):14s} "
-                  f"{str(a.get('within_tolerance', '-')):12s} {a.get('agree_steps')}")
+                  f"{str(a.get('within_spread', '-')):12s} {a.get('agree_steps')}")
     for k, r in s["results"].items():
         watched = (r.get("correctness") or {}).get("first_steps_vs_triton") or []
         if watched:
