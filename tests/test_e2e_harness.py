@@ -292,6 +292,31 @@ def test_result_schema_and_summary():
     json.dumps(s)
 
 
+OUTPUT = """\
+===== msa_nvfp4-eager: python run_vllm_e2e.py child --mode msa_nvfp4 (budget 95s)
+(MainProcess pid=1409) INFO 12-07 10:15:36 [cuda.py:508] Using FLASH_ATTN attention backend out of potential backends: ['FLASH_ATTN']
+(MainProcess pid=1409) INFO 12-07 10:15:36 [flash_attn.py:1122] Using FlashAttention version 3
+(MainProcess pid=1409) INFO 12-07 10:15:36 [sparse_attention_msa.py:232] MiniMax M3 MSA sparse decode selected CUTLASS
+(MainProcess pid=1409) INFO 12-07 10:15:37 [unquantized.py:530] nothing selected here
+[e2e msa_nvfp4/eager] engine done at 33.7s: Using a line that is not vLLM's
+"""
+
+
+def test_log_lines_read_from_a_childs_output():
+    """Where the child's log handler saw nothing, the parent takes vLLM's lines from the output."""
+    lines = plan.selection_lines(OUTPUT)
+    assert lines == ["INFO [cuda.py:508] Using FLASH_ATTN attention backend out of potential backends: ['FLASH_ATTN']",
+                     "INFO [flash_attn.py:1122] Using FlashAttention version 3",
+                     "INFO [sparse_attention_msa.py:232] MiniMax M3 MSA sparse decode selected CUTLASS"]
+    assert len(plan.selection_lines(OUTPUT, limit=2)) == 2
+    r = plan.log_from_output({"log_lines": []}, OUTPUT, plan.MODES["msa_nvfp4"])
+    assert r["log_lines"] == lines and r["log_lines_from"] == "process output"
+    assert r["expect_log"] == {"msa-jit vLLM plugin: MiniMax-M3 decode on SM90": False,
+                               "MSA sparse decode selected CUTLASS": True}
+    runner = (E2E / "run_vllm_e2e.py").read_text()  # the parent falls back on it where the tap saw none
+    assert 'if not results[key].get("log_lines"):' in runner and "plan.log_from_output(results[key]" in runner
+
+
 # ----------------------------------------------------------------------------- device_run.sh
 def test_device_run_script_parses_and_sets_the_no_compile_host_up():
     script = (E2E / "device_run.sh").read_text()

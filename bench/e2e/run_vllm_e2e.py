@@ -43,10 +43,6 @@ import e2e_plan as plan  # noqa: E402  (beside this file)
 import e2e_weights as weights  # noqa: E402
 import hook_probes as probes  # noqa: E402
 
-LOG_PATTERNS = ("msa-jit", "MiniMax M3", "attention backend", "Using ", "block size", "KV cache",
-                "kv cache", "speculative", "CUDA graph", "cudagraph", "skip", "nvfp4", "NVFP4", "Error", "error",
-                "WARNING", "Traceback")
-
 
 class _Stop(BaseException):
     """SIGTERM from the parent's deadline: save what is done."""
@@ -54,7 +50,7 @@ class _Stop(BaseException):
 
 # ============================================================================ child
 class _LogTap(logging.Handler):
-    """Keeps vLLM's log lines that say what was selected (LOG_PATTERNS), at most `limit`."""
+    """Keeps vLLM's log lines that say what was selected (plan.LOG_PATTERNS), at most `limit`."""
 
     def __init__(self, limit: int = 300) -> None:
         super().__init__(logging.INFO)
@@ -66,7 +62,7 @@ class _LogTap(logging.Handler):
             msg = record.getMessage()
         except Exception:  # noqa: BLE001
             return
-        if len(self.lines) < self.limit and any(p in msg for p in LOG_PATTERNS):
+        if len(self.lines) < self.limit and any(p in msg for p in plan.LOG_PATTERNS):
             self.lines.append(f"{record.levelname} {record.name}: {msg[:600]}")
 
 
@@ -675,6 +671,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         env = {**os.environ, **plan.mode_env(mode)}
         log.write(f"\n===== {key}: {shlex.join(argv_child)} (budget {budget:.0f}s)\n")
         log.flush()
+        start = log.tell()
         print(f"[e2e] {key}: budget {budget:.0f}s of {left:.0f}s left", flush=True)
         t0 = time.monotonic()
         proc = subprocess.Popen(argv_child, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -693,6 +690,11 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             results[key] = {**plan.new_mode_result(mode, graphs, {}, {}),
                             "error": f"no result (exit {rc}): {type(e).__name__}: {e}"}
         results[key]["exit_code"] = rc
+        if not results[key].get("log_lines"):  # the tap saw none: vLLM set its logging up again
+            log.flush()
+            with log_path.open("rb") as f:
+                f.seek(start)
+                plan.log_from_output(results[key], f.read().decode(errors="replace"), mode)
         results[key]["run_s"] = round(time.monotonic() - t0, 1)
         r = results[key]
         print(f"[e2e] {key}: exit {rc} in {r['run_s']}s, ok={r.get('ok')} phases={r.get('phases')} "
