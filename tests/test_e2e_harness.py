@@ -317,6 +317,80 @@ def test_log_lines_read_from_a_childs_output():
     assert 'if not results[key].get("log_lines"):' in runner and "plan.log_from_output(results[key]" in runner
 
 
+# ----------------------------------------------------------------------------- combining calls
+def _summary(tag, date, results):
+    return {"schema": plan.SUMMARY_SCHEMA, "date": date, "nvidia_smi": "H100",
+            "command": f"python bench/e2e/run_vllm_e2e.py run --out /o --tag {tag}", "versions": {"vllm": "0.33.0"},
+            "preflight": {}, "model_config": {"m": 1}, "config_problems": [], "results": results}
+
+
+def _result(mode, graphs, deltas, ok=True, **extra):
+    r = {**_mode_run(mode, graphs, [1, 2, 3, 4], deltas), "ok": ok, "error": None if ok else "stopped",
+         "log_lines": [], "speed": [{"batch": 1, "context": 4096, "ok": True, "step": {"median_ms": 2.0}}],
+         "profile": None, "traceback": "Traceback ...", "versions": {"vllm": "0.33.0"}}
+    r.update(extra)
+    return r
+
+
+def test_combine_results_across_calls(tmp_path):
+    combine = _load("combine_results", E2E / "combine_results.py")
+    eager = _summary("h100-eager", "2026-01-01T10:00:00", {
+        "triton_fp8-eager": _result("triton_fp8", "eager", [0] * 4, ok=False, correctness=None),
+        "msa_fp8-eager": _result("msa_fp8", "eager", [0.1] * 4),
+        "msa_nvfp4-eager": _result("msa_nvfp4", "eager", [0.3] * 4)})
+    graph = _summary("h100-graph", "2026-01-01T11:00:00", {
+        "triton_fp8-eager": _result("triton_fp8", "eager", [0] * 4),
+        "msa_fp8-eager": _result("msa_fp8", "eager", [0.1] * 4),
+        "msa_nvfp4-graph": _result("msa_nvfp4", "graph", [0.3] * 4),
+        "triton_fp8-graph": _result("triton_fp8", "graph", [0] * 4)})
+    for name, s in (("a.json", eager), ("b.json", graph)):
+        (tmp_path / name).write_text(json.dumps(s))
+    (tmp_path / "a.log").write_text("===== msa_fp8-eager: child\n(MainProcess pid=1) INFO 01-01 10:00:01 "
+                                   "[sparse_attention_msa.py:232] MiniMax M3 MSA sparse decode selected CUTLASS\n")
+    out = tmp_path / "out.json"
+    combine.main(["--out", str(out), "--call", str(tmp_path / "b.json"), "--call", str(tmp_path / "a.json"),
+                  "device=DEADLINE_S=1 bash bench/e2e/device_run.sh run"])
+    c = json.loads(out.read_text())
+    assert c["schema"] == combine.SCHEMA and [x["name"] for x in c["calls"]] == ["h100-eager", "h100-graph"]
+    assert c["calls"][0]["device_command"] == "DEADLINE_S=1 bash bench/e2e/device_run.sh run"
+    # a run made twice: taken from the call where it finished, the other compared with it
+    assert c["results_from"]["triton_fp8-eager"] == "h100-graph" and c["results_from"]["msa_fp8-eager"] == "h100-graph"
+    assert c["repeats"]["msa_fp8-eager: h100-eager vs h100-graph"]["verdict"] == "identical"
+    assert c["repeats"]["triton_fp8-eager: h100-eager vs h100-graph"] == {"verdict": "missing", "error": "stopped"}
+    # pairs across calls: NVFP4 with graphs (second call) against NVFP4 eager (first call)
+    assert c["agreement"]["msa_nvfp4: graph vs eager"]["within_spread"]
+    assert c["agreement"]["msa_fp8 vs triton_fp8 (eager)"]["max_abs_dlogprob"] == pytest.approx(0.1)
+    # trimmed: no traceback, the call's versions not repeated; log lines read from the call's log
+    r = c["calls"][0]["results"]["msa_fp8-eager"]
+    assert "traceback" not in r and "versions" not in r and r["log_lines_from"] == "process output"
+    assert r["expect_log"]["MSA sparse decode selected CUTLASS"] and c["calls"][0]["log"] == "a.log"
+    assert len(c["speed_table"]) == 7 and {row["call"] for row in c["speed_table"]} == {"h100-eager", "h100-graph"}
+    # the per-step log-probs go when the file would be too big; the token ids stay
+    calls = [combine.read_call(tmp_path / "a.json", None, None), combine.read_call(tmp_path / "b.json", None, None)]
+    small = json.loads(combine.combined_text(calls, max_bytes=1000))
+    kept = json.loads(combine.combined_text(calls))
+    assert not small["logprobs_kept"] and kept["logprobs_kept"]
+    outs = small["calls"][0]["results"]["msa_fp8-eager"]["correctness"]["outputs"]
+    assert outs[0]["token_ids"] == [1, 2, 3, 4] and "logprobs" not in outs[0]
+    assert small["agreement"] == kept["agreement"]  # computed before trimming
+
+
+def test_committed_e2e_result_is_a_combined_file():
+    """bench/results/vllm-e2e-h100.json is combine_results' output: every call with its commands,
+    the agreement judged against vLLM's own spread."""
+    combine = _load("combine_results", E2E / "combine_results.py")
+    c = json.loads((ROOT / "bench" / "results" / "vllm-e2e-h100.json").read_text())
+    assert c["schema"] == combine.SCHEMA and len((ROOT / "bench" / "results" / "vllm-e2e-h100.json").read_bytes()) \
+        <= combine.MAX_BYTES
+    for call in c["calls"]:
+        assert call["command"].startswith("python bench/e2e/run_vllm_e2e.py run") and call["device_command"]
+        assert call["versions"]["vllm"] == "0.33.0" and not call["config_problems"] and call["model_config_same"]
+    judged = [k for k, a in c["agreement"].items() if "within_spread" in a]
+    assert "msa_fp8 vs msa_fp8_engine_triton (eager)" in judged and "msa_fp8 vs msa_fp8_engine_triton (graph)" in judged
+    for key, run in c["results_from"].items():
+        assert key in next(x for x in c["calls"] if x["name"] == run)["results"]
+
+
 # ----------------------------------------------------------------------------- device_run.sh
 def test_device_run_script_parses_and_sets_the_no_compile_host_up():
     script = (E2E / "device_run.sh").read_text()
