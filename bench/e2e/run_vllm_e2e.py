@@ -11,7 +11,7 @@ output). A run that fails or runs out of time keeps what it finished: each child
 after every phase, its error and traceback included. `bench/e2e/device_run.sh` sets up the GPU host
 and calls `run`; the tiny model is `bench/e2e/tiny_m3/config.json` (dummy weights, no tokenizer).
 
-A child's phases: engine start (the plugin's and the engine's log lines recorded); weights redrawn
+A child's phases: engine start (vLLM's log lines that say what it selected); weights redrawn
 (`plan.REINIT`, the same model in every mode) and the attention layers' scale buffers put back to
 1.0 (`e2e_weights`: what the dummy load left is recorded); correctness (a mixed batch of prompts, greedy, top-5
 log-probs per step); for msa-jit modes the hook check (one sparse layer's decode output against
