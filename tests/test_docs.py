@@ -1,6 +1,7 @@
 """The docs say what the committed results and the code say: the README's performance table and
-docs/performance.md's tables are generated from bench/results/*.json, the README's quickstart
-runs as written, its links resolve, and every Markdown table keeps its cells."""
+docs/performance.md's tables are generated from bench/results/*.json, docs/vllm.md's real-engine
+tables are bench/results/vllm-e2e-h100.json's figures, the README's quickstart runs as written, its
+links resolve, and every Markdown table keeps its cells."""
 
 from __future__ import annotations
 
@@ -91,6 +92,52 @@ def test_readme_quickstart_runs_as_written_on_a_cpu(tmp_path):
                           cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "rel. error" in proc.stdout, proc.stdout
+
+
+# ----------------------------------------------------------------------------- the real-engine figures
+VLLM_DOC = ROOT / "docs" / "vllm.md"
+E2E_RESULT = ROOT / "bench" / "results" / "vllm-e2e-h100.json"  # bench/e2e/combine_results.py's file
+
+
+def _doc_table(text: str, header_start: str) -> list[list[str]]:
+    """The cells of the Markdown table whose header row starts with `header_start`."""
+    lines = text.splitlines()
+    i = next(i for i, line in enumerate(lines) if line.startswith(header_start))
+    rows = []
+    for line in lines[i + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in line.strip().strip("|").split("|")])
+    return rows
+
+
+def test_vllm_doc_speed_table_is_the_results():
+    """docs/vllm.md's CUDA-graph step times are the committed result's medians (to 0.01 ms)."""
+    result = json.loads(E2E_RESULT.read_text())
+    step = {(r["mode"], r["batch"], r["context"]): r["step_ms"] for r in result["speed_table"]
+            if r["graphs"] == "graph" and r["ok"]}
+    rows = _doc_table(VLLM_DOC.read_text(), "| batch x context | vLLM alone")
+    assert len(rows) == 4
+    for where, *cells in rows:
+        batch, context = (int(x.rstrip("K")) for x in where.split(" x "))
+        for mode, cell in zip(("triton_fp8", "msa_fp8_engine_triton", "msa_fp8", "msa_nvfp4"), cells):
+            got = step.get((mode, batch, context * 1024))
+            assert (cell == "—") if got is None else abs(float(cell) - got) < 0.006, (where, mode, cell, got)
+
+
+def test_vllm_doc_agreement_table_is_the_results():
+    """docs/vllm.md's greedy-agreement rows are the committed result's (both graph settings)."""
+    agreement = json.loads(E2E_RESULT.read_text())["agreement"]
+    rows = _doc_table(VLLM_DOC.read_text(), "| pair | what differs")
+    assert len(rows) == 3
+    for pair, _, steps, max_, median in rows:
+        other, ref = (x.strip(" `") for x in pair.split(" vs "))
+        for graphs in ("eager", "graph"):
+            a = agreement[f"{other} vs {ref} ({graphs})"]
+            assert " / ".join(map(str, a["agree_steps"])) == steps, (pair, graphs)
+            assert abs(a["max_abs_dlogprob"] - float(max_)) < 0.006 and abs(a["median_abs_dlogprob"] - float(median)) < 6e-4
+    judged = agreement["msa_fp8 vs msa_fp8_engine_triton (eager)"]
+    assert judged["within_spread"] and agreement["msa_fp8 vs msa_fp8_engine_triton (graph)"]["within_spread"]
 
 
 # ----------------------------------------------------------------------------- links and tables

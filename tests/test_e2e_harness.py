@@ -191,21 +191,84 @@ def test_compare_greedy_identical_near_tie_and_divergence():
     assert c["identical"] and c["max_abs_dlogprob"] is None
 
 
-def test_compare_runs_verdicts():
-    def run(outputs):
-        return {"correctness": {"prompt_lens": [3], "outputs": outputs}}
+def _run(outputs):
+    return {"correctness": {"prompt_lens": [3] * len(outputs), "outputs": outputs}}
 
-    ref = run([_side([5, 6, 7], [[[5, -0.1]], [[6, -0.2], [8, -2.0]], [[7, -0.5], [4, -0.52]]])])
+
+def test_compare_runs_verdicts_and_pooled_figures():
+    ref = _run([_side([5, 6, 7], [[[5, -0.1]], [[6, -0.2], [8, -2.0]], [[7, -0.5], [4, -0.52]]])])
     assert plan.compare_runs(ref, ref)["verdict"] == "identical"
-    assert plan.compare_runs(ref, run([_side([5, 6, 4], None)]))["verdict"] == "agree_until_near_tie"
-    assert plan.compare_runs(ref, run([_side([5, 8, 7], None)]))["verdict"] == "diverged"
-    assert plan.compare_runs(ref, run([]))["verdict"] == "missing"
+    assert plan.compare_runs(ref, _run([_side([5, 6, 4], None)]))["verdict"] == "agree_until_near_tie"
+    assert plan.compare_runs(ref, _run([_side([5, 8, 7], None)]))["verdict"] == "diverged"
+    assert plan.compare_runs(ref, _run([]))["verdict"] == "missing"
     assert plan.compare_runs(ref, None) is None
-    close = run([_side([5, 6, 7], [[[5, -0.1]], [[6, -0.3], [8, -2.0]], [[7, -0.5], [4, -0.52]]])])
-    c = plan.compare_runs(ref, close, (0.25, 0.05))
-    assert c["within_tolerance"] and c["max_abs_dlogprob"] == pytest.approx(0.1)
-    assert not plan.compare_runs(ref, close, (0.05, 0.05))["within_tolerance"]
-    assert "within_tolerance" not in plan.compare_runs(ref, close)
+    # max and median over the agreeing steps of all prompts together, not per prompt
+    two = _run([_side([5, 6], [[[5, -0.1]], [[6, -0.2]]]), _side([1, 2, 3], [[[1, -1.0]], [[2, -1.0]], [[3, -1.0]]])])
+    other = _run([_side([5, 6], [[[5, -0.4]], [[6, -0.5]]]), _side([1, 2, 3], [[[1, -1.01]], [[2, -1.0]], [[3, -1.02]]])])
+    c = plan.compare_runs(two, other)
+    assert c["dlogprob_steps"] == 5 and c["max_abs_dlogprob"] == pytest.approx(0.3)
+    assert c["median_abs_dlogprob"] == pytest.approx(0.02)  # per-prompt medians would give 0.3 and 0.01
+    assert "within_spread" not in c
+
+
+def test_judge_spread_against_the_control():
+    base = [_side([1, 2, 3, 4], [[[t, -0.5]] for t in (1, 2, 3, 4)])]
+
+    def shifted(*d):
+        return _run([_side([1, 2, 3, 4], [[[t, -0.5 - x]] for t, x in zip((1, 2, 3, 4), d)])])
+
+    control = plan.compare_runs(_run(base), shifted(0.1, 0.3, 0.5, 0.2))  # max 0.5, median 0.25
+    inside = plan.judge_spread(plan.compare_runs(_run(base), shifted(0.2, 0.4, 0.1, 0.3)), control, "c")
+    assert inside["within_spread"] and inside["spread"]["control_max_abs_dlogprob"] == pytest.approx(0.5)
+    assert inside["spread"]["control"] == "c" and inside["max_abs_dlogprob"] == pytest.approx(0.4)
+    # past the control's max, or its median, fails
+    assert not plan.judge_spread(plan.compare_runs(_run(base), shifted(0, 0, 0, 0.6)), control, "c")["within_spread"]
+    assert not plan.judge_spread(plan.compare_runs(_run(base), shifted(0.3, 0.3, 0.3, 0.3)), control,
+                                 "c")["within_spread"]
+    # a control that agrees exactly: the floor (one bf16 step of the logits) is what is allowed
+    exact = plan.compare_runs(_run(base), _run(base))
+    assert plan.judge_spread(plan.compare_runs(_run(base), shifted(0.06, 0, 0, 0)), exact, "c")["within_spread"]
+    assert not plan.judge_spread(plan.compare_runs(_run(base), shifted(0.07, 0, 0, 0)), exact, "c")["within_spread"]
+    # parting at the first step of every prompt is outside any spread; no control: not judged
+    first = plan.compare_runs(_run(base), _run([_side([9, 2, 3, 4], [[[9, -0.1]]] * 4)]))
+    assert first["dlogprob_steps"] == 0 and plan.judge_spread(first, control, "c")["within_spread"] is False
+    assert plan.judge_spread(inside, None, "c")["within_spread"] is None
+    assert plan.judge_spread(inside, {"verdict": "missing", "prompts": []}, "c")["within_spread"] is None
+    assert plan.judge_spread(None, control, "c") is None
+
+
+def _mode_run(mode, graphs, tokens, deltas):
+    """A mode result whose one prompt decodes `tokens`, log-probs -0.5 - deltas[i]."""
+    return {"mode": mode, "graphs": graphs, "correctness": {"prompt_lens": [3], "outputs": [
+        _side(tokens, [[[t, -0.5 - d]] for t, d in zip(tokens, deltas)])]}}
+
+
+def test_agreement_judges_msa_jit_against_vllms_own_spread():
+    toks = [1, 2, 3, 4]
+    results = {
+        "triton_fp8-eager": _mode_run("triton_fp8", "eager", toks, [0, 0, 0, 0]),
+        "msa_fp8_engine_triton-eager": _mode_run("msa_fp8_engine_triton", "eager", toks, [0.2, 0.4, 0.1, 0.3]),
+        "msa_fp8-eager": _mode_run("msa_fp8", "eager", toks, [0.25, 0.45, 0.15, 0.35]),  # 0.05 from the control mode
+        "msa_mtp-eager": _mode_run("msa_mtp", "eager", [1, 2, 9, 9], [0.9, 0.25, 0, 0]),  # 0.65 from msa_fp8
+        "triton_fp8-graph": _mode_run("triton_fp8", "graph", toks, [0, 0, 0, 0]),
+        "msa_fp8-graph": _mode_run("msa_fp8", "graph", toks, [0.25, 0.45, 0.15, 0.35]),
+        "msa_mtp-graph": _mode_run("msa_mtp", "graph", [1, 9, 9, 9], [0.9, 0, 0, 0]),
+    }
+    a = plan.agreement(results)
+    ctl = a["msa_fp8_engine_triton vs triton_fp8 (eager)"]
+    assert "within_spread" not in ctl and ctl["max_abs_dlogprob"] == pytest.approx(0.4)
+    pair = a["msa_fp8 vs msa_fp8_engine_triton (eager)"]
+    assert pair["within_spread"] and pair["spread"]["control"] == "msa_fp8_engine_triton vs triton_fp8 (eager)"
+    assert pair["spread"]["control_median_abs_dlogprob"] == pytest.approx(0.25)
+    assert "within_spread" not in a["msa_fp8 vs triton_fp8 (eager)"]  # kernel and query format at once
+    mtp = a["msa_mtp vs msa_fp8 (eager)"]
+    assert mtp["agree_steps"] == [2] and mtp["within_spread"] is False  # 0.65 > the control's 0.4
+    # graph against eager: judged against vLLM alone's (identical here: the floor), MTP reported only
+    assert a["msa_fp8: graph vs eager"]["within_spread"] and a["msa_fp8: graph vs eager"]["verdict"] == "identical"
+    assert "within_spread" not in a["triton_fp8: graph vs eager"]  # the control itself
+    assert "within_spread" not in a["msa_mtp: graph vs eager"]
+    # no control in the graph setting (msa_fp8_engine_triton did not run there): not judged
+    assert a["msa_mtp vs msa_fp8 (graph)"]["within_spread"] is None
 
 
 # ----------------------------------------------------------------------------- results
@@ -227,6 +290,105 @@ def test_result_schema_and_summary():
     assert s["speed_table"] == [{"mode": "msa_fp8", "graphs": "eager", "batch": 1, "context": 4096, "step_ms": 3.0,
                                  "tokens_per_step": 1.0, "ok": True}]
     json.dumps(s)
+
+
+OUTPUT = """\
+===== msa_nvfp4-eager: python run_vllm_e2e.py child --mode msa_nvfp4 (budget 95s)
+(MainProcess pid=1409) INFO 12-07 10:15:36 [cuda.py:508] Using FLASH_ATTN attention backend out of potential backends: ['FLASH_ATTN']
+(MainProcess pid=1409) INFO 12-07 10:15:36 [flash_attn.py:1122] Using FlashAttention version 3
+(MainProcess pid=1409) INFO 12-07 10:15:36 [sparse_attention_msa.py:232] MiniMax M3 MSA sparse decode selected CUTLASS
+(MainProcess pid=1409) INFO 12-07 10:15:37 [unquantized.py:530] nothing selected here
+[e2e msa_nvfp4/eager] engine done at 33.7s: Using a line that is not vLLM's
+"""
+
+
+def test_log_lines_read_from_a_childs_output():
+    """Where the child's log handler saw nothing, the parent takes vLLM's lines from the output."""
+    lines = plan.selection_lines(OUTPUT)
+    assert lines == ["INFO [cuda.py:508] Using FLASH_ATTN attention backend out of potential backends: ['FLASH_ATTN']",
+                     "INFO [flash_attn.py:1122] Using FlashAttention version 3",
+                     "INFO [sparse_attention_msa.py:232] MiniMax M3 MSA sparse decode selected CUTLASS"]
+    assert len(plan.selection_lines(OUTPUT, limit=2)) == 2
+    r = plan.log_from_output({"log_lines": []}, OUTPUT, plan.MODES["msa_nvfp4"])
+    assert r["log_lines"] == lines and r["log_lines_from"] == "process output"
+    assert r["expect_log"] == {"msa-jit vLLM plugin: MiniMax-M3 decode on SM90": False,
+                               "MSA sparse decode selected CUTLASS": True}
+    runner = (E2E / "run_vllm_e2e.py").read_text()  # the parent falls back on it where the tap saw none
+    assert 'if not results[key].get("log_lines"):' in runner and "plan.log_from_output(results[key]" in runner
+
+
+# ----------------------------------------------------------------------------- combining calls
+def _summary(tag, date, results):
+    return {"schema": plan.SUMMARY_SCHEMA, "date": date, "nvidia_smi": "H100",
+            "command": f"python bench/e2e/run_vllm_e2e.py run --out /o --tag {tag}", "versions": {"vllm": "0.33.0"},
+            "preflight": {}, "model_config": {"m": 1}, "config_problems": [], "results": results}
+
+
+def _result(mode, graphs, deltas, ok=True, **extra):
+    r = {**_mode_run(mode, graphs, [1, 2, 3, 4], deltas), "ok": ok, "error": None if ok else "stopped",
+         "log_lines": [], "speed": [{"batch": 1, "context": 4096, "ok": True, "step": {"median_ms": 2.0}}],
+         "profile": None, "traceback": "Traceback ...", "versions": {"vllm": "0.33.0"}}
+    r.update(extra)
+    return r
+
+
+def test_combine_results_across_calls(tmp_path):
+    combine = _load("combine_results", E2E / "combine_results.py")
+    eager = _summary("h100-eager", "2026-01-01T10:00:00", {
+        "triton_fp8-eager": _result("triton_fp8", "eager", [0] * 4, ok=False, correctness=None),
+        "msa_fp8-eager": _result("msa_fp8", "eager", [0.1] * 4),
+        "msa_nvfp4-eager": _result("msa_nvfp4", "eager", [0.3] * 4)})
+    graph = _summary("h100-graph", "2026-01-01T11:00:00", {
+        "triton_fp8-eager": _result("triton_fp8", "eager", [0] * 4),
+        "msa_fp8-eager": _result("msa_fp8", "eager", [0.1] * 4),
+        "msa_nvfp4-graph": _result("msa_nvfp4", "graph", [0.3] * 4),
+        "triton_fp8-graph": _result("triton_fp8", "graph", [0] * 4)})
+    for name, s in (("a.json", eager), ("b.json", graph)):
+        (tmp_path / name).write_text(json.dumps(s))
+    (tmp_path / "a.log").write_text("===== msa_fp8-eager: child\n(MainProcess pid=1) INFO 01-01 10:00:01 "
+                                   "[sparse_attention_msa.py:232] MiniMax M3 MSA sparse decode selected CUTLASS\n")
+    out = tmp_path / "out.json"
+    combine.main(["--out", str(out), "--call", str(tmp_path / "b.json"), "--call", str(tmp_path / "a.json"),
+                  "device=DEADLINE_S=1 bash bench/e2e/device_run.sh run"])
+    c = json.loads(out.read_text())
+    assert c["schema"] == combine.SCHEMA and [x["name"] for x in c["calls"]] == ["h100-eager", "h100-graph"]
+    assert c["calls"][0]["device_command"] == "DEADLINE_S=1 bash bench/e2e/device_run.sh run"
+    # a run made twice: taken from the call where it finished, the other compared with it
+    assert c["results_from"]["triton_fp8-eager"] == "h100-graph" and c["results_from"]["msa_fp8-eager"] == "h100-graph"
+    assert c["repeats"]["msa_fp8-eager: h100-eager vs h100-graph"]["verdict"] == "identical"
+    assert c["repeats"]["triton_fp8-eager: h100-eager vs h100-graph"] == {"verdict": "missing", "error": "stopped"}
+    # pairs across calls: NVFP4 with graphs (second call) against NVFP4 eager (first call)
+    assert c["agreement"]["msa_nvfp4: graph vs eager"]["within_spread"]
+    assert c["agreement"]["msa_fp8 vs triton_fp8 (eager)"]["max_abs_dlogprob"] == pytest.approx(0.1)
+    # trimmed: no traceback, the call's versions not repeated; log lines read from the call's log
+    r = c["calls"][0]["results"]["msa_fp8-eager"]
+    assert "traceback" not in r and "versions" not in r and r["log_lines_from"] == "process output"
+    assert r["expect_log"]["MSA sparse decode selected CUTLASS"] and c["calls"][0]["log"] == "a.log"
+    assert len(c["speed_table"]) == 7 and {row["call"] for row in c["speed_table"]} == {"h100-eager", "h100-graph"}
+    # the per-step log-probs go when the file would be too big; the token ids stay
+    calls = [combine.read_call(tmp_path / "a.json", None, None), combine.read_call(tmp_path / "b.json", None, None)]
+    small = json.loads(combine.combined_text(calls, max_bytes=1000))
+    kept = json.loads(combine.combined_text(calls))
+    assert not small["logprobs_kept"] and kept["logprobs_kept"]
+    outs = small["calls"][0]["results"]["msa_fp8-eager"]["correctness"]["outputs"]
+    assert outs[0]["token_ids"] == [1, 2, 3, 4] and "logprobs" not in outs[0]
+    assert small["agreement"] == kept["agreement"]  # computed before trimming
+
+
+def test_committed_e2e_result_is_a_combined_file():
+    """bench/results/vllm-e2e-h100.json is combine_results' output: every call with its commands,
+    the agreement judged against vLLM's own spread."""
+    combine = _load("combine_results", E2E / "combine_results.py")
+    c = json.loads((ROOT / "bench" / "results" / "vllm-e2e-h100.json").read_text())
+    assert c["schema"] == combine.SCHEMA and len((ROOT / "bench" / "results" / "vllm-e2e-h100.json").read_bytes()) \
+        <= combine.MAX_BYTES
+    for call in c["calls"]:
+        assert call["command"].startswith("python bench/e2e/run_vllm_e2e.py run") and call["device_command"]
+        assert call["versions"]["vllm"] == "0.33.0" and not call["config_problems"] and call["model_config_same"]
+    judged = [k for k, a in c["agreement"].items() if "within_spread" in a]
+    assert "msa_fp8 vs msa_fp8_engine_triton (eager)" in judged and "msa_fp8 vs msa_fp8_engine_triton (graph)" in judged
+    for key, run in c["results_from"].items():
+        assert key in next(x for x in c["calls"] if x["name"] == run)["results"]
 
 
 # ----------------------------------------------------------------------------- device_run.sh
@@ -258,7 +420,7 @@ def test_harness_end_to_end_on_a_fake_vllm(tmp_path):
     env.pop("TRITON_INTERPRET", None)
     out = tmp_path / "out"
     p = subprocess.run([sys.executable, str(E2E / "run_vllm_e2e.py"), "run", "--out", str(out), "--work",
-                        str(tmp_path / "work"), "--modes", "triton_fp8,msa_fp8,msa_nvfp4,msa_mtp",
+                        str(tmp_path / "work"), "--modes", "triton_fp8,msa_fp8,msa_fp8_engine_triton,msa_nvfp4,msa_mtp",
                         "--points", "1x4096,32x8192", "--deadline-s", "300", "--min-run-s", "10", "--tag", "t"],
                        env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -266,7 +428,7 @@ def test_harness_end_to_end_on_a_fake_vllm(tmp_path):
     assert (out / "vllm-e2e-t.log").exists()
     assert s["schema"] == plan.SUMMARY_SCHEMA and s["config_problems"] == []
     assert isinstance(s["preflight"]["entry_points"], list) and s["preflight"]["kernels"]["needed"] == 14
-    for key in ("triton_fp8-eager", "msa_fp8-eager", "msa_nvfp4-eager", "msa_mtp-eager"):
+    for key in ("triton_fp8-eager", "msa_fp8-eager", "msa_fp8_engine_triton-eager", "msa_nvfp4-eager", "msa_mtp-eager"):
         r = s["results"][key]
         assert plan.check_mode_result(r) == [], (key, plan.check_mode_result(r))
         assert r["ok"], (key, r["error"], r.get("traceback"))
@@ -286,9 +448,11 @@ def test_harness_end_to_end_on_a_fake_vllm(tmp_path):
     assert (prof["batch"], prof["context"], prof["steps"]) == (32, 8192, plan.PROFILE_STEPS) and prof["all_requests_decoding"]
     agree = s["agreement"]["msa_fp8 vs triton_fp8 (eager)"]
     assert agree["verdict"] == "identical" and agree["max_abs_dlogprob"] == pytest.approx(0.001)
-    assert agree["within_tolerance"]
+    assert "within_spread" not in agree  # reported: no control isolates it
+    judged = s["agreement"]["msa_fp8 vs msa_fp8_engine_triton (eager)"]
+    assert judged["within_spread"] and judged["spread"]["control"] == "msa_fp8_engine_triton vs triton_fp8 (eager)"
     assert s["agreement"]["msa_mtp vs msa_fp8 (eager)"]["verdict"] == "identical"
-    assert len(s["speed_table"]) == 8
+    assert len(s["speed_table"]) == 10
 
 
 def test_mtp_layers_renamed_after_the_target(monkeypatch):

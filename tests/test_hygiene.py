@@ -29,7 +29,8 @@ ALLOWED_RESULTS = frozenset({
     # the kernels' SASS before and after the package's restructuring (bench/sass_digests.py)
     "bench/results/sass-digests-before.json",
     "bench/results/sass-digests-after.json",
-    # MiniMax-M3 inside a real vLLM engine on an H100 (bench/e2e)
+    # MiniMax-M3 inside a real vLLM engine on an H100: bench/e2e/combine_results.py's file of the
+    # device calls that made it (each call's own summary and log stay out of the repository)
     "bench/results/vllm-e2e-h100.json",
 })
 

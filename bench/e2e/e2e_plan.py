@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,18 +75,25 @@ REINIT = {"seed": 0, "lm_head_gain": 4.0, "embed_std": 1.0, "q_norm_scale": 2.0}
 # agreeing steps before it (the noise both runs showed), and at least NEAR_TIE_FLOOR nats.
 NEAR_TIE_FACTOR = 2.0
 NEAR_TIE_FLOOR = 0.05
-# msa-jit vs vLLM's Triton decode on the same fp8 cache: the two differ in the query (msa-jit takes
-# the fp8 E4M3 query the fused insert writes, relative rounding up to 2^-4 per element; Triton the
-# bf16 one) and in accumulation order. With the redrawn weights the logits spread ~4 nats (the LM
-# head gain), so a few percent of error in the last hidden state moves a token's log-prob by a
-# few tenths at most: |delta| <= FP8_MAX_ABS_DLOGPROB on agreeing steps, median far below.
-FP8_MAX_ABS_DLOGPROB = 0.25
-FP8_MEDIAN_ABS_DLOGPROB = 0.05
-# msa-jit vs vLLM's Triton decode inside the same engine path (same fp8 query, same prefill): only the
-# decode kernels' accumulation order differs (bf16 P in Triton, fp32 partials in both), ~2e-3 relative
-# per layer (the hook's figure), so per-token log-probs move by hundredths.
-SAME_PATH_MAX_ABS_DLOGPROB = 0.05
-SAME_PATH_MEDIAN_ABS_DLOGPROB = 0.01
+# Agreement against the engine's own spread. On this dummy-weight model a greedy continuation is
+# no fine test of a decode kernel: a per-layer difference of ~2e-3 relative (what msa-jit and
+# vLLM's Triton decode show on the same tensors, `first_steps_vs_triton`) grows through the layers
+# and the redrawn LM head into log-prob differences of tenths of a nat and, at the next close call,
+# a different token. vLLM's own two fp8 decode paths show it: SPREAD_CONTROL, the same Triton
+# kernel fed the bf16 query (vLLM alone) or the fp8 query of the fused insert (the plugin's path),
+# part within a few steps. A fixed tolerance in nats would be a statement about the model, not the
+# kernel: the few hundredths that 2e-3 per layer suggests would fail vLLM against itself. So a pair
+# is judged against what the engine itself varies by: "within_spread" when its max and median
+# |delta log-prob| over the agreeing steps are at most the control pair's (in the same graph
+# setting), or SPREAD_FLOOR where the control's are smaller. The tight tests of the decode are the
+# per-layer ones (hook_check, first_steps_vs_triton); this one asks that msa-jit move the model's
+# output no more than vLLM's own choice of query format does.
+SPREAD_CONTROL = ("triton_fp8", "msa_fp8_engine_triton")
+# One bf16 rounding step of a logit between 8 and 16, where the redrawn model's logits sit (every
+# log-prob gap between two tokens of a step comes in multiples of 1/16): two runs whose logits
+# differ by one rounding cannot be told apart, so a control that agrees exactly (graph against
+# eager) does not demand bit-equal log-probs.
+SPREAD_FLOOR = 0.0625
 # Sparse-layer decode calls of the correctness generate compared per token with vLLM's Triton decode
 # (msa-jit fp8 modes): the first two decode steps of the 7 sparse layers, the plan's first step
 # (plan build, kernel load) included.
@@ -141,19 +149,31 @@ MODES: dict[str, Mode] = {m.name: m for m in (
          expect_log=("MSA sparse decode selected CUTLASS",)),
 )}
 DEFAULT_MODES = ("triton_fp8", "msa_fp8", "msa_fp8_engine_triton", "msa_nvfp4", "msa_nvfp4_allsparse", "msa_mtp")
-# (mode, other) pairs the summary compares: the first is the reference.
-# (mode, other, log-prob tolerance or None: reported, not judged) pairs the summary compares: the
-# first is the reference. NVFP4 against fp8 is a format change (4-bit values): its deviation is
-# reported; MTP against no speculation is the same arithmetic per verified token.
+# (reference, other, judged) pairs the summary compares in each graph setting. A judged pair gets
+# "within_spread" against SPREAD_CONTROL; the others are reported, not judged, for want of a
+# control that isolates what they change:
+# - msa_fp8 against msa_fp8_engine_triton (judged): the same engine path, only the decode kernel
+#   differs: the pair that asks about msa-jit.
+# - msa_mtp against msa_fp8 (judged): the same arithmetic per verified token, in steps of 4 query
+#   tokens instead of 1 (other batch shapes, other roundings).
+# - msa_fp8 against triton_fp8: the kernel and the query format at once, each measured by a pair of
+#   its own (the first above and the control).
+# - the control itself; NVFP4 against fp8: a change of format (4-bit values), whose deviation is the
+#   format's.
 COMPARISONS = (
-    ("triton_fp8", "msa_fp8", (FP8_MAX_ABS_DLOGPROB, FP8_MEDIAN_ABS_DLOGPROB)),
-    ("msa_fp8_engine_triton", "msa_fp8", (SAME_PATH_MAX_ABS_DLOGPROB, SAME_PATH_MEDIAN_ABS_DLOGPROB)),
-    ("triton_fp8", "msa_fp8_engine_triton", None),
-    ("msa_fp8", "msa_nvfp4", None),
-    ("msa_fp8", "msa_nvfp4_allsparse", None),
-    ("triton_fp8", "msa_nvfp4", None),
-    ("msa_fp8", "msa_mtp", (FP8_MAX_ABS_DLOGPROB, FP8_MEDIAN_ABS_DLOGPROB)),
+    ("msa_fp8_engine_triton", "msa_fp8", True),
+    ("triton_fp8", "msa_fp8_engine_triton", False),
+    ("triton_fp8", "msa_fp8", False),
+    ("msa_fp8", "msa_mtp", True),
+    ("msa_fp8", "msa_nvfp4", False),
+    ("msa_fp8", "msa_nvfp4_allsparse", False),
+    ("triton_fp8", "msa_nvfp4", False),
 )
+# A mode with CUDA graphs against itself eager is judged against vLLM alone's graph-against-eager
+# (GRAPH_CONTROL): what capture changes in the engine by itself (batch padding to a captured size,
+# torch.compile's fusions). MTP modes are reported only: vLLM alone was not run with MTP, whose
+# graphs capture verification steps of 4 tokens, so no run shows what capture does to those.
+GRAPH_CONTROL = "triton_fp8"
 
 
 # ----------------------------------------------------------------------------- model config
@@ -351,23 +371,33 @@ def profile_summary(kernels: Iterable[tuple[str, float]], steps: int, wall_s: fl
 
 
 # ----------------------------------------------------------------------------- agreement
-def compare_greedy(ref: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
-    """Agreement of one prompt's greedy continuations. Each side: {"token_ids": [...],
-    "logprobs": [[[token, logprob], ...] per step] or None}. The first len(prefix) steps agree;
-    on them, delta = other's log-prob of the (shared) token minus the reference's. At the first
-    divergence, `gap` is the reference's log-prob of its token minus that of the other's token
-    (None when outside the reference's top-k): a near-tie when gap <= max(NEAR_TIE_FLOOR,
-    NEAR_TIE_FACTOR x the largest |delta| before it)."""
+def agreeing_deltas(ref: dict[str, Any], other: dict[str, Any]) -> tuple[int, list[float]]:
+    """(steps the two greedy continuations agree on from the start, the other's log-prob of the
+    shared token minus the reference's on each of those steps where both have it). Each side:
+    {"token_ids": [...], "logprobs": [[[token, logprob], ...] per step] or None}."""
     a, b = ref["token_ids"], other["token_ids"]
     n = min(len(a), len(b))
     agree = next((i for i in range(n) if a[i] != b[i]), n)
     la, lb = ref.get("logprobs"), other.get("logprobs")
     deltas = []
     if la and lb:
-        for i in range(agree):
+        for i in range(min(agree, len(la), len(lb))):
             pa, pb = dict(map(tuple, la[i])), dict(map(tuple, lb[i]))
             if a[i] in pa and a[i] in pb:
                 deltas.append(pb[a[i]] - pa[a[i]])
+    return agree, deltas
+
+
+def compare_greedy(ref: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
+    """Agreement of one prompt's greedy continuations (sides as in agreeing_deltas): the steps
+    they agree on, |delta log-prob| on those, and at the first divergence `gap`, the reference's
+    log-prob of its token minus that of the other's token (None when outside the reference's
+    top-k): a near-tie when gap <= max(NEAR_TIE_FLOOR, NEAR_TIE_FACTOR x the largest |delta|
+    before it)."""
+    a, b = ref["token_ids"], other["token_ids"]
+    n = min(len(a), len(b))
+    agree, deltas = agreeing_deltas(ref, other)
+    la = ref.get("logprobs")
     absd = [abs(d) for d in deltas]
     out: dict[str, Any] = {
         "steps": n, "agree_steps": agree, "identical": agree == n and len(a) == len(b),
@@ -389,11 +419,11 @@ def compare_greedy(ref: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]
     return out
 
 
-def compare_runs(ref: dict[str, Any] | None, other: dict[str, Any] | None,
-                 tolerance: tuple[float, float] | None = None) -> dict[str, Any] | None:
-    """compare_greedy of every prompt of two mode results' "correctness" sections, and the verdict:
-    "identical", "agree_until_near_tie" (every divergence a near-tie), "diverged" or "missing";
-    with a (max, median) |delta log-prob| tolerance, whether the agreeing steps keep within it."""
+def compare_runs(ref: dict[str, Any] | None, other: dict[str, Any] | None) -> dict[str, Any] | None:
+    """compare_greedy of every prompt of two mode results' "correctness" sections; the verdict
+    ("identical", "agree_until_near_tie": every divergence a near-tie, "diverged" or "missing");
+    max and median |delta log-prob| over the agreeing steps of all prompts together, and how many
+    steps they are (`dlogprob_steps`)."""
     if not ref or not other:
         return None
     ca, cb = ref.get("correctness") or {}, other.get("correctness") or {}
@@ -407,17 +437,56 @@ def compare_runs(ref: dict[str, Any] | None, other: dict[str, Any] | None,
         verdict = "agree_until_near_tie"
     else:
         verdict = "diverged"
-    absd = [p["max_abs_dlogprob"] for p in per if p["max_abs_dlogprob"] is not None]
-    medians = [p["median_abs_dlogprob"] for p in per if p["median_abs_dlogprob"] is not None]
-    out = {"verdict": verdict, "prompt_lens": ca.get("prompt_lens"),
-           "max_abs_dlogprob": max(absd) if absd else None,
-           "median_abs_dlogprob": max(medians) if medians else None,
-           "agree_steps": [p["agree_steps"] for p in per], "prompts": per}
-    if tolerance is not None:
-        out["tolerance"] = {"max_abs_dlogprob": tolerance[0], "median_abs_dlogprob": tolerance[1]}
-        out["within_tolerance"] = (verdict in ("identical", "agree_until_near_tie")
-                                   and (not absd or max(absd) <= tolerance[0])
-                                   and (not medians or max(medians) <= tolerance[1]))
+    absd = [abs(d) for x, y in zip(oa, ob) for d in agreeing_deltas(x, y)[1]]
+    return {"verdict": verdict, "prompt_lens": ca.get("prompt_lens"),
+            "max_abs_dlogprob": round(max(absd), 6) if absd else None,
+            "median_abs_dlogprob": round(statistics.median(absd), 6) if absd else None,
+            "dlogprob_steps": len(absd), "agree_steps": [p["agree_steps"] for p in per], "prompts": per}
+
+
+def judge_spread(pair: dict[str, Any] | None, control: dict[str, Any] | None, control_name: str,
+                 floor: float = SPREAD_FLOOR) -> dict[str, Any] | None:
+    """`pair` (a compare_runs result) with "spread" (the control's figures) and "within_spread":
+    True when the pair's max and median |delta log-prob| are each at most max(the control's,
+    `floor`); False also when the pair's runs part at the first step of every prompt; None (not
+    judged) without a control that has log-probs, or with agreeing steps that have none."""
+    if pair is None:
+        return None
+    out = dict(pair)
+    usable = control is not None and control.get("verdict") != "missing" and control.get("dlogprob_steps")
+    out["spread"] = {"control": control_name, "floor": floor,
+                     "control_max_abs_dlogprob": control.get("max_abs_dlogprob") if usable else None,
+                     "control_median_abs_dlogprob": control.get("median_abs_dlogprob") if usable else None}
+    if not usable or pair.get("verdict") == "missing":
+        out["within_spread"] = None
+    elif not pair.get("dlogprob_steps"):  # agreeing steps without log-probs: nothing to weigh
+        out["within_spread"] = False if not any(p["agree_steps"] for p in pair["prompts"]) else None
+    else:
+        out["within_spread"] = (pair["max_abs_dlogprob"] <= max(control["max_abs_dlogprob"], floor)
+                                and pair["median_abs_dlogprob"] <= max(control["median_abs_dlogprob"], floor))
+    return out
+
+
+def agreement(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The agreement of COMPARISONS per graph setting and of each mode with CUDA graphs against
+    itself eager, from mode results keyed by run_key; judged pairs against their control."""
+    out: dict[str, Any] = {}
+    for graphs in GRAPHS:
+        control = compare_runs(results.get(run_key(SPREAD_CONTROL[0], graphs)),
+                               results.get(run_key(SPREAD_CONTROL[1], graphs)))
+        control_name = f"{SPREAD_CONTROL[1]} vs {SPREAD_CONTROL[0]} ({graphs})"
+        for ref, other, judged in COMPARISONS:
+            pair = compare_runs(results.get(run_key(ref, graphs)), results.get(run_key(other, graphs)))
+            if pair is not None:
+                out[f"{other} vs {ref} ({graphs})"] = judge_spread(pair, control, control_name) if judged else pair
+    graph_control = compare_runs(results.get(run_key(GRAPH_CONTROL, "eager")),
+                                 results.get(run_key(GRAPH_CONTROL, "graph")))
+    for name, mode in MODES.items():
+        pair = compare_runs(results.get(run_key(name, "eager")), results.get(run_key(name, "graph")))
+        if pair is not None:
+            judged = not mode.speculative_tokens and name != GRAPH_CONTROL
+            out[f"{name}: graph vs eager"] = (judge_spread(pair, graph_control, f"{GRAPH_CONTROL}: graph vs eager")
+                                              if judged else pair)
     return out
 
 
@@ -462,17 +531,7 @@ def run_key(mode: str, graphs: str) -> str:
 
 def summary(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
     """The combined result: meta (device, versions, date, command), every mode result, the
-    agreement of COMPARISONS per graph setting, and one speed table row per (mode, point)."""
-    agreement = {}
-    for graphs in GRAPHS:
-        for ref, other, tolerance in COMPARISONS:
-            ra, rb = results.get(run_key(ref, graphs)), results.get(run_key(other, graphs))
-            if ra and rb:
-                agreement[f"{other} vs {ref} ({graphs})"] = compare_runs(ra, rb, tolerance)
-    for mode in MODES:  # the same mode with and without CUDA graphs
-        ra, rb = results.get(run_key(mode, "eager")), results.get(run_key(mode, "graph"))
-        if ra and rb:
-            agreement[f"{mode}: graph vs eager"] = compare_runs(ra, rb, (FP8_MAX_ABS_DLOGPROB, FP8_MEDIAN_ABS_DLOGPROB))
+    agreement (`agreement`) and one speed table row per (mode, point)."""
     table = []
     for key, r in sorted(results.items()):
         for p in r.get("speed") or []:
@@ -482,7 +541,41 @@ def summary(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> dict[st
     return {"schema": SUMMARY_SCHEMA, **meta,
             "runs": {k: {"ok": r.get("ok"), "error": r.get("error"), "phases": r.get("phases")}
                      for k, r in sorted(results.items())},
-            "agreement": agreement, "speed_table": table, "results": results}
+            "agreement": agreement(results), "speed_table": table, "results": results}
+
+
+# ----------------------------------------------------------------------------- vLLM's log
+# Substrings of vLLM's log messages that say what was selected: the child keeps those it sees
+# through a handler on the "vllm" logger. Inside vLLM 0.33's engine on the GPU host that handler
+# has received none (the output holds the lines, its list stayed empty; the cause is not known), so
+# where it has none the parent reads them from the child's output (log_from_output), where each
+# line reads "(MainProcess pid=N) LEVEL MM-DD hh:mm:ss [file.py:line] message".
+LOG_PATTERNS = ("msa-jit", "MiniMax M3", "attention backend", "Using ", "block size", "KV cache",
+                "kv cache", "speculative", "CUDA graph", "cudagraph", "skip", "nvfp4", "NVFP4", "Error", "error",
+                "WARNING", "Traceback")
+_OUTPUT_LOG_LINE = re.compile(r"^(?:\(\w+ pid=\d+\) )?(DEBUG|INFO|WARNING|ERROR|CRITICAL) "
+                              r"\d\d-\d\d \d\d:\d\d:\d\d (\[[^\]]*\]) (.*)$")
+
+
+def selection_lines(text: str, limit: int = 300) -> list[str]:
+    """vLLM's log lines in a process's output whose message matches LOG_PATTERNS, as
+    "LEVEL [file.py:line] message" (at most 600 characters of it), at most `limit`."""
+    out = []
+    for line in text.splitlines():
+        m = _OUTPUT_LOG_LINE.match(line)
+        if m and any(p in m.group(3) for p in LOG_PATTERNS):
+            out.append(f"{m.group(1)} {m.group(2)} {m.group(3)[:600]}")
+            if len(out) >= limit:
+                break
+    return out
+
+
+def log_from_output(result: dict[str, Any], text: str, mode: Mode) -> dict[str, Any]:
+    """`result`'s log_lines and expect_log from the process output `text` (log_lines_from says so)."""
+    result["log_lines"] = selection_lines(text)
+    result["log_lines_from"] = "process output"
+    result["expect_log"] = {s: any(s in line for line in result["log_lines"]) for s in mode.expect_log}
+    return result
 
 
 # ----------------------------------------------------------------------------- processes
