@@ -118,6 +118,11 @@ def test_child_command_line_round_trips():
     assert argv[argv.index("--mode") + 1] == "msa_mtp" and argv[argv.index("--graphs") + 1] == "graph"
     assert argv[argv.index("--deadline-s") + 1] == "123" and "--no-profile" in argv
     assert plan.parse_points(argv[argv.index("--points") + 1]) == pts and plan.parse_points("") == []
+    argv = plan.child_argv("/py", "/s.py", plan.MODES["msa_fp8"], "graph", "/o.json", "/m", 60, pts,
+                           profile_points=[(8, 16384), (1, 32768)])
+    assert plan.parse_points(argv[argv.index("--profile-points") + 1]) == [(8, 16384), (1, 32768)]
+    assert "--profile-points" not in plan.child_argv("/py", "/s.py", plan.MODES["msa_fp8"], "graph", "/o.json",
+                                                     "/m", 60, pts)
 
 
 # ----------------------------------------------------------------------------- speed grid and timing
@@ -289,6 +294,25 @@ def test_harness_end_to_end_on_a_fake_vllm(tmp_path):
     assert agree["within_tolerance"]
     assert s["agreement"]["msa_mtp vs msa_fp8 (eager)"]["verdict"] == "identical"
     assert len(s["speed_table"]) == 8
+
+
+def test_harness_profiles_the_points_asked_for_on_a_fake_vllm(tmp_path):
+    """--profile-points: every point named runs under torch.profiler; the mode result's `profile` is the
+    first one's, each later one keeps its own in its speed entry."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests" / "e2e_fake_vllm")]),
+           "MSA_JIT_CACHE_DIR": str(tmp_path / "cache"), "MSA_JIT_NO_COMPILE": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    out = tmp_path / "out"
+    p = subprocess.run([sys.executable, str(E2E / "run_vllm_e2e.py"), "run", "--out", str(out), "--work",
+                        str(tmp_path / "work"), "--modes", "msa_fp8", "--points", "1x4096,8x4096,32x8192",
+                        "--profile-points", "1x4096,32x8192", "--deadline-s", "200", "--min-run-s", "10",
+                        "--tag", "t"], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    r = json.loads((out / "vllm-e2e-t.json").read_text())["results"]["msa_fp8-eager"]
+    assert plan.check_mode_result(r) == [] and r["ok"], (r["error"], r.get("traceback"))
+    assert (r["profile"]["batch"], r["profile"]["context"], r["profile"]["steps"]) == (1, 4096, plan.PROFILE_STEPS)
+    assert ["profile" in pt for pt in r["speed"]] == [False, False, True]
+    assert r["speed"][2]["profile"]["steps"] == plan.PROFILE_STEPS
 
 
 def test_mtp_layers_renamed_after_the_target(monkeypatch):

@@ -496,13 +496,17 @@ def selected_modes(names: Sequence[str] | None) -> list[Mode]:
 
 
 def child_argv(python: str, script: str, mode: Mode, graphs: str, out_json: str, model_dir: str,
-               deadline_s: float, points: Sequence[tuple[int, int]], profile: bool = True) -> list[str]:
-    """Command line of the process that runs one (mode, graphs)."""
+               deadline_s: float, points: Sequence[tuple[int, int]], profile: bool = True,
+               profile_points: Sequence[tuple[int, int]] = ()) -> list[str]:
+    """Command line of the process that runs one (mode, graphs); profile_points: the points run under
+    torch.profiler (none given: PROFILE_POINT)."""
     argv = [python, script, "child", "--mode", mode.name, "--graphs", graphs, "--out-json", out_json,
             "--model-dir", model_dir, "--deadline-s", f"{deadline_s:.0f}",
             "--points", ",".join(f"{b}x{c}" for b, c in points)]
     if not profile:
         argv.append("--no-profile")
+    elif profile_points:
+        argv += ["--profile-points", ",".join(f"{b}x{c}" for b, c in profile_points)]
     return argv
 
 

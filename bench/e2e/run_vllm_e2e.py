@@ -515,7 +515,7 @@ def child(args: argparse.Namespace) -> int:
             result["hook_check"] = _hook_check(llm, vocab)
             phase("hook_check")
         points = plan.parse_points(args.points)
-        prof_point = None if args.no_profile else plan.PROFILE_POINT
+        prof_points = [] if args.no_profile else (plan.parse_points(args.profile_points) or [plan.PROFILE_POINT])
         for i, (b, c) in enumerate(points):
             left = deadline - time.perf_counter()
             if left < 20:
@@ -523,9 +523,9 @@ def child(args: argparse.Namespace) -> int:
                                         "error": f"skipped: {left:.0f}s left of the run's share"})
                 continue
             try:
-                prof_steps = plan.PROFILE_STEPS if (b, c) == prof_point else 0
+                prof_steps = plan.PROFILE_STEPS if (b, c) in prof_points else 0
                 p = _run_point(llm, b, c, vocab, mode.speculative_tokens, seed=1000 + i, profile_steps=prof_steps)
-                if "profile" in p:
+                if "profile" in p and result.get("profile") is None:  # the first profiled point; others keep theirs
                     result["profile"] = {"batch": b, "context": c, **p.pop("profile")}
             except _Stop:
                 raise
@@ -671,7 +671,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         budget = max(60.0, min(left - 10, max(share, args.min_run_s)))
         out_json = work / f"{key}.json"
         argv_child = plan.child_argv(sys.executable, str(Path(__file__).resolve()), mode, graphs, str(out_json),
-                                     args.model_dir, budget - 15, points, profile=not args.no_profile)
+                                     args.model_dir, budget - 15, points, profile=not args.no_profile,
+                                     profile_points=plan.parse_points(args.profile_points or ""))
         env = {**os.environ, **plan.mode_env(mode)}
         log.write(f"\n===== {key}: {shlex.join(argv_child)} (budget {budget:.0f}s)\n")
         log.flush()
@@ -762,6 +763,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--min-run-s", type=float, default=90.0)
     r.add_argument("--with-fallbacks", action="store_true", help="run fallback modes even where their target ran")
     r.add_argument("--no-profile", action="store_true")
+    r.add_argument("--profile-points", default=None, help="points run under torch.profiler, BxCONTEXT,... "
+                   "(default plan.PROFILE_POINT)")
     r.add_argument("--model-dir", default=str(plan.MODEL_DIR))
     c = sub.add_parser("child", help="one (mode, graphs) in this process")
     c.add_argument("--mode", required=True, choices=sorted(plan.MODES))
@@ -771,6 +774,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--deadline-s", type=float, default=300.0)
     c.add_argument("--points", default="")
     c.add_argument("--no-profile", action="store_true")
+    c.add_argument("--profile-points", default="")
     args = ap.parse_args(argv)
     if args.cmd == "child":
         return child(args)
