@@ -12,6 +12,8 @@ It needs vLLM 0.33.0's files (tests/vllm_files.py: $MSA_JIT_TEST_ENGINE_DIR on a
 network). Modes:
 
 * msa: the plugin's decode (`prepare_decode_metadata` in build, `msa_cutlass_sparse_decode` per layer);
+* msa_merge_kernel: the same with the builder's planner pinned to split_merge="kernel" (a split step's
+  partials merged by the merge kernel instead of inside the cluster: the A/B of the cluster merge);
 * msa_op: the same through `torch.ops.msa_jit.sparse_decode`, the op the adapter calls while
   `torch.compiler.is_compiling()`, here called eagerly (what a compiled graph run outside a
   CUDA graph pays per call);
@@ -58,7 +60,7 @@ import torch  # noqa: E402
 
 HQ, HKV, D, PAGE, TOPK = 64, 4, 128, 128, 16
 DEFAULT_POINTS = ((1, 32768), (8, 16384), (32, 8192), (64, 8192))
-MODES = ("msa", "msa_op", "triton")
+MODES = ("msa", "msa_merge_kernel", "msa_op", "triton")
 MIN_BATCH_VAR = "VLLM_MINIMAX_M3_MSA_CUTLASS_MIN_BATCH"
 
 
@@ -139,6 +141,10 @@ def engine_step(mp: pytest.MonkeyPatch, mode: str, t: SimpleNamespace, layers: i
     attn.impl = impl
     names = [f"model.layers.{i + 1}.self_attn.attn" for i in range(layers)]
     builder = backend.get_builder_cls()(SimpleNamespace(num_kv_heads=HKV, block_size=PAGE), names, cfg, device)
+    if mode == "msa_merge_kernel":  # split steps merged by the merge kernel, never in the cluster
+        from msa_jit import SparseDecodePlanner
+
+        builder.msa_cutlass_plan_cache._planner = SparseDecodePlanner(split_merge="kernel")
     B = t.batch
     cm = vs.CommonAttentionMetadata(
         query_start_loc=t.query_start_loc, query_start_loc_cpu=t.query_start_loc_cpu, seq_lens=t.seq_lens,
@@ -296,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--points", default=",".join(f"{b}x{c}" for b, c in DEFAULT_POINTS),
                     help="batch x context, comma-separated (default: %(default)s)")
-    ap.add_argument("--modes", default=",".join(MODES), help="of %(default)s")
+    ap.add_argument("--modes", default="msa,msa_op,triton", help=f"of {','.join(MODES)} (default %(default)s)")
     ap.add_argument("--layers", type=int, default=7, help="sparse layers per step (default %(default)s)")
     ap.add_argument("--steps", type=int, default=50, help="steps per median (default %(default)s)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
