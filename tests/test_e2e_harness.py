@@ -313,6 +313,31 @@ def test_harness_profiles_the_points_asked_for_on_a_fake_vllm(tmp_path):
     assert (r["profile"]["batch"], r["profile"]["context"], r["profile"]["steps"]) == (1, 4096, plan.PROFILE_STEPS)
     assert ["profile" in pt for pt in r["speed"]] == [False, False, True]
     assert r["speed"][2]["profile"]["steps"] == plan.PROFILE_STEPS
+    # the fake engine's steps run no layer: every counted name of its MSA module (imported by the hook) 0
+    assert all(pt["calls_per_step"] == {"msa_cutlass_sparse_decode": 0} for pt in r["speed"]), r["speed"]
+
+
+def test_decode_calls_are_counted_per_step():
+    """hook_probes.CallCounter counts the MSA module's names while entered (those it lacks left out) and
+    puts them back; calls_per_step is the median over the steps where every request decodes."""
+    import types
+
+    probes = _load("hook_probes", E2E / "hook_probes.py")
+    msa = types.SimpleNamespace(msa_cutlass_sparse_decode=lambda *a, **k: "decoded",
+                                prepare_decode_metadata=lambda *a, **k: "md")
+    real = msa.msa_cutlass_sparse_decode
+    with probes.CallCounter(msa) as counter:
+        assert counter.snapshot() == {"prepare_decode_metadata": 0, "msa_cutlass_sparse_decode": 0}
+        assert msa.prepare_decode_metadata() == "md" and msa.msa_cutlass_sparse_decode(1, x=2) == "decoded"
+        msa.msa_cutlass_sparse_decode()
+        assert counter.snapshot() == {"prepare_decode_metadata": 1, "msa_cutlass_sparse_decode": 2}
+    assert msa.msa_cutlass_sparse_decode is real
+    with probes.CallCounter(None) as counter:
+        assert counter.snapshot() is None
+    step = lambda started, finished, calls: {"s": 0.001, "started": started, "finished": finished, "calls": calls}
+    steps = [step(1, 0, {"d": 9}), step(2, 0, {"d": 7}), step(2, 0, {"d": 0}), step(2, 0, {"d": 0}), step(2, 1, {"d": 7})]
+    assert plan.calls_per_step(steps, 2) == {"d": 0}  # the prefill step and the one a request finished in left out
+    assert plan.calls_per_step([step(2, 0, None)] * 3, 2) is None
 
 
 def test_mtp_layers_renamed_after_the_target(monkeypatch):

@@ -344,8 +344,9 @@ def _run_point(llm: Any, batch: int, context: int, vocab: int, spec_tokens: int,
     profile_steps, that many more under torch.profiler (left out of the timing). Whatever
     happens, no request of this point is left in the engine for the next one."""
     ids = [f"p{seed}-{i}" for i in range(batch)]
-    try:
-        return _timed_point(llm, ids, context, vocab, spec_tokens, seed, profile_steps)
+    try:  # the MSA module's decode calls counted per step (hook_probes.CallCounter)
+        with probes.CallCounter(sys.modules.get(probes.MSA_MODULE)) as counter:
+            return _timed_point(llm, ids, context, vocab, spec_tokens, seed, profile_steps, counter)
     except BaseException:
         try:
             llm.llm_engine.abort_request(ids)
@@ -355,7 +356,7 @@ def _run_point(llm: Any, batch: int, context: int, vocab: int, spec_tokens: int,
 
 
 def _timed_point(llm: Any, ids: list[str], context: int, vocab: int, spec_tokens: int, seed: int,
-                 profile_steps: int) -> dict[str, Any]:
+                 profile_steps: int, counter: Any) -> dict[str, Any]:
     import torch
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -384,9 +385,9 @@ def _timed_point(llm: Any, ids: list[str], context: int, vocab: int, spec_tokens
             prof = torch.profiler.profile(activities=activities)
             prof.__enter__()
             prof_start = (len(steps), time.perf_counter())
-        ts = time.perf_counter()
+        calls0, ts = counter.snapshot(), time.perf_counter()
         outs = engine.step()
-        dt = time.perf_counter() - ts
+        dt, calls = time.perf_counter() - ts, counter.snapshot()
         new_tokens = 0
         for o in outs:
             if o.request_id in got:
@@ -399,7 +400,7 @@ def _timed_point(llm: Any, ids: list[str], context: int, vocab: int, spec_tokens
         if first_token_s is None and started >= batch:
             first_token_s = time.perf_counter() - t0
         steps.append({"s": dt, "started": started, "finished": len(finished), "new_tokens": new_tokens,
-                      "profiled": prof is not None})
+                      "profiled": prof is not None, "calls": calls and {k: calls[k] - calls0[k] for k in calls}})
         if prof is not None and len(steps) - prof_start[0] >= profile_steps:
             _sync()
             prof_wall = time.perf_counter() - prof_start[1]
@@ -420,7 +421,8 @@ def _timed_point(llm: Any, ids: list[str], context: int, vocab: int, spec_tokens
     point = {"batch": batch, "context": context, "ok": len(decode) >= 3, "max_tokens": max_tokens,
              "engine_steps": len(steps), "prefill_s": round(first_token_s, 3) if first_token_s else None,
              "wall_s": round(time.perf_counter() - t0, 3), "step": plan.summarize_times(decode),
-             "tokens_per_step": round(sum(tokens) / len(tokens), 3) if tokens else None}
+             "tokens_per_step": round(sum(tokens) / len(tokens), 3) if tokens else None,
+             "calls_per_step": plan.calls_per_step(plain, batch)}
     if prof_wall is not None:
         point["profile"] = result_prof
     if not point["ok"]:
