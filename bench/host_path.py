@@ -82,9 +82,9 @@ def make_tensors(batch: int, context: int, device: torch.device, seed: int = 0) 
     row = torch.full((TOPK,), -1, dtype=torch.int32)
     row[: nblk - first] = torch.arange(first, nblk, dtype=torch.int32)
     topk = row.expand(batch + 3, HKV, TOPK).contiguous()  # rows past the batch: padding nobody reads
-    # e4m3 bytes 0x00-0x3f and 0x80-0xbf: finite, |x| < 2
-    kv = (torch.randint(0, 64, (pages, HKV, PAGE, 2 * D), dtype=torch.uint8, device=device)
-          | (torch.randint(0, 2, (1,), dtype=torch.uint8, device=device) << 7))
+    # e4m3 bytes 0x00-0x3f and 0x80-0xbf, each sign drawn: finite, |x| < 2
+    kv = torch.randint(0, 128, (pages, HKV, PAGE, 2 * D), dtype=torch.uint8, device=device)
+    kv = (kv & 0x3F) | ((kv & 0x40) << 1)
     qf = torch.randn(batch, HQ * D, generator=g).clamp(-4, 4).to(torch.float8_e4m3fn)
     qsl = torch.arange(batch + 1, dtype=torch.int32)
     sl = torch.full((batch,), seq, dtype=torch.int32)
