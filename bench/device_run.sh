@@ -3,13 +3,15 @@
 # under a timeout that ends it DEADLINE seconds after the start (the call's limit is 600 s), so the
 # logs of the steps before it always come back. Run from the repository root there, with these
 # git-ignored folders carried: .gpu-bundle (the DSL runtime: ../shared/gpu-host/make-bundle.sh) and
-# .artifacts (a warmed cache: MSA_JIT_CACHE_DIR=.artifacts msa-jit warmup --arch sm_90a).
-#   bash bench/device_run.sh tests union_tests cluster_tests memcheck racecheck selftest bench
-# Files in $OUT (at most 8 come back): <step>.log, and the bench's bench-<date>.json / .png.
+# .artifacts (a warmed cache: MSA_JIT_CACHE_DIR=.artifacts msa-jit warmup --arch sm_90a); host_path
+# also needs vLLM 0.33.0's files in .engine-src (a copy of tests/vllm_files.py's cache folder).
+#   bash bench/device_run.sh tests union_tests cluster_tests memcheck racecheck selftest bench host_path
+# Files in $OUT (at most 8 come back): <step>.log, the bench's bench-<date>.json / .png, host_path.json.
 set -uo pipefail
 source .gpu-bundle/setup.sh >/dev/null
 export PYTHONPATH=$PWD:${PYTHONPATH:-} MSA_JIT_CACHE_DIR=$PWD/.artifacts MSA_JIT_NO_COMPILE=1 PYTHONUNBUFFERED=1
 export MSA_JIT_DSL_VERSION=${MSA_JIT_DSL_VERSION:-4.8.1}  # the bundle has no DSL package metadata
+[ -d .engine-src ] && export MSA_JIT_TEST_ENGINE_DIR=${MSA_JIT_TEST_ENGINE_DIR:-$PWD/.engine-src}
 START=$(date +%s)
 DEADLINE=${DEADLINE:-570}
 FAILED=0  # exit 1 once a step failed: every step still runs
@@ -45,7 +47,10 @@ for step in "$@"; do
     bench) timeout "$(limit 330)" python3 -m msa_jit bench --out "$OUT" --baseline none ${BENCH_ARGS:-} \
              > "$OUT/bench.log" 2>&1
            done_step bench $?; grep -E "FAILED|Error" "$OUT/bench.log" | head -n 20 ;;
-    *) echo "unknown step $step (tests union_tests cluster_tests memcheck racecheck selftest bench)"; exit 2 ;;
+    host_path) timeout "$(limit 300)" python3 bench/host_path.py --modes msa,msa_merge_kernel,msa_op,triton \
+                 --json "$OUT/host_path.json" > "$OUT/host_path.log" 2>&1
+               done_step host_path $?; grep -v "scale buffers" "$OUT/host_path.log" | tail -n 20 ;;
+    *) echo "unknown step $step (tests union_tests cluster_tests memcheck racecheck selftest bench host_path)"; exit 2 ;;
   esac
 done
 exit $FAILED

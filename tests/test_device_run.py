@@ -46,6 +46,12 @@ def test_steps_write_their_logs_and_an_unknown_step_exits_2(tmp_path):
     assert "-m pytest test_kernel_gpu.py" in logs["gpu-tests.log"] and "-m gpu" in logs["gpu-tests.log"]
     assert f"cache={repo}/.artifacts nocompile=1" in logs["bench.log"]
     assert "--tool memcheck" in logs["memcheck.log"] and "memcheck: rc=0" in logs["memcheck.log"]
+    (repo / ".engine-src").mkdir()
+    run = subprocess.run(["bash", "bench/device_run.sh", "host_path"], cwd=repo, env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    log = (out / "host_path.log").read_text()
+    assert "ran bench/host_path.py --modes msa,msa_merge_kernel,msa_op,triton" in log and "host_path: rc=0" in run.stdout
     bad = subprocess.run(["bash", "bench/device_run.sh", "variants"], cwd=repo, env=env, capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and "unknown step variants" in bad.stdout

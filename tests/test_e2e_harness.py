@@ -118,6 +118,11 @@ def test_child_command_line_round_trips():
     assert argv[argv.index("--mode") + 1] == "msa_mtp" and argv[argv.index("--graphs") + 1] == "graph"
     assert argv[argv.index("--deadline-s") + 1] == "123" and "--no-profile" in argv
     assert plan.parse_points(argv[argv.index("--points") + 1]) == pts and plan.parse_points("") == []
+    argv = plan.child_argv("/py", "/s.py", plan.MODES["msa_fp8"], "graph", "/o.json", "/m", 60, pts,
+                           profile_points=[(8, 16384), (1, 32768)])
+    assert plan.parse_points(argv[argv.index("--profile-points") + 1]) == [(8, 16384), (1, 32768)]
+    assert "--profile-points" not in plan.child_argv("/py", "/s.py", plan.MODES["msa_fp8"], "graph", "/o.json",
+                                                     "/m", 60, pts)
 
 
 # ----------------------------------------------------------------------------- speed grid and timing
@@ -453,6 +458,50 @@ def test_harness_end_to_end_on_a_fake_vllm(tmp_path):
     assert judged["within_spread"] and judged["spread"]["control"] == "msa_fp8_engine_triton vs triton_fp8 (eager)"
     assert s["agreement"]["msa_mtp vs msa_fp8 (eager)"]["verdict"] == "identical"
     assert len(s["speed_table"]) == 10
+
+
+def test_harness_profiles_the_points_asked_for_on_a_fake_vllm(tmp_path):
+    """--profile-points: every point named runs under torch.profiler; the mode result's `profile` is the
+    first one's, each later one keeps its own in its speed entry."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests" / "e2e_fake_vllm")]),
+           "MSA_JIT_CACHE_DIR": str(tmp_path / "cache"), "MSA_JIT_NO_COMPILE": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    out = tmp_path / "out"
+    p = subprocess.run([sys.executable, str(E2E / "run_vllm_e2e.py"), "run", "--out", str(out), "--work",
+                        str(tmp_path / "work"), "--modes", "msa_fp8", "--points", "1x4096,8x4096,32x8192",
+                        "--profile-points", "1x4096,32x8192", "--deadline-s", "200", "--min-run-s", "10",
+                        "--tag", "t"], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    r = json.loads((out / "vllm-e2e-t.json").read_text())["results"]["msa_fp8-eager"]
+    assert plan.check_mode_result(r) == [] and r["ok"], (r["error"], r.get("traceback"))
+    assert (r["profile"]["batch"], r["profile"]["context"], r["profile"]["steps"]) == (1, 4096, plan.PROFILE_STEPS)
+    assert ["profile" in pt for pt in r["speed"]] == [False, False, True]
+    assert r["speed"][2]["profile"]["steps"] == plan.PROFILE_STEPS
+    # the fake engine's steps run no layer: every counted name of its MSA module (imported by the hook) 0
+    assert all(pt["calls_per_step"] == {"msa_cutlass_sparse_decode": 0} for pt in r["speed"]), r["speed"]
+
+
+def test_decode_calls_are_counted_per_step():
+    """hook_probes.CallCounter counts the MSA module's names while entered (those it lacks left out) and
+    puts them back; calls_per_step is the median over the steps where every request decodes."""
+    import types
+
+    probes = _load("hook_probes", E2E / "hook_probes.py")
+    msa = types.SimpleNamespace(msa_cutlass_sparse_decode=lambda *a, **k: "decoded",
+                                prepare_decode_metadata=lambda *a, **k: "md")
+    real = msa.msa_cutlass_sparse_decode
+    with probes.CallCounter(msa) as counter:
+        assert counter.snapshot() == {"prepare_decode_metadata": 0, "msa_cutlass_sparse_decode": 0}
+        assert msa.prepare_decode_metadata() == "md" and msa.msa_cutlass_sparse_decode(1, x=2) == "decoded"
+        msa.msa_cutlass_sparse_decode()
+        assert counter.snapshot() == {"prepare_decode_metadata": 1, "msa_cutlass_sparse_decode": 2}
+    assert msa.msa_cutlass_sparse_decode is real
+    with probes.CallCounter(None) as counter:
+        assert counter.snapshot() is None
+    step = lambda started, finished, calls: {"s": 0.001, "started": started, "finished": finished, "calls": calls}
+    steps = [step(1, 0, {"d": 9}), step(2, 0, {"d": 7}), step(2, 0, {"d": 0}), step(2, 0, {"d": 0}), step(2, 1, {"d": 7})]
+    assert plan.calls_per_step(steps, 2) == {"d": 0}  # the prefill step and the one a request finished in left out
+    assert plan.calls_per_step([step(2, 0, None)] * 3, 2) is None
 
 
 def test_mtp_layers_renamed_after_the_target(monkeypatch):

@@ -301,15 +301,26 @@ def prompt_ids(lengths: Sequence[int], vocab_size: int, seed: int = PROMPT_SEED)
     return out
 
 
+def decode_steps(steps: Sequence[dict[str, Any]], batch: int) -> list[dict[str, Any]]:
+    """The steps where all `batch` requests were decoding: after the step in which the last one got
+    its first output token, before the first one finished. `steps`: per engine step {"s": seconds,
+    "started": requests with an output token so far, "finished": requests done, ...}."""
+    return [cur for prev, cur in zip(steps, steps[1:]) if prev["started"] >= batch and cur["finished"] == 0]
+
+
 def decode_step_times(steps: Sequence[dict[str, Any]], batch: int) -> list[float]:
-    """Seconds of the steps where all `batch` requests were decoding: after the step in which
-    the last one got its first output token, before the first one finished. `steps`: per engine
-    step {"s": seconds, "started": requests with an output token so far, "finished": requests done}."""
-    out = []
-    for prev, cur in zip(steps, steps[1:]):
-        if prev["started"] >= batch and cur["finished"] == 0:
-            out.append(cur["s"])
-    return out
+    """Seconds of the `decode_steps`."""
+    return [st["s"] for st in decode_steps(steps, batch)]
+
+
+def calls_per_step(steps: Sequence[dict[str, Any]], batch: int) -> dict[str, float] | None:
+    """Median calls per decode step of each name counted in the steps' "calls" ({name: calls}), None
+    without counts: 0 for a per-layer name where the step replays a FULL CUDA graph, the number of
+    sparse layers where they run in eager breaks."""
+    counted = [st["calls"] for st in decode_steps(steps, batch) if st.get("calls") is not None]
+    if not counted:
+        return None
+    return {k: statistics.median(c.get(k, 0) for c in counted) for k in counted[0]}
 
 
 def summarize_times(seconds: Sequence[float]) -> dict[str, Any]:
@@ -589,13 +600,17 @@ def selected_modes(names: Sequence[str] | None) -> list[Mode]:
 
 
 def child_argv(python: str, script: str, mode: Mode, graphs: str, out_json: str, model_dir: str,
-               deadline_s: float, points: Sequence[tuple[int, int]], profile: bool = True) -> list[str]:
-    """Command line of the process that runs one (mode, graphs)."""
+               deadline_s: float, points: Sequence[tuple[int, int]], profile: bool = True,
+               profile_points: Sequence[tuple[int, int]] = ()) -> list[str]:
+    """Command line of the process that runs one (mode, graphs); profile_points: the points run under
+    torch.profiler (none given: PROFILE_POINT)."""
     argv = [python, script, "child", "--mode", mode.name, "--graphs", graphs, "--out-json", out_json,
             "--model-dir", model_dir, "--deadline-s", f"{deadline_s:.0f}",
             "--points", ",".join(f"{b}x{c}" for b, c in points)]
     if not profile:
         argv.append("--no-profile")
+    elif profile_points:
+        argv += ["--profile-points", ",".join(f"{b}x{c}" for b, c in profile_points)]
     return argv
 
 

@@ -116,3 +116,40 @@ def first_step_watch(msa: Any, calls: int) -> tuple[Callable[..., None], list[di
             rows.append({"call": len(rows) + 1, "error": f"{type(e).__name__}: {e}"})
 
     return watched, rows
+
+
+MSA_MODULE = "vllm.models.minimax_m3.nvidia.sparse_attention_msa"
+# What vLLM's MSA module calls per step (its builder) and per sparse layer (its impl), by the names the
+# plugin rebinds there (and the engine's own Triton decode)
+COUNTED = ("prepare_decode_metadata", "msa_cutlass_sparse_decode", "minimax_m3_sparse_attn_decode")
+
+
+class CallCounter:
+    """While entered, counts the calls of COUNTED through `module` (vLLM's MSA module, or None: nothing
+    counted); `snapshot()` is the counts so far. A decode step replayed from a FULL CUDA graph calls no
+    per-layer name; run in eager breaks (or eagerly), each once per sparse layer."""
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+        self.names = [n for n in COUNTED if module is not None and callable(getattr(module, n, None))]
+        self.counts = dict.fromkeys(self.names, 0)
+        self.originals: dict[str, Any] = {}
+
+    def _counted(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.counts[name] += 1
+            return fn(*args, **kwargs)
+        return counted
+
+    def __enter__(self) -> "CallCounter":
+        for n in self.names:
+            self.originals[n] = getattr(self.module, n)
+            setattr(self.module, n, self._counted(n, self.originals[n]))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for n, fn in self.originals.items():
+            setattr(self.module, n, fn)
+
+    def snapshot(self) -> dict[str, int] | None:
+        return dict(self.counts) if self.names else None

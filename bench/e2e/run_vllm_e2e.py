@@ -340,8 +340,9 @@ def _run_point(llm: Any, batch: int, context: int, vocab: int, spec_tokens: int,
     profile_steps, that many more under torch.profiler (left out of the timing). Whatever
     happens, no request of this point is left in the engine for the next one."""
     ids = [f"p{seed}-{i}" for i in range(batch)]
-    try:
-        return _timed_point(llm, ids, context, vocab, spec_tokens, seed, profile_steps)
+    try:  # the MSA module's decode calls counted per step (hook_probes.CallCounter)
+        with probes.CallCounter(sys.modules.get(probes.MSA_MODULE)) as counter:
+            return _timed_point(llm, ids, context, vocab, spec_tokens, seed, profile_steps, counter)
     except BaseException:
         try:
             llm.llm_engine.abort_request(ids)
@@ -351,7 +352,7 @@ def _run_point(llm: Any, batch: int, context: int, vocab: int, spec_tokens: int,
 
 
 def _timed_point(llm: Any, ids: list[str], context: int, vocab: int, spec_tokens: int, seed: int,
-                 profile_steps: int) -> dict[str, Any]:
+                 profile_steps: int, counter: Any) -> dict[str, Any]:
     import torch
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -380,9 +381,9 @@ def _timed_point(llm: Any, ids: list[str], context: int, vocab: int, spec_tokens
             prof = torch.profiler.profile(activities=activities)
             prof.__enter__()
             prof_start = (len(steps), time.perf_counter())
-        ts = time.perf_counter()
+        calls0, ts = counter.snapshot(), time.perf_counter()
         outs = engine.step()
-        dt = time.perf_counter() - ts
+        dt, calls = time.perf_counter() - ts, counter.snapshot()
         new_tokens = 0
         for o in outs:
             if o.request_id in got:
@@ -395,7 +396,7 @@ def _timed_point(llm: Any, ids: list[str], context: int, vocab: int, spec_tokens
         if first_token_s is None and started >= batch:
             first_token_s = time.perf_counter() - t0
         steps.append({"s": dt, "started": started, "finished": len(finished), "new_tokens": new_tokens,
-                      "profiled": prof is not None})
+                      "profiled": prof is not None, "calls": calls and {k: calls[k] - calls0[k] for k in calls}})
         if prof is not None and len(steps) - prof_start[0] >= profile_steps:
             _sync()
             prof_wall = time.perf_counter() - prof_start[1]
@@ -416,7 +417,8 @@ def _timed_point(llm: Any, ids: list[str], context: int, vocab: int, spec_tokens
     point = {"batch": batch, "context": context, "ok": len(decode) >= 3, "max_tokens": max_tokens,
              "engine_steps": len(steps), "prefill_s": round(first_token_s, 3) if first_token_s else None,
              "wall_s": round(time.perf_counter() - t0, 3), "step": plan.summarize_times(decode),
-             "tokens_per_step": round(sum(tokens) / len(tokens), 3) if tokens else None}
+             "tokens_per_step": round(sum(tokens) / len(tokens), 3) if tokens else None,
+             "calls_per_step": plan.calls_per_step(plain, batch)}
     if prof_wall is not None:
         point["profile"] = result_prof
     if not point["ok"]:
@@ -511,7 +513,7 @@ def child(args: argparse.Namespace) -> int:
             result["hook_check"] = _hook_check(llm, vocab)
             phase("hook_check")
         points = plan.parse_points(args.points)
-        prof_point = None if args.no_profile else plan.PROFILE_POINT
+        prof_points = [] if args.no_profile else (plan.parse_points(args.profile_points) or [plan.PROFILE_POINT])
         for i, (b, c) in enumerate(points):
             left = deadline - time.perf_counter()
             if left < 20:
@@ -519,9 +521,9 @@ def child(args: argparse.Namespace) -> int:
                                         "error": f"skipped: {left:.0f}s left of the run's share"})
                 continue
             try:
-                prof_steps = plan.PROFILE_STEPS if (b, c) == prof_point else 0
+                prof_steps = plan.PROFILE_STEPS if (b, c) in prof_points else 0
                 p = _run_point(llm, b, c, vocab, mode.speculative_tokens, seed=1000 + i, profile_steps=prof_steps)
-                if "profile" in p:
+                if "profile" in p and result.get("profile") is None:  # the first profiled point; others keep theirs
                     result["profile"] = {"batch": b, "context": c, **p.pop("profile")}
             except _Stop:
                 raise
@@ -667,7 +669,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         budget = max(60.0, min(left - 10, max(share, args.min_run_s)))
         out_json = work / f"{key}.json"
         argv_child = plan.child_argv(sys.executable, str(Path(__file__).resolve()), mode, graphs, str(out_json),
-                                     args.model_dir, budget - 15, points, profile=not args.no_profile)
+                                     args.model_dir, budget - 15, points, profile=not args.no_profile,
+                                     profile_points=plan.parse_points(args.profile_points or ""))
         env = {**os.environ, **plan.mode_env(mode)}
         log.write(f"\n===== {key}: {shlex.join(argv_child)} (budget {budget:.0f}s)\n")
         log.flush()
@@ -764,6 +767,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--min-run-s", type=float, default=90.0)
     r.add_argument("--with-fallbacks", action="store_true", help="run fallback modes even where their target ran")
     r.add_argument("--no-profile", action="store_true")
+    r.add_argument("--profile-points", default=None, help="points run under torch.profiler, BxCONTEXT,... "
+                   "(default plan.PROFILE_POINT)")
     r.add_argument("--model-dir", default=str(plan.MODEL_DIR))
     c = sub.add_parser("child", help="one (mode, graphs) in this process")
     c.add_argument("--mode", required=True, choices=sorted(plan.MODES))
@@ -773,6 +778,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--deadline-s", type=float, default=300.0)
     c.add_argument("--points", default="")
     c.add_argument("--no-profile", action="store_true")
+    c.add_argument("--profile-points", default="")
     args = ap.parse_args(argv)
     if args.cmd == "child":
         return child(args)

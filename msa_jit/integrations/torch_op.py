@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -72,6 +73,8 @@ def _tensor_fields(cls: type) -> tuple[str, ...]:
 WORKSPACE_FIELDS: tuple[str, ...] = tuple(
     n for n in _tensor_fields(SparseDecodePlan) if n not in _INPUT_FIELDS + _NOT_PASSED
 )
+# the plan's constructor arguments, read once (dataclasses.fields per call costs ~3 us)
+_PLAN_INIT_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(SparseDecodePlan) if f.init)
 
 # (Hq, Hkv, page, topk_blocks, arch, kv format, its launch choice) -> {(q dtype, kv dtype): kernel},
 # shared by the rebuilt plans: every SparseDecodeConfig field but the two dtypes (the op keys those per
@@ -128,8 +131,7 @@ def _rebuild_plan(
             f"workspace: expected {len(WORKSPACE_FIELDS)} tensors {WORKSPACE_FIELDS}, got {len(workspace)}"
         )
     values.update(zip(WORKSPACE_FIELDS, workspace))
-    names = [f.name for f in dataclasses.fields(SparseDecodePlan) if f.init]
-    return SparseDecodePlan(**{n: values[n] for n in names if n in values})
+    return SparseDecodePlan(**{n: values[n] for n in _PLAN_INIT_FIELDS if n in values})
 
 
 @torch.library.custom_op(OP_NAME, mutates_args=("out", "lse", "workspace"))
@@ -183,6 +185,58 @@ def _sparse_decode_fake(*args: Any, **kwargs: Any) -> None:
     """Meta implementation (the custom op's arguments, as above): everything is written in place,
     nothing is returned or allocated."""
     return None
+
+
+def _version_bump_kernel(op: Any) -> Callable[..., Any]:
+    """The op's ADInplaceOrView kernel: bump the version counter of every tensor the schema declares
+    written (out, lse, each workspace tensor), then run the op below that key.
+
+    What torch.library.custom_op registers there for a mutable op, with the written arguments'
+    positions read from the schema once. Some torch releases (2.13) look each argument up again
+    through `schema.arguments` on every call, a list of every argument rebuilt per lookup: with
+    this op's 27 arguments 150-200 us per call, paid whenever an argument tensor was created outside
+    `torch.inference_mode()` (a KV cache, a model buffer), i.e. by eager callers and by compiled
+    graphs run outside a CUDA graph, against ~8 us for the op itself."""
+    arguments = op._schema.arguments
+    written = tuple((i, a.name) for i, a in enumerate(arguments)
+                    if a.alias_info is not None and a.alias_info.is_write)
+    bump = torch.autograd.graph.increment_version
+    below = torch._C._after_ADInplaceOrView_keyset
+    tensor = torch.Tensor
+
+    def ad_inplace_or_view(keyset: Any, *args: Any, **kwargs: Any) -> Any:
+        n = len(args)
+        for i, name in written:
+            v = args[i] if i < n else kwargs.get(name)
+            if isinstance(v, tensor):
+                bump(v)
+            elif isinstance(v, (list, tuple)):
+                for t in v:
+                    if isinstance(t, tensor):
+                        bump(t)
+        return op.redispatch(keyset & below, *args, **kwargs)
+
+    return ad_inplace_or_view
+
+
+def _register_version_bump() -> Any:
+    """`_version_bump_kernel` in place of custom_op's own ADInplaceOrView kernel; the Library that
+    holds it (kept for the process's life: its registration ends with it), or None where this torch
+    cannot replace a Python kernel (no `allow_override`, before torch 2.8: custom_op's stays)."""
+    op = torch.ops.msa_jit.sparse_decode.default
+    lib = torch.library.Library("msa_jit", "FRAGMENT")  # noqa: TOR901 - an impl for our own op
+    try:
+        with warnings.catch_warnings():
+            # the dispatcher's note that a kernel of this key is replaced
+            warnings.filterwarnings("ignore", message="Warning only once for all operators", category=UserWarning)
+            lib.impl(OP_NAME.split("::")[1], _version_bump_kernel(op), "ADInplaceOrView", with_keyset=True,
+                     allow_override=True)
+    except (TypeError, RuntimeError):
+        return None
+    return lib
+
+
+_VERSION_BUMP_LIB = _register_version_bump()
 
 
 def op_args(
