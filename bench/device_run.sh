@@ -4,9 +4,11 @@
 # logs of the steps before it always come back. Run from the repository root there, with these
 # git-ignored folders carried: .gpu-bundle (the DSL runtime: ../shared/gpu-host/make-bundle.sh) and
 # .artifacts (a warmed cache: MSA_JIT_CACHE_DIR=.artifacts msa-jit warmup --arch sm_90a); host_path
-# also needs vLLM 0.33.0's files in .engine-src (a copy of tests/vllm_files.py's cache folder).
-#   bash bench/device_run.sh tests union_tests cluster_tests memcheck racecheck selftest bench host_path
-# Files in $OUT (at most 8 come back): <step>.log, the bench's bench-<date>.json / .png, host_path.json.
+# also needs vLLM 0.33.0's files in .engine-src (a copy of tests/vllm_files.py's cache folder); plan_ab
+# times FlashInfer beside msa-jit's plans when .fi-bundle is carried (bench/peers/make_flashinfer_bundle.sh).
+#   bash bench/device_run.sh tests union_tests cluster_tests memcheck racecheck selftest bench host_path plan_ab
+# Files in $OUT (at most 8 come back): <step>.log, the bench's bench-<date>.json / .png, host_path.json,
+# plan_ab.json.
 set -uo pipefail
 source .gpu-bundle/setup.sh >/dev/null
 export PYTHONPATH=$PWD:${PYTHONPATH:-} MSA_JIT_CACHE_DIR=$PWD/.artifacts MSA_JIT_NO_COMPILE=1 PYTHONUNBUFFERED=1
@@ -50,7 +52,15 @@ for step in "$@"; do
     host_path) timeout "$(limit 300)" python3 bench/host_path.py --modes msa,msa_merge_kernel,msa_op,triton \
                  --json "$OUT/host_path.json" > "$OUT/host_path.log" 2>&1
                done_step host_path $?; grep -v "scale buffers" "$OUT/host_path.log" | tail -n 20 ;;
-    *) echo "unknown step $step (tests union_tests cluster_tests memcheck racecheck selftest bench host_path)"; exit 2 ;;
+    plan_ab) # FlashInfer's setup only in this step's subshell (its PYTHONPATH stays out of the others);
+             # the script's own deadline (counted after the setup) ends it before the timeout, so its
+             # table and JSON are written
+             ( set +u; [ -f .fi-bundle/setup.sh ] && source .fi-bundle/setup.sh >/dev/null
+               left=$(limit 560)
+               timeout "$left" python3 bench/plan_ab.py --json "$OUT/plan_ab.json" \
+                 --deadline-s $(( left > 40 ? left - 20 : left / 2 )) ${PLAN_AB_ARGS:-} ) > "$OUT/plan_ab.log" 2>&1
+             done_step plan_ab $?; tail -n 70 "$OUT/plan_ab.log" ;;
+    *) echo "unknown step $step (tests union_tests cluster_tests memcheck racecheck selftest bench host_path plan_ab)"; exit 2 ;;
   esac
 done
 exit $FAILED

@@ -15,11 +15,12 @@ import contextlib
 import functools
 import os
 import threading
+from typing import Mapping
 
 import torch
 
-from .geometry import (CLUSTER_MERGE_CTAS_PER_SM, CTAS_PER_SM, HEAD_DIM, KERNELS, MAX_CLUSTER_SPLITS, SPLIT_MERGES, UNION_CTAS_PER_SM, UNION_PLANNED_CTAS_PER_SM, UNION_ROWS, arch_problem, cluster_merge_problems, device_arch, union_problems)
-from .kernels.constants import FP8_KV, NVFP4_KV
+from .geometry import (CLUSTER_MERGE_CTAS_PER_SM, CTAS_PER_SM, HEAD_DIM, KERNELS, MAX_CLUSTER_SPLITS, SPLIT_MERGES, UNION_CTAS_PER_SM, UNION_PLANNED_CTAS_PER_SM, UNION_ROWS, SparseDecodeConfig, arch_problem, check_config, cluster_merge_problems, device_arch, union_problems)
+from .kernels.constants import FP8_KV, KV_DTYPES, NVFP4_KV
 from .plan import LaunchChoice, PlanKey, SparseDecodePlan
 from .validation import validate_prepare, validate_prepare_tensors, validate_seq_lens_cpu, validate_seq_lens_values
 
@@ -244,6 +245,37 @@ def check_workspace(num_tokens: int, num_q_heads: int, num_kv_heads: int, num_sp
         )
 
 
+def _checked_pins(launches: Mapping[str, LaunchChoice] | None, kernel: str | None, ctas_per_sm: int | None,
+                  split_merge: str | None) -> dict[str, LaunchChoice]:
+    """SparseDecodePlanner's `launches` pins as a dict, checked as far as no geometry is needed."""
+    if not launches:
+        return {}
+    if kernel is not None or ctas_per_sm is not None or split_merge is not None:
+        raise ValueError("launches pins whole launches: give it without kernel=, ctas_per_sm= or split_merge=")
+    out = dict(launches)
+    for fmt, pin in out.items():
+        if fmt not in KV_DTYPES:
+            raise ValueError(f"launches: cache format {fmt!r} is not one of {KV_DTYPES}")
+        if not isinstance(pin, LaunchChoice):
+            raise ValueError(f"launches[{fmt!r}]: expected a LaunchChoice, got {type(pin).__name__}")
+        if type(pin.num_splits) is not int or pin.num_splits < 1:
+            raise ValueError(f"launches[{fmt!r}]: num_splits must be an int >= 1, got {pin.num_splits!r}")
+    return out
+
+
+def _check_pin(fmt: str, pin: LaunchChoice, hq: int, hkv: int, page: int, topk_blocks: int, arch: str | None) -> None:
+    """ValueError when a pinned launch cannot serve this geometry: its build (check_config, where the
+    arch is known) or more splits than blocks (a split would get none)."""
+    if pin.num_splits > topk_blocks:
+        raise ValueError(f"launches[{fmt!r}]: num_splits={pin.num_splits} > topk_blocks={topk_blocks}")
+    if arch is None:
+        return
+    why = check_config(SparseDecodeConfig(hq, hkv, page_size=page, topk_blocks=topk_blocks, kv_dtype=fmt, arch=arch,
+                                          ctas_per_sm=pin.ctas_per_sm, kernel=pin.kernel, split_merge=pin.split_merge))
+    if why:
+        raise ValueError(f"launches[{fmt!r}] = {pin.describe()}: {why}")
+
+
 class SparseDecodePlanner:
     """Cache of SparseDecodePlan per key; `prepare` is called once per decode step.
 
@@ -259,12 +291,17 @@ class SparseDecodePlanner:
     several waves and longer drafts, where reading a shared block once pays for the lost wave (up to
     1.5x slower where drafts share no block). split_merge: "cluster" merges the KV splits inside the
     decode launch wherever `choose_split_merge` allows it, "kernel" never; None: "cluster" where
-    `takes_cluster_merge` (a split grid of at most one CTA per SM).
+    `takes_cluster_merge` (a split grid of at most one CTA per SM). launches: cache format ->
+    LaunchChoice, the whole launch of that format pinned as given at every step shape (a plan A/B
+    times the builds the rules did not pick this way); not with the kernel, ctas_per_sm or
+    split_merge pins. A "cluster" pin at one split runs the cluster build's plain launch; a pin
+    whose build cannot serve the geometry or arch, or with more splits than topk_blocks, raises
+    ValueError at the first prepare of that geometry.
     """
 
     def __init__(self, *, num_sms: int | None = None, arch: str | None = None,
                  ctas_per_sm: int | None = None, kernel: str | None = None, split_merge: str | None = None,
-                 drafts_share_blocks: bool = False) -> None:
+                 drafts_share_blocks: bool = False, launches: Mapping[str, LaunchChoice] | None = None) -> None:
         if kernel is not None and kernel not in KERNELS:
             raise ValueError(f"kernel must be None or one of {KERNELS}, got {kernel!r}")
         if split_merge is not None and split_merge not in SPLIT_MERGES:
@@ -284,6 +321,7 @@ class SparseDecodePlanner:
         self.kernel = kernel
         self.split_merge = split_merge
         self.drafts_share_blocks = bool(drafts_share_blocks)
+        self.launches = _checked_pins(launches, kernel, ctas_per_sm, split_merge)
         self._lock = threading.Lock()
 
     def prepare(
@@ -408,7 +446,15 @@ class SparseDecodePlanner:
 
         split_merge = choose_split_merge(splits, ctas_per_sm, kernel, arch, cluster(splits))
         nvfp4_split_merge = choose_split_merge(nvfp4_splits, nvfp4_ctas_per_sm, "token", arch, cluster(nvfp4_splits))
-        work_splits = max(splits, nvfp4_splits)  # one workspace serves both formats
+        launches = {
+            FP8_KV: LaunchChoice(kernel, ctas_per_sm, splits, split_merge),
+            # an NVFP4 cache is always the token kernel's
+            NVFP4_KV: LaunchChoice("token", nvfp4_ctas_per_sm, nvfp4_splits, nvfp4_split_merge),
+        }
+        for fmt, pin in self.launches.items():
+            _check_pin(fmt, pin, hq, hkv, page, topk_blocks, arch)
+            launches[fmt] = pin
+        work_splits = max(c.num_splits for c in launches.values())  # one workspace serves both formats
         check_workspace(T, hq, hkv, work_splits, device)
         f32 = dict(dtype=torch.float32, device=device)
         try:
@@ -435,11 +481,7 @@ class SparseDecodePlanner:
             qlen=qlen,
             block_table_stride=stride,
             device=device,
-            launches={
-                FP8_KV: LaunchChoice(kernel, ctas_per_sm, splits, split_merge),
-                # an NVFP4 cache is always the token kernel's
-                NVFP4_KV: LaunchChoice("token", nvfp4_ctas_per_sm, nvfp4_splits, nvfp4_split_merge),
-            },
+            launches=launches,
             block_table=block_table,
             seq_lens=seq_lens,
             arch=arch,

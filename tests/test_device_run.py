@@ -25,8 +25,9 @@ def test_every_file_with_gpu_tests_is_run_by_a_device_step():
     assert with_gpu - selected == set(), "GPU tests no device step runs"
 
 
-def test_steps_write_their_logs_and_an_unknown_step_exits_2(tmp_path):
-    """Stand-ins (infrastructure only): the bundle's setup, nvidia-smi, compute-sanitizer and python3."""
+def _fake_host(tmp_path: Path, python3: str) -> tuple[Path, Path, dict[str, str]]:
+    """(repo, OUT, env) of a GPU host made of stand-ins (infrastructure only): the bundle's setup,
+    nvidia-smi, compute-sanitizer and the given python3 script."""
     repo, out, stubs = tmp_path / "repo", tmp_path / "out", tmp_path / "bin"
     for d in (repo / "bench", repo / "tests", repo / ".gpu-bundle", out, stubs):
         d.mkdir(parents=True)
@@ -34,10 +35,15 @@ def test_steps_write_their_logs_and_an_unknown_step_exits_2(tmp_path):
     (repo / ".gpu-bundle" / "setup.sh").write_text("")
     (stubs / "nvidia-smi").write_text("#!/bin/sh\necho 'NVIDIA H200, 0'\n")
     (stubs / "compute-sanitizer").write_text('#!/bin/sh\necho "sanitizer $*"\n')
-    (stubs / "python3").write_text('#!/bin/sh\necho "ran $* cache=$MSA_JIT_CACHE_DIR nocompile=$MSA_JIT_NO_COMPILE"\n')
+    (stubs / "python3").write_text(python3)
     for f in stubs.iterdir():
         f.chmod(0o755)
-    env = dict(os.environ, OUT=str(out), PATH=f"{stubs}:{os.environ['PATH']}", DEADLINE="60")
+    return repo, out, dict(os.environ, OUT=str(out), PATH=f"{stubs}:{os.environ['PATH']}", DEADLINE="60")
+
+
+def test_steps_write_their_logs_and_an_unknown_step_exits_2(tmp_path):
+    repo, out, env = _fake_host(
+        tmp_path, '#!/bin/sh\necho "ran $* cache=$MSA_JIT_CACHE_DIR nocompile=$MSA_JIT_NO_COMPILE"\n')
     run = subprocess.run(["bash", "bench/device_run.sh", "tests", "memcheck", "selftest", "bench"],
                          cwd=repo, env=env, capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
@@ -55,3 +61,24 @@ def test_steps_write_their_logs_and_an_unknown_step_exits_2(tmp_path):
     bad = subprocess.run(["bash", "bench/device_run.sh", "variants"], cwd=repo, env=env, capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and "unknown step variants" in bad.stdout
+
+
+def test_plan_ab_step_sources_flashinfer_in_its_own_shell_and_ends_before_the_deadline(tmp_path):
+    """plan_ab runs bench/plan_ab.py with its JSON in $OUT and a deadline inside the step's timeout,
+    FlashInfer's setup sourced for it alone when .fi-bundle is carried (the step after it does not see
+    it), and PLAN_AB_ARGS passed on."""
+    repo, out, env = _fake_host(tmp_path, '#!/bin/sh\necho "ran $* fi=${FI_SOURCED:-no} nocompile=$MSA_JIT_NO_COMPILE"\n')
+    run = subprocess.run(["bash", "bench/device_run.sh", "plan_ab"], cwd=repo, env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 0 and "plan_ab: rc=0" in run.stdout, run.stdout + run.stderr
+    log = (out / "plan_ab.log").read_text()
+    m = re.search(rf"ran bench/plan_ab.py --json {re.escape(str(out))}/plan_ab.json --deadline-s (\d+) fi=no "
+                  "nocompile=1", log)
+    assert m and 5 <= int(m.group(1)) < 60, log
+    (repo / ".fi-bundle").mkdir()
+    (repo / ".fi-bundle" / "setup.sh").write_text("export FI_SOURCED=1\n")
+    run = subprocess.run(["bash", "bench/device_run.sh", "plan_ab", "bench"], cwd=repo, capture_output=True, text=True,
+                         env=dict(env, PLAN_AB_ARGS="--points 64/4:B4:q1"), timeout=60)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert re.search(r"--deadline-s \d+ --points 64/4:B4:q1 fi=1", (out / "plan_ab.log").read_text())
+    assert "fi=no" in (out / "bench.log").read_text()

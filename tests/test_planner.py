@@ -365,6 +365,40 @@ def test_pinned_occupancy_is_checked(monkeypatch):
         SparseDecodePlanner(arch="sm_100a", ctas_per_sm=3).prepare(*c.prepare_args(), **c.prepare_kwargs())
 
 
+def test_pinned_launches_are_taken_as_given_and_checked():
+    """SparseDecodePlanner(launches=...): a cache format's whole launch pinned at every step shape (a plan
+    A/B), the workspace sized for its splits; builds that cannot serve the geometry are refused at the
+    first prepare, malformed pins and pins mixed with the other pins at construction."""
+    from msa_jit.plan import LaunchChoice
+
+    bt = torch.zeros(4, 128, dtype=torch.int32)
+    sl = torch.full((4,), 16384, dtype=torch.int32)
+    kw = dict(num_q_heads=64, num_kv_heads=4, page_size=128, topk_blocks=16)
+    own = SparseDecodePlanner(num_sms=132, arch="sm_90a").prepare(bt, sl, None, 1, **kw)
+    for pin in (LaunchChoice("token", 3, 16, "kernel"), LaunchChoice("token", 2, 1, "cluster"),
+                LaunchChoice("union", 1, 2, "kernel")):
+        plan = SparseDecodePlanner(num_sms=132, arch="sm_90a", launches={"float8_e4m3fn": pin}).prepare(bt, sl, None, 1, **kw)
+        assert plan.launch() == pin and plan.launch("nvfp4") == own.launch("nvfp4")
+        S = max(pin.num_splits, own.launch("nvfp4").num_splits)
+        assert plan.partial_o.shape == (4 * 4 * S, 16, 128) and plan.partial_lse.shape == (4 * 4 * S, 16)
+        assert plan.config(torch.bfloat16).kernel == pin.kernel and plan.config(torch.bfloat16).split_merge == pin.split_merge
+    nvfp4 = LaunchChoice("token", 2, 8, "cluster")
+    plan = SparseDecodePlanner(num_sms=132, arch="sm_90a", launches={"nvfp4": nvfp4}).prepare(bt, sl, None, 1, **kw)
+    assert plan.launch("nvfp4") == nvfp4 and plan.launch() == own.launch()
+    for pin, match in ((LaunchChoice("token", 3, 4, "cluster"), "ctas_per_sm=2"),
+                       (LaunchChoice("token", 2, 17, "kernel"), "num_splits=17 > topk_blocks=16"),
+                       (LaunchChoice("union", 2, 1, "kernel"), "union kernel")):
+        fmt = "nvfp4" if pin.kernel == "union" else "float8_e4m3fn"  # the union reads an fp8 cache only
+        with pytest.raises(ValueError, match=match):
+            SparseDecodePlanner(num_sms=132, arch="sm_90a", launches={fmt: pin}).prepare(bt, sl, None, 1, **kw)
+    for bad, match in (({"fp8": LaunchChoice()}, "cache format 'fp8'"), ({"nvfp4": (2, 1)}, "expected a LaunchChoice"),
+                       ({"nvfp4": LaunchChoice(num_splits=0)}, "num_splits must be an int >= 1")):
+        with pytest.raises(ValueError, match=match):
+            SparseDecodePlanner(launches=bad)
+    with pytest.raises(ValueError, match="without kernel=, ctas_per_sm= or split_merge="):
+        SparseDecodePlanner(split_merge="kernel", launches={"nvfp4": LaunchChoice()})
+
+
 # ----------------------------------------------------------------------------- op
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("backend", ["reference", "auto"])

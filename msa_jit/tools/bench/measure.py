@@ -67,7 +67,7 @@ def _pct(nbytes: int, us: float, copy_bw: float) -> float:
     return round(100 * nbytes / (us * 1e-6) / copy_bw, 1)
 
 
-def _layers_of(planner, steps: list[dict[str, Any]], hq: int, hkv: int, qlen: int,
+def layer_times(planner, steps: list[dict[str, Any]], hq: int, hkv: int, qlen: int,
                layer: Callable[[dict[str, Any], Any], None], num_layers: int, iters: int) -> tuple[list[float], float]:
     """(times of the one-layer graph, median of the L-layer graph): one prologue, then `layer`."""
     args, kw = prepare_args(steps[0], hq, hkv, qlen)  # every layer's cache is a permutation of the same pages
@@ -107,7 +107,7 @@ def measure_row(spec: RowSpec, copy_bw: float, *, q_dtype: str = "bfloat16", ite
                        kv_dtype=spec.kv_dtype, indices=indices[i]) for i in range(num_layers)]
     planner = SparseDecodePlanner(ctas_per_sm=ctas_per_sm)
     args, kw = prepare_args(steps[0], hq, hkv, spec.qlen)
-    t1s, t_all = _layers_of(planner, steps, hq, hkv, spec.qlen, decode, num_layers, iters)
+    t1s, t_all = layer_times(planner, steps, hq, hkv, spec.qlen, decode, num_layers, iters)
     t1s.sort()
     t1 = statistics.median(t1s)
     marginal = (t_all - t1) / (num_layers - 1)
@@ -151,7 +151,7 @@ def measure_floor(planner, steps: list[dict[str, Any]], hq: int, hkv: int, qlen:
     from .readers import floor_layer
 
     probes = {id(s): floor_layer(s) for s in steps}
-    t1s, t_all = _layers_of(planner, steps, hq, hkv, qlen, lambda s, plan: probes[id(s)](), num_layers, iters)
+    t1s, t_all = layer_times(planner, steps, hq, hkv, qlen, lambda s, plan: probes[id(s)](), num_layers, iters)
     t1 = statistics.median(t1s)
     first = probes[id(steps[0])]
     return {"floor_one_layer_us": round(t1, 2), "floor_marginal_us": round((t_all - t1) / (num_layers - 1), 2),
