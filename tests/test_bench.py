@@ -210,6 +210,14 @@ def test_grid_order_and_speedups_of_neighbours():
     bench.add_speedups(rows)
     assert [r.get("speedup_vs_fp8") for r in rows] == [None, 2.0, None, 4.0]
     assert [r.get("one_layer_speedup_vs_fp8") for r in rows] == [None, 1.25, None, 4.0]
+    assert not any(k.endswith("_fp8") and k.startswith("speedup_vs_") and k != "speedup_vs_fp8"
+                   for r in rows for k in r)  # no peer timed: no peer column
+    # a peer timed on the fp8 row: the NVFP4 row gets the peer's fp8 time over its own
+    rows = [_row(spec, m) for spec, m in zip(specs[:2], (10.0, 4.0))]
+    rows[0].update(flashinfer_marginal_us=12.0, speedup_vs_flashinfer=1.2, floor_marginal_us=3.0)
+    bench.add_speedups(rows)
+    assert "speedup_vs_floor_fp8" not in rows[1]
+    assert rows[1]["speedup_vs_flashinfer_fp8"] == 3.0 and "speedup_vs_flashinfer_fp8" not in rows[0]
     rows = [_row(spec, 10.0) for spec in specs[:2]]
     rows[1]["marginal_us"] = 0.0  # a row with no time (t(L) == t(1))
     bench.add_speedups(rows)

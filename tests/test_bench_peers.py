@@ -361,3 +361,18 @@ def test_summary_geomean_over_rows():
     s = peers.summarize(rows, ["flashinfer", "vllm"])
     assert s["flashinfer"]["geomean_speedup"] == round(math.exp((math.log(1.25) + math.log(0.8) + math.log(1.6)) / 3), 3)
     assert s["flashinfer"]["min_speedup"] == 0.8 and s["vllm"] == {"rows": 0}
+
+
+def test_summary_nvfp4_against_the_peers_fp8_at_bandwidth_batches():
+    """The NVFP4 rows' `speedup_vs_<peer>_fp8` are summarized apart, at batches >= 64 only (where
+    bandwidth rules and the smaller cache should show), and printed."""
+    rows = [{"geometry": "64/4", "batch": b, "qlen": 1, "kv_dtype": NVFP4_KV, "speedup_vs_flashinfer_fp8": s}
+            for b, s in ((16, 0.9), (64, 1.2), (256, 1.5))]
+    s = peers.summarize(rows, ["flashinfer"])["flashinfer"]
+    assert s["rows"] == 0 and s["nvfp4_vs_fp8"] == {
+        "min_batch": 64, "rows": 2, "min_speedup": 1.2,
+        "geomean_speedup": round(math.exp((math.log(1.2) + math.log(1.5)) / 2), 3)}
+    text = peers.format_summary({"peers": {"flashinfer": {"available": True, "version": "0.7.4"}},
+                                 "peer_summary": {"flashinfer": {**s, "rows": 1, "geomean_speedup": 1.0,
+                                                                 "min_speedup": 1.0}}})
+    assert "msa-jit NVFP4 against flashinfer's fp8, batch >= 64: 2 rows" in text

@@ -78,7 +78,10 @@ def grid_rows(geometries=GRID_GEOMETRIES, batches=GRID_BATCHES, qlens=GRID_QLENS
 
 def add_speedups(rows: list[dict[str, Any]]) -> None:
     """Give every NVFP4 row `speedup_vs_fp8` (fp8 marginal / NVFP4 marginal at the same point,
-    query dtype and layer count) and `one_layer_speedup_vs_fp8`, in place. Pure Python."""
+    query dtype and layer count) and `one_layer_speedup_vs_fp8`, in place; and, for each peer timed
+    on that fp8 row (`<peer>_marginal_us`), `speedup_vs_<peer>_fp8`: the peer's fp8 time over the
+    NVFP4 row's, what a user gains by moving from that peer's fp8 cache (the peers serve no NVFP4
+    cache on Hopper) to msa-jit's NVFP4 one. Pure Python."""
     def key(r):
         return (r["geometry"], r["batch"], r["qlen"], r["shared_blocks"], r["q_dtype"], r["layers"])
 
@@ -88,5 +91,11 @@ def add_speedups(rows: list[dict[str, Any]]) -> None:
         if o and r["marginal_us"] > 0 and r["one_layer_us"] > 0:
             r["speedup_vs_fp8"] = round(o["marginal_us"] / r["marginal_us"], 3)
             r["one_layer_speedup_vs_fp8"] = round(o["one_layer_us"] / r["one_layer_us"], 3)
+            for name, value in o.items():
+                # a peer's figure: `<peer>_marginal_us` beside its `speedup_vs_<peer>` (the floor
+                # probe's `floor_marginal_us` has none)
+                peer = name[:-len("_marginal_us")] if name.endswith("_marginal_us") else None
+                if peer and f"speedup_vs_{peer}" in o and isinstance(value, (int, float)) and value > 0:
+                    r[f"speedup_vs_{peer}_fp8"] = round(value / r["marginal_us"], 3)
 
 

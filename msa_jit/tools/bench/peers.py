@@ -245,6 +245,7 @@ class VllmTritonPeer(Peer):
 
 
 PEERS: dict[str, type[Peer]] = {"flashinfer": FlashInferPeer, "vllm": VllmTritonPeer}
+NVFP4_SUMMARY_MIN_BATCH = 64  # the summary's NVFP4-against-a-peer's-fp8 figure: bandwidth-bound batches
 
 
 def parse_compare(text: str) -> tuple[str, ...]:
@@ -406,6 +407,13 @@ def summarize(rows: list[dict[str, Any]], names: list[str]) -> dict[str, dict[st
                                 for r, v in sp if v < 1.0]
         if cpu:
             s["geomean_call_cpu_speedup"] = round(math.exp(statistics.fmean(math.log(v) for v in cpu)), 3)
+        # msa-jit's NVFP4 cache against the peer's fp8 one (the peers have no NVFP4 on Hopper), at the
+        # batches where bandwidth rules
+        nv = [r[f"speedup_vs_{n}_fp8"] for r in rows
+              if r.get(f"speedup_vs_{n}_fp8") and r["batch"] >= NVFP4_SUMMARY_MIN_BATCH]
+        if nv:
+            s["nvfp4_vs_fp8"] = {"min_batch": NVFP4_SUMMARY_MIN_BATCH, "rows": len(nv), "min_speedup": min(nv),
+                                 "geomean_speedup": round(math.exp(statistics.fmean(math.log(v) for v in nv)), 3)}
         out[n] = s
     return out
 
@@ -424,4 +432,8 @@ def format_summary(result: dict[str, Any]) -> str:
         lines.append(f"peer {n} {info.get('version')}: {s['rows']} rows, msa-jit per layer x{s['geomean_speedup']} "
                      f"geomean, x{s['min_speedup']} least; eager call CPU x{s.get('geomean_call_cpu_speedup')}")
         lines += [f"  slower than {n}: {r}" for r in s.get("slower_rows", [])]
+        if s.get("nvfp4_vs_fp8"):
+            v = s["nvfp4_vs_fp8"]
+            lines.append(f"  msa-jit NVFP4 against {n}'s fp8, batch >= {v['min_batch']}: {v['rows']} rows, "
+                         f"x{v['geomean_speedup']} geomean, x{v['min_speedup']} least")
     return "\n".join(lines)
