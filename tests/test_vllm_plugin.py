@@ -400,3 +400,34 @@ def test_the_engines_layer_needs_the_reset():
     forward = ast.unparse(methods["forward"])
     assert "kv_k_scale=self._k_scale if self.use_nvfp4_kv else None" in forward
     assert "kv_v_scale=self._v_scale if self.use_nvfp4_kv else None" in forward
+
+
+@needs_engine
+def test_the_line_is_said_again_when_vllm_logging_was_not_configured(monkeypatch, caplog):
+    """vLLM's LLM() loads plugins (in its EngineArgs) before it configures the "vllm" logger, so
+    register()'s INFO line reaches no handler there; the patched selector, called when the first
+    layer is built, says it once more (and only once). Where logging is configured, it does not."""
+    ns = vs.install(monkeypatch, capability=(9, 0))
+    monkeypatch.setattr(vllm_plugin, "_PENDING_LINE", [])
+    monkeypatch.setattr(vllm_plugin, "_logging_configured", lambda: False)
+    line = _register(caplog)
+    assert "through msa-jit" in line
+    selector = ns.common.select_main_backend_and_impl_cls
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=vllm_plugin.LOG.name):
+        for _ in range(2):
+            selector(topk_blocks=16, kv_cache_dtype="fp8_e5m2", num_kv_heads=4)  # the engine's own choice
+    said = [r.getMessage() for r in caplog.records if r.name == vllm_plugin.LOG.name]
+    assert said == [line]
+
+
+def test_logging_configured_follows_the_logger_tree(monkeypatch):
+    """A handler on LOG's ancestors up to the first that does not propagate counts; none: not configured."""
+    vllm_logger = logging.getLogger("vllm")
+    monkeypatch.setattr(vllm_logger, "handlers", [])
+    monkeypatch.setattr(vllm_logger, "propagate", False)
+    monkeypatch.setattr(vllm_plugin.LOG, "handlers", [])
+    monkeypatch.setattr(logging.getLogger("vllm.plugins"), "handlers", [])
+    assert not vllm_plugin._logging_configured()
+    monkeypatch.setattr(vllm_logger, "handlers", [logging.NullHandler()])
+    assert vllm_plugin._logging_configured()

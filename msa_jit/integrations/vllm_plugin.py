@@ -83,6 +83,10 @@ _MSA_TOPK_BLOCKS = (4, 8, 16, 32)
 _APPLIED = "_msa_jit_plugin_applied"  # set on the patched sparse_attention_msa module
 _PREFIX = "msa-jit vLLM plugin:"
 _WARNED: set[str] = set()  # modules whose missing scale-reset target was already logged
+# register()'s line when vLLM's logging was not configured yet (vLLM's LLM() loads plugins in its
+# EngineArgs, before it configures the "vllm" logger: an INFO line then reaches no handler), said
+# again by the patched selector when the first layer is built: (level, line) or None.
+_PENDING_LINE: list[tuple[int, str]] = []
 
 
 class MsaJitPrefillMixin:
@@ -241,6 +245,8 @@ def wrap_selector(original: Callable[..., Any], fp8_backend: type, nvfp4_backend
     @functools.wraps(original)
     def select_main_backend_and_impl_cls(*, topk_blocks: int, kv_cache_dtype: str, num_kv_heads: int,
                                          emits_sparse_block_table: bool = False) -> tuple[type, type]:
+        while _PENDING_LINE:
+            LOG.log(*_PENDING_LINE.pop())
         if topk_blocks in _MSA_TOPK_BLOCKS:
             if kv_cache_dtype == "nvfp4":  # other NVFP4 spellings: the engine's own error
                 _reset_scales_after_loading()
@@ -350,5 +356,22 @@ def register() -> str:
         line = f"{_PREFIX} not applied ({type(e).__name__}: {e}); vLLM runs unchanged"
         LOG.warning(line)
         return line
-    LOG.log(logging.WARNING if isinstance(line, _Unserved) else logging.INFO, line)
+    level = logging.WARNING if isinstance(line, _Unserved) else logging.INFO
+    LOG.log(level, line)
+    if not _logging_configured() and str(line) and getattr(sys.modules.get(MSA_MODULE), _APPLIED, None):
+        _PENDING_LINE[:] = [(level, str(line))]
     return str(line)
+
+
+def _logging_configured() -> bool:
+    """Whether a record of LOG at INFO reaches a handler now (vLLM configures its "vllm" logger
+    after its EngineArgs have loaded the plugins; until then only Python's last-resort handler,
+    WARNING and above, prints)."""
+    logger: logging.Logger | None = LOG
+    while logger is not None:
+        if logger.handlers:
+            return True
+        if not logger.propagate:
+            return False
+        logger = logger.parent
+    return False
