@@ -9,6 +9,8 @@ from typing import Any, Callable
 
 import e2e_plan as plan
 
+MSA_MODULE = "vllm.models.minimax_m3.nvidia.sparse_attention_msa"  # the module whose names the plugin rebinds
+
 
 def sync() -> None:
     import torch
@@ -17,23 +19,34 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def engine_triton_decode(msa: Any, query_fp8: Any, kv_cache: Any, topk: Any, like: Any, p: Any, scale: float,
+                         q_scale_float: float, k_scale_float: float, v_scale_float: float) -> Any:
+    """vLLM's own Triton decode of the arguments msa-jit was given, as sparse_attention_msa runs it
+    without the CUTLASS knob (its fp8 path: the query dequantized, top-k transposed, the scalar
+    scales as tensors): a new output shaped like `like`, NaN where it wrote nothing. Not synchronized."""
+    import torch
+
+    q = msa._dequantize_query(query_fp8, q_scale_float,
+                              torch.empty(query_fp8.shape, dtype=torch.bfloat16, device=query_fp8.device))
+    out = torch.full_like(like, float("nan"))
+    scales = dict(device=query_fp8.device, dtype=torch.float32)
+    msa.minimax_m3_sparse_attn_decode(
+        q, kv_cache, topk.transpose(0, 1), p.block_table[:p.batch], p.seq_lens[:p.batch], kv_cache.shape[1],
+        scale, out, p.qlen, k_scale=torch.tensor([k_scale_float], **scales),
+        v_scale=torch.tensor([v_scale_float], **scales))
+    return out
+
+
 def against_engine_triton(msa: Any, query_fp8: Any, kv_cache: Any, topk: Any, output: Any, p: Any, scale: float,
                           q_scale_float: float, k_scale_float: float, v_scale_float: float) -> dict[str, Any]:
-    """vLLM's own Triton decode on the same tensors msa-jit was given (its fp8 path, as
-    sparse_attention_msa runs it without the CUTLASS knob): the relative L2 between the two outputs.
-    The reference check compares msa-jit with msa-jit's reading of the contract; this one
-    compares it with what the engine means by the same arguments."""
+    """`engine_triton_decode` against msa-jit's output: the relative L2 between the two. The
+    reference check compares msa-jit with msa-jit's reading of the contract; this one compares it
+    with what the engine means by the same arguments."""
     import torch
 
     try:
-        q = msa._dequantize_query(query_fp8, q_scale_float,
-                                  torch.empty(query_fp8.shape, dtype=torch.bfloat16, device=query_fp8.device))
-        ref = torch.full_like(output, float("nan"))
-        scales = dict(device=query_fp8.device, dtype=torch.float32)
-        msa.minimax_m3_sparse_attn_decode(
-            q, kv_cache, topk.transpose(0, 1), p.block_table[:p.batch], p.seq_lens[:p.batch], kv_cache.shape[1],
-            scale, ref, p.qlen, k_scale=torch.tensor([k_scale_float], **scales),
-            v_scale=torch.tensor([v_scale_float], **scales))
+        ref = engine_triton_decode(msa, query_fp8, kv_cache, topk, output, p, scale, q_scale_float,
+                                   k_scale_float, v_scale_float)
         sync()
         got, want = output.double(), ref.double()
         err = (got - want).norm().item() / max(want.norm().item(), 1e-30)
@@ -97,14 +110,8 @@ def first_step_watch(msa: Any, calls: int) -> tuple[Callable[..., None], list[di
             got = output.detach().clone()  # before any sync: what the next layer would read
             sync()
             p = metadata.plan
-            q = msa._dequantize_query(query_fp8, q_scale_float,
-                                      torch.empty(query_fp8.shape, dtype=torch.bfloat16, device=query_fp8.device))
-            want = torch.full_like(output, float("nan"))
-            scales = dict(device=query_fp8.device, dtype=torch.float32)
-            msa.minimax_m3_sparse_attn_decode(
-                q, kv_cache, topk.transpose(0, 1), p.block_table[:p.batch], p.seq_lens[:p.batch],
-                kv_cache.shape[1], scale, want, p.qlen, k_scale=torch.tensor([k_scale_float], **scales),
-                v_scale=torch.tensor([v_scale_float], **scales))
+            want = engine_triton_decode(msa, query_fp8, kv_cache, topk, output, p, scale, q_scale_float,
+                                        k_scale_float, v_scale_float)
             sync()
             g, w = got.double().flatten(1), want.double().flatten(1)
             per_token = ((g - w).norm(dim=1) / w.norm(dim=1).clamp_min(1e-30)).tolist()
@@ -118,7 +125,6 @@ def first_step_watch(msa: Any, calls: int) -> tuple[Callable[..., None], list[di
     return watched, rows
 
 
-MSA_MODULE = "vllm.models.minimax_m3.nvidia.sparse_attention_msa"
 # What vLLM's MSA module calls per step (its builder) and per sparse layer (its impl), by the names the
 # plugin rebinds there (and the engine's own Triton decode)
 COUNTED = ("prepare_decode_metadata", "msa_cutlass_sparse_decode", "minimax_m3_sparse_attn_decode")

@@ -113,7 +113,7 @@ def _correctness(llm: Any, vocab: int, spec_tokens: int, watch: bool = False) ->
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    msa = importlib.import_module("vllm.models.minimax_m3.nvidia.sparse_attention_msa") if watch else None
+    msa = importlib.import_module(probes.MSA_MODULE) if watch else None
     real = msa.msa_cutlass_sparse_decode if msa else None
     watched: list[dict[str, Any]] = []
     if msa is not None:
@@ -154,7 +154,7 @@ def _hook_check(llm: Any, vocab: int) -> dict[str, Any]:
 
     from msa_jit.reference import sparse_decode_reference
 
-    msa = importlib.import_module("vllm.models.minimax_m3.nvidia.sparse_attention_msa")
+    msa = importlib.import_module(probes.MSA_MODULE)
     real = msa.msa_cutlass_sparse_decode
     want_call = 3  # a middle sparse layer of the first decode step
     state: dict[str, Any] = {"calls": 0, "result": None, "stream": None}
