@@ -367,11 +367,4 @@ def _logging_configured() -> bool:
     """Whether a record of LOG at INFO reaches a handler now (vLLM configures its "vllm" logger
     after its EngineArgs have loaded the plugins; until then only Python's last-resort handler,
     WARNING and above, prints)."""
-    logger: logging.Logger | None = LOG
-    while logger is not None:
-        if logger.handlers:
-            return True
-        if not logger.propagate:
-            return False
-        logger = logger.parent
-    return False
+    return LOG.hasHandlers()
