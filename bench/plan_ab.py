@@ -51,7 +51,6 @@ import argparse
 import json
 import math
 import os
-import signal
 import statistics
 import sys
 import time
@@ -69,6 +68,8 @@ from msa_jit.geometry import (DEFAULT_PAGE_SIZE, DEFAULT_TOPK_BLOCKS, SparseDeco
 from msa_jit.jit import registry  # noqa: E402
 from msa_jit.plan import LaunchChoice  # noqa: E402
 from msa_jit.tools.bench.grid import FP8_KV, GEOMETRIES, NUM_LAYERS  # noqa: E402
+from msa_jit.tools.bench.measure import Stopped, stop_on_sigterm  # noqa: E402
+from msa_jit.tools.bench.peers import geomean  # noqa: E402
 
 DEFAULT_FROM = ROOT / "bench" / "results" / "h100.json"
 SPLITS = (1, 2, 4, 8, 16)
@@ -237,10 +238,6 @@ class Runner(Protocol):
     def teardown(self, ctx: Any) -> None: ...
 
 
-class Stopped(BaseException):  # not an Exception: a plan's `except Exception` must not swallow it
-    """SIGTERM (the device script's timeout): keep what was done."""
-
-
 class Clock:
     """The deadline: `fits()` says whether one more plan (the slowest so far) ends before it."""
 
@@ -348,11 +345,6 @@ def measure_point(point: Point, runner: Runner, clock: Clock, plans: list[Launch
     if runs:
         entry["plans"].insert(0, _planner_entry(runs))
     return finish_point(entry)
-
-
-def geomean(xs: list[float]) -> float | None:
-    xs = [x for x in xs if x]
-    return round(math.exp(statistics.fmean(math.log(x) for x in xs)), 3) if xs else None
 
 
 def summarize(entries: list[dict[str, Any]]) -> dict[str, Any]:
@@ -620,19 +612,12 @@ def main(argv: list[str] | None = None) -> int:
     iters = a.iters or grid.get("iters") or ITERS
     runner = GpuRunner(layers=layers, iters=iters, ref_requests=a.ref_requests, flashinfer=not a.no_flashinfer)
     clock = Clock(a.deadline_s, start=T0)
-
-    def stop(signum, frame):
-        raise Stopped()
-
-    old = signal.signal(signal.SIGTERM, stop)
-    try:
+    with stop_on_sigterm():
         settings = {"source": a.source if not a.points else None, "points_given": a.points, "layers": layers,
                     "iters": iters, "splits": list(a.splits), "kernels": list(a.kernels),
                     "ref_requests": a.ref_requests, "ref_tol": REF_TOL, "deadline_s": a.deadline_s}
         result = run_points(points, runner, plans_of=lambda p: enumerate_plans(p, runner.arch, a.splits, a.kernels),
                             sources=sources, clock=clock, header=header(settings, runner.peers()), json_path=a.json)
-    finally:
-        signal.signal(signal.SIGTERM, old)
     print(table(result))
     print(f"wrote {a.json}" if a.json else "")
     return 0

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import json
-import os
 import platform
 import shlex
 import signal
@@ -301,18 +300,18 @@ def environment() -> dict[str, str]:
     }
 
 
-class _Stopped(BaseException):  # not an Exception: the per-row `except Exception` must not swallow it
-    """SIGTERM while the grid runs (a device script's timeout): keep the rows done."""
+class Stopped(BaseException):  # not an Exception: a per-row `except Exception` must not swallow it
+    """SIGTERM while a grid runs (a device script's timeout): keep the rows done."""
 
 
 @contextlib.contextmanager
-def _stop_on_sigterm():
+def stop_on_sigterm():
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def stop(signum, frame):
-        raise _Stopped()
+        raise Stopped()
 
     old = signal.signal(signal.SIGTERM, stop)
     try:
@@ -389,12 +388,12 @@ def run_grid(geometries=GRID_GEOMETRIES, batches=GRID_BATCHES, qlens=GRID_QLENS,
         for name, info in describe(peers).items():
             log(f"peer {name}: " + (f"{info['version']}" if info["available"] else f"not run: {info['reason']}"))
     stopped = False
-    with _stop_on_sigterm():
+    with stop_on_sigterm():
         try:
             for n, spec in enumerate(specs, 1):
                 _one_row(n, spec, specs, copy_bw, indices, rows, points, errors, t_start, log, q_dtype=q_dtype,
                          iters=iters, num_layers=num_layers, in_graph=in_graph, **({"peers": peers} if peers else {}))
-        except _Stopped:
+        except Stopped:
             stopped = True
             log(f"SIGTERM: stopped after {len(rows)} of {len(specs)} rows")
     add_speedups(rows)

@@ -32,7 +32,7 @@ import math
 import os
 import statistics
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from ...geometry import HEAD_DIM, KV_DTYPE_SHORT, MAX_GROUP_SIZE
 from .steps import FP8_KV
@@ -392,6 +392,13 @@ def row_text(row: dict[str, Any], names: list[str]) -> str:
     return "".join(f" | {p}" for p in parts)
 
 
+def geomean(values: Iterable[float]) -> float | None:
+    """Geometric mean of the values given (falsy ones, a figure not measured, left out), to 3
+    places; None when none is left."""
+    xs = [v for v in values if v]
+    return round(math.exp(statistics.fmean(math.log(v) for v in xs)), 3) if xs else None
+
+
 def summarize(rows: list[dict[str, Any]], names: list[str]) -> dict[str, dict[str, Any]]:
     """Per peer over the rows it ran: their count, the geomean and the least of `speedup_vs_<peer>`
     (per layer) and of `call_cpu_speedup_vs_<peer>`, and the rows where msa-jit is slower."""
@@ -401,19 +408,19 @@ def summarize(rows: list[dict[str, Any]], names: list[str]) -> dict[str, dict[st
         cpu = [r[f"call_cpu_speedup_vs_{n}"] for r in rows if r.get(f"call_cpu_speedup_vs_{n}")]
         s: dict[str, Any] = {"rows": len(sp)}
         if sp:
-            s["geomean_speedup"] = round(math.exp(statistics.fmean(math.log(v) for _, v in sp)), 3)
+            s["geomean_speedup"] = geomean(v for _, v in sp)
             s["min_speedup"] = min(v for _, v in sp)
             s["slower_rows"] = [f"{r['geometry']} B={r['batch']} q{r['qlen']} ({KV_DTYPE_SHORT.get(r['kv_dtype'])}): x{v}"
                                 for r, v in sp if v < 1.0]
         if cpu:
-            s["geomean_call_cpu_speedup"] = round(math.exp(statistics.fmean(math.log(v) for v in cpu)), 3)
+            s["geomean_call_cpu_speedup"] = geomean(cpu)
         # msa-jit's NVFP4 cache against the peer's fp8 one (the peers have no NVFP4 on Hopper), at the
         # batches where bandwidth rules
         nv = [r[f"speedup_vs_{n}_fp8"] for r in rows
               if r.get(f"speedup_vs_{n}_fp8") and r["batch"] >= NVFP4_SUMMARY_MIN_BATCH]
         if nv:
             s["nvfp4_vs_fp8"] = {"min_batch": NVFP4_SUMMARY_MIN_BATCH, "rows": len(nv), "min_speedup": min(nv),
-                                 "geomean_speedup": round(math.exp(statistics.fmean(math.log(v) for v in nv)), 3)}
+                                 "geomean_speedup": geomean(nv)}
         out[n] = s
     return out
 
