@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import json
 import statistics
 import sys
@@ -101,10 +100,7 @@ def _load_engine_triton(ns: Any, mp: pytest.MonkeyPatch) -> None:
     import vllm_standins as vs
 
     mp.setattr(ns.platform, "is_arch_support_pdl", lambda: True)
-    spec = importlib.util.spec_from_file_location(vs.TRITON_KERNELS, vs.engine_file(vs.TRITON_KERNELS_FILE))
-    mod = importlib.util.module_from_spec(spec)
-    mp.setitem(sys.modules, vs.TRITON_KERNELS, mod)
-    spec.loader.exec_module(mod)
+    mod = vs.load_file(mp, vs.TRITON_KERNELS, vs.engine_file(vs.TRITON_KERNELS_FILE))
     mp.setattr(ns.msa, "minimax_m3_sparse_attn_decode", mod.minimax_m3_sparse_attn_decode)
 
 

@@ -345,7 +345,8 @@ def interpreter_fixes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(builder, "create_masked_store", create_masked_store)
 
 
-def _load(monkeypatch: pytest.MonkeyPatch, name: str, path: Path) -> ModuleType:
+def load_file(monkeypatch: pytest.MonkeyPatch, name: str, path: Path) -> ModuleType:
+    """The Python file at `path` run as module `name` (in sys.modules until monkeypatch undoes it)."""
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     m = importlib.util.module_from_spec(spec)
@@ -423,10 +424,10 @@ def install(monkeypatch: pytest.MonkeyPatch, *, capability: tuple[int, int] | No
         # the kernels are decorated when the file runs: the interpreter must be chosen by then
         monkeypatch.setenv("TRITON_INTERPRET", "1")
         interpreter_fixes(monkeypatch)
-        kernels = _load(monkeypatch, TRITON_KERNELS, engine_file(TRITON_KERNELS_FILE))
+        kernels = load_file(monkeypatch, TRITON_KERNELS, engine_file(TRITON_KERNELS_FILE))
     loaded = {}
     for name, path in REAL_FILES.items():  # in import order: common, engine module, msa
-        loaded[name] = _load(monkeypatch, name, path)
+        loaded[name] = load_file(monkeypatch, name, path)
     return SimpleNamespace(
         common=loaded["vllm.models.minimax_m3.common.sparse_attention"],
         engine_msa=loaded["vllm.models.minimax_m3.nvidia.msa_cutlass_sparse_decode"],
