@@ -170,6 +170,12 @@ def test_profile_summary_categories_and_shares():
     assert cats["gemm"] == 2.0 and cats["moe"] == 2.0 and cats["other"] == 2.0
     assert s["device_ms_per_step"] == 10.0 and s["wall_ms_per_step"] == 25.0
     assert s["sparse_decode_share_of_device"] == 0.15 and s["sparse_decode_share_of_wall"] == 0.06
+    assert s["device_span_ms_per_step"] is None and s["top_host_ops"] == []
+    host = plan.profile_summary(kernels, steps=2, wall_s=0.05, device_span_s=0.03,
+                                host_ops=[("cudaGraphLaunch", 0.001), ("aten::copy_", 0.0002), ("cudaGraphLaunch", 0.001)])
+    assert host["device_span_ms_per_step"] == 15.0
+    assert host["top_host_ops"] == [{"name": "cudaGraphLaunch", "self_ms_per_step": 1.0},
+                                    {"name": "aten::copy_", "self_ms_per_step": 0.1}]
     triton = plan.profile_summary([("_gqa_sparse_decode_kernel", 0.001), ("_merge_topk_attn_out_kernel", 0.001),
                                    ("x", 0.002)], steps=1, wall_s=0.01)
     assert triton["sparse_decode_share_of_device"] == 0.5

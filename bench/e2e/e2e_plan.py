@@ -356,15 +356,25 @@ def kernel_category(name: str) -> str:
     return "other"
 
 
-def profile_summary(kernels: Iterable[tuple[str, float]], steps: int, wall_s: float) -> dict[str, Any]:
+def profile_summary(kernels: Iterable[tuple[str, float]], steps: int, wall_s: float, *,
+                    device_span_s: float | None = None,
+                    host_ops: Iterable[tuple[str, float]] = ()) -> dict[str, Any]:
     """Per-step device milliseconds by category from (kernel name, device seconds) pairs of
     `steps` engine steps that took `wall_s` in all; the MSA decode's share of the device time and
-    of the wall time ("msa_decode", else the Triton sparse decode of vLLM alone)."""
+    of the wall time ("msa_decode", else the Triton sparse decode of vLLM alone).
+
+    device_span_s: first kernel start to last kernel end (its excess over the kernels' sum is where
+    the GPU waited: on the host, or between kernels); host_ops: (host op name, self seconds) of the
+    profiled host events, summed per name (the 15 largest per step: where a step's host time goes
+    when the device is not the difference)."""
     by_cat: dict[str, float] = {}
     by_name: dict[str, float] = {}
     for name, s in kernels:
         by_cat[kernel_category(name)] = by_cat.get(kernel_category(name), 0.0) + s
         by_name[name] = by_name.get(name, 0.0) + s
+    host: dict[str, float] = {}
+    for name, s in host_ops:
+        host[name] = host.get(name, 0.0) + s
     device = sum(by_cat.values())
     decode = by_cat.get("msa_decode", 0.0) or by_cat.get("triton_sparse_decode", 0.0)
     per = max(steps, 1)
@@ -378,6 +388,9 @@ def profile_summary(kernels: Iterable[tuple[str, float]], steps: int, wall_s: fl
         "sparse_decode_share_of_wall": round(decode / wall_s, 4) if wall_s else None,
         "top_kernels": [{"name": n[:160], "category": kernel_category(n), "ms_per_step": round(1e3 * s / per, 4)}
                         for n, s in top],
+        "device_span_ms_per_step": None if device_span_s is None else round(1e3 * device_span_s / per, 4),
+        "top_host_ops": [{"name": n[:160], "self_ms_per_step": round(1e3 * s / per, 4)}
+                         for n, s in sorted(host.items(), key=lambda kv: -kv[1])[:15]],
     }
 
 

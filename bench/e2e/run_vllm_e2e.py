@@ -401,7 +401,9 @@ def _timed_point(llm: Any, ids: list[str], context: int, vocab: int, spec_tokens
             _sync()
             prof_wall = time.perf_counter() - prof_start[1]
             prof.__exit__(None, None, None)
-            result_prof = plan.profile_summary(_kernel_times(prof), len(steps) - prof_start[0], prof_wall)
+            ev = _profile_events(prof)
+            result_prof = plan.profile_summary(ev["kernels"], len(steps) - prof_start[0], prof_wall,
+                                               device_span_s=ev["device_span_s"], host_ops=ev["host_ops"])
             result_prof["all_requests_decoding"] = len(finished) == 0
             prof = None
         if len(plan.decode_step_times(steps, batch)) >= plan.DECODE_STEPS + profile_steps and prof is None \
@@ -433,16 +435,22 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _kernel_times(prof: Any) -> list[tuple[str, float]]:
-    """(name, seconds) of every device kernel the profiler saw."""
+def _profile_events(prof: Any) -> dict[str, Any]:
+    """profile_summary's inputs from the profiler's events: (name, seconds) of every device kernel,
+    the kernels' span (first start to last end, seconds) and (name, self seconds) of every host event."""
     import torch
 
-    out = []
+    kernels, host, first, last = [], [], None, None
     for e in prof.events():
+        tr = e.time_range
         if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA:
-            tr = e.time_range
-            out.append((e.name, (tr.end - tr.start) * 1e-6))
-    return out
+            kernels.append((e.name, (tr.end - tr.start) * 1e-6))
+            first = tr.start if first is None else min(first, tr.start)
+            last = tr.end if last is None else max(last, tr.end)
+        else:
+            host.append((e.name, getattr(e, "self_cpu_time_total", 0.0) * 1e-6))
+    span = None if first is None else (last - first) * 1e-6
+    return {"kernels": kernels, "device_span_s": span, "host_ops": host}
 
 
 def child(args: argparse.Namespace) -> int:
