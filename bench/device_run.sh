@@ -6,9 +6,9 @@
 # .artifacts (a warmed cache: MSA_JIT_CACHE_DIR=.artifacts msa-jit warmup --arch sm_90a); host_path
 # also needs vLLM 0.33.0's files in .engine-src (a copy of tests/vllm_files.py's cache folder); plan_ab
 # times FlashInfer beside msa-jit's plans when .fi-bundle is carried (bench/peers/make_flashinfer_bundle.sh).
-#   bash bench/device_run.sh tests union_tests cluster_tests memcheck racecheck selftest bench host_path plan_ab
-# Files in $OUT (at most 8 come back): <step>.log, the bench's bench-<date>.json / .png, host_path.json,
-# plan_ab.json.
+#   bash bench/device_run.sh tests union_tests cluster_tests memcheck racecheck selftest bench host_path peers plan_ab
+# Files in $OUT (at most 8 come back): <step>.log, the bench's (and peers') bench-<date>.json / .png,
+# host_path.json, plan_ab.json. peers needs .fi-bundle and .engine-src carried (PEERS_ARGS replaces its grid).
 set -uo pipefail
 source .gpu-bundle/setup.sh >/dev/null
 export PYTHONPATH=$PWD:${PYTHONPATH:-} MSA_JIT_CACHE_DIR=$PWD/.artifacts MSA_JIT_NO_COMPILE=1 PYTHONUNBUFFERED=1
@@ -52,6 +52,13 @@ for step in "$@"; do
     host_path) timeout "$(limit 300)" python3 bench/host_path.py --modes msa,msa_merge_kernel,msa_op,triton \
                  --json "$OUT/host_path.json" > "$OUT/host_path.log" 2>&1
                done_step host_path $?; grep -v "scale buffers" "$OUT/host_path.log" | tail -n 20 ;;
+    peers) # the peer bench of docs/performance.md: FlashInfer (.fi-bundle) and vLLM's Triton decode from its
+           # one file (bench/peers/vllm_decode_file.py, vLLM's file in .engine-src) beside msa-jit, in one process
+           ( set +u; [ -f .fi-bundle/setup.sh ] && source .fi-bundle/setup.sh >/dev/null
+             timeout "$(limit 560)" python3 bench/peers/vllm_decode_file.py bench --compare flashinfer,vllm \
+               --out "$OUT" --baseline none ${PEERS_ARGS:---heads 64/4,32/2,16/1,8/1 --batch 1,2,4,8,16,32,64,128,256 \
+               --decode-query-len 1,2,4,8 --kv-dtype fp8,nvfp4 --floor-batch '' --iters 20} ) > "$OUT/peers.log" 2>&1
+           done_step peers $?; grep -E "geomean|FAILED|Error|missing" "$OUT/peers.log" | tail -n 20 ;;
     plan_ab) # FlashInfer's setup only in this step's subshell (its PYTHONPATH stays out of the others);
              # the script's own deadline (counted after the setup) ends it before the timeout, so its
              # table and JSON are written
@@ -60,7 +67,7 @@ for step in "$@"; do
                timeout "$left" python3 bench/plan_ab.py --json "$OUT/plan_ab.json" \
                  --deadline-s $(( left > 40 ? left - 20 : left / 2 )) ${PLAN_AB_ARGS:-} ) > "$OUT/plan_ab.log" 2>&1
              done_step plan_ab $?; tail -n 70 "$OUT/plan_ab.log" ;;
-    *) echo "unknown step $step (tests union_tests cluster_tests memcheck racecheck selftest bench host_path plan_ab)"; exit 2 ;;
+    *) echo "unknown step $step (tests union_tests cluster_tests memcheck racecheck selftest bench host_path peers plan_ab)"; exit 2 ;;
   esac
 done
 exit $FAILED

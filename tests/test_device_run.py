@@ -82,3 +82,22 @@ def test_plan_ab_step_sources_flashinfer_in_its_own_shell_and_ends_before_the_de
     assert run.returncode == 0, run.stdout + run.stderr
     assert re.search(r"--deadline-s \d+ --points 64/4:B4:q1 fi=1", (out / "plan_ab.log").read_text())
     assert "fi=no" in (out / "bench.log").read_text()
+
+
+def test_peers_step_runs_the_bench_through_vllms_decode_file_with_flashinfer_sourced(tmp_path):
+    """peers: the bench with both peers (vLLM's Triton decode from its one file, FlashInfer's setup
+    sourced for that step alone) over the performance grid, both cache formats; PEERS_ARGS replaces the grid."""
+    repo, out, env = _fake_host(tmp_path, '#!/bin/sh\necho "ran $* fi=${FI_SOURCED:-no}"\n')
+    (repo / ".fi-bundle").mkdir()
+    (repo / ".fi-bundle" / "setup.sh").write_text("export FI_SOURCED=1\n")
+    run = subprocess.run(["bash", "bench/device_run.sh", "peers", "bench"], cwd=repo, env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 0 and "peers: rc=0" in run.stdout, run.stdout + run.stderr
+    log = (out / "peers.log").read_text()
+    assert (f"ran bench/peers/vllm_decode_file.py bench --compare flashinfer,vllm --out {out} --baseline none "
+            "--heads 64/4,32/2,16/1,8/1 --batch 1,2,4,8,16,32,64,128,256 --decode-query-len 1,2,4,8 "
+            "--kv-dtype fp8,nvfp4 --floor-batch  --iters 20 fi=1") in log, log
+    assert "fi=no" in (out / "bench.log").read_text()
+    run = subprocess.run(["bash", "bench/device_run.sh", "peers"], cwd=repo, capture_output=True, text=True,
+                         env=dict(env, PEERS_ARGS="--heads 8/1 --batch 1"), timeout=60)
+    assert run.returncode == 0 and "--baseline none --heads 8/1 --batch 1 fi=1" in (out / "peers.log").read_text()
