@@ -173,13 +173,46 @@ class ClusterMerge:
         n_rows = self.wait_for_peers(recv, split, num_splits, d)
         if n_rows > 0:
             if d < HEAD_DIM:
-                for j in range(n_rows):
-                    row = split + j * num_splits
-                    lse_at = recv + RECV_SLOTS * PART_BYTES
-                    out, lse_nat = combine_splits(
-                        self.max_splits, num_splits,
-                        lambda s: ptx.ld_shared_f32(lse_at + 4 * self.merge_slot(j, s, num_splits)),
-                        lambda s: ptx.ld_shared_f32(recv + self.merge_slot(j, s, num_splits) * PART_BYTES + 4 * d))
+                # the planner's split counts (powers of two) each get a merge traced for that count alone;
+                # the loop below, unrolled to max_splits predicated partials per row and one row after
+                # another, was ~1800 instructions per thread at 2 splits (8 rows of 16 slots each), on the
+                # critical path of every split layer's last CTA
+                if num_splits == 2:
+                    self.merge_rows(mOut, mLse, recv, t, hq0, split, d, 2)
+                elif num_splits == 4:
+                    self.merge_rows(mOut, mLse, recv, t, hq0, split, d, 4)
+                elif num_splits == 8:
+                    self.merge_rows(mOut, mLse, recv, t, hq0, split, d, 8)
+                elif num_splits == 16:
+                    self.merge_rows(mOut, mLse, recv, t, hq0, split, d, 16)
+                else:  # any other count (3, 6 at G = 8, a topk that is no power of two)
+                    for j in range(n_rows):
+                        row = split + j * num_splits
+                        lse_at = recv + RECV_SLOTS * PART_BYTES
+                        out, lse_nat = combine_splits(
+                            self.max_splits, num_splits,
+                            lambda s: ptx.ld_shared_f32(lse_at + 4 * self.merge_slot(j, s, num_splits)),
+                            lambda s: ptx.ld_shared_f32(recv + self.merge_slot(j, s, num_splits) * PART_BYTES + 4 * d))
+                        mOut[t, hq0 + row, d] = out.to(cutlass.BFloat16)
+                        if d == 0:
+                            mLse[t, hq0 + row] = lse_nat
+
+    @cute.jit
+    def merge_rows(self, mOut: cute.Tensor, mLse: cute.Tensor, recv: Int32, t: Int32, hq0: Int32, split: Int32,
+                   d: Int32, n: cutlass.Constexpr):
+        """merge() for a launch of exactly n splits (thread d < 128): the rows split, split + n, ... (< G)
+        unrolled, each over its n partials, no predicated slot. Every row's slots lie inside the receive
+        buffer (fits()), so all rows are loaded and combined unconditionally (independent chains the
+        scheduler interleaves) and only the stores of a row past G are skipped."""
+        if cutlass.const_expr(n <= self.max_splits):
+            lse_at = recv + RECV_SLOTS * PART_BYTES
+            for j in cutlass.range_constexpr((self.group + n - 1) // n):
+                row = split + j * n
+                out, lse_nat = combine_splits(
+                    n, n,
+                    lambda s: ptx.ld_shared_f32(lse_at + 4 * self.merge_slot(j, s, n)),
+                    lambda s: ptx.ld_shared_f32(recv + self.merge_slot(j, s, n) * PART_BYTES + 4 * d))
+                if row < self.group:
                     mOut[t, hq0 + row, d] = out.to(cutlass.BFloat16)
                     if d == 0:
                         mLse[t, hq0 + row] = lse_nat

@@ -374,6 +374,13 @@ def ex2(x: Float32, *, loc=None, ip=None) -> Float32:
 
 
 @dsl_user_op
+def rcp(x: Float32, *, loc=None, ip=None) -> Float32:
+    """1 / x with rcp.approx.ftz (one MUFU, relative error ~2**-23; IEEE division is a ~20-instruction
+    sequence with a slow path)."""
+    return Float32(_asm(T.f32(), [_f32(x, loc, ip)], "rcp.approx.ftz.f32 $0, $1;", "=f,f"))
+
+
+@dsl_user_op
 def lg2(x: Float32, *, loc=None, ip=None) -> Float32:
     return Float32(_asm(T.f32(), [_f32(x, loc, ip)], "lg2.approx.ftz.f32 $0, $1;", "=f,f"))
 

@@ -64,7 +64,8 @@ def combine_splits(n: cutlass.Constexpr, num_splits: Int32, lse_of, part_of):
     """(out, natural-log LSE) of one output element from the first num_splits of n splits, split s
     giving its log2-LSE lse_of(s) and normalized partial part_of(s) (loads, all issued before any
     math): sum_s w_s part_s / sum_s w_s with w_s = 2**(lse_s - max lse); (0, -inf) when no split
-    saw a key."""
+    saw a key. num_splits: a device Int32 (each of the n slots predicated on it), or the python int n
+    (no predicate: the caller traced the merge for that split count)."""
     lse = cute.make_rmem_tensor(n, Float32)
     part = cute.make_rmem_tensor(n, Float32)
     for s in cutlass.range_constexpr(n):
@@ -85,7 +86,7 @@ def combine_splits(n: cutlass.Constexpr, num_splits: Int32, lse_of, part_of):
             den = den + w
     out = Float32(0.0)
     lse_nat = -Float32.inf
-    if den > Float32(0.0):
-        out = num / den
+    if den > Float32(0.0):  # den >= 1 (the largest split's weight is 1): never a denormal
+        out = num * ptx.rcp(den)
         lse_nat = (m_all + ptx.lg2(den)) * LN2
     return out, lse_nat
