@@ -53,7 +53,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def session_artifact_cache(tmp_path_factory) -> Path:
     """MSA_JIT_CACHE_DIR for the whole run (child processes inherit it): what a test compiles into the
     default cache is found by the next test that needs it, and the user's own cache is neither read
-    nor written. A test that needs another cache sets its own."""
+    nor written. A test that needs another cache sets its own.
+
+    Except on a host that cannot compile (MSA_JIT_NO_COMPILE set, as the GPU host's run is): there every
+    kernel comes from the warmed cache the run was given (MSA_JIT_CACHE_DIR), and nothing can be
+    compiled into it; an empty temporary cache would fail every GPU test with ArtifactMissingError."""
+    from msa_jit import env
+
+    given = os.environ.get("MSA_JIT_CACHE_DIR", "").strip()
+    if given and env.no_compile():
+        yield Path(given)
+        return
     root = tmp_path_factory.mktemp("msa-jit-cache")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MSA_JIT_CACHE_DIR", str(root))
