@@ -688,3 +688,37 @@ def test_no_issue_numbers_or_log_rows_in_output_strings():
              for path in sorted((ROOT / "msa_jit").rglob("*.py")) for line, text in _string_literals(path)
              if pattern.search(text)]
     assert found == []
+
+
+def test_a_ctrl_c_during_a_torch_import_is_held_until_the_import_is_done(tmp_path, monkeypatch):
+    """common.import_holding_interrupts: a SIGINT that arrives while the module's import runs (torch's
+    import runs C++ that calls back into Python, where a KeyboardInterrupt ends the process in
+    std::terminate) is raised once the import is complete, and the previous handler is back."""
+    from msa_jit.cli import common
+
+    (tmp_path / "slow_native_like.py").write_text(
+        "import os, signal\n"
+        "os.kill(os.getpid(), signal.SIGINT)\n"
+        "total = sum(range(10000))  # Python code after the signal: an unheld Ctrl-C is raised here\n"
+        "DONE = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "slow_native_like", raising=False)
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        common.import_holding_interrupts("slow_native_like")
+    assert sys.modules["slow_native_like"].DONE  # the import ran to its end first
+    assert signal.getsignal(signal.SIGINT) is before
+    monkeypatch.delitem(sys.modules, "slow_native_like")
+
+
+def test_commands_that_import_torch_import_it_holding_interrupts(monkeypatch, tmp_path):
+    """doctor, bench and selftest import torch through import_holding_interrupts before their work."""
+    from msa_jit import cli
+    from msa_jit.cli import common
+
+    seen = []
+    monkeypatch.setattr(common, "import_holding_interrupts", lambda module: seen.append(module))
+    monkeypatch.setenv("MSA_JIT_CACHE_DIR", str(tmp_path / "c"))
+    assert cli.main(["bench", "--table", str(ROOT / "bench" / "results" / "h100.json")]) == 0
+    assert seen == ["torch"]
+    assert set(cli.TORCH_COMMANDS) == {"doctor", "bench", "selftest"}

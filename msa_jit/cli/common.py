@@ -17,6 +17,7 @@ parser from this module.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import re
@@ -423,6 +424,26 @@ def _sigint_while_exiting(signum: int, frame: Any) -> None:
     _exit["late_interrupt"] = True
     say_interrupted("msa-jit: interrupted")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def import_holding_interrupts(module: str) -> None:
+    """Import `module` with a Ctrl-C held until the import is done, then raised (KeyboardInterrupt).
+
+    torch's import runs C++ that calls back into Python: a KeyboardInterrupt raised inside such a
+    callback crosses pybind11 and ends the process in std::terminate (SIGABRT, exit -6) instead of
+    the command's "interrupted" line and 130. Main thread only (elsewhere a plain import: signals
+    reach only the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        importlib.import_module(module)
+        return
+    held: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        importlib.import_module(module)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if held:
+        raise KeyboardInterrupt
 
 
 def ignore_further_interrupts() -> None:
