@@ -712,13 +712,20 @@ def test_a_ctrl_c_during_a_torch_import_is_held_until_the_import_is_done(tmp_pat
 
 
 def test_commands_that_import_torch_import_it_holding_interrupts(monkeypatch, tmp_path):
-    """doctor, bench and selftest import torch through import_holding_interrupts before their work."""
+    """doctor, bench and selftest import torch through import_holding_interrupts before their work;
+    bench --table (no GPU, no torch) does not import it at all."""
     from msa_jit import cli
-    from msa_jit.cli import common
+    from msa_jit.cli import bench, common, doctor
 
     seen = []
-    monkeypatch.setattr(common, "import_holding_interrupts", lambda module: seen.append(module))
+    for module in (bench, common, doctor):  # selftest imports it from common when it runs
+        monkeypatch.setattr(module, "import_holding_interrupts", lambda name: seen.append(name))
     monkeypatch.setenv("MSA_JIT_CACHE_DIR", str(tmp_path / "c"))
     assert cli.main(["bench", "--table", str(ROOT / "bench" / "results" / "h100.json")]) == 0
+    assert seen == []
+    assert cli.main(["doctor", "--json", str(tmp_path / "doctor.json")]) == 0
     assert seen == ["torch"]
-    assert set(cli.TORCH_COMMANDS) == {"doctor", "bench", "selftest"}
+    cli.main(["bench", "--heads", "8/1", "--batch", "1", "--out", str(tmp_path / "out")])  # no GPU here: exits 2
+    assert seen == ["torch", "torch"]
+    cli.main(["selftest", "--quick"])
+    assert seen == ["torch", "torch", "torch"]

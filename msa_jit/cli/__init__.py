@@ -40,9 +40,6 @@ __all__ = ["build_parser", "main"]
 
 # subcommand name -> module (msa_jit.cli.<name>), in the order `msa-jit --help` lists them
 COMMANDS = ("warmup", "cache", "doctor", "inspect", "bench", "selftest")
-# the commands that import torch: imported before the command runs, a Ctrl-C held until it is done
-# (common.import_holding_interrupts says why)
-TORCH_COMMANDS = ("doctor", "bench", "selftest")
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_PIPE = 0, 1, 2, 141
 
@@ -140,8 +137,6 @@ def _run(argv: list[str] | None, name: list[str]) -> int:
         if problem:  # a file where the cache root should be: refused, not a silent fallback elsewhere
             print(f"{name[0]}: {problem}", file=sys.stderr)
             return EXIT_USAGE
-    if args.command in TORCH_COMMANDS:
-        common.import_holding_interrupts("torch")
     return args.func(args)
 
 

@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 
 from ..geometry import KV_DTYPE_SHORT, MAX_QLEN, MIN_QLEN
-from .common import add_alias, add_dtype_arguments, add_heads_argument, heads_from, int_at_least, kv_dtypes_from, \
-    one_of, positive_int, q_dtypes_from, split_list
+from .common import add_alias, add_dtype_arguments, add_heads_argument, heads_from, import_holding_interrupts, \
+    int_at_least, kv_dtypes_from, one_of, positive_int, q_dtypes_from, split_list
 
 HELP = "benchmark grid on this GPU: JSON + PNG (needs CUDA)"
 MIN_LAYERS = 2  # the per-layer figure is (t(L) - t(1)) / (L - 1)
@@ -147,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"msa-jit bench: {e}", file=sys.stderr)
         return 2
+    import_holding_interrupts("torch")  # a Ctrl-C inside torch's import would abort the process
     import torch
 
     if not torch.cuda.is_available():

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from .common import add_json_argument, emit_json, json_path_problem, text_stream
+from .common import add_json_argument, emit_json, import_holding_interrupts, json_path_problem, text_stream
 
 HELP = "GPU, driver, versions, compiler/runtime, cache, env, readiness"
 
@@ -28,6 +28,7 @@ def run(args: argparse.Namespace) -> int:
 
     if json_path_problem(args, "doctor"):
         return 2
+    import_holding_interrupts("torch")  # the probes import it; a Ctrl-C inside that import would abort
     report = doctor.collect(getattr(args, "cache_dir", None))
     out = text_stream(args)
     try:

@@ -29,13 +29,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Handler of `msa-jit selftest`."""
-    from .common import arches_from, one_of
+    from .common import arches_from, import_holding_interrupts, one_of
 
     try:
         expected = one_of("--arch", arches_from(args), "the selftest checks the GPU it runs on")
     except ValueError as e:
         print(f"msa-jit selftest: {e}", file=sys.stderr)
         return 2
+    import_holding_interrupts("torch")  # a Ctrl-C inside torch's import would abort the process
     import torch
 
     from ..tools import selftest
