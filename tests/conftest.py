@@ -60,9 +60,9 @@ def session_artifact_cache(tmp_path_factory) -> Path:
     compiled into it; an empty temporary cache would fail every GPU test with ArtifactMissingError."""
     from msa_jit import env
 
-    given = os.environ.get("MSA_JIT_CACHE_DIR", "").strip()
-    if given and env.no_compile():
-        yield Path(given)
+    given = env.cache_dir()
+    if given is not None and env.no_compile():
+        yield given
         return
     root = tmp_path_factory.mktemp("msa-jit-cache")
     with pytest.MonkeyPatch.context() as mp:
