@@ -193,9 +193,7 @@ class ClusterMerge:
                             self.max_splits, num_splits,
                             lambda s: ptx.ld_shared_f32(lse_at + 4 * self.merge_slot(j, s, num_splits)),
                             lambda s: ptx.ld_shared_f32(recv + self.merge_slot(j, s, num_splits) * PART_BYTES + 4 * d))
-                        mOut[t, hq0 + row, d] = out.to(cutlass.BFloat16)
-                        if d == 0:
-                            mLse[t, hq0 + row] = lse_nat
+                        self.store_row(mOut, mLse, t, hq0 + row, d, out, lse_nat)
 
     @cute.jit
     def merge_rows(self, mOut: cute.Tensor, mLse: cute.Tensor, recv: Int32, t: Int32, hq0: Int32, split: Int32,
@@ -213,6 +211,12 @@ class ClusterMerge:
                     lambda s: ptx.ld_shared_f32(lse_at + 4 * self.merge_slot(j, s, n)),
                     lambda s: ptx.ld_shared_f32(recv + self.merge_slot(j, s, n) * PART_BYTES + 4 * d))
                 if row < self.group:
-                    mOut[t, hq0 + row, d] = out.to(cutlass.BFloat16)
-                    if d == 0:
-                        mLse[t, hq0 + row] = lse_nat
+                    self.store_row(mOut, mLse, t, hq0 + row, d, out, lse_nat)
+
+    @cute.jit
+    def store_row(self, mOut: cute.Tensor, mLse: cute.Tensor, t: Int32, hq: Int32, d: Int32, out: Float32,
+                  lse_nat: Float32):
+        """Dim d of query head hq's merged output (bf16) and, for d == 0, its natural-log LSE."""
+        mOut[t, hq, d] = out.to(cutlass.BFloat16)
+        if d == 0:
+            mLse[t, hq] = lse_nat

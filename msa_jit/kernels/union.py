@@ -563,7 +563,7 @@ class SparseDecodeUnionKernel(SparseDecodeKernelBase):
 
     @cute.jit
     def softmax(self, acc_s, acc_o, p_words, row_max, row_sum, blk, mask, sKvLen, sQScale, qk_scale_log2, warp, g, c):
-        """The online softmax of the thread's rows 16 warp + g + 8 hh (hh = 0, 1) over the block's keys.
+        """The online softmax of the thread's accumulator rows r = 16 warp + g + 8 hh (hh = 0, 1) over the block's keys.
 
         A warp skips the rows of a token that did not select the block (or sees none of its keys):
         their P is zero and their (m, l, O) stay. With G >= 16 the warp's 16 rows are one token,
