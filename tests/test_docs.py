@@ -73,6 +73,18 @@ def test_performance_doc_holds_the_generated_tables(gpu):
         f"docs/performance.md: paste the output of `msa-jit bench --table bench/results/{gpu}.json`")
 
 
+def test_performance_doc_plan_table_is_the_peer_result():
+    """docs/performance.md's speed-up over FlashInfer by plan is `bench/peer_report.py`'s, from the
+    README's peer result."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("peer_report", ROOT / "bench" / "peer_report.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.plan_table(json.loads((ROOT / README_RESULT).read_text())) in PERFORMANCE.read_text(), (
+        f"docs/performance.md: paste the plan table of `python bench/peer_report.py {README_RESULT}`")
+
+
 # ----------------------------------------------------------------------------- the quickstart
 def _quickstart() -> str:
     readme = README.read_text()

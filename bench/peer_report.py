@@ -1,0 +1,150 @@
+"""Where msa-jit stands beside FlashInfer in one peer bench result (project tooling, not shipped).
+
+    python bench/peer_report.py bench/results/h200.json      # markdown on stdout
+
+From a `msa-jit bench --compare flashinfer[,vllm]` JSON, per layer, bf16 query:
+- fp8, no block shared, grouped by the plan msa-jit's planner chose (kernel, split count, merge) and by
+  batch: the geomean, least and greatest speed-up over FlashInfer and how many points are slower;
+- the bandwidth end (batch >= 64): % of copy on distinct bytes, msa-jit's and FlashInfer's;
+- draft tokens sharing blocks (the rows with shared blocks): msa-jit over FlashInfer;
+- NVFP4 (which FlashInfer does not serve on Hopper) over FlashInfer's fp8 at the same point, batch >= 64;
+- the eager call's CPU time (median over the rows) of each op.
+A speed-up is the peer's time over msa-jit's (> 1: msa-jit faster).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Iterable
+
+FP8 = "float8_e4m3fn"
+NVFP4 = "nvfp4"
+BANDWIDTH_END_BATCH = 64
+
+
+def _geomean(xs: Iterable[float]) -> float:
+    xs = list(xs)
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
+def plan_name(row: dict) -> str:
+    """The planner's choice of a row, as performance.md names it."""
+    if row.get("kernel") == "union":
+        return "union kernel"
+    splits = row.get("num_splits", 1)
+    if splits == 1:
+        return "one split (token kernel)"
+    merge = "cluster merge" if row.get("split_merge") == "cluster" else "merge kernel"
+    return f"{splits} splits, {merge}"
+
+
+def _point(row: dict) -> tuple:
+    return row["geometry"], row["batch"], row["qlen"], row.get("shared_blocks", 0)
+
+
+def _label(row: dict) -> str:
+    shared = f" sh{row['shared_blocks']}" if row.get("shared_blocks") else ""
+    return f"{row['geometry']} B={row['batch']} q{row['qlen']}{shared}"
+
+
+def plan_table(result: dict) -> str:
+    """performance.md's table of msa-jit's speed-up over FlashInfer by the planner's choice (fp8, bf16
+    query, no block shared)."""
+    return "\n".join(_speedup_table("msa-jit plan", _by_plan(_plain_fp8(result))))
+
+
+def _plain_fp8(result: dict) -> list[dict]:
+    return [r for r in result["per_layer"] if r.get("q_dtype", "bfloat16") == "bfloat16"
+            and r.get("kv_dtype", FP8) == FP8 and not r.get("shared_blocks")
+            and r.get("speedup_vs_flashinfer") is not None]
+
+
+def _by_plan(rows: list[dict]) -> dict[str, list[dict]]:
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for r in sorted(rows, key=lambda r: (r.get("kernel") == "union", r.get("num_splits", 1) > 1,
+                                         -r.get("num_splits", 1), r.get("split_merge") != "cluster")):
+        groups[plan_name(r)].append(r)
+    return groups
+
+
+def _speedup_table(title: str, groups: dict[str, list[dict]]) -> list[str]:
+    out = [f"| {title} | points | speed-up over FlashInfer, geomean (min-max) | slower |", "|---|---|---|---|"]
+    for name, rows in groups.items():
+        s = [r["speedup_vs_flashinfer"] for r in rows]
+        out.append(f"| {name} | {len(s)} | {_geomean(s):.3f} ({min(s):.3f}-{max(s):.3f}) | "
+                   f"{sum(x < 1 for x in s)} |")
+    return out
+
+
+def peer_report(result: dict) -> str:
+    rows = [r for r in result["per_layer"] if r.get("q_dtype", "bfloat16") == "bfloat16"]
+    fp8 = [r for r in rows if r.get("kv_dtype", FP8) == FP8 and r.get("speedup_vs_flashinfer") is not None]
+    plain = _plain_fp8(result)
+    if not plain:
+        raise SystemExit("no fp8 row of this result was timed beside FlashInfer (run with --compare flashinfer)")
+    env = result.get("environment", {})
+    copy = result.get("copy_tbps")
+    out = [f"{env.get('device', '?')}, {env.get('date', '?')}; copy {copy} TB/s; `{env.get('command', '?')}`", ""]
+
+    s = [r["speedup_vs_flashinfer"] for r in plain]
+    slowest = min(plain, key=lambda r: r["speedup_vs_flashinfer"])
+    out += [f"fp8, no block shared: {len(s)} points, geomean {_geomean(s):.3f}x FlashInfer, least "
+            f"{min(s):.3f}x ({_label(slowest)}), slower at {sum(x < 1 for x in s)}.", ""]
+
+    out += _speedup_table("msa-jit plan", _by_plan(plain)) + [""]
+    by_batch: dict[str, list[dict]] = defaultdict(list)
+    for r in sorted(plain, key=lambda r: r["batch"]):
+        by_batch[f"B={r['batch']}"].append(r)
+    out += _speedup_table("batch", by_batch) + [""]
+
+    wide = sorted((r for r in plain if r["batch"] >= BANDWIDTH_END_BATCH and copy),
+                  key=lambda r: (r["qlen"], -int(r["geometry"].split("/")[0]), r["batch"]))
+    if wide:
+        out += [f"Batch >= {BANDWIDTH_END_BATCH}, % of copy on distinct bytes:", "",
+                "| point | msa-jit µs | % of copy | FlashInfer µs | % of copy |", "|---|---|---|---|---|"]
+        for r in wide:
+            fi_pct = 100 * r["kv_bytes"] / (r["flashinfer_marginal_us"] * 1e-6) / (copy * 1e12)
+            out.append(f"| {_label(r)} | {r['marginal_us']:.1f} | {r['marginal_pct_of_copy']:.0f}% | "
+                       f"{r['flashinfer_marginal_us']:.1f} | {fi_pct:.0f}% |")
+        out.append("")
+
+    shared = [r for r in fp8 if r.get("shared_blocks")]
+    if shared:
+        out += ["Draft tokens sharing blocks (fp8):", "",
+                "| point | msa-jit plan | msa-jit µs | FlashInfer µs | speed-up |", "|---|---|---|---|---|"]
+        out += [f"| {_label(r)} | {plan_name(r)} | {r['marginal_us']:.1f} | {r['flashinfer_marginal_us']:.1f} | "
+                f"{r['speedup_vs_flashinfer']:.2f}x |" for r in shared]
+        out.append("")
+
+    fi_fp8 = {_point(r): r for r in fp8}
+    nvfp4 = [r for r in rows if r.get("kv_dtype") == NVFP4 and r["batch"] >= BANDWIDTH_END_BATCH
+             and _point(r) in fi_fp8]
+    if nvfp4:
+        ratios = [fi_fp8[_point(r)]["flashinfer_marginal_us"] / r["marginal_us"] for r in nvfp4]
+        out += [f"NVFP4 at batch >= {BANDWIDTH_END_BATCH} over FlashInfer's fp8 (same point): geomean "
+                f"{_geomean(ratios):.3f}x ({min(ratios):.3f}-{max(ratios):.3f}), {len(ratios)} points; "
+                f"an NVFP4 cache holds {32 / 18:.2f}x the tokens of an fp8 one per byte.", "",
+                "| point | NVFP4 µs | FlashInfer fp8 µs | speed-up |", "|---|---|---|---|"]
+        out += [f"| {_label(r)} | {r['marginal_us']:.1f} | {fi_fp8[_point(r)]['flashinfer_marginal_us']:.1f} | "
+                f"{x:.2f}x |" for r, x in zip(nvfp4, ratios)]
+        out.append("")
+
+    cpu = {name: [r[key] for r in rows if r.get(key) is not None]
+           for name, key in (("msa-jit", "msa_call_cpu_us"), ("FlashInfer", "flashinfer_call_cpu_us"),
+                             ("vLLM Triton", "vllm_call_cpu_us"))}
+    cpu = {k: v for k, v in cpu.items() if v}
+    if cpu:
+        out.append("Eager call, CPU µs (median over the rows): "
+                   + ", ".join(f"{k} {statistics.median(v):.1f}" for k, v in cpu.items()) + ".")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        raise SystemExit("usage: python bench/peer_report.py RESULT.json")
+    print(peer_report(json.loads(Path(sys.argv[1]).read_text())))

@@ -1,0 +1,68 @@
+"""bench/peer_report.py: its summary of a peer bench result says what the rows say."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def report():
+    spec = importlib.util.spec_from_file_location("peer_report", ROOT / "bench" / "peer_report.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _row(geo, batch, qlen, us, fi_us=None, *, kv="float8_e4m3fn", splits=1, merge="none", kernel="token",
+         shared=0, pct=50.0):
+    row = {"geometry": geo, "batch": batch, "qlen": qlen, "shared_blocks": shared, "q_dtype": "bfloat16",
+           "kv_dtype": kv, "kernel": kernel, "num_splits": splits, "split_merge": merge, "marginal_us": us,
+           "marginal_pct_of_copy": pct, "kv_bytes": 4 << 20, "msa_call_cpu_us": 8.0}
+    if fi_us is not None:
+        row.update(flashinfer_marginal_us=fi_us, speedup_vs_flashinfer=round(fi_us / us, 3),
+                   flashinfer_call_cpu_us=36.0)
+    return row
+
+
+RESULT = {
+    "environment": {"device": "test GPU", "date": "d", "command": "c"},
+    "copy_tbps": 3.0,
+    "per_layer": [
+        _row("64/4", 1, 1, 5.0, 7.0, splits=16, merge="cluster"),
+        _row("64/4", 4, 1, 10.0, 9.0, splits=4, merge="cluster"),
+        _row("64/4", 64, 1, 50.0, 50.0),
+        _row("64/4", 64, 4, 60.0, 90.0, kernel="union", shared=12),
+        _row("64/4", 64, 1, 40.0, kv="nvfp4"),
+        _row("64/4", 4, 1, 10.0, kv="nvfp4"),  # below the bandwidth end: not in the NVFP4 line
+    ],
+}
+
+
+def test_plan_table_groups_by_the_planners_choice(report):
+    table = report.plan_table(RESULT).splitlines()
+    assert table[2:] == ["| one split (token kernel) | 1 | 1.000 (1.000-1.000) | 0 |",
+                         "| 16 splits, cluster merge | 1 | 1.400 (1.400-1.400) | 0 |",
+                         "| 4 splits, cluster merge | 1 | 0.900 (0.900-0.900) | 1 |"]
+
+
+def test_report_sections(report):
+    text = report.peer_report(RESULT)
+    gm = math.exp((math.log(1.4) + math.log(0.9) + math.log(1.0)) / 3)
+    assert f"3 points, geomean {gm:.3f}x FlashInfer, least 0.900x (64/4 B=4 q1), slower at 1." in text
+    # FlashInfer's bandwidth at B=64: 4 MiB in 50 µs over a 3 TB/s copy
+    assert f"| 64/4 B=64 q1 | 50.0 | 50% | 50.0 | {100 * (4 << 20) / 50e-6 / 3e12:.0f}% |" in text
+    assert "| 64/4 B=64 q4 sh12 | union kernel | 60.0 | 90.0 | 1.50x |" in text
+    # NVFP4 beside FlashInfer's fp8 of the same point (B=64 only): 50 / 40
+    assert "geomean 1.250x (1.250-1.250), 1 points" in text
+    assert "msa-jit 8.0, FlashInfer 36.0" in text
+
+
+def test_a_result_without_flashinfer_is_refused(report):
+    with pytest.raises(SystemExit, match="--compare flashinfer"):
+        report.peer_report({"per_layer": [_row("64/4", 1, 1, 5.0)]})
