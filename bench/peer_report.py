@@ -58,6 +58,23 @@ def plan_table(result: dict) -> str:
     return "\n".join(_speedup_table("msa-jit plan", _by_plan(_plain_fp8(result))))
 
 
+def room_table(result: dict) -> str:
+    """By batch, the most any kernel could be faster than FlashInfer: a layer cannot take less than its
+    distinct bytes at the read ceiling (the run's 2 GiB read), so FlashInfer's time over that read time
+    bounds every speed-up over it (fp8, bf16 query, no block shared)."""
+    read = result["read_2g"]["tbps"]
+    out = [f"| batch | FlashInfer's time over the read time at {read} TB/s: least | geomean | "
+           "points below 1.25x |", "|---|---|---|---|"]
+    by_batch: dict[int, list[dict]] = defaultdict(list)
+    for r in _plain_fp8(result):
+        by_batch[r["batch"]].append(r)
+    for batch, group in sorted(by_batch.items()):
+        room = [r["flashinfer_marginal_us"] * 1e-6 * read * 1e12 / r["kv_bytes"] for r in group]
+        out.append(f"| B={batch} | {min(room):.2f}x | {_geomean(room):.2f}x | {sum(x < 1.25 for x in room)} of "
+                   f"{len(room)} |")
+    return "\n".join(out)
+
+
 def _plain_fp8(result: dict) -> list[dict]:
     return [r for r in result["per_layer"] if r.get("q_dtype", "bfloat16") == "bfloat16"
             and r.get("kv_dtype", FP8) == FP8 and not r.get("shared_blocks")
@@ -101,6 +118,8 @@ def peer_report(result: dict) -> str:
     for r in sorted(plain, key=lambda r: r["batch"]):
         by_batch[f"B={r['batch']}"].append(r)
     out += _speedup_table("batch", by_batch) + [""]
+    if (result.get("read_2g") or {}).get("tbps"):
+        out += [room_table(result), ""]
 
     wide = sorted((r for r in plain if r["batch"] >= BANDWIDTH_END_BATCH and copy),
                   key=lambda r: (r["qlen"], -int(r["geometry"].split("/")[0]), r["batch"]))

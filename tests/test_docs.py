@@ -74,15 +74,17 @@ def test_performance_doc_holds_the_generated_tables(gpu):
 
 
 def test_performance_doc_plan_table_is_the_peer_result():
-    """docs/performance.md's speed-up over FlashInfer by plan is `bench/peer_report.py`'s, from the
-    README's peer result."""
+    """docs/performance.md's speed-up over FlashInfer by plan and its room over FlashInfer by batch are
+    `bench/peer_report.py`'s, from the README's peer result."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("peer_report", ROOT / "bench" / "peer_report.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    assert module.plan_table(json.loads((ROOT / README_RESULT).read_text())) in PERFORMANCE.read_text(), (
-        f"docs/performance.md: paste the plan table of `python bench/peer_report.py {README_RESULT}`")
+    result = json.loads((ROOT / README_RESULT).read_text())
+    for table in (module.plan_table(result), module.room_table(result)):
+        assert table in PERFORMANCE.read_text(), (
+            f"docs/performance.md: paste the tables of `python bench/peer_report.py {README_RESULT}`")
 
 
 # ----------------------------------------------------------------------------- the quickstart

@@ -33,6 +33,7 @@ def _row(geo, batch, qlen, us, fi_us=None, *, kv="float8_e4m3fn", splits=1, merg
 RESULT = {
     "environment": {"device": "test GPU", "date": "d", "command": "c"},
     "copy_tbps": 3.0,
+    "read_2g": {"tbps": 3.0},
     "per_layer": [
         _row("64/4", 1, 1, 5.0, 7.0, splits=16, merge="cluster"),
         _row("64/4", 4, 1, 10.0, 9.0, splits=4, merge="cluster"),
@@ -61,6 +62,8 @@ def test_report_sections(report):
     # NVFP4 beside FlashInfer's fp8 of the same point (B=64 only): 50 / 40
     assert "geomean 1.250x (1.250-1.250), 1 points" in text
     assert "msa-jit 8.0, FlashInfer 36.0" in text
+    # the read ceiling's room over FlashInfer at B=1: 4 MiB read at 3 TB/s against FlashInfer's 7 µs
+    assert f"| B=1 | {7e-6 * 3e12 / (4 << 20):.2f}x | {7e-6 * 3e12 / (4 << 20):.2f}x | 0 of 1 |" in text
 
 
 def test_a_result_without_flashinfer_is_refused(report):
