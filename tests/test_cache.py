@@ -659,6 +659,30 @@ def test_no_compile_raises_with_geometry(tmp_path, monkeypatch):
     assert not built and len(calls) == 0
 
 
+def test_no_compile_miss_names_the_fingerprint_the_cache_was_warmed_for(tmp_path, monkeypatch):
+    """A cache warmed for this config under another fingerprint (a runtime this host cannot import, another
+    DSL, edited kernel sources): the miss says which fields differ, so "warm the cache" is not the only
+    reading of the error."""
+    c = ArtifactCache(tmp_path / "c")
+    config, other = {"hq": 64, "q": "fp8"}, {"hq": 16, "q": "fp8"}
+    get(c, config)
+    get(c, other)
+    here = {"source": "fake", "dsl": "unknown"}
+    monkeypatch.setenv("MSA_JIT_NO_COMPILE", "1")
+    with pytest.raises(ArtifactMissingError) as ei:
+        c.get_or_build(key_of(config, here), fake_build(), config=config, fingerprint=here, describe="geom")
+    assert ei.value.near == ("dsl 0 (this host: unknown)",)  # the other config's entry is no near miss
+    msg = str(ei.value)
+    assert "built for another fingerprint: dsl 0 (this host: unknown)" in msg and "not importable" in msg
+    import pickle
+
+    assert str(pickle.loads(pickle.dumps(ei.value))) == msg
+    # nothing near: the message stays as before
+    with pytest.raises(ArtifactMissingError) as ei:
+        c.get_or_build(key_of({"hq": 8}), fake_build(), config={"hq": 8}, fingerprint=FP, describe="geom")
+    assert ei.value.near == () and "another fingerprint" not in str(ei.value)
+
+
 def test_no_compile_in_second_process(tmp_path):
     p = subprocess.run(
         [sys.executable, str(WORKER), "--root", str(tmp_path / "c"), "--config", '{"g": 9}',

@@ -282,7 +282,7 @@ def compile_one(cfg_dict: dict[str, Any], c: cache.ArtifactCache | None = None,
                 "extra": dict(entry.meta.get("extra") or {})}
     except cache.ArtifactMissingError as e:
         if corrupt and not e.corrupt:
-            e = cache.ArtifactMissingError(e.describe, e.key, e.roots, e.warmup_hint, corrupt=corrupt)
+            e = cache.ArtifactMissingError(e.describe, e.key, e.roots, e.warmup_hint, corrupt=corrupt, near=e.near)
         return _failed(plain_text(f"{type(e).__name__}: {e}"), time.perf_counter() - t0)
     except Exception as e:  # report, keep the worker; SIGTERM's SystemExit ends it
         if _terminating:  # SIGTERM's SystemExit, caught and wrapped by the compiler: end the worker still

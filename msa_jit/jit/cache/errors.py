@@ -30,7 +30,10 @@ class ArtifactMissingError(CacheError):
     """A kernel is not in the cache and ``MSA_JIT_NO_COMPILE=1`` forbids compiling it.
 
     ``corrupt``: one ``"<entry dir> (<why>; <what was done>)"`` per cached entry of this key
-    that was found corrupt on the way (so the message says why a shipped kernel is missing)."""
+    that was found corrupt on the way (so the message says why a shipped kernel is missing).
+    ``near``: one ``"<field> <cached value> (this host: <value>)"`` text per fingerprint under which
+    the cache holds this same config: the cache was warmed, but for other versions or sources than
+    this host computes (a kernel source edited since, another CuTe DSL, a runtime not importable)."""
 
     def __init__(
         self,
@@ -39,15 +42,22 @@ class ArtifactMissingError(CacheError):
         roots: Iterable[os.PathLike | str] = (),
         warmup_hint: str | None = None,
         corrupt: Iterable[str] = (),
+        near: Iterable[str] = (),
     ) -> None:
         self.describe = describe
         self.key = key
         self.roots = tuple(str(r) for r in roots)
         self.warmup_hint = warmup_hint
         self.corrupt = tuple(corrupt)
+        self.near = tuple(near)
         where = f" in {', '.join(self.roots)}" if self.roots else ""
         how = warmup_hint or "msa-jit warmup ...  (with this geometry)"
         bad = f" The cached entry is corrupt: {'; '.join(self.corrupt)}." if self.corrupt else ""
+        if self.near:
+            unknown = (" (unknown: this host could not tell, e.g. the package is not importable here)"
+                       if any("this host: unknown" in n for n in self.near) else "")
+            bad += (f" The cache holds this kernel built for another fingerprint: {'; '.join(self.near)}"
+                    f"{unknown}.")
         super().__init__(
             f"msa-jit: no {'usable ' if bad else ''}compiled kernel for {describe} (cache key {key}){where}, "
             f"and {env.NO_COMPILE}=1 forbids compiling on this host.{bad} Warm the cache on a build host "
@@ -57,7 +67,7 @@ class ArtifactMissingError(CacheError):
         )
 
     def __reduce__(self):  # picklable across processes despite the custom __init__
-        return (type(self), (self.describe, self.key, self.roots, self.warmup_hint, self.corrupt))
+        return (type(self), (self.describe, self.key, self.roots, self.warmup_hint, self.corrupt, self.near))
 
 
 class CacheLockTimeout(CacheError, TimeoutError):

@@ -404,7 +404,7 @@ class ArtifactCache:
         if env.no_compile():
             raise ArtifactMissingError(
                 describe, key, roots=(self.root, *self.readonly_roots), warmup_hint=warmup_hint,
-                corrupt=corrupt,
+                corrupt=corrupt, near=self._fingerprint_mismatches(config, fingerprint),
             )
         timeout = env.lock_timeout_s()
         lock = self._file_lock(key, timeout)
@@ -655,6 +655,21 @@ class ArtifactCache:
                 if loaded is not None:
                     out[key] = CacheEntry(d, key, loaded[0], readonly=(root != self.root))
         return list(out.values())
+
+    def _fingerprint_mismatches(self, config: Mapping[str, Any], fingerprint: Mapping[str, Any],
+                                limit: int = 3) -> list[str]:
+        """How the fingerprints of the cached entries of ``config`` differ from ``fingerprint`` (the
+        error path of a miss only: it reads every entry's meta.json)."""
+        out: list[str] = []
+        for e in self.entries():
+            theirs = e.meta.get("fingerprint")
+            if e.meta.get("config") != dict(config) or not isinstance(theirs, dict) or theirs == dict(fingerprint):
+                continue
+            diff = ", ".join(f"{k} {theirs.get(k)} (this host: {fingerprint.get(k)})"
+                             for k in sorted(set(theirs) | set(fingerprint)) if theirs.get(k) != fingerprint.get(k))
+            if diff not in out:
+                out.append(diff)
+        return out[:limit]
 
     def verify(self, remove: bool = False) -> list[tuple[CacheEntry, str | None]]:
         """Full check (key, sizes and sha256) of every entry: ``(entry, None)`` when
