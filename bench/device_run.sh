@@ -3,10 +3,11 @@
 # under a timeout that ends it DEADLINE seconds after the start (the call's limit is 600 s), so the
 # logs of the steps before it always come back. Run from the repository root there, with these
 # git-ignored folders carried: .gpu-bundle (the DSL runtime: ../shared/gpu-host/make-bundle.sh) and
-# .artifacts (a warmed cache: MSA_JIT_CACHE_DIR=.artifacts msa-jit warmup --arch sm_90a); host_path
+# .artifacts (a warmed cache: python bench/warm_device_cache.py --cache-dir .artifacts); host_path
 # also needs vLLM 0.33.0's files in .engine-src (a copy of tests/vllm_files.py's cache folder); plan_ab
 # times FlashInfer beside msa-jit's plans when .fi-bundle is carried (bench/peers/make_flashinfer_bundle.sh).
 #   bash bench/device_run.sh tests union_tests cluster_tests memcheck racecheck selftest bench host_path peers plan_ab
+#   bash bench/device_run.sh suite      # the first six at once (three streams on the one GPU), then any timed step
 # Files in $OUT (at most 8 come back): <step>.log, the bench's (and peers') bench-<date>.json / .png,
 # host_path.json, plan_ab.json. peers needs .fi-bundle and .engine-src carried (PEERS_ARGS replaces its grid).
 set -uo pipefail
@@ -38,9 +39,10 @@ sanitize() {  # sanitize TOOL: adversarial inputs under compute-sanitizer (tests
   local rc=$?; echo "$1: rc=$rc" >> "$OUT/$1.log"; done_step "$1" $rc; tail -n 3 "$OUT/$1.log"
 }
 
-for step in "$@"; do
+run_step() {  # run_step STEP
+  local step=$1
   case $step in
-    tests) gpu_pytest gpu-tests.log 240 $GPU_TESTS ;;
+    tests) gpu_pytest gpu-tests.log 420 $GPU_TESTS ;;
     union_tests) gpu_pytest union-tests.log 240 test_union_gpu.py ;;
     cluster_tests) gpu_pytest cluster-tests.log 200 test_cluster_merge_gpu.py ;;
     memcheck|racecheck) sanitize "$step" ;;
@@ -67,7 +69,19 @@ for step in "$@"; do
                timeout "$left" python3 bench/plan_ab.py --json "$OUT/plan_ab.json" \
                  --deadline-s $(( left > 40 ? left - 20 : left / 2 )) ${PLAN_AB_ARGS:-} ) > "$OUT/plan_ab.log" 2>&1
              done_step plan_ab $?; tail -n 70 "$OUT/plan_ab.log" ;;
-    *) echo "unknown step $step (tests union_tests cluster_tests memcheck racecheck selftest bench host_path peers plan_ab)"; exit 2 ;;
+    suite) # the correctness steps at once, as three streams sharing the GPU (none of them times anything):
+           # the GPU tests | the union and cluster tests | the sanitizers and selftest: about the longest
+           # stream's time instead of the sum
+           local tmp; tmp=$(mktemp -d); local pids=()
+           for stream in "tests" "union_tests cluster_tests" "memcheck racecheck selftest"; do
+             ( FAILED=0; for s in $stream; do run_step "$s"; done; exit $FAILED ) > "$tmp/${#pids[@]}.txt" 2>&1 &
+             pids+=($!)
+           done
+           for i in "${!pids[@]}"; do wait "${pids[$i]}" || FAILED=1; cat "$tmp/$i.txt"; done
+           rm -rf "$tmp" ;;
+    *) echo "unknown step $step (suite tests union_tests cluster_tests memcheck racecheck selftest bench host_path peers plan_ab)"; exit 2 ;;
   esac
-done
+}
+
+for step in "$@"; do run_step "$step"; done
 exit $FAILED
