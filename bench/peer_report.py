@@ -65,20 +65,32 @@ def room_table(result: dict) -> str:
     read = result["read_2g"]["tbps"]
     out = [f"| batch | FlashInfer's time over the read time at {read} TB/s: least | geomean | "
            "points below 1.25x |", "|---|---|---|---|"]
-    by_batch: dict[int, list[dict]] = defaultdict(list)
-    for r in _plain_fp8(result):
-        by_batch[r["batch"]].append(r)
-    for batch, group in sorted(by_batch.items()):
+    for batch, group in _by_batch(_plain_fp8(result)).items():
         room = [r["flashinfer_marginal_us"] * 1e-6 * read * 1e12 / r["kv_bytes"] for r in group]
         out.append(f"| B={batch} | {min(room):.2f}x | {_geomean(room):.2f}x | {sum(x < 1.25 for x in room)} of "
                    f"{len(room)} |")
     return "\n".join(out)
 
 
+def _bf16_rows(result: dict) -> list[dict]:
+    return [r for r in result["per_layer"] if r.get("q_dtype", "bfloat16") == "bfloat16"]
+
+
+def _fp8_beside_flashinfer(result: dict) -> list[dict]:
+    """The bf16-query fp8 rows FlashInfer was timed on (shared blocks or not)."""
+    return [r for r in _bf16_rows(result)
+            if r.get("kv_dtype", FP8) == FP8 and r.get("speedup_vs_flashinfer") is not None]
+
+
 def _plain_fp8(result: dict) -> list[dict]:
-    return [r for r in result["per_layer"] if r.get("q_dtype", "bfloat16") == "bfloat16"
-            and r.get("kv_dtype", FP8) == FP8 and not r.get("shared_blocks")
-            and r.get("speedup_vs_flashinfer") is not None]
+    return [r for r in _fp8_beside_flashinfer(result) if not r.get("shared_blocks")]
+
+
+def _by_batch(rows: list[dict]) -> dict[int, list[dict]]:
+    groups: dict[int, list[dict]] = defaultdict(list)
+    for r in sorted(rows, key=lambda r: r["batch"]):
+        groups[r["batch"]].append(r)
+    return groups
 
 
 def _by_plan(rows: list[dict]) -> dict[str, list[dict]]:
@@ -99,9 +111,9 @@ def _speedup_table(title: str, groups: dict[str, list[dict]]) -> list[str]:
 
 
 def peer_report(result: dict) -> str:
-    rows = [r for r in result["per_layer"] if r.get("q_dtype", "bfloat16") == "bfloat16"]
-    fp8 = [r for r in rows if r.get("kv_dtype", FP8) == FP8 and r.get("speedup_vs_flashinfer") is not None]
-    plain = _plain_fp8(result)
+    rows = _bf16_rows(result)
+    fp8 = _fp8_beside_flashinfer(result)
+    plain = [r for r in fp8 if not r.get("shared_blocks")]
     if not plain:
         raise SystemExit("no fp8 row of this result was timed beside FlashInfer (run with --compare flashinfer)")
     env = result.get("environment", {})
@@ -114,10 +126,7 @@ def peer_report(result: dict) -> str:
             f"{min(s):.3f}x ({_label(slowest)}), slower at {sum(x < 1 for x in s)}.", ""]
 
     out += _speedup_table("msa-jit plan", _by_plan(plain)) + [""]
-    by_batch: dict[str, list[dict]] = defaultdict(list)
-    for r in sorted(plain, key=lambda r: r["batch"]):
-        by_batch[f"B={r['batch']}"].append(r)
-    out += _speedup_table("batch", by_batch) + [""]
+    out += _speedup_table("batch", {f"B={b}": group for b, group in _by_batch(plain).items()}) + [""]
     if (result.get("read_2g") or {}).get("tbps"):
         out += [room_table(result), ""]
 
