@@ -34,6 +34,8 @@ ALLOWED_RESULTS = frozenset({
     "bench/results/vllm-e2e-h100.json",
     # the cluster merge traced per split count against the loop it replaced, FlashInfer beside both (H100)
     "bench/results/cluster-merge-ab-h100.json",
+    # every plan of today's builds beside FlashInfer where it was ahead (bench/plan_ab.py, H100)
+    "bench/results/plan-ab-h100.json",
 })
 
 # Text files not scanned for diary references: this file (it spells the patterns out) and the
