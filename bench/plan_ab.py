@@ -6,21 +6,26 @@ kernels close the gap (before any new kernel is designed)?
     python bench/plan_ab.py --json plan_ab.json [--deadline-s 540]        # on the GPU host
     python bench/plan_ab.py --list [--cache-dir .artifacts]               # no GPU: the plans and their artifacts
     python bench/plan_ab.py --points 64/4:B4:q1,16/1:B4:q8 ...            # these points instead
+    python bench/plan_ab.py --kv-dtype nvfp4 --below 1.3 ...              # the NVFP4 cache's plans
 
-Points: by default every per-layer row of `--from` (bench/results/h100.json) whose
-speedup_vs_flashinfer is below 1 (fp8 cache, bf16 query), worst first, so a deadline keeps the
-points that matter most; or `--points` (geometry:B<batch>:q<qlen>[:sh<shared blocks>]).
+Points: by default every per-layer row of `--from` (bench/results/h100.json) of the `--kv-dtype`
+cache (fp8 by default; bf16 query) whose speed-up over FlashInfer is below `--below`, worst first,
+so a deadline keeps the points that matter most; or `--points` (geometry:B<batch>:q<qlen>[:sh<shared
+blocks>]). FlashInfer reads no NVFP4 cache: an NVFP4 row's figure is FlashInfer's fp8 time over
+msa-jit's NVFP4 time (speedup_vs_flashinfer_fp8), so `--below 1.0` takes the NVFP4 rows slower than
+FlashInfer's fp8 and `--below 1.3` those short of the NVFP4 target (1.3x FlashInfer's fp8).
 
-Plans of a point, each a planner pinned to one LaunchChoice of the fp8 cache
+Plans of a point, each a planner pinned to one LaunchChoice of the `--kv-dtype` cache
 (SparseDecodePlanner(launches=...)), named kernel/C<ctas per SM>/S<splits>/<merge>:
 - the planner's own choice ("planner"), timed first and again last (their spread is the run's noise
   at that point; its figure is their mean);
 - the token kernel at every split count of `--splits` (1, 2, 4, 8, 16) x every occupancy it is built
   for (2, 3 CTAs per SM) merged by the merge kernel ("kernel"; at S1 nothing merges: the plain build),
-  and its cluster build (2 CTAs per SM: "cluster"; at S1 the dims-split build's plain launch, which
-  no rule picks);
-- the union kernel (one CTA per tile of a request's tokens; the planner gives it draft steps of one
-  full wave) at both of its occupancies (1, 2) x every split count, qlen 1 included.
+  and its cluster build (2 CTAs per SM: "cluster"; the fp8 cache's is the dims-split build; at S1
+  the cluster build's plain launch, which no rule picks);
+- fp8 only (it reads no NVFP4 cache): the union kernel (one CTA per tile of a request's tokens; the
+  planner gives it draft steps of one full wave) at both of its occupancies (1, 2) x every split
+  count, qlen 1 included.
 The split count is a launch argument, not a build: every plan runs on the builds
 bench/warm_device_cache.py already warms (no extra artifact; `--list` names each plan's cache key and
 whether the cache holds it).
@@ -30,19 +35,21 @@ layer, seeds 0..L-1; one prologue then L layers in one CUDA graph, L2 flushed be
 per-layer figure (t(L) - t(1)) / (L - 1)), after its output was checked: the output poisoned with
 NaN, one eager call, every row written and the first `--ref-requests` requests within 1e-2 relative
 L2 of the float64 reference (msa_jit.reference). FlashInfer (peers.FlashInferPeer) is timed the same
-way on the same steps. The JSON (`--json`, rewritten after every point) holds per point FlashInfer's
-figure, each plan's, their speed-ups and the best plan; the table at the end says where a plan
-closes the gap. `--deadline-s` stops before a plan that would not finish in time (a 600 s device
-call then still returns what was done).
+way on the same steps (fp8 only: at an NVFP4 point it is skipped and every speed-up over it is None;
+the best plan and its gain over the planner still come out). The JSON (`--json`, rewritten after
+every point) holds per point FlashInfer's figure, each plan's, their speed-ups and the best plan;
+the table at the end says where a plan closes the gap. `--deadline-s` stops before a plan that
+would not finish in time (a 600 s device call then still returns what was done).
 
 The JSON: environment (device, torch, cuda, python, cutlass_dsl, msa_jit, flashinfer, date, command),
-settings, peers, summary (geomeans of the planner's and the best plan's speed-up over FlashInfer, the
-points a plan closes, the best plan per point), `incomplete` when the deadline or SIGTERM cut the
-run, and per point: point, geometry, batch, qlen, shared_blocks, source (the source result's figures),
-flashinfer (marginal_us, one_layer_us, rel_l2 to msa-jit's output, ...), plans (name, requested and
-ran launches, all_rows_written, ref_rel_l2, one_layer_us, marginal_us, speedup_vs_flashinfer,
-gain_vs_planner; error where it failed; the planner's also runs and spread_pct), best,
-planner_speedup_vs_flashinfer, complete.
+settings (kv_dtype among them), peers, summary (geomeans of the planner's and the best plan's speed-up
+over FlashInfer, the points a plan closes, the best plan per point), `incomplete` when the deadline or
+SIGTERM cut the run, and per point: point, geometry, batch, qlen, shared_blocks, q_dtype, kv_dtype,
+source (the source result's figures; at an NVFP4 point FlashInfer's are its fp8 cache's, with
+speedup_vs_fp8 beside), flashinfer (marginal_us, one_layer_us, rel_l2 to msa-jit's output, ...; or
+skipped: why), plans (name, requested and ran launches, all_rows_written, ref_rel_l2, one_layer_us,
+marginal_us, speedup_vs_flashinfer, gain_vs_planner; error where it failed; the planner's also runs
+and spread_pct), best, planner_speedup_vs_flashinfer, complete.
 """
 
 from __future__ import annotations
@@ -63,11 +70,11 @@ ROOT = Path(__file__).resolve().parent.parent
 if __name__ == "__main__":  # the checkout's msa_jit, also without PYTHONPATH
     sys.path.insert(0, str(ROOT))
 
-from msa_jit.geometry import (DEFAULT_PAGE_SIZE, DEFAULT_TOPK_BLOCKS, SparseDecodeConfig, check_config,  # noqa: E402
-                              cluster_merge_problems, union_problems)
+from msa_jit.geometry import (DEFAULT_PAGE_SIZE, DEFAULT_TOPK_BLOCKS, KV_DTYPE_SHORT, SparseDecodeConfig,  # noqa: E402
+                              check_config, cluster_merge_problems, union_problems)
 from msa_jit.jit import registry  # noqa: E402
 from msa_jit.plan import LaunchChoice  # noqa: E402
-from msa_jit.tools.bench.grid import FP8_KV, GEOMETRIES, NUM_LAYERS  # noqa: E402
+from msa_jit.tools.bench.grid import FP8_KV, GEOMETRIES, NUM_LAYERS, NVFP4_KV  # noqa: E402
 from msa_jit.tools.bench.measure import Stopped, stop_on_sigterm  # noqa: E402
 from msa_jit.tools.bench.peers import geomean  # noqa: E402
 
@@ -75,6 +82,10 @@ DEFAULT_FROM = ROOT / "bench" / "results" / "h100.json"
 SPLITS = (1, 2, 4, 8, 16)
 KERNELS = ("token", "union")
 Q_DTYPE = "bfloat16"  # FlashInfer's SM90 route takes a bf16 query only
+KV_DTYPE_OF = {short: name for name, short in KV_DTYPE_SHORT.items()}  # --kv-dtype fp8 -> "float8_e4m3fn"
+# a source row's speed-up over FlashInfer: an NVFP4 row has FlashInfer's fp8 time over its own
+# (grid.add_speedups), FlashInfer reading no NVFP4 cache
+SOURCE_SPEEDUP = {FP8_KV: "speedup_vs_flashinfer", NVFP4_KV: "speedup_vs_flashinfer_fp8"}
 ARCH, NUM_SMS = "sm_90a", 132  # what --list plans for (an H100 / H200); the GPU run asks its device
 ITERS = 20  # the H100 comparison's `--iters`
 REF_TOL = 1e-2  # relative L2 to the float64 reference (bf16 out; peers.AGREE_TOL)
@@ -116,44 +127,57 @@ class Point:
         return point
 
 
-def losing_rows(result: dict[str, Any], below: float = 1.0) -> list[dict[str, Any]]:
-    """The per-layer rows of a `msa-jit bench --compare flashinfer` result that FlashInfer beats (fp8
-    cache, bf16 query), worst first."""
-    rows = [r for r in result.get("per_layer", []) if r.get("speedup_vs_flashinfer") is not None
-            and r["speedup_vs_flashinfer"] < below and r.get("kv_dtype", FP8_KV) == FP8_KV
-            and r.get("q_dtype", Q_DTYPE) == Q_DTYPE and r["geometry"] in GEOMETRIES]
-    return sorted(rows, key=lambda r: r["speedup_vs_flashinfer"])
+def source_rows(result: dict[str, Any], kv_dtype: str = FP8_KV) -> list[dict[str, Any]]:
+    """The per-layer rows of a bench result this script can rerun: `kv_dtype` cache, bf16 query."""
+    return [r for r in result.get("per_layer", []) if r.get("kv_dtype", FP8_KV) == kv_dtype
+            and r.get("q_dtype", Q_DTYPE) == Q_DTYPE and r.get("geometry") in GEOMETRIES]
+
+
+def losing_rows(result: dict[str, Any], below: float = 1.0, kv_dtype: str = FP8_KV) -> list[dict[str, Any]]:
+    """The per-layer rows of a `msa-jit bench --compare flashinfer` result of the `kv_dtype` cache (bf16
+    query) whose speed-up over FlashInfer (its fp8 cache's, for NVFP4: SOURCE_SPEEDUP) is below
+    `below`, worst first."""
+    key = SOURCE_SPEEDUP[kv_dtype]
+    rows = [r for r in source_rows(result, kv_dtype) if r.get(key) is not None and r[key] < below]
+    return sorted(rows, key=lambda r: r[key])
 
 
 def point_of(row: dict[str, Any]) -> Point:
     return Point(row["geometry"], int(row["batch"]), int(row["qlen"]), int(row.get("shared_blocks", 0)))
 
 
-def source_figures(row: dict[str, Any] | None) -> dict[str, Any] | None:
-    """What the source result measured at a point (msa-jit's planner and FlashInfer, per layer)."""
+def source_figures(row: dict[str, Any] | None, fp8_row: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """What the source result measured at a point (msa-jit's planner and FlashInfer, per layer). An
+    NVFP4 row's FlashInfer figures are its fp8 cache's: the time from the point's fp8 row `fp8_row`,
+    the speed-up from the row's speedup_vs_flashinfer_fp8; its speed-up over msa-jit's fp8 beside."""
     if row is None:
         return None
     keys = ("marginal_us", "flashinfer_marginal_us", "speedup_vs_flashinfer", "kernel", "ctas_per_sm",
             "num_splits", "split_merge")
-    return {k: row.get(k) for k in keys}
+    out = {k: row.get(k) for k in keys}
+    if row.get("kv_dtype") == NVFP4_KV:
+        out["flashinfer_marginal_us"] = (fp8_row or {}).get("flashinfer_marginal_us")
+        out["speedup_vs_flashinfer"] = row.get(SOURCE_SPEEDUP[NVFP4_KV])
+        out["speedup_vs_fp8"] = row.get("speedup_vs_fp8")
+    return out
 
 
 def plan_name(c: LaunchChoice | None) -> str:
     return PLANNER if c is None else f"{c.kernel}/C{c.ctas_per_sm}/S{c.num_splits}/{c.split_merge}"
 
 
-def config_of(point: Point, c: LaunchChoice, arch: str) -> SparseDecodeConfig:
-    """The build a plan runs (the point's geometry, bf16 query, fp8 cache)."""
+def config_of(point: Point, c: LaunchChoice, arch: str, kv_dtype: str = FP8_KV) -> SparseDecodeConfig:
+    """The build a plan runs (the point's geometry, bf16 query, `kv_dtype` cache)."""
     hq, hkv = GEOMETRIES[point.geometry]
     return SparseDecodeConfig(hq, hkv, page_size=DEFAULT_PAGE_SIZE, topk_blocks=DEFAULT_TOPK_BLOCKS, q_dtype=Q_DTYPE,
-                              kv_dtype=FP8_KV, arch=arch, ctas_per_sm=c.ctas_per_sm, kernel=c.kernel,
+                              kv_dtype=kv_dtype, arch=arch, ctas_per_sm=c.ctas_per_sm, kernel=c.kernel,
                               split_merge=c.split_merge)
 
 
 def enumerate_plans(point: Point, arch: str = ARCH, splits: Iterable[int] = SPLITS,
-                    kernels: Iterable[str] = KERNELS) -> list[LaunchChoice]:
-    """Every pinned launch of the fp8 cache the existing builds serve at `point` on `arch` (see the
-    module docstring), in timing order; each passes check_config and has at most topk splits."""
+                    kernels: Iterable[str] = KERNELS, kv_dtype: str = FP8_KV) -> list[LaunchChoice]:
+    """Every pinned launch of the `kv_dtype` cache the existing builds serve at `point` on `arch` (see
+    the module docstring), in timing order; each passes check_config and has at most topk splits."""
     hq, hkv = GEOMETRIES[point.geometry]
     splits = [s for s in splits if 1 <= s <= DEFAULT_TOPK_BLOCKS]
     out: list[LaunchChoice] = []
@@ -164,14 +188,15 @@ def enumerate_plans(point: Point, arch: str = ARCH, splits: Iterable[int] = SPLI
                 if not cluster_merge_problems(kernel="token", ctas_per_sm=c, arch=arch):
                     out.append(LaunchChoice("token", c, s, "cluster"))
     if "union" in kernels and not union_problems(num_q_heads=hq, num_kv_heads=hkv, page_size=DEFAULT_PAGE_SIZE,
-                                                  kv_dtype=FP8_KV, arch=arch):
+                                                  kv_dtype=kv_dtype, arch=arch):
         out += [LaunchChoice("union", c, s, "kernel") for c in registry.supported_ctas_per_sm(arch, "union")
                 for s in splits]
-    return [c for c in out if check_config(config_of(point, c, arch)) is None]
+    return [c for c in out if check_config(config_of(point, c, arch, kv_dtype)) is None]
 
 
-def planner_choice(point: Point, arch: str = ARCH, num_sms: int = NUM_SMS) -> LaunchChoice:
-    """The unpinned planner's fp8 launch at `point` for `num_sms` SMs of `arch` (a CPU plan: no GPU)."""
+def planner_choice(point: Point, arch: str = ARCH, num_sms: int = NUM_SMS, kv_dtype: str = FP8_KV) -> LaunchChoice:
+    """The unpinned planner's launch of the `kv_dtype` cache at `point` for `num_sms` SMs of `arch` (a
+    CPU plan: no GPU)."""
     import torch
 
     from msa_jit import SparseDecodePlanner
@@ -183,7 +208,7 @@ def planner_choice(point: Point, arch: str = ARCH, num_sms: int = NUM_SMS) -> La
     plan = SparseDecodePlanner(num_sms=num_sms, arch=arch).prepare(
         bt, sl, None, point.qlen, num_q_heads=hq, num_kv_heads=hkv, page_size=DEFAULT_PAGE_SIZE,
         topk_blocks=DEFAULT_TOPK_BLOCKS)
-    return plan.launch(FP8_KV)
+    return plan.launch(kv_dtype)
 
 
 # ----------------------------------------------------------------------------- --list
@@ -196,21 +221,22 @@ def _cached(config: SparseDecodeConfig, cache: Any) -> tuple[str, bool]:
 
 
 def list_plans(points: list[Point], sources: dict[Point, dict], *, arch: str, num_sms: int, splits, kernels,
-               cache_dir: str | None, log: Callable[[str], object] = print) -> int:
+               cache_dir: str | None, kv_dtype: str = FP8_KV, log: Callable[[str], object] = print) -> int:
     """Print each point's plans and the artifact each needs; 1 when the cache misses one."""
     from msa_jit.jit.cache import open_cache
 
     cache = open_cache(cache_dir, create=False)
     status: dict[SparseDecodeConfig, tuple[str, bool]] = {}
     total = 0
+    fi = "flashinfer" if kv_dtype == FP8_KV else "flashinfer fp8"  # FlashInfer reads no NVFP4 cache
     for p in points:
-        own = planner_choice(p, arch, num_sms)
+        own = planner_choice(p, arch, num_sms, kv_dtype)
         src = sources.get(p)
         hkv = GEOMETRIES[p.geometry][1]
-        log(f"{p.label}  T*Hkv={p.batch * p.qlen * hkv}" + (f"  source: msa-jit {src['marginal_us']} us, flashinfer "
+        log(f"{p.label}  T*Hkv={p.batch * p.qlen * hkv}" + (f"  source: msa-jit {src['marginal_us']} us, {fi} "
             f"{src['flashinfer_marginal_us']} us, x{src['speedup_vs_flashinfer']}" if src else ""))
-        for c in [None, *[c for c in enumerate_plans(p, arch, splits, kernels) if c != own]]:
-            cfg = config_of(p, c or own, arch)
+        for c in [None, *[c for c in enumerate_plans(p, arch, splits, kernels, kv_dtype) if c != own]]:
+            cfg = config_of(p, c or own, arch, kv_dtype)
             if cfg not in status:
                 status[cfg] = _cached(cfg, cache)
             key, ok = status[cfg]
@@ -309,10 +335,11 @@ def _note_fallback(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def measure_point(point: Point, runner: Runner, clock: Clock, plans: list[LaunchChoice],
-                  source: dict | None, log: Callable[[str], object] = print) -> dict[str, Any]:
-    """One point: the planner, FlashInfer, every plan but the planner's own, the planner again.
-    On SIGTERM the plans done are kept and the entry says `interrupted`."""
-    entry: dict[str, Any] = {"point": point.label, **asdict(point), "q_dtype": Q_DTYPE, "kv_dtype": FP8_KV,
+                  source: dict | None, log: Callable[[str], object] = print, *,
+                  kv_dtype: str = FP8_KV) -> dict[str, Any]:
+    """One point of the `kv_dtype` cache (the runner's): the planner, FlashInfer, every plan but the
+    planner's own, the planner again. On SIGTERM the plans done are kept and the entry says `interrupted`."""
+    entry: dict[str, Any] = {"point": point.label, **asdict(point), "q_dtype": Q_DTYPE, "kv_dtype": kv_dtype,
                              "source": source, "flashinfer": {}, "plans": [], "complete": False}
     runs: list[dict[str, Any]] = []
     ctx = clock.timed(lambda: runner.setup(point))
@@ -332,7 +359,9 @@ def measure_point(point: Point, runner: Runner, clock: Clock, plans: list[Launch
                                   **_attempt(clock, lambda c=c: runner.time_plan(ctx, c))})
             entry["plans"].append(row)
             us = row.get("marginal_us")
-            log(f"  {row['name']:<22} " + (f"{us:8.2f} us x{_ratio(fi, us)} {row.get('note', '')}" if us is not None
+            # without FlashInfer's figure (an NVFP4 cache), the speed-up over the planner's first run
+            vs = f"x{_ratio(fi, us)}" if fi is not None else f"x{_ratio(runs[0].get('marginal_us'), us)} of the planner"
+            log(f"  {row['name']:<22} " + (f"{us:8.2f} us {vs} {row.get('note', '')}" if us is not None
                                            else f"FAILED {row.get('error')}"))
         else:
             if clock.fits():
@@ -369,8 +398,9 @@ def _write(path: str | None, result: dict[str, Any]) -> None:
 
 def run_points(points: list[Point], runner: Runner, *, plans_of: Callable[[Point], list[LaunchChoice]],
                sources: dict[Point, dict], clock: Clock, header: dict[str, Any], json_path: str | None,
-               log: Callable[[str], object] = print) -> dict[str, Any]:
-    """Every point in turn until the deadline; the result (also written to json_path after each point)."""
+               log: Callable[[str], object] = print, kv_dtype: str = FP8_KV) -> dict[str, Any]:
+    """Every point of the `kv_dtype` cache (the runner's) in turn until the deadline; the result (also
+    written to json_path after each point)."""
     result: dict[str, Any] = {**header, "peers": runner.peers(), "points": [], "summary": {}}
     stopped = None
     for n, point in enumerate(points):
@@ -378,13 +408,13 @@ def run_points(points: list[Point], runner: Runner, *, plans_of: Callable[[Point
             stopped = f"deadline: {len(points) - n} of {len(points)} points not started"
             break
         try:
-            entry = measure_point(point, runner, clock, plans_of(point), sources.get(point), log)
+            entry = measure_point(point, runner, clock, plans_of(point), sources.get(point), log, kv_dtype=kv_dtype)
         except Stopped:
             stopped = f"SIGTERM while making the steps of {point.label}"
             break
         except Exception as e:  # noqa: BLE001 - the point's steps could not be made: the next one still runs
-            entry = {"point": point.label, **asdict(point), "error": f"{type(e).__name__}: {e}"[:500], "plans": [],
-                     "complete": False}
+            entry = {"point": point.label, **asdict(point), "kv_dtype": kv_dtype,
+                     "error": f"{type(e).__name__}: {e}"[:500], "plans": [], "complete": False}
         result["points"].append(entry)
         result["summary"] = summarize([e for e in result["points"] if "error" not in e])
         result["wall_s"] = round(clock.elapsed(), 1)
@@ -398,6 +428,10 @@ def run_points(points: list[Point], runner: Runner, *, plans_of: Callable[[Point
     result["wall_s"] = round(clock.elapsed(), 1)
     _write(json_path, result)
     return result
+
+
+def _x(v: float | None) -> str:
+    return "-" if v is None else f"x{v}"
 
 
 def table(result: dict[str, Any]) -> str:
@@ -418,9 +452,12 @@ def table(result: dict[str, Any]) -> str:
             f"{best.get('name', '-'):<22} {best.get('marginal_us') or '-':>7} {best.get('speedup_vs_flashinfer') or '-':>6} "
             f"{best.get('gain_vs_planner') or '-':>6}" + ("" if e["complete"] else "  (partial)"))
     s = result.get("summary", {})
-    lines.append(f"geomean vs FlashInfer: planner x{s.get('geomean_planner_speedup_vs_flashinfer')}, best plan "
-                 f"x{s.get('geomean_best_speedup_vs_flashinfer')}; best over planner x{s.get('geomean_best_gain_vs_planner')}; "
+    lines.append(f"geomean vs FlashInfer: planner {_x(s.get('geomean_planner_speedup_vs_flashinfer'))}, best plan "
+                 f"{_x(s.get('geomean_best_speedup_vs_flashinfer'))}; best over planner "
+                 f"{_x(s.get('geomean_best_gain_vs_planner'))}; "
                  f"closed at {len(s.get('closed', []))} of {s.get('points_done', 0)} points")
+    skipped = {e["flashinfer"]["skipped"] for e in result["points"] if (e.get("flashinfer") or {}).get("skipped")}
+    lines += [f"FlashInfer skipped: {why}" for why in sorted(skipped)]
     if result.get("incomplete"):
         lines.append(f"INCOMPLETE: {result['incomplete']}")
     return "\n".join(lines)
@@ -446,8 +483,10 @@ class GpuRunner:
     """Times plans and FlashInfer as `msa-jit bench` times a row (msa_jit/tools/bench)."""
 
     device = "cuda"  # where the steps live (a test checks the plumbing on CPU tensors, timing replaced)
+    kv_dtype = FP8_KV  # the cache every step and plan uses
 
-    def __init__(self, *, layers: int, iters: int, ref_requests: int, flashinfer: bool = True):
+    def __init__(self, *, layers: int, iters: int, ref_requests: int, flashinfer: bool = True,
+                 kv_dtype: str = FP8_KV):
         import torch
 
         from msa_jit.geometry import device_arch
@@ -457,9 +496,10 @@ class GpuRunner:
             raise SystemExit("plan_ab: timing needs a CUDA GPU (--list runs without one)")
         if layers < 2:
             raise SystemExit(f"--layers: the per-layer figure needs at least 2, got {layers}")
-        self.layers, self.iters, self.ref_requests = layers, iters, ref_requests
+        self.layers, self.iters, self.ref_requests, self.kv_dtype = layers, iters, ref_requests, kv_dtype
         self.arch = device_arch(torch.device("cuda", torch.cuda.current_device()))
-        self.fi = FlashInferPeer() if flashinfer else None
+        # FlashInfer reads no NVFP4 cache: not even looked for then (flashinfer() says why it is skipped)
+        self.fi = FlashInferPeer() if flashinfer and kv_dtype == FP8_KV else None
 
     def peers(self) -> dict[str, Any]:
         from msa_jit.tools.bench.peers import describe
@@ -474,7 +514,7 @@ class GpuRunner:
         hq, hkv = GEOMETRIES[point.geometry]
         # the bench's steps: layer i drawn from seed i (the same bytes as the source result's row)
         steps = [make_step(hq, hkv, point.batch, point.qlen, Q_DTYPE, shared_blocks=point.shared_blocks, seed=i,
-                           kv_dtype=FP8_KV, device=self.device,
+                           kv_dtype=self.kv_dtype, device=self.device,
                            indices=make_indices(point.batch, hkv, point.qlen, shared_blocks=point.shared_blocks, seed=i))
                  for i in range(self.layers)]
         args, kw = prepare_args(steps[0], hq, hkv, point.qlen)
@@ -494,7 +534,7 @@ class GpuRunner:
         from msa_jit.tools.bench.peers import rel_l2
         from msa_jit.tools.bench.steps import decode
 
-        planner = SparseDecodePlanner() if launch is None else SparseDecodePlanner(launches={FP8_KV: launch})
+        planner = SparseDecodePlanner() if launch is None else SparseDecodePlanner(launches={self.kv_dtype: launch})
         step = ctx.steps[0]
         plan = planner.prepare(*ctx.args, **ctx.kw)
         step["out"].fill_(float("nan"))
@@ -502,7 +542,7 @@ class GpuRunner:
         if plan.is_cuda:
             torch.cuda.synchronize()
         # after the first call: a cluster the GPU cannot hold has fallen back to the merge kernel
-        row: dict[str, Any] = {"ran": asdict(plan.launch(FP8_KV)),
+        row: dict[str, Any] = {"ran": asdict(plan.launch(self.kv_dtype)),
                                "all_rows_written": bool(torch.isfinite(step["out"]).all())}
         err = rel_l2(step["out"][:ctx.ref_rows].double().cpu(), ctx.ref)
         row["ref_rel_l2"] = float(f"{err:.3g}") if math.isfinite(err) else None
@@ -522,12 +562,15 @@ class GpuRunner:
         from msa_jit.tools.bench.peers import measure_peers
         from msa_jit.tools.bench.steps import decode
 
+        if self.kv_dtype != FP8_KV:
+            return {"skipped": f"no {self.kv_dtype} cache on FlashInfer's SM90 route (a source row's FlashInfer "
+                               "figures are its fp8 cache's)"}
         if self.fi is None:
             return {"skipped": "--no-flashinfer"}
         if ctx.planner_plan is None or "marginal_us" not in planner_row:
             return {"skipped": "the planner's plan did not run: nothing to check FlashInfer's output against"}
         step, plan = ctx.steps[0], ctx.planner_plan
-        fields = measure_peers([self.fi], ctx.steps, ctx.hq, ctx.hkv, ctx.point.qlen, Q_DTYPE, FP8_KV,
+        fields = measure_peers([self.fi], ctx.steps, ctx.hq, ctx.hkv, ctx.point.qlen, Q_DTYPE, self.kv_dtype,
                                lambda: decode(step, plan), planner_row, iters=self.iters, num_layers=self.layers,
                                eager=False, log=print)
         prefix = f"{self.fi.name}_"
@@ -561,7 +604,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--from", dest="source", default=str(DEFAULT_FROM),
                     help="a `msa-jit bench --compare flashinfer` result: its losing points, and their figures")
     ap.add_argument("--points", default=None, help="comma list of geometry:B<batch>:q<qlen>[:sh<shared>]")
-    ap.add_argument("--below", type=float, default=1.0, help="a point loses below this speedup_vs_flashinfer")
+    ap.add_argument("--kv-dtype", choices=tuple(KV_DTYPE_OF), default=KV_DTYPE_SHORT[FP8_KV],
+                    help="the cache whose plans are timed (nvfp4: FlashInfer skipped, the source's is its fp8)")
+    ap.add_argument("--below", type=float, default=1.0,
+                    help="a point loses below this speed-up over FlashInfer (nvfp4: over its fp8; 1.3 is the target)")
     ap.add_argument("--max-points", type=int, default=None)
     ap.add_argument("--splits", default=",".join(map(str, SPLITS)))
     ap.add_argument("--kernels", default=",".join(KERNELS))
@@ -579,6 +625,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a = ap.parse_args(argv)
     a.splits = tuple(int(s) for s in a.splits.split(",") if s.strip())
     a.kernels = tuple(k.strip() for k in a.kernels.split(",") if k.strip())
+    a.kv_dtype = KV_DTYPE_OF[a.kv_dtype]  # the SparseDecodeConfig / bench JSON name
     if not a.splits or any(not 1 <= s <= DEFAULT_TOPK_BLOCKS for s in a.splits):
         ap.error(f"--splits: counts in 1..{DEFAULT_TOPK_BLOCKS}")
     if not a.kernels or set(a.kernels) - set(KERNELS):
@@ -590,16 +637,17 @@ def select_points(a: argparse.Namespace) -> tuple[list[Point], dict[Point, dict]
     """(points, the source's figures per point, the source's grid settings)."""
     src = Path(a.source)
     result = json.loads(src.read_text()) if src.is_file() else {}
-    by_point = {point_of(r): r for r in result.get("per_layer", []) if r.get("kv_dtype", FP8_KV) == FP8_KV
-                and r.get("q_dtype", Q_DTYPE) == Q_DTYPE and r.get("geometry") in GEOMETRIES}
+    by_point = {point_of(r): r for r in source_rows(result, a.kv_dtype)}
+    fp8_rows = {point_of(r): r for r in source_rows(result, FP8_KV)}  # FlashInfer's figures of an NVFP4 point
     if a.points:
         points = [Point.parse(t) for t in a.points.split(",") if t.strip()]
     elif result:
-        points = [point_of(r) for r in losing_rows(result, a.below)]
+        points = [point_of(r) for r in losing_rows(result, a.below, a.kv_dtype)]
     else:
         raise SystemExit(f"--from {a.source}: no such result file; give --points")
     points = list(dict.fromkeys(points))[: a.max_points]
-    return points, {p: source_figures(by_point.get(p)) for p in points if p in by_point}, result.get("grid", {})
+    return (points, {p: source_figures(by_point[p], fp8_rows.get(p)) for p in points if p in by_point},
+            result.get("grid", {}))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -607,17 +655,21 @@ def main(argv: list[str] | None = None) -> int:
     points, sources, grid = select_points(a)
     if a.list:
         return list_plans(points, sources, arch=a.arch, num_sms=a.num_sms, splits=a.splits, kernels=a.kernels,
-                          cache_dir=a.cache_dir)
+                          cache_dir=a.cache_dir, kv_dtype=a.kv_dtype)
     layers = a.layers or grid.get("layers") or NUM_LAYERS
     iters = a.iters or grid.get("iters") or ITERS
-    runner = GpuRunner(layers=layers, iters=iters, ref_requests=a.ref_requests, flashinfer=not a.no_flashinfer)
+    runner = GpuRunner(layers=layers, iters=iters, ref_requests=a.ref_requests, flashinfer=not a.no_flashinfer,
+                       kv_dtype=a.kv_dtype)
     clock = Clock(a.deadline_s, start=T0)
     with stop_on_sigterm():
-        settings = {"source": a.source if not a.points else None, "points_given": a.points, "layers": layers,
+        settings = {"source": a.source if not a.points else None, "points_given": a.points, "kv_dtype": a.kv_dtype,
+                    "below": a.below if not a.points else None, "layers": layers,
                     "iters": iters, "splits": list(a.splits), "kernels": list(a.kernels),
                     "ref_requests": a.ref_requests, "ref_tol": REF_TOL, "deadline_s": a.deadline_s}
-        result = run_points(points, runner, plans_of=lambda p: enumerate_plans(p, runner.arch, a.splits, a.kernels),
-                            sources=sources, clock=clock, header=header(settings, runner.peers()), json_path=a.json)
+        result = run_points(points, runner,
+                            plans_of=lambda p: enumerate_plans(p, runner.arch, a.splits, a.kernels, a.kv_dtype),
+                            sources=sources, clock=clock, header=header(settings, runner.peers()), json_path=a.json,
+                            kv_dtype=a.kv_dtype)
     print(table(result))
     print(f"wrote {a.json}" if a.json else "")
     return 0
