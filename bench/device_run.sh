@@ -6,13 +6,14 @@
 # .artifacts (a warmed cache: python bench/warm_device_cache.py --cache-dir .artifacts); host_path
 # also needs vLLM 0.33.0's files in .engine-src (a copy of tests/vllm_files.py's cache folder); plan_ab
 # times FlashInfer beside msa-jit's plans when .fi-bundle is carried (bench/peers/make_flashinfer_bundle.sh).
-#   bash bench/device_run.sh tests union_tests cluster_tests memcheck racecheck selftest bench host_path peers plan_ab
+#   bash bench/device_run.sh tests union_tests cluster_tests memcheck racecheck selftest bench host_path peers plan_ab plan_ab_nvfp4
 #   bash bench/device_run.sh suite      # then, in a second call: memcheck racecheck selftest
 # The six correctness steps do not fit one 600 s call even at once (on an H100, three concurrent streams
 # got ~85% through in 430 s: they share one GPU), so `suite` runs the GPU tests beside the union and
 # cluster tests, and the sanitizers and selftest (~250 s alone) take a call of their own.
 # Files in $OUT (at most 8 come back): <step>.log, the bench's (and peers') bench-<date>.json / .png,
-# host_path.json, plan_ab.json. peers needs .fi-bundle and .engine-src carried (PEERS_ARGS replaces its grid).
+# host_path.json, plan_ab.json, plan_ab_nvfp4.json (PLAN_AB_ARGS, PLAN_AB_NVFP4_ARGS: their points; PLAN_AB_S:
+# each one's cap, 560 s). peers needs .fi-bundle and .engine-src carried (PEERS_ARGS replaces its grid).
 set -uo pipefail
 source .gpu-bundle/setup.sh >/dev/null
 export PYTHONPATH=$PWD:${PYTHONPATH:-} MSA_JIT_CACHE_DIR=$PWD/.artifacts MSA_JIT_NO_COMPILE=1 PYTHONUNBUFFERED=1
@@ -42,6 +43,18 @@ sanitize() {  # sanitize TOOL: adversarial inputs under compute-sanitizer (tests
   local rc=$?; echo "$1: rc=$rc" >> "$OUT/$1.log"; done_step "$1" $rc; tail -n 3 "$OUT/$1.log"
 }
 
+plan_ab() {  # plan_ab NAME ARGS...: bench/plan_ab.py into $OUT/NAME.json and NAME.log, at most PLAN_AB_S seconds
+  local name=$1; shift
+  # FlashInfer's setup only in this step's subshell (its PYTHONPATH stays out of the others); the
+  # script's own deadline (counted after the setup) ends it before the timeout, so its table and JSON
+  # are written
+  ( set +u; [ -f .fi-bundle/setup.sh ] && source .fi-bundle/setup.sh >/dev/null
+    left=$(limit "${PLAN_AB_S:-560}")
+    timeout "$left" python3 bench/plan_ab.py --json "$OUT/$name.json" \
+      --deadline-s $(( left > 40 ? left - 20 : left / 2 )) "$@" ) > "$OUT/$name.log" 2>&1
+  done_step "$name" $?; tail -n 70 "$OUT/$name.log"
+}
+
 run_step() {  # run_step STEP
   local step=$1
   case $step in
@@ -64,14 +77,8 @@ run_step() {  # run_step STEP
                --out "$OUT" --baseline none ${PEERS_ARGS:---heads 64/4,32/2,16/1,8/1 --batch 1,2,4,8,16,32,64,128,256 \
                --decode-query-len 1,2,4,8 --kv-dtype fp8,nvfp4 --floor-batch '' --iters 20} ) > "$OUT/peers.log" 2>&1
            done_step peers $?; grep -E "geomean|FAILED|Error|missing" "$OUT/peers.log" | tail -n 20 ;;
-    plan_ab) # FlashInfer's setup only in this step's subshell (its PYTHONPATH stays out of the others);
-             # the script's own deadline (counted after the setup) ends it before the timeout, so its
-             # table and JSON are written
-             ( set +u; [ -f .fi-bundle/setup.sh ] && source .fi-bundle/setup.sh >/dev/null
-               left=$(limit 560)
-               timeout "$left" python3 bench/plan_ab.py --json "$OUT/plan_ab.json" \
-                 --deadline-s $(( left > 40 ? left - 20 : left / 2 )) ${PLAN_AB_ARGS:-} ) > "$OUT/plan_ab.log" 2>&1
-             done_step plan_ab $?; tail -n 70 "$OUT/plan_ab.log" ;;
+    plan_ab) plan_ab plan_ab ${PLAN_AB_ARGS:-} ;;
+    plan_ab_nvfp4) plan_ab plan_ab_nvfp4 --kv-dtype nvfp4 ${PLAN_AB_NVFP4_ARGS:-} ;;
     suite) # the GPU tests beside the union and cluster tests, as two streams sharing the GPU (none of them
            # times anything): about the longer stream's time instead of the sum
            local tmp; tmp=$(mktemp -d); local pids=()
@@ -81,7 +88,7 @@ run_step() {  # run_step STEP
            done
            for i in "${!pids[@]}"; do wait "${pids[$i]}" || FAILED=1; cat "$tmp/$i.txt"; done
            rm -rf "$tmp" ;;
-    *) echo "unknown step $step (suite tests union_tests cluster_tests memcheck racecheck selftest bench host_path peers plan_ab)"; exit 2 ;;
+    *) echo "unknown step $step (suite tests union_tests cluster_tests memcheck racecheck selftest bench host_path peers plan_ab plan_ab_nvfp4)"; exit 2 ;;
   esac
 }
 

@@ -66,7 +66,7 @@ def test_steps_write_their_logs_and_an_unknown_step_exits_2(tmp_path):
 def test_plan_ab_step_sources_flashinfer_in_its_own_shell_and_ends_before_the_deadline(tmp_path):
     """plan_ab runs bench/plan_ab.py with its JSON in $OUT and a deadline inside the step's timeout,
     FlashInfer's setup sourced for it alone when .fi-bundle is carried (the step after it does not see
-    it), and PLAN_AB_ARGS passed on."""
+    it), and PLAN_AB_ARGS passed on; plan_ab_nvfp4 the same for the NVFP4 cache, into its own files."""
     repo, out, env = _fake_host(tmp_path, '#!/bin/sh\necho "ran $* fi=${FI_SOURCED:-no} nocompile=$MSA_JIT_NO_COMPILE"\n')
     run = subprocess.run(["bash", "bench/device_run.sh", "plan_ab"], cwd=repo, env=env, capture_output=True,
                          text=True, timeout=60)
@@ -82,6 +82,14 @@ def test_plan_ab_step_sources_flashinfer_in_its_own_shell_and_ends_before_the_de
     assert run.returncode == 0, run.stdout + run.stderr
     assert re.search(r"--deadline-s \d+ --points 64/4:B4:q1 fi=1", (out / "plan_ab.log").read_text())
     assert "fi=no" in (out / "bench.log").read_text()
+    # the NVFP4 plans: their own JSON and log beside fp8's, each step capped by PLAN_AB_S
+    run = subprocess.run(["bash", "bench/device_run.sh", "plan_ab", "plan_ab_nvfp4"], cwd=repo, capture_output=True,
+                         text=True, env=dict(env, PLAN_AB_S="100", PLAN_AB_NVFP4_ARGS="--points 16/1:B64:q1"), timeout=60)
+    assert run.returncode == 0 and "plan_ab_nvfp4: rc=0" in run.stdout, run.stdout + run.stderr
+    m = re.search(rf"ran bench/plan_ab.py --json {re.escape(str(out))}/plan_ab_nvfp4.json --deadline-s (\d+) "
+                  r"--kv-dtype nvfp4 --points 16/1:B64:q1 fi=1", (out / "plan_ab_nvfp4.log").read_text())
+    assert m and int(m.group(1)) <= 80
+    assert "/plan_ab.json --deadline-s" in (out / "plan_ab.log").read_text()
 
 
 def test_peers_step_runs_the_bench_through_vllms_decode_file_with_flashinfer_sourced(tmp_path):
