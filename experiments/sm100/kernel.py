@@ -2,9 +2,9 @@
 
 The same calling convention as every decode kernel (msa_jit/kernels/convention.py; the launch and
 the split merge are SparseDecodeKernelBase's, msa_jit/kernels/base.py), so the op works unchanged;
-its tcgen05 PTX wrappers are in kernels/ptx_sm100.py. UNVERIFIED ON HARDWARE: it compiles for sm_100a (see tests/test_sm100_kernel.py
-and docs/logs/sm100-variants.md) but has never run; it is only selected when
-MSA_JIT_ENABLE_SM100_UMMA=1.
+its tcgen05 PTX wrappers are in experiments/sm100/ptx_sm100.py. UNVERIFIED ON HARDWARE: it compiles
+for sm_100a (experiments/sm100/test_sm100_kernel.py, table in experiments/sm100/variants.md) but has
+never run, and the package does not register it: nothing selects it.
 
 One CTA serves one (token t, KV head h, split), like the portable kernel. The 128 tokens of a
 page sit on the UMMA M dimension and the GQA heads of h on N (padded to 16: M=128 needs

@@ -1,4 +1,4 @@
-"""tcgen05 / TMEM PTX helpers of the SM100 kernel (kernels/sparse_decode_sm100.py), sm_100a only.
+"""tcgen05 / TMEM PTX helpers of the SM100 kernel (experiments/sm100/kernel.py), sm_100a only.
 
 Each helper is one `llvm.inline_asm` with side effects (always ordered), like msa_jit/kernels/ptx.py.
 """

@@ -1,95 +1,78 @@
-"""The sm100 (tcgen05 UMMA + TMEM) kernel compiles for every MiniMax-M3 geometry x query dtype.
+"""The tcgen05 (UMMA + TMEM) kernel compiles for sm_100a for every MiniMax-M3 geometry x query dtype.
 
-No GPU needed: with MSA_JIT_ENABLE_SM100_UMMA=1 and a temporary cache dir, a subprocess
-compiles each variant for sm_100a through the normal path (kernel_family -> "sm100" ->
-compile + export + link; the subprocess adds the "sm100" KERNEL_REGISTRY entry if absent), then reads the artifact's SASS: UTC*MMA present (UTCHMMA for the
-kind::f16 MMAs), the fp8-query variants' MMA1 as the 8-bit UMMA (kind::f8f6f4 -> UTCQMMA)
-and the bf16 ones without it, no local memory (LDL/STL), registers <= 255. The subprocess loads
-`msa_jit.kernels` from THIS checkout's kernels/ (an editable install elsewhere must not
-shadow it).
+No GPU needed. The kernel is not registered with the package (nothing selects it), so each variant
+is constructed here and built by the package's own steps (msa_jit.kernels.build: trace against the
+calling convention's fake arguments, export, link) into a temporary folder, then its SASS is read:
+tcgen05 MMAs (UTCHMMA for kind::f16; the fp8-query variants' MMA1 as the 8-bit UTCQMMA, the bf16
+ones without it), no mma.sync fallback, no local memory, registers <= 255.
 
-`python tests/test_sm100_kernel.py` regenerates docs/sm100-variants.md (committed); the
-test checks that the table lists every variant with the kernel's TMEM column constant.
+    python -m pytest -q experiments/sm100                  # the checks (about a minute)
+    python -m experiments.sm100.test_sm100_kernel          # rewrite experiments/sm100/variants.md
+
+The test also checks that the committed variants.md lists every variant.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 
-from msa_jit.kernels import convention
 from msa_jit.geometry import MINIMAX_M3_GEOMETRIES as GEOMETRIES
-from msa_jit.geometry import Q_DTYPES
+from msa_jit.geometry import Q_DTYPES, SparseDecodeConfig
 
-ROOT = Path(__file__).resolve().parents[1]
-TABLE = ROOT / "docs" / "sm100-variants.md"
-
-_WORKER = r"""
-import importlib.util, json, sys
-root = sys.argv[1]
-sys.path.insert(0, root)
-spec = importlib.util.spec_from_file_location(
-    "msa_jit.kernels", f"{root}/kernels/__init__.py", submodule_search_locations=[f"{root}/kernels"])
-pkg = importlib.util.module_from_spec(spec)
-sys.modules["msa_jit.kernels"] = pkg
-spec.loader.exec_module(pkg)
-from msa_jit.jit import compiler, registry, sass
-from msa_jit.geometry import SparseDecodeConfig
-assert str(compiler.kernels_dir()) == f"{root}/kernels", compiler.kernels_dir()
-# the registry entry the lead adds in msa_jit/compiler.py (kept here so this test does not
-# depend on it; setdefault leaves a registered entry alone)
-registry.KERNEL_REGISTRY.setdefault("sm100", registry.KernelFamily("sparse_decode_sm100", "SparseDecodeSm100Kernel", (2,)))
-rows = []
-for hq, hkv in json.loads(sys.argv[2]):
-    for q in json.loads(sys.argv[3]):
-        cfg = SparseDecodeConfig(num_q_heads=hq, num_kv_heads=hkv, q_dtype=q, arch="sm_100a")
-        family = registry.kernel_family(cfg)
-        entry, _ = compiler.ensure_compiled(cfg)
-        cls = compiler._kernel_class(family)
-        k = cls(num_q_heads=hq, num_kv_heads=hkv, q_dtype=q)
-        for r in sass.summarize(entry.artifact_path(convention.ARTIFACT_NAME)):
-            r.update(geometry=f"{hq}/{hkv}", q_dtype=q, family=family,
-                     dynamic_smem=k.smem_bytes() if hasattr(k, "smem_bytes") else None,
-                     tmem_cols=getattr(cls, "TMEM_COLS", None))
-            rows.append(r)
-print("ROWS=" + json.dumps(rows))
-"""
+TABLE = Path(__file__).resolve().parent / "variants.md"
+ARCH = "sm_100a"
 
 
-def compile_variants(cache_dir: Path) -> list[dict]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MSA_JIT_")}
-    env.update(MSA_JIT_ENABLE_SM100_UMMA="1", MSA_JIT_CACHE_DIR=str(cache_dir), CUTE_DSL_DISABLE_FILE_CACHING="1")
-    proc = subprocess.run(
-        [sys.executable, "-c", _WORKER, str(ROOT), json.dumps(GEOMETRIES), json.dumps(Q_DTYPES)],
-        capture_output=True, text=True, env=env, timeout=1200, cwd=str(ROOT),
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("ROWS="))
-    return json.loads(line[len("ROWS="):])
+def compile_variants(out_dir: Path) -> list[dict]:
+    """Build every geometry x query dtype of the kernel for sm_100a into out_dir; one row per kernel
+    function of each artifact (sass.summarize's fields, plus the variant's)."""
+    os.environ.setdefault("CUTE_DSL_DISABLE_FILE_CACHING", "1")  # no second, unmanaged cache in /tmp
+    from msa_jit.jit import sass
+    from msa_jit.kernels import build, convention
+
+    from .kernel import SparseDecodeSm100Kernel
+
+    linker = next((c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
+    if linker is None:
+        pytest.skip("no C compiler to link the exported kernel")
+    rows = []
+    for hq, hkv in GEOMETRIES:
+        for q in Q_DTYPES:
+            config = SparseDecodeConfig(num_q_heads=hq, num_kv_heads=hkv, q_dtype=q, arch=ARCH)
+            kernel = SparseDecodeSm100Kernel(num_q_heads=hq, num_kv_heads=hkv, q_dtype=q)
+            where = out_dir / f"{hq}-{hkv}-{q}"
+            where.mkdir(parents=True)
+            build.build(kernel, config, where, linker)
+            for r in sass.summarize(where / convention.ARTIFACT_NAME):
+                r.update(geometry=f"{hq}/{hkv}", q_dtype=q, dynamic_smem=kernel.smem_bytes(),
+                         tmem_cols=SparseDecodeSm100Kernel.TMEM_COLS)
+                rows.append(r)
+    return rows
 
 
 def main_rows(rows: list[dict]) -> list[dict]:
-    return [r for r in rows if "merge" not in r["kernel"]]
+    return [r for r in rows if "merge" not in r["kernel"].lower()]
 
 
 def render_table(rows: list[dict]) -> str:
     from msa_jit.jit.compiler import dsl_version
 
     lines = [
-        "# sm100 (tcgen05 UMMA) kernel variants, compiled for sm_100a",
+        "# tcgen05 (UMMA) kernel variants, compiled for sm_100a",
         "",
-        "Generated by `python tests/test_sm100_kernel.py` (CuTe DSL " + dsl_version() + "); no GPU involved.",
-        "Main kernel only (the split merge kernel is the portable one). `dynamic smem` is the",
-        "kernel's Storage struct (`SparseDecodeSm100Kernel.smem_bytes()`, stages=3); TMEM columns",
-        "are `SparseDecodeSm100Kernel.TMEM_COLS` (S^T 16 + O^T 16, fp32). UTCHMMA (kind::f16) and",
-        "UTCQMMA (kind::f8f6f4) count static instructions (ptxas unrolls the page loop). Per page:",
-        "bf16 query 8 UTCHMMA (S^T, K=16) + 8 UTCHMMA (O^T); fp8 query 4 UTCQMMA (S^T on e4m3 K",
-        "and Q, K=32) + 8 UTCHMMA (O^T).",
+        "Generated by `python -m experiments.sm100.test_sm100_kernel` (CuTe DSL " + dsl_version() + "); no GPU "
+        "involved.",
+        "Main kernel only (the split merge kernel is the package's). `dynamic smem` is the kernel's",
+        "Storage struct (`SparseDecodeSm100Kernel.smem_bytes()`, stages=3); TMEM columns are",
+        "`SparseDecodeSm100Kernel.TMEM_COLS` (S^T 16 + O^T 16, fp32). UTCHMMA (kind::f16) and UTCQMMA",
+        "(kind::f8f6f4) count static instructions (ptxas unrolls the page loop). Per page: bf16 query",
+        "8 UTCHMMA (S^T, K=16) + 8 UTCHMMA (O^T); fp8 query 4 UTCQMMA (S^T on e4m3 K and Q, K=32) + 8",
+        "UTCHMMA (O^T).",
         "",
         "| heads | q dtype | registers | dynamic smem (B) | static smem (B) | TMEM cols | UTCHMMA | UTCQMMA "
         "| LDL+STL |",
@@ -106,13 +89,12 @@ def render_table(rows: list[dict]) -> str:
 
 @pytest.mark.slow
 def test_sm100_kernel_compiles_every_minimax_variant(tmp_path):
-    rows = compile_variants(tmp_path / "cache")
+    rows = compile_variants(tmp_path)
     main = main_rows(rows)
     assert {(r["geometry"], r["q_dtype"]) for r in main} == {
         (f"{hq}/{hkv}", q) for hq, hkv in GEOMETRIES for q in Q_DTYPES
     }
     for r in rows:
-        assert r["family"] == "sm100", r
         assert r["sm"] == 100 and r["local_ops"] == 0, r
         assert r["registers"] <= 255, r
     for r in main:
@@ -128,20 +110,15 @@ def test_sm100_kernel_compiles_every_minimax_variant(tmp_path):
             assert qmma > 0 and hmma > 0 and hmma == 2 * qmma, r
         else:
             assert qmma == 0 and hmma > 0, r
-    # the committed table covers every variant with the kernel's TMEM constant
+    # the committed table lists every variant with the kernel's TMEM constant
     text = TABLE.read_text()
     for r in main:
         assert f"| {r['geometry']} | {r['q_dtype']} |" in text, r
-    assert "| 32 |" in text
-    assert "| UTCHMMA | UTCQMMA |" in text  # the table has the 8-bit UMMA column
+    assert "| 32 |" in text and "| UTCHMMA | UTCQMMA |" in text
 
 
 if __name__ == "__main__":
-    import tempfile
-
-    sys.path.insert(0, str(ROOT))
     with tempfile.TemporaryDirectory() as d:
         table = render_table(compile_variants(Path(d)))
-    TABLE.parent.mkdir(parents=True, exist_ok=True)
     TABLE.write_text(table)
     print(table)
