@@ -40,8 +40,8 @@ MINIMAX_M3_GEOMETRIES = ((64, 4), (32, 2), (16, 1), (8, 1))
 # the planner picks, see planner.choose_ctas_per_sm)
 CTAS_PER_SM = (2, 3)
 # SparseDecodeConfig.kernel: how the work is cut. "token": one CTA per (query token, KV head, split),
-# every arch (msa_jit/kernels/token.py, sparse_decode_sm100.py). "union": one CTA per (request, KV
-# head, tile of UNION_ROWS // G consecutive query tokens, split) over the union of the tile's blocks,
+# every arch (msa_jit/kernels/token.py). "union": one CTA per (request, KV head, tile of
+# UNION_ROWS // G consecutive query tokens, split) over the union of the tile's blocks,
 # each block read once (msa_jit/kernels/union.py: sm_90a, fp8 cache, decode_query_len >= 2;
 # the planner's where one tile holds a request's draft, planner.choose_kernel)
 KERNELS = ("token", "union")

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
-from ..geometry import (UNION_CTAS_PER_SM, UNION_PLANNED_CTAS_PER_SM, SparseDecodeConfig, cluster_merge_problems,
-                        union_problems)
+from ..geometry import (CTAS_PER_SM, UNION_CTAS_PER_SM, UNION_PLANNED_CTAS_PER_SM, SparseDecodeConfig,
+                        cluster_merge_problems, union_problems)
 from ..kernels.constants import FP8_KV
 
 
@@ -53,7 +53,7 @@ class KernelFamily:
 KERNEL_REGISTRY: dict[str, KernelFamily] = {
     # sm_90a builds use no local memory; sm_100a's 3-per-SM bf16-query builds keep one loop-carried
     # word there (the sm_100a builds are compiled and SASS-checked, never run on hardware)
-    "token": KernelFamily("token", _token_kernel, (2, 3), accepted_local_ops={("sm_100a", 3): 6}),
+    "token": KernelFamily("token", _token_kernel, CTAS_PER_SM, accepted_local_ops={("sm_100a", 3): 6}),
     # the token kernel's cluster build for the fp8 cache (split_merge "cluster", page 128): P V split
     # by head dims, so no cross-warp reduction of O before the cluster merge
     "token_dims": KernelFamily("token_dims", _token_dims_kernel, (2,)),
