@@ -654,17 +654,12 @@ class SparseDecodeUnionKernel(SparseDecodeKernelBase):
             neg_m = -m_use
             for k in cutlass.range_constexpr(n):
                 i = (k % 2) + 2 * r + 4 * (k // 2)
-                acc_s[i] = self.exp2_p(ptx.ffma(acc_s[i], f[hh], neg_m), k)
+                acc_s[i] = ptx.ex2(ptx.ffma(acc_s[i], f[hh], neg_m))
             row_sum[r] = row_sum[r] + tree(operator.add, [acc_s[(k % 2) + 2 * r + 4 * (k // 2)]
                                                                 for k in range(n)])
             for jj in cutlass.range_constexpr(ncols // 8):  # jj = 2ks + kh
                 p_words[r + 2 * (jj % 2) + 4 * (jj // 2)] = ptx.f32x2_to_f16x2(acc_s[2 * r + 4 * jj],
                                                                              acc_s[1 + 2 * r + 4 * jj])
-
-    def exp2_p(self, x, k: int):
-        """P's 2**x for the thread's element k (0..31) of a row half: ex2.approx on the MUFU pipe
-        (traced inline; bench/union_fp8.py's ex2_poly probe computes some elements on the FMA pipe)."""
-        return ptx.ex2(x)
 
     @cute.jit
     def pv_mma(self, mma_o, acc_o, tOrP, tOrV):
