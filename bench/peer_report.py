@@ -3,8 +3,9 @@
     python bench/peer_report.py bench/results/h200.json      # markdown on stdout
 
 From a `msa-jit bench --compare flashinfer[,vllm]` JSON, per layer, bf16 query:
-- fp8, no block shared, grouped by the plan msa-jit's planner chose (kernel, split count, merge) and by
-  batch: the geomean, least and greatest speed-up over FlashInfer and how many points are slower;
+- fp8, no block shared, grouped by the plan msa-jit's planner chose (kernel, split count, merge), by
+  batch, and by T·Hkv with the plan there: the geomean, least and greatest speed-up over FlashInfer and
+  how many points are slower;
 - the bandwidth end (batch >= 64): % of copy on distinct bytes, msa-jit's and FlashInfer's;
 - draft tokens sharing blocks (the rows with shared blocks): msa-jit over FlashInfer;
 - NVFP4 (which FlashInfer does not serve on Hopper) over FlashInfer's fp8 at the same point, batch >= 64;
@@ -56,6 +57,29 @@ def plan_table(result: dict) -> str:
     """performance.md's table of msa-jit's speed-up over FlashInfer by the planner's choice (fp8, bf16
     query, no block shared)."""
     return "\n".join(_speedup_table("msa-jit plan", _by_plan(_plain_fp8(result))))
+
+
+def grid_table(result: dict) -> str:
+    """performance.md's table of msa-jit's speed-up over FlashInfer by T·Hkv (query tokens x KV heads:
+    the CTAs of one split) and the plan chosen there, CTAs per SM included (fp8, bf16 query, no block
+    shared): a plan's wins and losses follow the shape of its grid more than the batch."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in _plain_fp8(result):
+        groups[(_rows_heads(r), r.get("kernel") == "union", -r.get("num_splits", 1), r.get("ctas_per_sm", 2),
+                r.get("split_merge") != "cluster")].append(r)
+    out = ["| T·Hkv | msa-jit plan | CTAs per SM | points | speed-up over FlashInfer, geomean (min-max) | slower |",
+           "|---|---|---|---|---|---|"]
+    for key in sorted(groups):
+        rows = groups[key]
+        s = [r["speedup_vs_flashinfer"] for r in rows]
+        out.append(f"| {key[0]} | {plan_name(rows[0])} | {key[3]} | {len(s)} | {_geomean(s):.3f} "
+                   f"({min(s):.3f}-{max(s):.3f}) | {sum(x < 1 for x in s)} |")
+    return "\n".join(out)
+
+
+def _rows_heads(row: dict) -> int:
+    """T·Hkv of a row: batch x qlen query tokens x the geometry's KV heads."""
+    return row["batch"] * row["qlen"] * int(row["geometry"].split("/")[1])
 
 
 def room_table(result: dict) -> str:
@@ -127,6 +151,7 @@ def peer_report(result: dict) -> str:
 
     out += _speedup_table("msa-jit plan", _by_plan(plain)) + [""]
     out += _speedup_table("batch", {f"B={b}": group for b, group in _by_batch(plain).items()}) + [""]
+    out += [grid_table(result), ""]
     if (result.get("read_2g") or {}).get("tbps"):
         out += [room_table(result), ""]
 

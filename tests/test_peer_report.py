@@ -52,6 +52,23 @@ def test_plan_table_groups_by_the_planners_choice(report):
                          "| 4 splits, cluster merge | 1 | 0.900 (0.900-0.900) | 1 |"]
 
 
+def test_grid_table_groups_by_the_grid_and_its_plan(report):
+    result = {**RESULT, "per_layer": RESULT["per_layer"] + [
+        _row("16/1", 16, 1, 9.5, 9.0, splits=4, merge="cluster"),  # T·Hkv 16, like 64/4 B=4: one group
+        _row("8/1", 64, 1, 30.0, 33.0, splits=1) | {"ctas_per_sm": 3},  # T·Hkv 64 at 3 per SM: its own
+        _row("16/1", 64, 1, 33.0, 33.0, splits=1)]}  # the same T·Hkv at 2 per SM
+    table = report.grid_table(result).splitlines()
+    s16 = [0.9, 9.0 / 9.5]
+    assert table[2:] == [
+        "| 4 | 16 splits, cluster merge | 2 | 1 | 1.400 (1.400-1.400) | 0 |",
+        f"| 16 | 4 splits, cluster merge | 2 | 2 | {math.sqrt(s16[0] * s16[1]):.3f} ({min(s16):.3f}-{max(s16):.3f}) | 2 |",
+        "| 64 | one split (token kernel) | 2 | 1 | 1.000 (1.000-1.000) | 0 |",
+        "| 64 | one split (token kernel) | 3 | 1 | 1.100 (1.100-1.100) | 0 |",
+        "| 256 | one split (token kernel) | 2 | 1 | 1.000 (1.000-1.000) | 0 |",
+    ]
+    assert report.grid_table(result) in report.peer_report(result)
+
+
 def test_report_sections(report):
     text = report.peer_report(RESULT)
     gm = math.exp((math.log(1.4) + math.log(0.9) + math.log(1.0)) / 3)
