@@ -72,6 +72,7 @@ if __name__ == "__main__":  # the checkout's msa_jit, also without PYTHONPATH
 
 from msa_jit.geometry import (DEFAULT_PAGE_SIZE, DEFAULT_TOPK_BLOCKS, KV_DTYPE_SHORT, SparseDecodeConfig,  # noqa: E402
                               check_config, cluster_merge_problems, union_problems)
+from msa_jit.cli.common import parse_kv_dtype  # noqa: E402
 from msa_jit.jit import registry  # noqa: E402
 from msa_jit.plan import LaunchChoice  # noqa: E402
 from msa_jit.tools.bench.grid import FP8_KV, GEOMETRIES, NUM_LAYERS, NVFP4_KV  # noqa: E402
@@ -82,7 +83,6 @@ DEFAULT_FROM = ROOT / "bench" / "results" / "h100.json"
 SPLITS = (1, 2, 4, 8, 16)
 KERNELS = ("token", "union")
 Q_DTYPE = "bfloat16"  # FlashInfer's SM90 route takes a bf16 query only
-KV_DTYPE_OF = {short: name for name, short in KV_DTYPE_SHORT.items()}  # --kv-dtype fp8 -> "float8_e4m3fn"
 # a source row's speed-up over FlashInfer: an NVFP4 row has FlashInfer's fp8 time over its own
 # (grid.add_speedups), FlashInfer reading no NVFP4 cache
 SOURCE_SPEEDUP = {FP8_KV: "speedup_vs_flashinfer", NVFP4_KV: "speedup_vs_flashinfer_fp8"}
@@ -604,8 +604,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--from", dest="source", default=str(DEFAULT_FROM),
                     help="a `msa-jit bench --compare flashinfer` result: its losing points, and their figures")
     ap.add_argument("--points", default=None, help="comma list of geometry:B<batch>:q<qlen>[:sh<shared>]")
-    ap.add_argument("--kv-dtype", choices=tuple(KV_DTYPE_OF), default=KV_DTYPE_SHORT[FP8_KV],
-                    help="the cache whose plans are timed (nvfp4: FlashInfer skipped, the source's is its fp8)")
+    ap.add_argument("--kv-dtype", default=KV_DTYPE_SHORT[FP8_KV],
+                    help="the cache whose plans are timed: fp8 or nvfp4 (nvfp4: FlashInfer skipped, the "
+                         "source's is its fp8)")
     ap.add_argument("--below", type=float, default=1.0,
                     help="a point loses below this speed-up over FlashInfer (nvfp4: over its fp8; 1.3 is the target)")
     ap.add_argument("--max-points", type=int, default=None)
@@ -625,7 +626,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a = ap.parse_args(argv)
     a.splits = tuple(int(s) for s in a.splits.split(",") if s.strip())
     a.kernels = tuple(k.strip() for k in a.kernels.split(",") if k.strip())
-    a.kv_dtype = KV_DTYPE_OF[a.kv_dtype]  # the SparseDecodeConfig / bench JSON name
+    try:  # the SparseDecodeConfig / bench JSON name, spelt as every msa-jit command takes it
+        a.kv_dtype = parse_kv_dtype(a.kv_dtype)
+    except ValueError as e:
+        ap.error(str(e))
     if not a.splits or any(not 1 <= s <= DEFAULT_TOPK_BLOCKS for s in a.splits):
         ap.error(f"--splits: counts in 1..{DEFAULT_TOPK_BLOCKS}")
     if not a.kernels or set(a.kernels) - set(KERNELS):
