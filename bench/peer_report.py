@@ -23,8 +23,13 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Iterable
 
-FP8 = "float8_e4m3fn"
-NVFP4 = "nvfp4"
+if __name__ == "__main__":  # the checkout's msa_jit, also without PYTHONPATH
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from msa_jit.kernels.constants import FP8_KV as FP8  # noqa: E402
+from msa_jit.kernels.constants import NVFP4_KV as NVFP4  # noqa: E402
+from msa_jit.tools.bench.report import t_hkv  # noqa: E402
+
 BANDWIDTH_END_BATCH = 64
 
 
@@ -63,23 +68,37 @@ def grid_table(result: dict) -> str:
     """performance.md's table of msa-jit's speed-up over FlashInfer by T·Hkv (query tokens x KV heads:
     the CTAs of one split) and the plan chosen there, CTAs per SM included (fp8, bf16 query, no block
     shared): a plan's wins and losses follow the shape of its grid more than the batch."""
-    groups: dict[tuple, list[dict]] = defaultdict(list)
-    for r in _plain_fp8(result):
-        groups[(_rows_heads(r), r.get("kernel") == "union", -r.get("num_splits", 1), r.get("ctas_per_sm", 2),
-                r.get("split_merge") != "cluster")].append(r)
-    out = ["| T·Hkv | msa-jit plan | CTAs per SM | points | speed-up over FlashInfer, geomean (min-max) | slower |",
+    return "\n".join(_grid_table([(r, r["speedup_vs_flashinfer"]) for r in _plain_fp8(result)],
+                                  "speed-up over FlashInfer", "slower", 1.0))
+
+
+def nvfp4_grid_table(result: dict, target: float = 1.3) -> str:
+    """The same by grid for NVFP4 at batch >= BANDWIDTH_END_BATCH (no block shared), against FlashInfer's
+    fp8 at the same point (FlashInfer reads no NVFP4 cache on Hopper), with the points below `target`."""
+    pairs = [(r, fi / r["marginal_us"]) for r, fi in _nvfp4_beside_flashinfer_fp8(result) if not r.get("shared_blocks")]
+    return "\n".join(_grid_table(pairs, "over FlashInfer's fp8", f"below {target}x", target))
+
+
+def _grid_table(pairs: list[tuple[dict, float]], what: str, below_name: str, below: float) -> list[str]:
+    """Rows (row, speed-up) grouped by T·Hkv and the plan there: count, geomean (min-max), how many below."""
+    groups: dict[tuple, list[tuple[dict, float]]] = defaultdict(list)
+    for r, x in pairs:
+        groups[(t_hkv(r), r.get("kernel") == "union", -r.get("num_splits", 1), r.get("ctas_per_sm", 2),
+                r.get("split_merge") != "cluster")].append((r, x))
+    out = [f"| T·Hkv | msa-jit plan | CTAs per SM | points | {what}, geomean (min-max) | {below_name} |",
            "|---|---|---|---|---|---|"]
     for key in sorted(groups):
-        rows = groups[key]
-        s = [r["speedup_vs_flashinfer"] for r in rows]
-        out.append(f"| {key[0]} | {plan_name(rows[0])} | {key[3]} | {len(s)} | {_geomean(s):.3f} "
-                   f"({min(s):.3f}-{max(s):.3f}) | {sum(x < 1 for x in s)} |")
-    return "\n".join(out)
+        s = [x for _, x in groups[key]]
+        out.append(f"| {key[0]} | {plan_name(groups[key][0][0])} | {key[3]} | {len(s)} | {_geomean(s):.3f} "
+                   f"({min(s):.3f}-{max(s):.3f}) | {sum(x < below for x in s)} |")
+    return out
 
 
-def _rows_heads(row: dict) -> int:
-    """T·Hkv of a row: batch x qlen query tokens x the geometry's KV heads."""
-    return row["batch"] * row["qlen"] * int(row["geometry"].split("/")[1])
+def _nvfp4_beside_flashinfer_fp8(result: dict) -> list[tuple[dict, float]]:
+    """(NVFP4 row, FlashInfer's fp8 time at the same point), bf16 query, batch >= BANDWIDTH_END_BATCH."""
+    fi_fp8 = {_point(r): r for r in _fp8_beside_flashinfer(result)}
+    return [(r, fi_fp8[_point(r)]["flashinfer_marginal_us"]) for r in _bf16_rows(result)
+            if r.get("kv_dtype") == NVFP4 and r["batch"] >= BANDWIDTH_END_BATCH and _point(r) in fi_fp8]
 
 
 def room_table(result: dict) -> str:
@@ -174,18 +193,15 @@ def peer_report(result: dict) -> str:
                 f"{r['speedup_vs_flashinfer']:.2f}x |" for r in shared]
         out.append("")
 
-    fi_fp8 = {_point(r): r for r in fp8}
-    nvfp4 = [r for r in rows if r.get("kv_dtype") == NVFP4 and r["batch"] >= BANDWIDTH_END_BATCH
-             and _point(r) in fi_fp8]
+    nvfp4 = _nvfp4_beside_flashinfer_fp8(result)
     if nvfp4:
-        ratios = [fi_fp8[_point(r)]["flashinfer_marginal_us"] / r["marginal_us"] for r in nvfp4]
+        ratios = [fi / r["marginal_us"] for r, fi in nvfp4]
         out += [f"NVFP4 at batch >= {BANDWIDTH_END_BATCH} over FlashInfer's fp8 (same point): geomean "
                 f"{_geomean(ratios):.3f}x ({min(ratios):.3f}-{max(ratios):.3f}), {len(ratios)} points; "
                 f"an NVFP4 cache holds {32 / 18:.2f}x the tokens of an fp8 one per byte.", "",
                 "| point | NVFP4 µs | FlashInfer fp8 µs | speed-up |", "|---|---|---|---|"]
-        out += [f"| {_label(r)} | {r['marginal_us']:.1f} | {fi_fp8[_point(r)]['flashinfer_marginal_us']:.1f} | "
-                f"{x:.2f}x |" for r, x in zip(nvfp4, ratios)]
-        out.append("")
+        out += [f"| {_label(r)} | {r['marginal_us']:.1f} | {fi:.1f} | {x:.2f}x |" for (r, fi), x in zip(nvfp4, ratios)]
+        out += ["", nvfp4_grid_table(result), ""]
 
     cpu = {name: [r[key] for r in rows if r.get(key) is not None]
            for name, key in (("msa-jit", "msa_call_cpu_us"), ("FlashInfer", "flashinfer_call_cpu_us"),

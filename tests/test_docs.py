@@ -75,15 +75,16 @@ def test_performance_doc_holds_the_generated_tables(gpu):
 
 
 def test_performance_doc_plan_table_is_the_peer_result():
-    """docs/performance.md's speed-up over FlashInfer by plan and by grid, and its room over FlashInfer by
-    batch, are `bench/peer_report.py`'s, from the README's peer result."""
+    """docs/performance.md's speed-up over FlashInfer by plan and by grid (NVFP4's over FlashInfer's fp8
+    too), and its room over FlashInfer by batch, are `bench/peer_report.py`'s, from the README's peer result."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("peer_report", ROOT / "bench" / "peer_report.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     result = json.loads((ROOT / README_RESULT).read_text())
-    for table in (module.plan_table(result), module.grid_table(result), module.room_table(result)):
+    for table in (module.plan_table(result), module.grid_table(result), module.nvfp4_grid_table(result),
+                  module.room_table(result)):
         assert table in PERFORMANCE.read_text(), (
             f"docs/performance.md: paste the tables of `python bench/peer_report.py {README_RESULT}`")
 

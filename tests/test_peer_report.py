@@ -69,6 +69,19 @@ def test_grid_table_groups_by_the_grid_and_its_plan(report):
     assert report.grid_table(result) in report.peer_report(result)
 
 
+def test_nvfp4_grid_table_is_against_flashinfers_fp8_at_the_bandwidth_end(report):
+    result = {**RESULT, "per_layer": RESULT["per_layer"] + [
+        _row("16/1", 64, 1, 20.0, 30.0),  # FlashInfer's fp8 time at this point: 30 us
+        _row("16/1", 64, 1, 25.0, kv="nvfp4", splits=4) | {"ctas_per_sm": 3},
+        _row("16/1", 128, 1, 25.0, kv="nvfp4")]}  # no fp8 row beside it: left out
+    table = report.nvfp4_grid_table(result).splitlines()
+    assert table[0].endswith("| over FlashInfer's fp8, geomean (min-max) | below 1.3x |")
+    # 16/1 B=64 (T·Hkv 64): 30 / 25; 64/4 B=64 (T·Hkv 256): 50 / 40; 64/4 B=4 is below the bandwidth end
+    assert table[2:] == ["| 64 | 4 splits, merge kernel | 3 | 1 | 1.200 (1.200-1.200) | 1 |",
+                         "| 256 | one split (token kernel) | 2 | 1 | 1.250 (1.250-1.250) | 1 |"]
+    assert report.nvfp4_grid_table(result, target=1.21).splitlines()[-1].endswith("| 0 |")
+
+
 def test_report_sections(report):
     text = report.peer_report(RESULT)
     gm = math.exp((math.log(1.4) + math.log(0.9) + math.log(1.0)) / 3)
