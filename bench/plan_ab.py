@@ -257,6 +257,7 @@ class Runner(Protocol):
     """What run_points needs from the GPU (GpuRunner; tests give a fake)."""
 
     arch: str  # the device's ("sm_90a"): which plans exist
+    kv_dtype: str  # the cache every step and plan uses
     def peers(self) -> dict[str, Any]: ...
     def setup(self, point: Point) -> Any: ...
     def time_plan(self, ctx: Any, launch: LaunchChoice | None) -> dict[str, Any]: ...
@@ -335,11 +336,10 @@ def _note_fallback(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def measure_point(point: Point, runner: Runner, clock: Clock, plans: list[LaunchChoice],
-                  source: dict | None, log: Callable[[str], object] = print, *,
-                  kv_dtype: str = FP8_KV) -> dict[str, Any]:
-    """One point of the `kv_dtype` cache (the runner's): the planner, FlashInfer, every plan but the
-    planner's own, the planner again. On SIGTERM the plans done are kept and the entry says `interrupted`."""
-    entry: dict[str, Any] = {"point": point.label, **asdict(point), "q_dtype": Q_DTYPE, "kv_dtype": kv_dtype,
+                  source: dict | None, log: Callable[[str], object] = print) -> dict[str, Any]:
+    """One point of the runner's cache: the planner, FlashInfer, every plan but the planner's own, the
+    planner again. On SIGTERM the plans done are kept and the entry says `interrupted`."""
+    entry: dict[str, Any] = {"point": point.label, **asdict(point), "q_dtype": Q_DTYPE, "kv_dtype": runner.kv_dtype,
                              "source": source, "flashinfer": {}, "plans": [], "complete": False}
     runs: list[dict[str, Any]] = []
     ctx = clock.timed(lambda: runner.setup(point))
@@ -398,9 +398,9 @@ def _write(path: str | None, result: dict[str, Any]) -> None:
 
 def run_points(points: list[Point], runner: Runner, *, plans_of: Callable[[Point], list[LaunchChoice]],
                sources: dict[Point, dict], clock: Clock, header: dict[str, Any], json_path: str | None,
-               log: Callable[[str], object] = print, kv_dtype: str = FP8_KV) -> dict[str, Any]:
-    """Every point of the `kv_dtype` cache (the runner's) in turn until the deadline; the result (also
-    written to json_path after each point)."""
+               log: Callable[[str], object] = print) -> dict[str, Any]:
+    """Every point of the runner's cache in turn until the deadline; the result (also written to
+    json_path after each point)."""
     result: dict[str, Any] = {**header, "peers": runner.peers(), "points": [], "summary": {}}
     stopped = None
     for n, point in enumerate(points):
@@ -408,12 +408,12 @@ def run_points(points: list[Point], runner: Runner, *, plans_of: Callable[[Point
             stopped = f"deadline: {len(points) - n} of {len(points)} points not started"
             break
         try:
-            entry = measure_point(point, runner, clock, plans_of(point), sources.get(point), log, kv_dtype=kv_dtype)
+            entry = measure_point(point, runner, clock, plans_of(point), sources.get(point), log)
         except Stopped:
             stopped = f"SIGTERM while making the steps of {point.label}"
             break
         except Exception as e:  # noqa: BLE001 - the point's steps could not be made: the next one still runs
-            entry = {"point": point.label, **asdict(point), "kv_dtype": kv_dtype,
+            entry = {"point": point.label, **asdict(point), "kv_dtype": runner.kv_dtype,
                      "error": f"{type(e).__name__}: {e}"[:500], "plans": [], "complete": False}
         result["points"].append(entry)
         result["summary"] = summarize([e for e in result["points"] if "error" not in e])
@@ -672,8 +672,7 @@ def main(argv: list[str] | None = None) -> int:
                     "ref_requests": a.ref_requests, "ref_tol": REF_TOL, "deadline_s": a.deadline_s}
         result = run_points(points, runner,
                             plans_of=lambda p: enumerate_plans(p, runner.arch, a.splits, a.kernels, a.kv_dtype),
-                            sources=sources, clock=clock, header=header(settings, runner.peers()), json_path=a.json,
-                            kv_dtype=a.kv_dtype)
+                            sources=sources, clock=clock, header=header(settings, runner.peers()), json_path=a.json)
     print(table(result))
     print(f"wrote {a.json}" if a.json else "")
     return 0

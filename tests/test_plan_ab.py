@@ -352,7 +352,7 @@ def test_nvfp4_result_json_without_flashinfer(pa, tmp_path, monkeypatch, capsys)
     path = tmp_path / "plan_ab.json"
     result = pa.run_points(points, FakeRunner(pa, kv_dtype=NVFP4),
                            plans_of=lambda p: pa.enumerate_plans(p, kv_dtype=NVFP4), sources={}, clock=pa.Clock(None),
-                           header={}, json_path=str(path), log=lambda _: None, kv_dtype=NVFP4)
+                           header={}, json_path=str(path), log=lambda _: None)
     assert json.loads(path.read_text()) == result and "incomplete" not in result
     e = result["points"][0]
     assert e["kv_dtype"] == NVFP4 and e["complete"] and e["flashinfer"] == {
@@ -376,7 +376,7 @@ def test_nvfp4_result_json_without_flashinfer(pa, tmp_path, monkeypatch, capsys)
             raise RuntimeError("CUDA out of memory")
 
     failed = pa.run_points(points[:1], Broken(pa, kv_dtype=NVFP4), plans_of=lambda p: [], sources={},
-                           clock=pa.Clock(None), header={}, json_path=None, log=lambda _: None, kv_dtype=NVFP4)
+                           clock=pa.Clock(None), header={}, json_path=None, log=lambda _: None)
     assert failed["points"][0]["kv_dtype"] == NVFP4 and "FAILED" in pa.table(failed)
 
     # main: the runner gets the cache, the settings record it
