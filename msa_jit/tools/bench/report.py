@@ -9,7 +9,6 @@ compare like with like (only keys present in both).
 from __future__ import annotations
 
 import io
-
 import json
 from pathlib import Path
 from typing import Any
