@@ -7,6 +7,7 @@
 # also needs vLLM 0.33.0's files in .engine-src (a copy of tests/vllm_files.py's cache folder); plan_ab
 # times FlashInfer beside msa-jit's plans when .fi-bundle is carried (bench/peers/make_flashinfer_bundle.sh).
 #   bash bench/device_run.sh tests union_tests cluster_tests memcheck racecheck selftest bench host_path peers plan_ab plan_ab_nvfp4
+#   VARIANT=<name> bash bench/device_run.sh tree_ab   # A/B of a variant tree (bench/tree_ab.py; carry .variant-<name>)
 #   bash bench/device_run.sh suite      # then, in a second call: memcheck racecheck selftest
 # The six correctness steps do not fit one 600 s call even at once (on an H100, three concurrent streams
 # got ~85% through in 430 s: they share one GPU), so `suite` runs the GPU tests beside the union and
@@ -14,6 +15,8 @@
 # Files in $OUT (at most 8 come back): <step>.log, the bench's (and peers') bench-<date>.json / .png,
 # host_path.json, plan_ab.json, plan_ab_nvfp4.json (PLAN_AB_ARGS, PLAN_AB_NVFP4_ARGS: their points; PLAN_AB_S:
 # each one's cap, 560 s). peers needs .fi-bundle and .engine-src carried (PEERS_ARGS replaces its grid).
+# tree_ab.tar.gz: tree_ab's runs (AB_GRID replaces its grid; AB_ROUNDS, AB_STEP_S, AB_ITERS), read by
+# `python bench/tree_ab.py report`.
 set -uo pipefail
 source .gpu-bundle/setup.sh >/dev/null
 export PYTHONPATH=$PWD:${PYTHONPATH:-} MSA_JIT_CACHE_DIR=$PWD/.artifacts MSA_JIT_NO_COMPILE=1 PYTHONUNBUFFERED=1
@@ -55,6 +58,33 @@ plan_ab() {  # plan_ab NAME ARGS...: bench/plan_ab.py into $OUT/NAME.json and NA
   done_step "$name" $?; tail -n 70 "$OUT/$name.log"
 }
 
+tree_ab() {  # bench/tree_ab.py's runs: this tree and .variant-$VARIANT alternately, AB_ROUNDS times each, FlashInfer
+  # beside both; each run capped at AB_STEP_S seconds (a run cut short keeps the rows it finished), all of them
+  # in $OUT/tree_ab.tar.gz
+  local v=${VARIANT:-} dir=$OUT/tree_ab rc bad=0
+  if [ -z "$v" ] || [ ! -d ".variant-$v" ]; then
+    echo "tree_ab: VARIANT=<name> and its .variant-<name> carried (python bench/tree_ab.py prepare <name> ...)"
+    done_step tree_ab 2; return
+  fi
+  mkdir -p "$dir"
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$dir/gpu.txt"
+  for round in $(seq 1 "${AB_ROUNDS:-2}"); do
+    for tree in base "$v"; do
+      local src=$PWD cache=$PWD/.artifacts
+      [ "$tree" = base ] || { src=$PWD/.variant-$v; cache=$src/.artifacts; }
+      ( set +u; [ -f .fi-bundle/setup.sh ] && source .fi-bundle/setup.sh >/dev/null
+        cd "$src" && PYTHONPATH=$src:$PYTHONPATH MSA_JIT_CACHE_DIR=$cache timeout "$(limit "${AB_STEP_S:-120}")" \
+          python3 -m msa_jit bench --out "$dir/$tree-$round" --baseline none --compare flashinfer --no-host \
+          --floor-batch '' --iters "${AB_ITERS:-20}" ${AB_GRID:---heads 64/4,16/1 --batch 4,16,128,256 \
+          --decode-query-len 1,4 --kv-dtype fp8} ) > "$dir/$tree-$round.log" 2>&1
+      rc=$?; echo "tree_ab $tree-$round: rc=$rc"
+      (( rc == 0 || rc == 124 )) || bad=1  # 124: the cap ended it; its finished rows are written
+    done
+  done
+  (cd "$OUT" && tar czf tree_ab.tar.gz tree_ab && rm -rf tree_ab)
+  done_step tree_ab $bad
+}
+
 run_step() {  # run_step STEP
   local step=$1
   case $step in
@@ -79,6 +109,7 @@ run_step() {  # run_step STEP
            done_step peers $?; grep -E "geomean|FAILED|Error|missing" "$OUT/peers.log" | tail -n 20 ;;
     plan_ab) plan_ab plan_ab ${PLAN_AB_ARGS:-} ;;
     plan_ab_nvfp4) plan_ab plan_ab_nvfp4 --kv-dtype nvfp4 ${PLAN_AB_NVFP4_ARGS:-} ;;
+    tree_ab) tree_ab ;;
     suite) # the GPU tests beside the union and cluster tests, as two streams sharing the GPU (none of them
            # times anything): about the longer stream's time instead of the sum
            local tmp; tmp=$(mktemp -d); local pids=()
@@ -88,7 +119,7 @@ run_step() {  # run_step STEP
            done
            for i in "${!pids[@]}"; do wait "${pids[$i]}" || FAILED=1; cat "$tmp/$i.txt"; done
            rm -rf "$tmp" ;;
-    *) echo "unknown step $step (suite tests union_tests cluster_tests memcheck racecheck selftest bench host_path peers plan_ab plan_ab_nvfp4)"; exit 2 ;;
+    *) echo "unknown step $step (suite tests union_tests cluster_tests memcheck racecheck selftest bench host_path peers plan_ab plan_ab_nvfp4 tree_ab)"; exit 2 ;;
   esac
 }
 

@@ -126,3 +126,32 @@ def test_suite_runs_the_correctness_steps_at_once_and_fails_when_one_does(tmp_pa
     run = subprocess.run(["bash", "bench/device_run.sh", "suite"], cwd=repo, env=dict(env, UNION_RC="1"),
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 1 and "union-tests.log: rc=1" in run.stdout and "gpu-tests.log: rc=0" in run.stdout
+
+
+def test_tree_ab_step_alternates_the_trees_each_on_its_own_sources_and_cache(tmp_path):
+    """tree_ab: base and the carried .variant-<name> alternately, AB_ROUNDS times, each run with its own tree
+    first on PYTHONPATH and its own cache, FlashInfer sourced, everything in $OUT/tree_ab.tar.gz; without a
+    carried variant it fails and says what to carry."""
+    import tarfile
+
+    repo, out, env = _fake_host(
+        tmp_path, '#!/bin/sh\necho "ran $* pwd=$PWD path=${PYTHONPATH%%:*} cache=$MSA_JIT_CACHE_DIR fi=${FI_SOURCED:-no}"\n')
+    run = subprocess.run(["bash", "bench/device_run.sh", "tree_ab"], cwd=repo, env=dict(env, VARIANT="l2"),
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1 and "tree_ab: rc=2" in run.stdout and ".variant-<name> carried" in run.stdout
+    (repo / ".variant-l2").mkdir()
+    (repo / ".fi-bundle").mkdir()
+    (repo / ".fi-bundle" / "setup.sh").write_text("export FI_SOURCED=1\n")
+    run = subprocess.run(["bash", "bench/device_run.sh", "tree_ab"], cwd=repo, capture_output=True, text=True,
+                         env=dict(env, VARIANT="l2", AB_ROUNDS="2", AB_GRID="--heads 8/1 --batch 1"), timeout=60)
+    assert run.returncode == 0 and "tree_ab: rc=0" in run.stdout, run.stdout + run.stderr
+    assert [line.split(":")[0] for line in run.stdout.splitlines() if line.startswith("tree_ab ")] == [
+        "tree_ab base-1", "tree_ab l2-1", "tree_ab base-2", "tree_ab l2-2"]
+    with tarfile.open(out / "tree_ab.tar.gz") as tar:
+        logs = {Path(m.name).name: tar.extractfile(m).read().decode() for m in tar.getmembers() if m.isfile()}
+    assert set(logs) == {"gpu.txt", "base-1.log", "l2-1.log", "base-2.log", "l2-2.log"}
+    variant = repo / ".variant-l2"
+    assert (f"--out {out}/tree_ab/l2-2 --baseline none --compare flashinfer --no-host --floor-batch  --iters 20 "
+            f"--heads 8/1 --batch 1 pwd={variant} path={variant} cache={variant}/.artifacts fi=1") in logs["l2-2.log"]
+    assert f"pwd={repo} path={repo} cache={repo}/.artifacts fi=1" in logs["base-1.log"]
+    assert not (out / "tree_ab").exists()
