@@ -26,9 +26,11 @@ Cache formats, each read by one function that turns the gathered pages into floa
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
+from .arguments import check_dim, check_int, check_scale, check_tensor
 from .kernels.constants import HEAD_DIM
 from .nvfp4 import check_nvfp4_kv_cache, dequantize_kv_nvfp4, is_nvfp4_kv_layout
 
@@ -36,6 +38,14 @@ __all__ = ["sparse_decode_reference"]
 
 _FP8 = torch.float8_e4m3fn
 _FLOAT_KV = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+def _on_cpu(scale: Any) -> Any:
+    """A one-element device tensor (vLLM keeps its NVFP4 global scales on the GPU) as its value; anything
+    else as it is, for check_scale to judge."""
+    if isinstance(scale, torch.Tensor) and scale.device.type != "cpu" and scale.numel() == 1:
+        return scale.detach().to("cpu")
+    return scale
 
 
 def _as_float64_cpu(x: torch.Tensor) -> torch.Tensor:
@@ -87,14 +97,26 @@ def sparse_decode_reference(
         topk: [T, Hkv, K] integer logical block indices, any strides.
         block_table: [B, max_blocks] integer, logical block -> physical page.
         seq_lens: [B] integer, context lengths including the qlen new tokens.
-        decode_query_len: qlen.
-        k_scale, v_scale: per-tensor (fp8) or global (NVFP4) scales, python floats or
-            one-element tensors.
+        decode_query_len: qlen, an int >= 1.
+        sm_scale, q_scale, k_scale, v_scale: finite and > 0; k_scale and v_scale are per-tensor (fp8) or
+            global (NVFP4) scales, python floats or one-element tensors.
+    Raises TypeError / ValueError naming the argument.
     Returns:
         (out [T, Hq, D] float64, lse [T, Hq] float64 natural log) on the CPU. A row without
         visible keys has out = 0 and lse = -inf.
     """
-    qlen = int(decode_query_len)
+    for name, x in (("query", query), ("kv_cache", kv_cache), ("topk", topk), ("block_table", block_table),
+                    ("seq_lens", seq_lens)):
+        check_tensor(name, x)
+    for name, x in (("topk", topk), ("block_table", block_table), ("seq_lens", seq_lens)):
+        if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+            raise TypeError(f"{name}: expected an integer dtype (int32), got {x.dtype}")
+    check_dim("seq_lens", seq_lens, 1, "[batch]")
+    qlen = check_int("decode_query_len", decode_query_len, lo=1)
+    sm_scale = check_scale("sm_scale", sm_scale)
+    q_scale = check_scale("q_scale", q_scale)
+    k_scale = check_scale("k_scale", _on_cpu(k_scale))
+    v_scale = check_scale("v_scale", _on_cpu(v_scale))
     if query.dim() != 3 or kv_cache.dim() != 4 or topk.dim() != 3:
         raise ValueError(
             "sparse_decode_reference: expected query [T,Hq,D], kv_cache [P,Hkv,page,2D] (NVFP4: "
@@ -110,7 +132,7 @@ def sparse_decode_reference(
         kv_dim_ok, keys_values = row == 2 * D, _dense_keys_values
     K = topk.shape[2]
     B = seq_lens.shape[0]
-    if qlen < 1 or T != B * qlen:
+    if T != B * qlen:
         raise ValueError(f"sparse_decode_reference: T={T} != batch {B} * qlen {qlen}")
     if not kv_dim_ok or Hkv < 1 or Hq % Hkv or topk.shape[:2] != (T, Hkv):
         raise ValueError(
@@ -124,14 +146,11 @@ def sparse_decode_reference(
     if kv_cache.dtype not in (_FP8, torch.uint8) + _FLOAT_KV:
         raise TypeError(f"sparse_decode_reference: kv_cache dtype {kv_cache.dtype} is not fp8/uint8/float")
 
-    q = _as_float64_cpu(query) * float(q_scale)            # [T, Hq, D]
+    q = _as_float64_cpu(query) * q_scale                     # [T, Hq, D]
     topk_c = topk.detach().to("cpu", torch.int64)           # [T, Hkv, K]
     bt = block_table.detach().to("cpu", torch.int64)        # [B, max_blocks]
     sl = seq_lens.detach().to("cpu", torch.int64)           # [B]
     max_blocks = bt.shape[1]
-    sm_scale = float(sm_scale)
-    k_scale = float(k_scale)
-    v_scale = float(v_scale)
 
     out = torch.zeros(T, Hq, D, dtype=torch.float64)
     lse = torch.full((T, Hq), -math.inf, dtype=torch.float64)

@@ -9,11 +9,11 @@ device->host sync, no device allocation.
 from __future__ import annotations
 
 import math
-import numbers
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .arguments import _dt, _fmt_shape, check_dim, check_dtype, check_int, check_scale, check_tensor
 from .geometry import MAX_QLEN, MIN_QLEN, geometry_problems
 from .kernels.constants import FP8_KV, NVFP4_KV
 
@@ -42,34 +42,6 @@ KV_TORCH_DTYPES = (torch.float8_e4m3fn, torch.uint8)
 PLAN_DEVICE_TYPES = ("cpu", "cuda")  # where a plan can live (the reference runs on CPU, the kernel on CUDA)
 
 
-def _fmt_shape(x: torch.Tensor) -> str:
-    return str(list(x.shape))
-
-
-def _dt(dt: torch.dtype) -> str:
-    return str(dt)[len("torch."):]
-
-
-def check_tensor(name: str, x: Any) -> torch.Tensor:
-    """TypeError unless x is a torch.Tensor."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
-    return x
-
-
-def check_dtype(name: str, x: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
-    """TypeError unless x.dtype is one of `allowed`."""
-    if x.dtype not in allowed:
-        exp = " or ".join(_dt(d) for d in allowed)
-        raise TypeError(f"{name}: expected dtype {exp}, got {x.dtype}")
-
-
-def check_dim(name: str, x: torch.Tensor, ndim: int, layout: str) -> None:
-    """ValueError unless x has `ndim` dimensions (layout is a human description like [T, Hq, D])."""
-    if x.dim() != ndim:
-        raise ValueError(f"{name}: expected a {ndim}-D tensor {layout}, got shape {_fmt_shape(x)}")
-
-
 def check_last_dim_contiguous(name: str, x: torch.Tensor) -> None:
     """ValueError unless the innermost stride is 1 (a size-1 innermost dim is accepted)."""
     if x.dim() and x.shape[-1] > 1 and x.stride(-1) != 1:
@@ -82,55 +54,6 @@ def check_device(name: str, x: torch.Tensor, device: torch.device, what: str) ->
     """ValueError unless x lives on `device`."""
     if x.device != device:
         raise ValueError(f"{name}: expected a tensor on {device} ({what}), got {x.device}")
-
-
-def check_int(name: str, value: Any, lo: int | None = None, hi: int | None = None) -> int:
-    """TypeError unless a (non-bool) int; ValueError unless lo <= value <= hi."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        rng = f"{lo}..{hi}" if hi is not None else f">= {lo}"
-        raise ValueError(f"{name}: expected an int in {rng}, got {value}")
-    return value
-
-
-def check_scale(name: str, value: Any) -> float:
-    """A finite scale > 0 as a python float: a real number (int, float, numpy scalar) or a
-    1-element CPU tensor of a real dtype. Never anything but TypeError / ValueError naming `name`:
-    bool and complex values (python, numpy or tensor) are refused, not read as 1.0 or their real
-    part; an int too large for a float is a ValueError, not OverflowError."""
-    if type(value) is float and 0.0 < value < math.inf:  # the common case, in ~0.1 us (NaN fails too)
-        return value
-    what = type(value).__name__
-    if isinstance(value, (bool, str, bytes)) or value is None:
-        raise TypeError(f"{name}: expected a finite float > 0, got {what}")
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or value.device.type != "cpu":
-            raise TypeError(
-                f"{name}: expected a python float (or a 1-element CPU tensor), got a tensor of shape "
-                f"{_fmt_shape(value)} on {value.device}"
-            )
-        if value.dtype == torch.bool or value.dtype.is_complex:
-            raise TypeError(f"{name}: expected a finite float > 0, got a {_dt(value.dtype)} tensor")
-    else:
-        # numpy scalars / arrays say what they hold by dtype.kind: only f(loat), i(nt), u(int) are
-        # scales (not b: numpy's bool, c: complex, O: objects); without a dtype, complex is refused
-        kind = getattr(getattr(value, "dtype", None), "kind", None)
-        if (kind is not None and kind not in "fiu") or (
-                kind is None and isinstance(value, numbers.Complex) and not isinstance(value, numbers.Real)):
-            dtype = f" of dtype {value.dtype}" if kind is not None and str(value.dtype) != what else ""
-            raise TypeError(f"{name}: expected a finite float > 0, got {what}{dtype}")
-        if kind is not None and getattr(value, "size", 1) != 1:
-            raise TypeError(f"{name}: expected a finite float > 0, got {what} of {value.size} elements")
-    try:
-        f = float(value)
-    except OverflowError:  # an int (or Fraction...) past float's range: a value out of range
-        raise ValueError(f"{name}: expected a finite float > 0, got a value too large for a float ({what})") from None
-    except Exception:  # noqa: BLE001 - whatever __float__ raises, the argument is named
-        raise TypeError(f"{name}: expected a finite float > 0, got {what}") from None
-    if not math.isfinite(f) or f <= 0.0:
-        raise ValueError(f"{name}: expected a finite float > 0, got {f!r}")
-    return f
 
 
 def check_kv_scale(name: str, value: Any, plan: "SparseDecodePlan", backend: str) -> tuple[float, Any]:
