@@ -101,7 +101,8 @@ def sparse_decode(
     topk: [T, Hkv, topk_blocks] int32 logical block indices, innermost stride 1 (a [Hkv, T, k]
         buffer is passed as buf.transpose(0, 1)).
     out: [T, Hq, 128] bfloat16. lse: optional [T, Hq] float32 (natural log).
-    plan: from `prepare(...)` for this step (its block_table / seq_lens are used).
+    plan: from `prepare(...)` for this step: its block_table and the lengths prepare read from seq_lens
+        (change seq_lens in place and prepare again before the next call).
     Scales are python floats > 0; k_scale / v_scale may also be one-element float32 tensors on
     the plan's device (as vLLM passes NVFP4 global scales), read by the kernel on the device:
     their value must be finite and > 0 as well, which only the reference backend checks (the
@@ -207,8 +208,11 @@ def _checked_sparse_decode(
 
     if resolved == "reference":
         with torch.no_grad():  # the kernel path needs no autograd guard (~1.5 us saved per call)
+            # the lengths the plan's prepare wrote, which the kernel reads (a request's last token sees
+            # kv_len = seq_len keys), not seq_lens as the caller's tensor holds them now
+            seq_lens = plan.kv_lens.view(plan.batch, plan.qlen)[:, -1]
             o64, lse64 = sparse_decode_reference(
-                query, kv_cache, topk, plan.block_table, plan.seq_lens, plan.qlen,
+                query, kv_cache, topk, plan.block_table, seq_lens, plan.qlen,
                 sm_scale=sm, q_scale=qs, k_scale=ks, v_scale=vs,
             )
             # both converted before either is written: nothing can fail between the two copies
