@@ -17,6 +17,13 @@ from .kernels.constants import FP8_KV
 
 __all__ = ["LaunchChoice", "PlanKey", "SparseDecodePlan"]
 
+# a cache format's full name, and its short one (KV_DTYPE_SHORT: "fp8"), -> the full name
+_FORMAT_NAMES = {**{k: k for k in KV_DTYPE_SHORT}, **{v: k for k, v in KV_DTYPE_SHORT.items()}}
+# SparseDecodePlan fields that cannot change once the plan is made (its __setattr__)
+_READ_ONLY = frozenset({"num_q_heads", "num_kv_heads", "page_size", "topk_blocks", "head_dim", "batch", "qlen",
+                        "block_table_stride", "device", "num_tokens", "group_size", "kv_lens", "qo_offset",
+                        "partial_o", "partial_lse", "lse_scratch", "unit_scale"})
+
 # (batch, qlen, block_table.stride(0), Hq, Hkv, page_size, topk_blocks, device): the planner's cache key
 PlanKey = tuple[int, int, int, int, int, int, int, torch.device]
 
@@ -82,6 +89,16 @@ class SparseDecodePlan:
         self.num_tokens = self.batch * self.qlen
         self.group_size = self.num_q_heads // self.num_kv_heads
         self.is_cuda = self.device.type == "cuda"
+        object.__setattr__(self, "_sealed", True)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # the step shape and the workspace sized for it are what the plan was planned and allocated for: a
+        # changed qlen or head count would reach the kernel with buffers of the old shape (and pass the op's
+        # checks, which compare against these fields). prepare() makes the plan of another shape.
+        if name in _READ_ONLY and getattr(self, "_sealed", False):
+            raise AttributeError(f"SparseDecodePlan.{name} is fixed for the plan's life: prepare() a plan "
+                                 "for another step shape")
+        object.__setattr__(self, name, value)
 
     def __repr__(self) -> str:
         """The step shape and the workspace's sizes, never tensor contents (`print(plan)`)."""
@@ -100,8 +117,18 @@ class SparseDecodePlan:
                 self.num_kv_heads, self.page_size, self.topk_blocks, self.device)
 
     def launch(self, kv_dtype: str = FP8_KV) -> LaunchChoice:
-        """The launch choice of the kernel serving a cache format ("float8_e4m3fn" or "nvfp4")."""
-        return self.launches[kv_dtype]
+        """The launch choice of the kernel serving a cache format ("float8_e4m3fn" or "nvfp4"; "fp8" as
+        `print(plan)` names it)."""
+        choice = self.launches.get(kv_dtype)
+        return choice if choice is not None else self.launches[self._format(kv_dtype)]
+
+    def _format(self, kv_dtype: Any) -> str:
+        """A cache format's full name from its full or short name; ValueError naming the formats else."""
+        name = _FORMAT_NAMES.get(kv_dtype) if isinstance(kv_dtype, str) else None
+        if name is None or name not in self.launches:
+            raise ValueError(f"kv_dtype: expected one of {sorted(self.launches)} (or "
+                             f"{sorted(KV_DTYPE_SHORT[k] for k in self.launches)}), got {kv_dtype!r}")
+        return name
 
     def config(self, q_dtype: Any, kv_dtype: str = "float8_e4m3fn") -> SparseDecodeConfig:
         """SparseDecodeConfig of the kernel serving this plan for a query dtype (torch dtype or name)
@@ -111,6 +138,7 @@ class SparseDecodePlan:
                 f"plan on {self.device} has no target arch: build it on a CUDA device or create "
                 "the planner with SparseDecodePlanner(arch='sm_90a')"
             )
+        kv_dtype = self._format(kv_dtype)
         launch = self.launches[kv_dtype]
         return SparseDecodeConfig(
             num_q_heads=self.num_q_heads,

@@ -260,6 +260,16 @@ def _checked_pins(launches: Mapping[str, LaunchChoice] | None, kernel: str | Non
             raise ValueError(f"launches[{fmt!r}]: expected a LaunchChoice, got {type(pin).__name__}")
         if type(pin.num_splits) is not int or pin.num_splits < 1:
             raise ValueError(f"launches[{fmt!r}]: num_splits must be an int >= 1, got {pin.num_splits!r}")
+        # what needs no arch nor geometry is checked here, so a planner without an arch (a CPU plan) refuses
+        # the pins a CUDA one would; the rest waits for the first prepare (_check_pin)
+        if pin.kernel not in KERNELS:
+            raise ValueError(f"launches[{fmt!r}]: kernel must be one of {KERNELS}, got {pin.kernel!r}")
+        if pin.split_merge not in SPLIT_MERGES:
+            raise ValueError(f"launches[{fmt!r}]: split_merge must be one of {SPLIT_MERGES}, got {pin.split_merge!r}")
+        allowed = UNION_CTAS_PER_SM if pin.kernel == "union" else CTAS_PER_SM
+        if type(pin.ctas_per_sm) is not int or pin.ctas_per_sm not in allowed:
+            raise ValueError(f"launches[{fmt!r}]: ctas_per_sm must be one of {allowed} for the {pin.kernel} kernel, "
+                             f"got {pin.ctas_per_sm!r}")
     return out
 
 
@@ -307,20 +317,23 @@ class SparseDecodePlanner:
         if split_merge is not None and split_merge not in SPLIT_MERGES:
             raise ValueError(f"split_merge must be None or one of {SPLIT_MERGES}, got {split_merge!r}")
         allowed = UNION_CTAS_PER_SM if kernel == "union" else CTAS_PER_SM
-        if ctas_per_sm is not None and ctas_per_sm not in allowed:
+        # type() is int: 2.0 == 2 and True == 1 would pass `in allowed` and reach a launch as a float or bool
+        if ctas_per_sm is not None and (type(ctas_per_sm) is not int or ctas_per_sm not in allowed):
             raise ValueError(f"ctas_per_sm must be None or one of {allowed}"
                              f"{' for the union kernel' if kernel == 'union' else ''}, got {ctas_per_sm!r}")
         if num_sms is not None and (type(num_sms) is not int or num_sms < 1):
             raise ValueError(f"num_sms must be None or an int >= 1, got {num_sms!r}")
         if arch is not None and arch_problem(arch):
             raise ValueError(f"arch: {arch_problem(arch)}")
+        if type(drafts_share_blocks) is not bool:
+            raise TypeError(f"drafts_share_blocks must be True or False, got {drafts_share_blocks!r}")
         self.plans: dict[PlanKey, SparseDecodePlan] = {}
         self.num_sms = num_sms
         self.arch = arch
         self.ctas_per_sm = ctas_per_sm
         self.kernel = kernel
         self.split_merge = split_merge
-        self.drafts_share_blocks = bool(drafts_share_blocks)
+        self.drafts_share_blocks = drafts_share_blocks
         self.launches = _checked_pins(launches, kernel, ctas_per_sm, split_merge)
         self._lock = threading.Lock()
 
@@ -343,6 +356,10 @@ class SparseDecodePlanner:
         its values checked on every call (0 <= length <= max_blocks * page_size; a CUDA
         seq_lens never is: that would sync; a CPU one is, and must equal seq_lens_cpu);
         decode_query_len: qlen in 1..32.
+
+        The plan of a key is one object, refreshed in place (its tensors keep their addresses for CUDA
+        graphs): a second prepare of the same shape changes the plan the first one returned. Plans of one
+        shape that must live at once (two micro-batches) need a planner each.
         """
         key: PlanKey | None = None
         plan = None
@@ -525,8 +542,9 @@ def prepare(
 ) -> SparseDecodePlan:
     """`SparseDecodePlanner.prepare` on the shared `default_planner()` (created lazily).
 
-    Plans are cached for the life of the process; use your own SparseDecodePlanner to
-    control their lifetime.
+    Plans are cached for the life of the process, one per step shape, refreshed in place by each
+    prepare of that shape; use your own SparseDecodePlanner to control their lifetime or to hold two
+    plans of one shape at once.
     """
     return default_planner().prepare(
         block_table, seq_lens, seq_lens_cpu, decode_query_len,
