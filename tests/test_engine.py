@@ -581,6 +581,12 @@ def test_prefill_reuses_one_plan_and_a_padded_tail_is_zero():
     ({"chunk_tokens": 0}, ValueError, "chunk_tokens"),
     ({"cu_seqlens_q": torch.tensor([0, 2, 4], dtype=torch.int32)}, ValueError, "cu_seqlens_q"),
     ({"block_table": None}, TypeError, "block_table"),
+    # each named as the argument it is, before anything is read or written
+    ({"block_table": "int64"}, TypeError, "block_table: expected dtype int32"),
+    ({"cu_seqlens_q": torch.tensor([1, 1], dtype=torch.int32)}, ValueError, "cu_seqlens_q: expected offsets from 0"),
+    ({"context_lens": torch.tensor([-50], dtype=torch.int32)}, ValueError, "context_lens: expected lengths >= 0"),
+    ({"context_lens": torch.tensor([3.0])}, TypeError, "context_lens: expected dtype int32"),
+    ({"query": "2-D"}, ValueError, "query: expected a 3-D tensor"),
 ])
 def test_prefill_rejects_bad_input(change, err, match):
     c = make_case(1, 1, 16, 1, q_dtype=FP8, seed=47)
@@ -589,8 +595,28 @@ def test_prefill_rejects_bad_input(change, err, match):
               context_lens=c.seq_lens - 1, page_size=128, scale=c.sm_scale, q_scale_float=1.0,
               k_scale_float=1.0, v_scale_float=1.0)
     kw.update(change)
+    query = c.query
+    if kw["block_table"] == "int64":
+        kw["block_table"] = c.block_table.long()
+    if kw.pop("query", None) == "2-D":
+        query = c.query[:, 0]
     with pytest.raises(err, match=match):
-        engine.msa_sparse_prefill(c.query, c.kv_cache, c.topk, out, **kw)
+        engine.msa_sparse_prefill(query, c.kv_cache, c.topk, out, **kw)
+    assert torch.isnan(out).all()
+
+
+def test_prefill_rejects_decreasing_offsets():
+    """Offsets that go back would make the tokens of the span between them read as padding (zeros)."""
+    c = make_case(1, 1, 16, 1, q_dtype=FP8, seed=47, ctx_lens=[300])
+    n = 7
+    q, topk = c.query.expand(n, -1, -1).contiguous(), c.topk.expand(n, -1, -1).contiguous()
+    out = torch.full((n, 16, 128), float("nan"), dtype=torch.bfloat16)
+    bt = c.block_table.expand(2, -1).contiguous()
+    with pytest.raises(ValueError, match="cu_seqlens_q: expected non-decreasing offsets"):
+        engine.msa_sparse_prefill(q, c.kv_cache, topk, out, block_table=bt,
+                                  cu_seqlens_q=torch.tensor([0, 6, 3], dtype=torch.int32),
+                                  context_lens=torch.tensor([0, 200], dtype=torch.int32), page_size=128,
+                                  scale=c.sm_scale, q_scale_float=1.0, k_scale_float=1.0, v_scale_float=1.0)
     assert torch.isnan(out).all()
 
 

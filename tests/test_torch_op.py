@@ -359,6 +359,22 @@ def test_bad_scalars_through_the_op_are_named():
             assert torch.isnan(out.float()).all() and torch.isnan(lse).all()
 
 
+def test_arguments_the_schema_would_refuse_are_named_before_dispatch():
+    """A non-tensor argument or a bad backend through the custom op: the API's named TypeError / ValueError,
+    not the dispatcher's "Expected a value of type ..." RuntimeError."""
+    c = _case(torch.bfloat16, seed=13)
+    plan = _plan(c)
+    for change, exc, start in ((dict(query=[1]), TypeError, "query: "), (dict(kv_cache=[1]), TypeError, "kv_cache: "),
+                               (dict(lse=[0.0]), TypeError, "lse: "), (dict(backend=None), TypeError, "backend: "),
+                               (dict(backend="cuda"), ValueError, "backend: ")):
+        args = dict(query=c.query, kv_cache=c.kv_cache, topk=c.topk, out=c.new_out(), plan=plan, lse=None,
+                    backend="reference", **c.scales())
+        args.update(change)
+        with pytest.raises(exc) as ei:
+            sparse_decode_op(**args)
+        assert str(ei.value).startswith(start), (change, ei.value)
+
+
 @pytest.mark.parametrize("which", ["out", "lse", "out=query", "lse=out"])
 def test_outputs_sharing_memory_through_the_op_are_named(which):
     """An expand()ed lse passed validation, the reference wrote out, then lse.copy_ raised torch's

@@ -407,6 +407,17 @@ def msa_cutlass_sparse_decode(
         raise type(e)(f"{e} (kv_cache recognised as {name})") from e
 
 
+def _check_prefill_lengths(cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor) -> None:
+    """ValueError naming the argument unless cu_seqlens_q starts at 0 and never decreases and every
+    context length is >= 0 (a token of a decreasing span would otherwise be written as zeros)."""
+    if int(cu_seqlens_q[0]) != 0:
+        raise ValueError(f"cu_seqlens_q: expected offsets from 0, got {cu_seqlens_q[:4].tolist()}...")
+    if bool((cu_seqlens_q[1:] < cu_seqlens_q[:-1]).any()):
+        raise ValueError(f"cu_seqlens_q: expected non-decreasing offsets, got {cu_seqlens_q.tolist()}")
+    if bool((context_lens < 0).any()):
+        raise ValueError(f"context_lens: expected lengths >= 0, got {context_lens.tolist()}")
+
+
 def _prefill_rows(cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
                   num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(request row, seq_len = position + 1) of each prefill token, on the device.
@@ -470,9 +481,10 @@ def msa_sparse_prefill(
 
     query: [N, Hq, 128] bf16 / fp8 (request-major prefill tokens); topk: [N, Hkv, K] int32
     token-major, innermost contiguous; output: [N, Hq, 128] bf16, written in place.
-    block_table: [R, W] int32 (the prefill requests' rows); cu_seqlens_q: [R + 1] int32 from 0;
-    context_lens: [R] int32, tokens of each request in the cache before this step (both on the
-    device of query). Scales as in `msa_cutlass_sparse_decode`.
+    block_table: [R, W] int32 (the prefill requests' rows); cu_seqlens_q: [R + 1] int32 from 0,
+    non-decreasing; context_lens: [R] int32 >= 0, tokens of each request in the cache before this step
+    (both on the device of query; their values are checked where they are on the CPU, as a CUDA tensor's
+    would need a sync). Scales as in `msa_cutlass_sparse_decode`.
     """
     if not isinstance(chunk_tokens, int) or isinstance(chunk_tokens, bool) or chunk_tokens < 1:
         raise ValueError(f"chunk_tokens: expected an int >= 1, got {chunk_tokens!r}")
@@ -480,6 +492,14 @@ def msa_sparse_prefill(
                     ("cu_seqlens_q", cu_seqlens_q), ("context_lens", context_lens)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if query.dim() != 3:
+        raise ValueError(f"query: expected a 3-D tensor [N, Hq, 128], got shape {list(query.shape)}")
+    for name, t, ndim in (("block_table", block_table, 2), ("cu_seqlens_q", cu_seqlens_q, 1),
+                          ("context_lens", context_lens, 1)):
+        if t.dtype != torch.int32:
+            raise TypeError(f"{name}: expected dtype int32, got {t.dtype}")
+        if t.dim() != ndim:
+            raise ValueError(f"{name}: expected a {ndim}-D tensor, got shape {list(t.shape)}")
     n = int(query.shape[0])
     if n == 0:
         return
@@ -492,6 +512,8 @@ def msa_sparse_prefill(
             f"cu_seqlens_q / block_table: expected [{num_reqs + 1}] / [{num_reqs}, W] for "
             f"{num_reqs} requests (context_lens), got {list(cu_seqlens_q.shape)} / {list(block_table.shape)}"
         )
+    if not cu_seqlens_q.is_cuda and not context_lens.is_cuda:  # values on the GPU are not read: that would sync
+        _check_prefill_lengths(cu_seqlens_q, context_lens)
     cache = plan_cache if plan_cache is not None else _default_cache()
     chunk = chunk_tokens
     ws = _prefill_workspace(cache, query, topk, block_table, chunk)

@@ -51,7 +51,7 @@ from ..kernels.constants import FP8_KV, NVFP4_KV
 from ..nvfp4 import is_nvfp4_kv_layout
 from ..op import sparse_decode
 from ..plan import LaunchChoice, SparseDecodePlan
-from ..validation import check_scale
+from ..validation import check_backend, check_scale, check_tensor
 
 __all__ = ["OP_NAME", "WORKSPACE_FIELDS", "op_args", "sparse_decode_op"]
 
@@ -262,6 +262,12 @@ def op_args(
     """
     if not isinstance(plan, SparseDecodePlan):  # the op's own check comes after these attribute reads
         raise TypeError(f"plan: expected a SparseDecodePlan (from prepare()), got {type(plan).__name__}")
+    # what the schema would refuse with the dispatcher's "Expected a value of type ..." is named here first
+    for name, value in (("query", query), ("kv_cache", kv_cache), ("topk", topk), ("out", out)):
+        check_tensor(name, value)
+    if lse is not None:
+        check_tensor("lse", lse)
+    backend = check_backend(backend)
     sm, qs = check_scale("sm_scale", sm_scale), check_scale("q_scale", q_scale)
     k_t = k_scale if isinstance(k_scale, torch.Tensor) else None
     v_t = v_scale if isinstance(v_scale, torch.Tensor) else None
