@@ -127,7 +127,8 @@ def compare(runs: dict[str, dict[int, dict]]) -> dict[str, Any]:
         rows.append({
             "geometry": key[0], "batch": key[1], "qlen": key[2], "shared_blocks": key[3],
             "q_dtype": key[4], "kv_dtype": key[5],
-            "plan": f"{first['kernel']}/S{first['num_splits']}/C{first['ctas_per_sm']}/{first.get('split_merge', 'kernel')}",
+            "plan": (f"{first['kernel']}/S{first['num_splits']}/C{first['ctas_per_sm']}/"
+                     f"{first.get('split_merge', 'kernel')}"),
             BASE: fig[BASE], variant: fig[variant],
             "variant_over_base": round(ratio, 4),
             "variant_over_base_vs_flashinfer": (round(vs_fi[variant] / vs_fi[BASE], 4)
@@ -146,7 +147,8 @@ def compare(runs: dict[str, dict[int, dict]]) -> dict[str, Any]:
 
 def table(cmp: dict[str, Any]) -> str:
     v = cmp["variant"]
-    out = [f"| point | plan | {BASE} µs | {v} µs | FlashInfer µs | {v} / {BASE} | the same, vs FlashInfer | runs ({BASE} / {v}) |",
+    out = [f"| point | plan | {BASE} µs | {v} µs | FlashInfer µs | {v} / {BASE} | the same, vs FlashInfer "
+           f"| runs ({BASE} / {v}) |",
            "|---|---|---|---|---|---|---|---|"]
     for r in cmp["rows"]:
         sh = f" sh{r['shared_blocks']}" if r["shared_blocks"] else ""
