@@ -8,6 +8,7 @@ command would get past its checks, the work (`bench.main`, `warmup.run_warmup`) 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -140,18 +141,70 @@ def test_bench_exit_status_and_baseline(result, rc, monkeypatch, tmp_path):
 
 def test_bench_out_that_is_not_writable_is_refused(fake_bench, tmp_path, monkeypatch):
     """--out under a directory this user cannot write is refused before the grid runs."""
-    import os
-
     from msa_jit.cli import bench as bench_cli
 
     ro = tmp_path / "ro"
     ro.mkdir()
-    real_access = os.access
-    monkeypatch.setattr(bench_cli.os, "access",  # as a non-root user sees 0o500 (root passes every bit)
-                        lambda path, mode, *a, **k: False if os.fspath(path) == str(ro) and mode & os.W_OK
-                        else real_access(path, mode, *a, **k))
+    real_mkdtemp = bench_cli.tempfile.mkdtemp
+
+    def mkdtemp(*a, dir=None, **k):  # as a non-root user meets 0o500 (root passes every bit)
+        if os.fspath(dir) == str(ro):
+            raise PermissionError(13, "Permission denied")
+        return real_mkdtemp(*a, dir=dir, **k)
+
+    monkeypatch.setattr(bench_cli.tempfile, "mkdtemp", mkdtemp)
     rc, _, err = run_main(["bench", "--out", str(ro / "results")])
     assert rc == 2 and f"{ro} is not a writable directory" in err and not fake_bench, err
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux /proc")
+def test_bench_out_where_nothing_can_be_made_is_refused(fake_bench, monkeypatch):
+    """A folder that passes the permission bits (root passes them all) but where nothing can be
+    created (/proc; a read-only or full filesystem alike) is refused before the grid runs: the
+    check makes a directory there, it does not ask os.access."""
+    monkeypatch.setattr(os, "access", lambda *a, **k: True)  # what root is told
+    rc, _, err = run_main(["bench", "--out", "/proc/msa-jit-bench"])
+    assert rc == 2 and "--out /proc/msa-jit-bench: /proc is not a writable directory" in err and not fake_bench, err
+
+
+# ----------------------------------------------------------------------------- bench --baseline
+@pytest.mark.parametrize("content, says", [
+    (None, "cannot read it"), ("", "not JSON"), ("{}", "not a bench result"),
+    ('{"environment": {}, "copy_tbps": 3, "points": [{"us": "fast"}], "per_layer": []}',
+     'not a bench result (points[0].us is "fast", not a number)')])
+def test_bench_baseline_is_read_before_the_grid(content, says, fake_bench, tmp_path):
+    """An explicit --baseline that cannot be compared is exit 2 before any GPU work, not after
+    the grid, when the run would be lost."""
+    path = tmp_path / "base.json"
+    if content is not None:
+        path.write_text(content)
+    rc, out, err = run_main(["bench", "--out", str(tmp_path / "out"), "--baseline", str(path)])
+    assert rc == 2 and f"--baseline {path}: {says}" in err and len(err.strip().splitlines()) == 1, err
+    assert not fake_bench and not (tmp_path / "out").exists()
+    rc, _, err = run_main(["bench", "--out", str(tmp_path / "out"), "--baseline", str(GOOD_RESULT)])
+    assert rc == 0 and len(fake_bench) == 1, err
+
+
+def test_bench_result_is_written_before_the_baseline_comparison(monkeypatch, tmp_path):
+    """A baseline that fails the comparison (here: one with broken rows, as `auto` may pick) costs
+    no result: the file is written, says why it was not compared, and the run exits 1."""
+    from msa_jit.tools.bench import measure, report
+
+    result = json.loads(GOOD_RESULT.read_text())
+    monkeypatch.setattr(measure, "run_grid", lambda **kw: json.loads(json.dumps(result)))
+    monkeypatch.setattr(report, "plot", lambda result, path: None)
+    base = tmp_path / "base.json"
+    base.write_text(json.dumps({**result, "points": [{**result["points"][0], "us": "fast"}]}))
+    got = measure.main(str(tmp_path / "out"), baseline=str(base))
+    (written,) = (tmp_path / "out").glob("bench-*.json")
+    doc = json.loads(written.read_text())
+    assert "points[0].us" in got["baseline_error"] and doc["baseline_error"] == got["baseline_error"]
+    assert doc["per_layer"] == result["per_layer"] and doc["baseline"] == str(base)
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench, "main", lambda out_dir, baseline="auto", **kw: got)
+    assert run_main(["bench", "--out", str(tmp_path / "out"), "--baseline", "none"])[0] == 1
 
 
 # ----------------------------------------------------------------------------- bench --table
@@ -182,6 +235,51 @@ def test_summary_and_table_of_a_result_with_broken_rows(flag, tmp_path):
     rc, out, err = run_main(["bench", flag, str(path), "--baseline", "none"])
     assert rc == 2 and f"{flag} {path}: not a bench result (missing " in err and out == "", err
     assert len(err.strip().splitlines()) == 1
+
+
+def _mutated(change) -> dict:
+    doc = json.loads(GOOD_RESULT.read_text())
+    change(doc)
+    return doc
+
+
+@pytest.mark.parametrize("change, says", [
+    (lambda d: d["points"][0].update(us="fast"), 'points[0].us is "fast", not a number'),
+    (lambda d: d["points"][0].update(us=None), "points[0].us is null, not a number"),
+    (lambda d: d["per_layer"][2].update(marginal_us="x"), 'per_layer[2].marginal_us is "x", not a number'),
+    (lambda d: d["per_layer"][0].update(batch="1"), 'per_layer[0].batch is "1", not an integer'),
+    (lambda d: d["points"][0].update(kv_dtype=[1]), "points[0].kv_dtype is [1], not a string"),
+    (lambda d: d["per_layer"][0].update(speedup_vs_vllm="x"), 'per_layer[0].speedup_vs_vllm is "x", not a number'),
+    (lambda d: d.update(points=1), "'points' is not a JSON array"),
+    (lambda d: d.update(points=[1]), "points[0] is not a JSON object"),
+    (lambda d: d.update(grid="x"), "'grid' is not a JSON object"),
+    (lambda d: d["grid"].update(batches="x"), "'grid.batches' is not a JSON array"),
+    (lambda d: [d.pop(k) for k in ("per_layer", "host", "host_b256")], "missing 'per_layer' or 'host'"),
+])
+def test_table_of_a_result_with_contents_of_the_wrong_type(change, says, tmp_path):
+    """Well-formed JSON whose contents the tables cannot read: one line naming what is wrong,
+    exit 2, no traceback ("missing" only for what is missing)."""
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(_mutated(change)))
+    rc, out, err = run_main(["bench", "--table", str(path)])
+    assert rc == 2 and err.strip() == f"msa-jit bench: --table {path}: not a bench result ({says})" and out == "", err
+
+
+def test_table_of_a_result_without_rows_shows_empty_cells(tmp_path):
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(_mutated(lambda d: d.update(points=[], per_layer=[]))))
+    rc, out, err = run_main(["bench", "--table", str(path)])
+    assert rc == 0 and "| 64/4 | 1 | — |" in out and err == "", err
+
+
+@pytest.mark.parametrize("flags", [["--heads", "99/1"], ["--batch=-3"], ["--compare", "bogus"], ["--out", "afile"],
+                                   ["--quick", "--no-host"], ["--baseline", "other.json"], ["--geometries", "8/1"]])
+def test_table_refuses_the_flags_of_a_run(flags, fake_bench):
+    """--table runs nothing: a grid or run flag beside it is named and refused, not ignored."""
+    rc, out, err = run_main(["bench", "--table", str(GOOD_RESULT), *flags])
+    named = {"--geometries": "--heads", "--no-host": "--quick"}.get(flags[0], flags[0].split("=")[0])
+    assert rc == 2 and out == "" and "--table" in err and named in err and "cannot go with it" in err, err
+    assert not fake_bench
 
 
 def test_stored_files_bench_or_not():

@@ -1,10 +1,12 @@
 """`msa-jit bench`: the performance grid on a GPU (`msa_jit.tools.bench`), or a result file's tables.
 
 Writes bench-<date>.json/.png into --out (created once the grid has run), compares with the
-newest previous result (exit 2 without a CUDA GPU or for a bad flag, nothing written; exit 1 on
-a point or per-layer row more than 5% slower, a row that failed, or a run stopped by SIGTERM:
-the rows done are written). `--compare flashinfer,vllm` times those peers beside msa-jit on
-every row. `--table RESULT_JSON` prints a result file's tables (no GPU needed). The grid's flags are the shared vocabulary (`--heads`, `--q-dtype`, `--kv-dtype`:
+newest previous result or --baseline (exit 2 without a CUDA GPU, for a bad flag or a --baseline
+that is no bench result, nothing written; exit 1 on a point or per-layer row more than 5% slower,
+a row that failed, a baseline that could not be compared, or a run stopped by SIGTERM: the rows
+done are written). `--compare flashinfer,vllm` times those peers beside msa-jit on every row.
+`--table RESULT_JSON` prints a result file's tables (no GPU needed; no other flag goes with it).
+The grid's flags are the shared vocabulary (`--heads`, `--q-dtype`, `--kv-dtype`:
 see `common`), and `--batch`, `--decode-query-len`, `--floor-batch` take comma lists alike.
 Nothing of the bench (torch, triton) is imported until the command runs.
 """
@@ -15,6 +17,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 from ..geometry import KV_DTYPE_SHORT, MAX_QLEN, MIN_QLEN
@@ -41,14 +44,24 @@ def _ints(flag: str, text: str | list[str], allow_empty: bool = False, low: int 
 
 
 def out_dir_problem(out: Path) -> str | None:
-    """Why --out could not be written once the grid has run (None when it can): checked first."""
+    """Why --out could not be written once the grid has run (None when it can): checked first.
+
+    A directory is really made (and removed) in it or in its nearest existing ancestor, as the
+    result's folder will be: permission bits do not stop root, and a read-only, full or pseudo
+    filesystem (/proc) only says no then."""
     if out.exists() and not out.is_dir():
         return f"{out} is not a directory"
     existing = out
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+    if not existing.is_dir():
         return f"{existing} is not a writable directory"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".msa-jit-bench-", dir=existing))
+    except OSError as e:
+        from ..jit.cache.errors import describe_oserror
+
+        return f"{existing} is not a writable directory ({describe_oserror(e)})"
     return None
 
 
@@ -112,17 +125,40 @@ def _load_result(flag: str, path: str) -> dict:
     raise SystemExit(2)
 
 
+def _flags_beside_table(args: argparse.Namespace) -> list[str]:
+    """The flags given with --table, which ignores them all (`--baseline none` asks for nothing)."""
+    defaults = argparse.ArgumentParser(add_help=False)
+    add_arguments(defaults)
+    given = []
+    for action in defaults._actions:
+        flag = action.option_strings[0]
+        if action.dest == "table" or action.default is argparse.SUPPRESS or flag in given:
+            continue  # a deprecated spelling stores into its flag's dest: that flag names it
+        value = getattr(args, action.dest, action.default)
+        if value != action.default and not (action.dest == "baseline" and value == "none"):
+            given.append(flag)
+    return given
+
+
 def run(args: argparse.Namespace) -> int:
     """Handler of `msa-jit bench`."""
     from ..tools import bench
     from ..tools.bench import grid
 
     if args.table:
+        others = _flags_beside_table(args)
+        if others:
+            print(f"msa-jit bench: --table prints a result file's tables and runs nothing: {', '.join(others)} "
+                  "cannot go with it", file=sys.stderr)
+            return 2
         result = _load_result("--table", args.table)  # no GPU: the tables of a result file
         try:
             print(bench.result_tables(result))
-        except (KeyError, TypeError) as e:
+        except KeyError as e:
             print(f"msa-jit bench: --table {args.table}: not a bench result (missing {e})", file=sys.stderr)
+            return 2
+        except (TypeError, ValueError) as e:  # what result_problem does not foresee: still one line
+            print(f"msa-jit bench: --table {args.table}: not a bench result ({e})", file=sys.stderr)
             return 2
         return 0
     try:
@@ -147,6 +183,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"msa-jit bench: {e}", file=sys.stderr)
         return 2
+    if args.baseline not in ("auto", "none"):  # read now: after the grid a bad one would cost the run
+        _load_result("--baseline", args.baseline)
     import_holding_interrupts("torch")  # a Ctrl-C inside torch's import would abort the process
     import torch
 
@@ -159,4 +197,5 @@ def run(args: argparse.Namespace) -> int:
                         q_dtype=q_dtype, shared_points=shared, floor_batches=floor_batches,
                         iters=args.iters, num_layers=args.layers, in_graph=args.in_graph, host=not args.no_host,
                         baseline=args.baseline, **({"peers": make_peers(compare)} if compare else {}))
-    return 1 if result.get("regressions") or result.get("errors") or result.get("incomplete") else 0
+    return 1 if (result.get("regressions") or result.get("errors") or result.get("incomplete")
+                 or result.get("baseline_error")) else 0

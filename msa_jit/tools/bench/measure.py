@@ -447,9 +447,10 @@ def main(out_dir: str, baseline: str | None = "auto", **kw) -> dict[str, Any]:
     baseline: a result JSON, "auto" (the newest result already in out_dir from a GPU of this name) or
     None/"none".
     Points and per-layer rows slower than the baseline by more than 5% are listed in
-    result["regressions"].
+    result["regressions"]; a baseline that cannot be compared is result["baseline_error"] (the
+    result file is written before the comparison, and again with it).
     """
-    from .report import device_of, latest_result, plot, regressions
+    from .report import device_of, latest_result, plot, regressions, result_problem
 
     out = Path(out_dir)
     if baseline == "auto":
@@ -459,25 +460,34 @@ def main(out_dir: str, baseline: str | None = "auto", **kw) -> dict[str, Any]:
     elif baseline in (None, "none"):
         baseline = None
     result = run_grid(**kw)
-    base = None
+    out.mkdir(parents=True, exist_ok=True)  # only now: a run that fails leaves no empty folder
+    stamp = _free_stamp(out, result["environment"]["date"])
+    path = out / f"bench-{stamp}.json"
+    path.write_text(json.dumps(result, indent=1))  # first: nothing the comparison meets may lose the run
     if baseline:
-        base = json.loads(Path(baseline).read_text())
         result["baseline"] = str(baseline)
-        here, there = device_of(result), device_of(base)
-        if here and there and here != there:  # an H100's timings say nothing against an H200's
-            print(f"NOTE: the baseline {baseline} ran on {there}, this run on {here}: no regression check")
-            result["regressions"] = []
-        else:
-            result["regressions"] = regressions(result, base)
-        for line in result["regressions"]:
+        try:
+            base = json.loads(Path(baseline).read_text())
+            problem = result_problem(base)
+            if problem:
+                raise ValueError(f"not a bench result ({problem})")
+            here, there = device_of(result), device_of(base)
+            if here and there and here != there:  # an H100's timings say nothing against an H200's
+                print(f"NOTE: the baseline {baseline} ran on {there}, this run on {here}: no regression check")
+                result["regressions"] = []
+            else:
+                result["regressions"] = regressions(result, base)
+        except (OSError, ValueError, TypeError, KeyError, ZeroDivisionError) as e:
+            result["baseline_error"] = f"{type(e).__name__}: {e}"
+            print(f"FAILED the comparison with the baseline {baseline}: {result['baseline_error']}; "
+                  f"the result is in {path}")
+        for line in result.get("regressions", []):
             print("REGRESSION", line)
     if result.get("peers"):
         from .peers import format_summary
 
         print(format_summary(result))
-    out.mkdir(parents=True, exist_ok=True)  # only now: a run that fails leaves no empty folder
-    stamp = _free_stamp(out, result["environment"]["date"])
-    (out / f"bench-{stamp}.json").write_text(json.dumps(result, indent=1))
+    path.write_text(json.dumps(result, indent=1))  # with the comparison
     try:
         plot(result, out / f"bench-{stamp}.png")
     except ImportError:

@@ -22,11 +22,38 @@ REGRESSION_SLACK = 1.05
 # A/B scripts' files (variants-*.json ...) have the first three too, but neither of these
 RESULT_KEYS = ("environment", "copy_tbps", "points")
 RESULT_ANY_KEYS = ("per_layer", "host")
+# what the tables and the comparison read from a row (a `points` or `per_layer` entry), by the
+# type it must have where the row has it: a figure of another type would fail there, far from
+# the file's name (a missing one is said as missing)
+ROW_TEXT = ("geometry", "q_dtype", "kv_dtype")
+ROW_INTS = ("batch", "qlen", "shared_blocks")
+ROW_FIGURES = ("us", "pct_of_copy", "marginal_us", "marginal_pct_of_copy", "marginal_logical_pct_of_copy")
+ROW_OPTIONAL_FIGURES = ("floor_marginal_us",)  # and every speedup_vs_*: a number or null
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _row_problem(where: str, r: Any) -> str | None:
+    """Why row `r` of the file (`where`: 'points[3]') cannot be read by the tables, or None."""
+    if not isinstance(r, dict):
+        return f"{where} is not a JSON object"
+    for keys, ok, what in ((ROW_TEXT, lambda v: isinstance(v, str), "a string"),
+                           (ROW_INTS, lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+                           (ROW_FIGURES, _number, "a number")):
+        for k in keys:
+            if k in r and not ok(r[k]):
+                return f"{where}.{k} is {json.dumps(r[k])[:40]}, not {what}"
+    for k, v in r.items():
+        if (k in ROW_OPTIONAL_FIGURES or k.startswith("speedup_vs_")) and v is not None and not _number(v):
+            return f"{where}.{k} is {json.dumps(v)[:40]}, not a number"
+    return None
 
 
 def result_problem(doc: Any) -> str | None:
     """Why `doc` (a parsed JSON file) is not a bench result (None when it is one): what `--table`
-    and `--summary` check before reading it."""
+    and `--baseline` check before reading it."""
     if not isinstance(doc, dict):
         kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(doc), "a number")
         return f"{kind}, not a JSON object"
@@ -34,10 +61,18 @@ def result_problem(doc: Any) -> str | None:
     if missing:
         return f"missing {', '.join(map(repr, missing))}"
     if not any(k in doc for k in RESULT_ANY_KEYS):
-        return f"missing {' and '.join(map(repr, RESULT_ANY_KEYS))}"
-    for k, kind in (("environment", dict), ("points", list), ("per_layer", list)):
+        return f"missing {' or '.join(map(repr, RESULT_ANY_KEYS))}"
+    for k, kind in (("environment", dict), ("points", list), ("per_layer", list), ("grid", dict)):
         if k in doc and not isinstance(doc[k], kind):
             return f"{k!r} is not a JSON {'object' if kind is dict else 'array'}"
+    for k in ("geometries", "batches", "qlens"):
+        if k in doc.get("grid", {}) and not isinstance(doc["grid"][k], list):
+            return f"'grid.{k}' is not a JSON array"
+    for rows in ("points", "per_layer"):
+        for i, r in enumerate(doc.get(rows, [])):
+            why = _row_problem(f"{rows}[{i}]", r)
+            if why:
+                return why
     return None
 
 
@@ -121,8 +156,7 @@ def _old_table(result: dict[str, Any], geometries, batches, qlens) -> str:
              "|---|---|" + "---|" * len(batches)]
     for geo in geometries:
         for qlen in qlens:
-            cells = [f"{points[(geo, qlen, b)]['us']:.1f} µs ({points[(geo, qlen, b)]['pct_of_copy']:.0f}%)"
-                     for b in batches]
+            cells = [_step_cell(points.get((geo, qlen, b))) for b in batches]  # "—" where the file has none
             lines.append(f"| {geo} | {qlen} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
