@@ -414,3 +414,59 @@ def test_cache_clear_refuses_a_fallback_root(tmp_path, capsys, cli_logging):
     assert kept.path.exists()
     rc, out, err = run_main(["cache", "clear", "--yes", "--cache-dir", str(shared)], capsys)  # asked for by name
     assert rc == 0 and not kept.path.exists()
+
+
+def test_cache_prune_below_the_cap_refuses_a_fallback_root(tmp_path, capsys, cli_logging):
+    """A prune below the run-time cap removes what no automatic prune would there: on the shared
+    fallback it is refused as clear is; at the cap it only does what the automatic prune does."""
+    shared = cache.user_temp_root()
+    kept, _ = get(ArtifactCache(shared), {"g": "someone else's"})
+    blocker = tmp_path / "f"
+    blocker.write_text("x")
+    with warnings.catch_warnings(), pytest.MonkeyPatch.context() as mp:
+        warnings.simplefilter("ignore", CacheFallbackWarning)
+        mp.setenv("MSA_JIT_CACHE_DIR", str(blocker / "c"))
+        rc, out, err = run_main(["cache", "prune", "--max-bytes", "0", "--yes"], capsys)
+        assert rc == 2 and "refusing" in err and str(shared) in err and str(blocker) in err, err
+        assert f"msa-jit cache prune --max-bytes 0 --cache-dir {shared}" in err and kept.path.exists()
+        rc, out, err = run_main(["cache", "prune"], capsys)
+        assert rc == 0 and kept.path.exists(), err
+    rc, out, err = run_main(["cache", "prune", "--max-bytes", "0", "--yes", "--cache-dir", str(shared)], capsys)
+    assert rc == 0 and not kept.path.exists(), err
+
+
+@pytest.mark.parametrize("argv", [["warmup", "--heads", "8/1", "--arch", "sm_90a"], ["cache", "info"],
+                                  ["cache", "prune"], ["inspect", "--heads", "8/1", "--arch", "sm_90a"]])
+def test_an_unusable_cache_dir_flag_is_refused_not_replaced(argv, tmp_path, capsys, cli_logging, monkeypatch):
+    """--cache-dir names the root the person wants: one that cannot be made (here under a file)
+    is exit 2 naming the flag, before any work, not a quiet fallback to the per-user temp dir
+    (whose advice to set MSA_JIT_CACHE_DIR could not override the flag)."""
+    from msa_jit.tools import warmup
+
+    ran: list = []
+    monkeypatch.setattr(warmup, "run_warmup", lambda *a, **k: ran.append(a))
+    blocker = tmp_path / "f"
+    blocker.write_text("x")
+    rc, out, err = run_main([*argv, "--cache-dir", str(blocker / "c")], capsys)
+    assert rc == 2 and err.strip() == (f"msa-jit {' '.join(argv[:2]) if argv[0] == 'cache' else argv[0]}: "
+                                       f"--cache-dir {blocker / 'c'}: cannot be used as the cache root "
+                                       f"({blocker} exists and is not a directory)"), err
+    assert not ran and out == "" and not cache.user_temp_root().exists()
+
+
+def test_a_read_only_cache_dir_is_still_read(tmp_path, capsys, cli_logging, monkeypatch):
+    """A --cache-dir that holds a cache but cannot be written (a pre-warmed read-only mount) is
+    read by list / info / verify, as the read-only root it is; the commands that write refuse it."""
+    from msa_jit.jit.cache import location
+
+    ro = tmp_path / "ro"
+    entry, _ = get(ArtifactCache(ro), {"g": 1})
+    real = location._writable_as_is
+    monkeypatch.setattr(location, "_writable_as_is",  # a stand-in for a read-only mount (these tests may run as root)
+                        lambda root: f"{root / 'v1'} is on a read-only filesystem" if root == ro else real(root))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CacheFallbackWarning)
+        rc, out, err = run_main(["cache", "list", "--cache-dir", str(ro)], capsys)
+        assert rc == 0 and entry.key[:12] + " (ro)" in out, (out, err)
+        rc, out, err = run_main(["cache", "verify", "--remove", "--cache-dir", str(ro)], capsys)
+        assert rc == 2 and f"--cache-dir {ro}: cannot be used" in err and "read-only filesystem" in err, err

@@ -295,3 +295,22 @@ def test_maintenance_view_falls_back_where_the_root_cannot_be_created(tmp_path, 
     (tmp_path / "empty").mkdir()
     c = cache.open_cache(tmp_path / "empty", create=False)
     assert c.root == tmp_path / "empty" and os.listdir(tmp_path / "empty") == []
+
+
+@pytest.mark.parametrize("create", [True, False])
+def test_fallback_advice_fits_where_the_root_came_from(tmp_path, monkeypatch, create):
+    """The fallback message's advice names what can change the root: MSA_JIT_CACHE_DIR for a root
+    it (or a default) configured, not for a root given as an argument, which the variable cannot
+    override."""
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a regular file")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CacheFallbackWarning)
+        given = ArtifactCache(blocker / "arg", create=create).fallback_reason
+        monkeypatch.setenv("MSA_JIT_CACHE_DIR", str(blocker / "env"))
+        configured = ArtifactCache(create=create).fallback_reason
+    assert "MSA_JIT_CACHE_DIR" not in given and given.endswith("Give a writable cache directory to silence this "
+                                                               "warning."), given
+    assert configured.endswith("Set MSA_JIT_CACHE_DIR to a writable directory to silence this warning."), configured
+    assert cache_location.root_problem(blocker / "arg") == f"{blocker} exists and is not a directory"
+    assert cache_location.root_problem(tmp_path / "fresh") is None and not (tmp_path / "fresh").exists()

@@ -13,6 +13,7 @@ import ast
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -360,16 +361,17 @@ def _into_a_closed_pipe(cmd: list[str], env_: dict[str, str]) -> tuple[int, str]
 @pytest.mark.parametrize("argv", [["bench", "--table", "RESULT"], ["cache", "list"], ["--help"]], ids=" ".join)
 def test_small_output_into_a_closed_pipe(argv, tmp_path, monkeypatch):
     """Output that fits the buffer is written when it is flushed: into a closed pipe that is exit
-    141 (or 0: argparse's help ignores a failed write), not 'Exception ignored ... BrokenPipeError'
-    at the interpreter's exit (status 120)."""
+    141 (argparse's help too, which would drop a failed write), not 'Exception ignored ...
+    BrokenPipeError' at the interpreter's exit (status 120)."""
     result = ROOT / "bench/results/h100.json"
     (tmp_path / "c").mkdir()
     argv = [str(result) if a == "RESULT" else a for a in argv] + (["--cache-dir", str(tmp_path / "c")]
                                                                   if argv[0] == "cache" else [])
     e = _env(tmp_path)
-    e.pop("PYTHONUNBUFFERED", None)  # stdout buffered, as for a person's shell
-    rc, err = _into_a_closed_pipe([sys.executable, "-m", "msa_jit", *argv], e)
-    assert rc in (0, 141) and err == "", (rc, err)
+    for unbuffered in ("", "1"):  # stdout buffered, as for a person's shell, and not (each write fails at once)
+        e["PYTHONUNBUFFERED"] = unbuffered
+        rc, err = _into_a_closed_pipe([sys.executable, "-m", "msa_jit", *argv], e)
+        assert rc == 141 and err == "", (unbuffered, rc, err)
 
 
 # ----------------------------------------------------------------------------- --json
@@ -390,6 +392,57 @@ def test_every_cache_action_takes_json(action, tmp_path, monkeypatch):
     target = tmp_path / f"{action}.json"
     rc, out, err = run_main(["cache", action, "--cache-dir", str(root), "--json", str(target), *extra])
     assert rc == 0 and json.loads(target.read_text()) is not None and out.strip() and err == "", err
+
+
+@pytest.mark.parametrize("field, value", [("config", [1, 2]), ("config", "abc"), ("fingerprint", "x"),
+                                          ("config.q_dtype", [1]), ("config.kv_dtype", {}), ("created", "yesterday"),
+                                          ("created", 1e300), ("created", float("nan"))])
+def test_a_malformed_entry_is_listed_and_removed(field, value, tmp_path, monkeypatch):
+    """One meta.json field of the wrong type: `list` shows '?' for it (text and JSON), prune and
+    clear still remove the entry; a config / fingerprint that is no object is bad to verify."""
+    root = tmp_path / "c"
+    (entry,) = _entries(root, [SparseDecodeConfig(8, 1, arch="sm_90a")], monkeypatch)
+    meta = json.loads((entry.path / cache.META_NAME).read_text())
+    where, _, key = field.rpartition(".")
+    (meta[where] if where else meta)[key] = value
+    (entry.path / cache.META_NAME).write_text(json.dumps(meta))
+    rc, out, err = run_main(["cache", "list", "--cache-dir", str(root), "--json", str(tmp_path / "l.json")])
+    row = json.loads((tmp_path / "l.json").read_text())[0]
+    assert rc == 0 and "1 entries in" in out and "?" in out.splitlines()[2] and err == "", err
+    shown = {"config": row["geometry"], "fingerprint": row["dsl_version"], "config.q_dtype": row["q_dtype"],
+             "config.kv_dtype": row["kv_dtype"], "created": row["created"]}[field]
+    assert shown in ("?", "?/?"), row
+    if field in ("config", "fingerprint"):
+        assert run_main(["cache", "verify", "--cache-dir", str(root)])[0] == 1
+    for argv in (["prune", "--max-bytes", "0", "--yes"], ["clear", "--yes"]):
+        shutil.copytree(root, tmp_path / "copy")
+        rc, out, err = run_main(["cache", *argv, "--cache-dir", str(tmp_path / "copy")])
+        assert rc == 0 and cache.ArtifactCache(tmp_path / "copy").entries() == [], (argv, err)
+        shutil.rmtree(tmp_path / "copy")
+
+
+def test_json_file_gets_the_mode_open_would_give(tmp_path):
+    """--json FILE is written aside and renamed onto FILE: a new file gets 0666 less the umask, not
+    mkstemp's 0600; an existing one keeps its mode."""
+    new, old = tmp_path / "new.json", tmp_path / "old.json"
+    old.write_text("{}")
+    old.chmod(0o640)
+    mask = os.umask(0o022)
+    try:
+        common.emit_json(str(new), {"a": 1})
+        common.emit_json(str(old), {"a": 1})
+    finally:
+        os.umask(mask)
+    assert (new.stat().st_mode & 0o777, old.stat().st_mode & 0o777) == (0o644, 0o640)
+    assert json.loads(old.read_text()) == {"a": 1}
+
+
+def test_json_and_max_bytes_values_that_mean_nothing(tmp_path):
+    (tmp_path / "c").mkdir()
+    rc, _, err = run_main(["cache", "info", "--cache-dir", str(tmp_path / "c"), "--json", ""])
+    assert rc == 2 and err.strip() == "msa-jit cache info: --json '': an empty file name", err
+    rc, _, err = run_main(["cache", "prune", "--cache-dir", str(tmp_path / "c"), "--max-bytes", "0.5"])
+    assert rc == 2 and "--max-bytes: '0.5' is less than one byte" in err, err
 
 
 def test_json_help_says_the_same_everywhere():

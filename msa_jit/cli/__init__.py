@@ -66,12 +66,24 @@ class _VersionAction(argparse.Action):
         parser.exit(0)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, but a help or usage text that cannot be written to a closed stdout
+    raises (BrokenPipeError: exit 141 in `main`, as any other output) instead of being dropped
+    silently, which made `msa-jit --help | true` look like a success."""
+
+    def _print_message(self, message: str, file=None) -> None:
+        if message and file is sys.stdout:
+            file.write(message)
+            return
+        super()._print_message(message, file)
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The argparse tree of every subcommand (each sets `func` to its module's `run`).
 
     `only`: the command about to run; the other subcommands get their name and help line but not
     their flags (what `msa-jit --help` shows), so that a command builds only its own flags."""
-    p = argparse.ArgumentParser(prog="msa-jit", description="JIT-compiled MSA sparse decode kernels", epilog=EPILOG)
+    p = _Parser(prog="msa-jit", description="JIT-compiled MSA sparse decode kernels", epilog=EPILOG)
     p.add_argument("--version", action=_VersionAction)
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     p.set_defaults(func=None, help_of=p)
@@ -133,8 +145,10 @@ def _run(argv: list[str] | None, name: list[str]) -> int:
         if problems:
             print(f"{name[0]}: fix or unset the variable (`msa-jit doctor` lists them all)", file=sys.stderr)
             return EXIT_USAGE
-        problem = common.cache_dir_problem(getattr(args, "cache_dir", None))
-        if problem:  # a file where the cache root should be: refused, not a silent fallback elsewhere
+        reads_only = args.command == "cache" and (args.cache_command in ("list", "info")
+                                                  or args.cache_command == "verify" and not args.remove)
+        problem = common.cache_dir_problem(getattr(args, "cache_dir", None), reads_only)
+        if problem:  # a root that cannot be one: refused, not a silent fallback elsewhere
             print(f"{name[0]}: {problem}", file=sys.stderr)
             return EXIT_USAGE
     return args.func(args)

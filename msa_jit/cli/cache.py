@@ -4,18 +4,21 @@ Every action works on the root a process would use (resolved as a real process d
 creating anything: `resolve(create=False)`), says on stderr when that is a fallback of the
 configured one, and takes `--cache-dir DIR` and `--json [FILE]` (the result as JSON into FILE,
 or onto stdout with no FILE, the text then on stderr: `common.add_json_argument`). None of them
-creates a cache: a root without one reads as empty, and a --cache-dir that does not exist is
-exit 2.
+creates a cache: a root without one reads as empty, and a --cache-dir that does not exist, or
+that cannot be used (`common.cache_dir_problem`: list, info and verify still read a read-only
+one that holds a cache), is exit 2.
 
 `verify` exits 1 when an entry is bad. `clear`, and a `prune` whose cap is 0 (every entry goes),
-ask first on a terminal, and without one refuse (exit 2) unless given --yes; `clear` also
-refuses when the configured root is unusable and the cache fell back to another one (which
-may hold other configurations' kernels: clear that one by naming it with --cache-dir).
+ask first on a terminal, and without one refuse (exit 2) unless given --yes; `clear`, and a
+`prune` below the run-time cap, also refuse when the configured root is unusable and the cache
+fell back to another one (which may hold other configurations' kernels: name that one with
+--cache-dir).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -58,29 +61,52 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         parsers[name].add_argument("--yes", "-y", action="store_true", help="do not ask before deleting every entry")
 
 
+def _shown(value: Any, default: Any = "?") -> Any:
+    """A meta.json field as a row shows it: a string or a number as it is, `default` when absent,
+    '?' for anything else (a list, an object): a hand-edited or damaged entry must not stop a
+    listing, nor `prune` / `clear`, which list what they remove."""
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        return "?"
+    return value if not isinstance(value, float) or math.isfinite(value) else "?"
+
+
+def _created(value: Any) -> float | str | None:
+    """meta.json's creation time: the number, None when absent, '?' when it is no usable time
+    (JSON has no NaN or infinity to carry, and `when` cannot show a time past time_t)."""
+    if value is None:
+        return None
+    return value if when(value) != "?" else "?"
+
+
 def entry_row(entry: cache.CacheEntry) -> dict[str, Any]:
-    """One `cache list` row from a CacheEntry's meta.json."""
+    """One `cache list` row from a CacheEntry's meta.json ('?' for a field that is missing or unusable)."""
     from ..jit import cache
 
     meta = entry.meta or {}
-    cfg = meta.get("config") or {}
-    fp = meta.get("fingerprint") or {}
-    geometry = f"{cfg.get('num_q_heads', '?')}/{cfg.get('num_kv_heads', '?')}"
+    has_config = isinstance(meta.get("config"), dict)
+    cfg = meta["config"] if has_config else {}
+    fp = meta.get("fingerprint") if isinstance(meta.get("fingerprint"), dict) else {}
+    # an entry written before kv_dtype, kernel or split_merge joined the config is an fp8 token
+    # merge-kernel one; an entry without a config object says nothing of the kind
+    older = (lambda default: default) if has_config else (lambda default: "?")
+    geometry = f"{_shown(cfg.get('num_q_heads'))}/{_shown(cfg.get('num_kv_heads'))}"
     if cfg.get("page_size", 128) != 128 or cfg.get("topk_blocks", 16) != 16:
-        geometry += f" page{cfg.get('page_size')} top{cfg.get('topk_blocks')}"
+        geometry += f" page{_shown(cfg.get('page_size'))} top{_shown(cfg.get('topk_blocks'))}"
+    q_dtype, kv_dtype = _shown(cfg.get("q_dtype")), _shown(cfg.get("kv_dtype"), older("float8_e4m3fn"))
     try:
         last_used = (entry.path / cache.META_NAME).stat().st_mtime
     except OSError:
         last_used = None
     return {
-        "key": entry.key, "geometry": geometry, "arch": cfg.get("arch", "?"), "ctas_per_sm": cfg.get("ctas_per_sm", "?"),
-        "kernel": cfg.get("kernel", "token"),  # an entry written before kernel joined the config is a token one
-        "split_merge": cfg.get("split_merge", "kernel"),  # likewise a merge-kernel one before split_merge
-        "q_dtype": Q_DTYPE_SHORT.get(cfg.get("q_dtype"), cfg.get("q_dtype", "?")),
-        # an entry written before kv_dtype joined the config is an fp8 one
-        "kv_dtype": KV_DTYPE_SHORT.get(cfg.get("kv_dtype", "float8_e4m3fn"), cfg.get("kv_dtype", "?")),
-        "dsl_version": fp.get("cutlass_dsl", "?"), "kernel_family": fp.get("kernel_family", "?"),
-        "size": entry.size_bytes, "created": meta.get("created"), "last_used": last_used,
+        "key": entry.key, "geometry": geometry, "arch": _shown(cfg.get("arch")),
+        "ctas_per_sm": _shown(cfg.get("ctas_per_sm")),
+        "kernel": _shown(cfg.get("kernel"), older("token")),
+        "split_merge": _shown(cfg.get("split_merge"), older("kernel")),
+        "q_dtype": Q_DTYPE_SHORT.get(q_dtype, q_dtype), "kv_dtype": KV_DTYPE_SHORT.get(kv_dtype, kv_dtype),
+        "dsl_version": _shown(fp.get("cutlass_dsl")), "kernel_family": _shown(fp.get("kernel_family")),
+        "size": entry.size_bytes, "created": _created(meta.get("created")), "last_used": last_used,
         "readonly": entry.readonly, "path": str(entry.path),
     }
 
@@ -159,6 +185,16 @@ def _removal_doc(c: cache.ArtifactCache, removed: list[Path], before: dict[str, 
             "freed_bytes": freed}
 
 
+def _refuse_fallback(c: cache.ArtifactCache, command: str, flags: str) -> int:
+    """Exit 2 for a deletion the fallback root must not get: it is the per-user temp dir, which
+    may hold other configurations' kernels; naming it with --cache-dir is asking for it."""
+    action = command.split()[-1]
+    print(f"msa-jit {command}: refusing: the configured cache {c.requested_root} is unusable and this run fell "
+          f"back to {c.root}, which may hold other configurations' kernels. To {action} that one, name it: "
+          f"msa-jit {command} {flags} --cache-dir {c.root}", file=sys.stderr)
+    return 2
+
+
 def run(args: argparse.Namespace) -> int:
     """Handler of `msa-jit cache ...`."""
     action = args.cache_command
@@ -220,6 +256,9 @@ def run(args: argparse.Namespace) -> int:
     before = {e.key: entry_row(e) for e in c.entries() if not e.readonly}
     if action == "prune":
         cap = env.cache_max_bytes() if args.max_bytes is None else args.max_bytes
+        if c.root != c.requested_root and cap < env.cache_max_bytes():
+            # below the run-time cap it removes what no process's automatic prune would there
+            return _refuse_fallback(c, command, f"--max-bytes {args.max_bytes}")
         if cap == 0 and before:
             source = "--max-bytes 0" if args.max_bytes is not None else f"{env.CACHE_MAX_BYTES}=0"
             ok = confirm(f"delete every entry ({len(before)}, {human_size(c.size_bytes())}) in {c.root} ({source})",
@@ -248,10 +287,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if action == "clear":
         if c.root != c.requested_root:
-            print(f"msa-jit cache clear: refusing: the configured cache {c.requested_root} is unusable and this "
-                  f"run fell back to {c.root}, which may hold other configurations' kernels. To clear that "
-                  f"one, name it: msa-jit cache clear --yes --cache-dir {c.root}", file=sys.stderr)
-            return 2
+            return _refuse_fallback(c, command, "--yes")
         if before:
             ok = confirm(f"delete every entry ({len(before)}, {human_size(c.size_bytes())}) in {c.root}", args.yes,
                          command)

@@ -86,9 +86,12 @@ _HEADS_RE = re.compile(r"^\s*(\d+)\s*/\s*(\d+)\s*$")
 def parse_size(text: str) -> int:
     """`env.parse_size` as an argparse type: '512M', '2G', '2GiB' -> bytes (MSA_JIT_CACHE_MAX_BYTES's syntax)."""
     try:
-        return env.parse_size(text)
+        n = env.parse_size(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+    if n == 0 and any(c in "123456789" for c in text):  # '0.5' is no byte: a cap of 0 removes every entry
+        raise argparse.ArgumentTypeError(f"{text!r} is less than one byte (0 removes every entry)")
+    return n
 
 
 def human_size(n: int | float) -> str:
@@ -101,9 +104,17 @@ def human_size(n: int | float) -> str:
     return f"{n:.1f} GiB"
 
 
-def when(ts: float | None) -> str:
-    """A Unix time as local 'YYYY-mm-dd HH:MM:SS' ('-' for none)."""
-    return "-" if not ts else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+def when(ts: Any) -> str:
+    """A Unix time as local 'YYYY-mm-dd HH:MM:SS' ('-' for none, '?' for what is no usable time:
+    a cache entry's meta.json may hold anything, and one entry must not stop a listing)."""
+    if ts is None or ts == 0:
+        return "-"
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)):
+        return "?"
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+    except (OverflowError, ValueError, OSError):  # NaN, infinity, or past what the platform's time_t holds
+        return "?"
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -151,7 +162,7 @@ def json_path_problem(args: argparse.Namespace, command: str) -> bool:
     True after printing `msa-jit <command>: --json FILE: <why>` (the command exits 2)."""
     problem = check_output_path(getattr(args, "json", None))
     if problem:
-        print(f"msa-jit {command}: --json {args.json}: {problem}", file=sys.stderr)
+        print(f"msa-jit {command}: --json {args.json or repr(args.json)}: {problem}", file=sys.stderr)
     return bool(problem)
 
 
@@ -177,6 +188,8 @@ def check_output_path(path: str | None) -> str | None:
     bits do not stop root, and a read-only, full or pseudo filesystem (/proc) only says no then."""
     if path is None or path == "-":
         return None
+    if path == "":  # Path("") is the working directory
+        return "an empty file name"
     p = Path(path)
     if p.is_dir():
         return f"{path} is a directory"
@@ -199,6 +212,13 @@ def check_output_path(path: str | None) -> str | None:
     return None
 
 
+def _umask() -> int:
+    """This process's umask (reading it means setting it: set back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def emit_json(path: str | None, doc: Any) -> None:
     """`doc` as indented JSON to stdout (path '-') or into the file: written aside, then renamed
     onto it (onto a symlink's target); a device or FIFO (`--json /dev/stdout`) is written into."""
@@ -214,6 +234,12 @@ def emit_json(path: str | None, doc: Any) -> None:
     target = _json_target(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent if str(target.parent) else ".")
     try:
+        # mkstemp's file is 0600: give it the mode the file has, or that open() would give a new one
+        try:
+            mode = stat.S_IMODE(os.stat(target).st_mode)
+        except OSError:  # no such file yet
+            mode = 0o666 & ~_umask()
+        os.fchmod(fd, mode)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(tmp, target)
@@ -222,13 +248,17 @@ def emit_json(path: str | None, doc: Any) -> None:
         raise
 
 
-def cache_dir_problem(cache_dir: str | None) -> str | None:
+def cache_dir_problem(cache_dir: str | None, reads_only: bool = False) -> str | None:
     """Why the cache root this command was given (--cache-dir, else MSA_JIT_CACHE_DIR) cannot be one,
     as one line naming the flag or variable and the path; None when it can (or none is given).
 
     A root that exists and is no directory (a file, a broken symlink) is a configuration error:
-    refused before any work, instead of a silent fallback to the per-user temp dir."""
-    from ..jit.cache.location import not_a_directory
+    refused before any work, instead of a silent fallback to the per-user temp dir. So is a
+    --cache-dir that cannot be written: the person named that root, and the fallback's advice to
+    set MSA_JIT_CACHE_DIR could not override the flag anyway (the variable keeps its documented
+    fallback). `reads_only` (cache list / info / verify): a read-only --cache-dir that holds a
+    cache is read, as the pre-warmed read-only root it is."""
+    from ..jit.cache.location import not_a_directory, readable_v1, root_problem
 
     if cache_dir:
         source, path = "--cache-dir", Path(os.path.abspath(os.path.expanduser(cache_dir)))
@@ -237,6 +267,9 @@ def cache_dir_problem(cache_dir: str | None) -> str | None:
         if path is None:
             return None
     why = not_a_directory(path)
+    if why is None and source == "--cache-dir" and not (reads_only and readable_v1(path)):
+        problem = root_problem(path)
+        why = None if problem is None else f"cannot be used as the cache root ({problem})"
     if why is None:
         return None
     return f"{source} {path}: {why}" if source.startswith("--") else f"{source}={path}: {why}"

@@ -33,6 +33,7 @@ __all__ = [
     "probe_writable",
     "readable_v1",
     "resolve",
+    "root_problem",
     "user_temp_root",
 ]
 
@@ -227,6 +228,25 @@ def _writable_as_is(root: Path) -> str | None:
     return None
 
 
+def _view_problem(c: Path, user_tmp: Path) -> str | None:
+    """Why `_view` rejects the candidate root ``c`` (None when it would use it), found without
+    creating anything."""
+    if c == user_tmp and os.path.lexists(c):
+        reason = _private_dir_problem(c)
+        if reason is not None:
+            return reason
+    if os.path.lexists(c / LAYOUT):
+        return _writable_as_is(c)
+    return not_a_directory(c) if os.path.lexists(c) and not os.path.isdir(c) else _creatable(c / LAYOUT)
+
+
+def root_problem(root: os.PathLike | str) -> str | None:
+    """Why ``root`` could not be the writable cache root (None when it could), judged as
+    ``resolve(root, create=False)`` judges it: nothing is created. For a root a person named
+    (`msa-jit --cache-dir`), which must be refused rather than replaced by a fallback."""
+    return _view_problem(_absolute(root), user_temp_root())
+
+
 def _view(pref: Path, source: str) -> Resolution:
     """`resolve(create=False)`: the root a process would choose, found without creating anything
     (no root, no per-user temp dir, no v1/ tree, no in-process temp dir): a root that does not
@@ -238,28 +258,22 @@ def _view(pref: Path, source: str) -> Resolution:
     rejected: list[tuple[Path, str]] = []
     readonly: list[Path] = []
     for c in candidates:
-        exists = os.path.lexists(c / LAYOUT)
-        if c == user_tmp and os.path.lexists(c):
-            reason = _private_dir_problem(c)
-        else:
-            reason = None
-        if reason is None:
-            reason = _writable_as_is(c) if exists else (
-                not_a_directory(c) if os.path.lexists(c) and not os.path.isdir(c) else _creatable(c / LAYOUT))
+        reason = _view_problem(c, user_tmp)
         if reason is None:
             message = None
             if rejected:
-                message = _fallback_message(rejected, c, False, readonly)
-            return Resolution(pref, source, c, tuple(readonly), False, message, exists=exists)
+                message = _fallback_message(rejected, c, False, readonly, source)
+            return Resolution(pref, source, c, tuple(readonly), False, message, exists=os.path.lexists(c / LAYOUT))
         if readable_v1(c):
             readonly.append(c)
         rejected.append((c, reason))
     where = Path(tempfile.gettempdir()) / "msa-jit-XXXXXXXX"  # what mkdtemp would make: nothing is made here
-    return Resolution(pref, source, where, tuple(readonly), True, _fallback_message(rejected, where, True, readonly),
-                      exists=False)
+    return Resolution(pref, source, where, tuple(readonly), True, _fallback_message(rejected, where, True, readonly,
+                                                                                     source), exists=False)
 
 
-def _fallback_message(rejected: list[tuple[Path, str]], chosen: Path, ephemeral: bool, readonly: list[Path]) -> str:
+def _fallback_message(rejected: list[tuple[Path, str]], chosen: Path, ephemeral: bool, readonly: list[Path],
+                      source: str) -> str:
     parts = [f"cannot use {p} ({r})" for p, r in rejected]
     message = f"msa-jit cache: {'; '.join(parts)}; using {chosen} instead"
     if ephemeral:
@@ -269,7 +283,9 @@ def _fallback_message(rejected: list[tuple[Path, str]], chosen: Path, ephemeral:
         )
     if readonly:
         message += f". Artifacts already in {', '.join(map(str, readonly))} are still used read-only"
-    message += f". Set {env.CACHE_DIR} to a writable directory to silence this warning."
+    # the variable cannot override a root given as an argument: then only another argument helps
+    fix = "Give a writable cache directory" if source == "argument" else f"Set {env.CACHE_DIR} to a writable directory"
+    message += f". {fix} to silence this warning."
     return message
 
 
@@ -331,5 +347,5 @@ def resolve(requested: os.PathLike | str | None, *, create: bool = True) -> Reso
         reason = probe_writable(chosen)
         if reason is not None:
             raise CacheDirError(f"msa-jit: temporary cache directory {chosen} is unusable ({reason})")
-    message = _fallback_message(rejected, chosen, ephemeral, readonly) if rejected else None
+    message = _fallback_message(rejected, chosen, ephemeral, readonly, source) if rejected else None
     return Resolution(pref, source, chosen, tuple(readonly), ephemeral, message)
