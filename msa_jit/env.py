@@ -179,11 +179,11 @@ def parse_size(text: str) -> int:
     if m is None:
         raise ValueError(
             f"{_shown(text)} is not a size (expected a non-negative number of "
-            "bytes, optionally with a K/M/G/T suffix, e.g. 2147483648 or 2G)"
+            "bytes, optionally with a K/M/G/T/P suffix, e.g. 2147483648 or 2G)"
         )
     number, unit, _ = m.groups()
     if unit == "" and m.group(3) is not None and m.group(3).lower() == "ib":
-        raise ValueError(f"{_shown(text)} is not a size ('iB' needs a K/M/G/T prefix)")
+        raise ValueError(f"{_shown(text)} is not a size ('iB' needs a K/M/G/T/P prefix)")
     if len(number.lstrip("0").partition(".")[0]) > 30:  # far above MAX_SIZE, whatever the suffix
         raise ValueError(f"{_shown(text)} is too large a size (at most {MAX_SIZE} bytes, 8 EiB)")
     with decimal.localcontext() as ctx:
