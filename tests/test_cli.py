@@ -394,6 +394,19 @@ def test_doctor_target_arches_and_env_values(monkeypatch):
     assert rows["MSA_JIT_ARCH"]["parsed"] == "sm_100a" and "error" not in rows["MSA_JIT_ARCH"]
 
 
+def test_doctor_marks_a_cache_dir_that_is_a_file_invalid(monkeypatch, tmp_path):
+    """What every other command refuses (exit 2) doctor reports, under the variable, as INVALID."""
+    from msa_jit.tools import doctor
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("MSA_JIT_CACHE_DIR", str(blocker))
+    rows = {r["name"]: r for r in doctor.probe_env()}
+    assert "exists and is not a directory" in rows["MSA_JIT_CACHE_DIR"]["error"]
+    monkeypatch.setenv("MSA_JIT_CACHE_DIR", str(tmp_path / "not-yet"))  # a root to be made is fine
+    assert "error" not in {r["name"]: r for r in doctor.probe_env()}["MSA_JIT_CACHE_DIR"]
+
+
 def test_doctor_names_a_fallback_cache_and_a_failed_version_probe(monkeypatch, tmp_path):
     """The Cache section says the root is a fallback and why; a version that could not be read
     shows its error, not a dict."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.metadata as md
 import importlib.util
+import os
 import platform
 import shutil
 import subprocess
@@ -190,6 +191,13 @@ def probe_env() -> list[dict[str, Any]]:
                 row["parsed"] = str(val) if val is not None and not isinstance(val, (bool, int, float)) else val
             except ValueError as e:
                 row["error"] = str(e)
+        if name == env.CACHE_DIR and raw and "error" not in row:
+            # what the other commands refuse before any work (exit 2); a library process falls back
+            from ..jit.cache.location import not_a_directory
+
+            problem = not_a_directory(Path(os.path.abspath(os.path.expanduser(raw))))
+            if problem:
+                row["error"] = f"{problem}: the other msa-jit commands refuse it, a library process falls back"
         out.append(row)
     return out
 
