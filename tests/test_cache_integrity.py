@@ -470,3 +470,22 @@ def test_a_read_only_cache_dir_is_still_read(tmp_path, capsys, cli_logging, monk
         assert rc == 0 and entry.key[:12] + " (ro)" in out, (out, err)
         rc, out, err = run_main(["cache", "verify", "--remove", "--cache-dir", str(ro)], capsys)
         assert rc == 2 and f"--cache-dir {ro}: cannot be used" in err and "read-only filesystem" in err, err
+
+
+def test_list_and_info_say_how_many_entries_they_cannot_show(tmp_path, capsys):
+    """An entry whose meta.json is damaged is not listed (nothing in it can be trusted); list and info say how
+    many there are and what removes them, so none is silently left out."""
+    root = tmp_path / "c"
+    c = ArtifactCache(root)
+    get(c, {"hq": 8})
+    entry, _ = get(c, {"hq": 16})
+    damaged = entry.path / cache.META_NAME
+    damaged.write_text(damaged.read_text()[:20])
+    assert c.unreadable_entries() == [entry.path]
+    rc, out, err = run_main(["cache", "list", "--cache-dir", str(root)], capsys)
+    assert rc == 0 and "1 entries in" in out and "1 unreadable entries" in out and "verify --remove" in out, err
+    rc, out, _ = run_main(["cache", "info", "--cache-dir", str(root), "--json", str(tmp_path / "i.json")], capsys)
+    assert rc == 0 and "1 unreadable entries" in out
+    assert json.loads((tmp_path / "i.json").read_text())["unreadable_entries"] == 1
+    assert run_main(["cache", "verify", "--remove", "--cache-dir", str(root)], capsys)[0] == 1
+    assert ArtifactCache(root).unreadable_entries() == []

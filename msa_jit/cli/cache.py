@@ -185,6 +185,14 @@ def _removal_doc(c: cache.ArtifactCache, removed: list[Path], before: dict[str, 
             "freed_bytes": freed}
 
 
+def _say_unreadable(c: cache.ArtifactCache, out: Any) -> None:
+    """A line for the entries a listing cannot show (their meta.json is damaged), so none is silently left out."""
+    bad = c.unreadable_entries()
+    if bad:
+        print(f"{len(bad)} unreadable entries (damaged meta.json), not listed: `msa-jit cache verify --remove` "
+              "removes them", file=out)
+
+
 def _refuse_fallback(c: cache.ArtifactCache, command: str, flags: str) -> int:
     """Exit 2 for a deletion the fallback root must not get: it is the per-user temp dir, which
     may hold other configurations' kernels; naming it with --cache-dir is asking for it."""
@@ -217,12 +225,14 @@ def run(args: argparse.Namespace) -> int:
              for r in rows],
         ), file=out)
         print(f"{len(rows)} entries in {where}", file=out)
+        _say_unreadable(c, out)
         if args.json:
             emit_json(args.json, rows)  # each row's path names its root (`cache info` says which that is)
         return 0
     if action == "info":
         entries = c.entries()
         info = {**_root_doc(c), "configured_source": _configured_source(args.cache_dir), "entries": len(entries),
+                "unreadable_entries": len(c.unreadable_entries()),
                 "size_bytes": c.size_bytes() if not c.ephemeral else 0, "cap_bytes": env.cache_max_bytes()}
         print(f"root:            {where}", file=out)
         if c.root != c.requested_root or c.ephemeral:
@@ -230,6 +240,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"fallback:        {info['fallback_reason'] or 'none (the configured root is used)'}", file=out)
         print(f"read-only roots: {', '.join(info['readonly_roots']) or 'none'}", file=out)
         print(f"entries:         {info['entries']}", file=out)
+        _say_unreadable(c, out)
         print(f"total size:      {human_size(info['size_bytes'])} ({info['size_bytes']} bytes)", file=out)
         print(f"cap:             {human_size(info['cap_bytes'])} ({env.CACHE_MAX_BYTES})", file=out)
         if args.json:

@@ -656,6 +656,18 @@ class ArtifactCache:
                     out[key] = CacheEntry(d, key, loaded[0], readonly=(root != self.root))
         return list(out.values())
 
+    def unreadable_entries(self) -> list[Path]:
+        """Entry directories whose meta.json cannot be read (what `entries` skips and `verify(remove=True)`
+        removes), writable root first."""
+        out: list[Path] = []
+        for root in (self.root, *self.readonly_roots):
+            for key, d in self._iter_entry_dirs(root):
+                try:
+                    read_meta(d, key)
+                except CorruptEntry:
+                    out.append(d)
+        return out
+
     def _fingerprint_mismatches(self, config: Mapping[str, Any], fingerprint: Mapping[str, Any],
                                 limit: int = 3) -> list[str]:
         """How the fingerprints of the cached entries of ``config`` differ from ``fingerprint`` (the
