@@ -18,7 +18,7 @@ triton, so the package imports it lazily.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import triton
@@ -31,6 +31,7 @@ except ImportError:  # pragma: no cover - older Triton: no early launch of the n
 
 __all__ = [
     "bind_refresh",
+    "check_refresh_arguments",
     "refresh_plan_tensors",
     "refresh_plan_tensors_torch",
     "refresh_plan_tensors_auto",
@@ -78,15 +79,45 @@ def _launch_dependents(wanted: bool) -> bool:
     return wanted and gdc_launch_dependents is not None and not kernel_is_interpreted()
 
 
+def check_refresh_arguments(seq_lens: Any, kv_lens: Any, qo_offset: Any, qlen: Any) -> None:
+    """ValueError / TypeError naming the argument unless seq_lens is [B] int32 and kv_lens, qo_offset are
+    contiguous [B * qlen] int32 on its device: the kernel trusts these (a longer kv_lens would read past
+    seq_lens on the GPU). The planner's own calls skip this: it built those tensors for that shape."""
+    if isinstance(qlen, bool) or not isinstance(qlen, int) or qlen < 1:
+        raise ValueError(f"qlen: expected an int >= 1, got {qlen!r}")
+    for name, t in (("seq_lens", seq_lens), ("kv_lens", kv_lens), ("qo_offset", qo_offset)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != torch.int32:
+            raise TypeError(f"{name}: expected dtype int32, got {t.dtype}")
+        if t.dim() != 1 or (name != "seq_lens" and not t.is_contiguous()):
+            raise ValueError(f"{name}: expected a contiguous 1-D tensor, got shape {list(t.shape)}")
+        if t.device != seq_lens.device:
+            raise ValueError(f"{name}: expected a tensor on {seq_lens.device} (seq_lens'), got {t.device}")
+    rows = seq_lens.numel() * qlen
+    if kv_lens.numel() != rows or qo_offset.numel() != rows:
+        raise ValueError(f"kv_lens / qo_offset: expected {rows} rows (seq_lens' {seq_lens.numel()} x qlen {qlen}), "
+                         f"got {kv_lens.numel()} / {qo_offset.numel()}")
+
+
 def refresh_plan_tensors(
     seq_lens: torch.Tensor, kv_lens: torch.Tensor, qo_offset: torch.Tensor, qlen: int,
     launch_dependents: bool = True,
 ) -> None:
     """Triton: write kv_lens [T] int32 and qo_offset [T] int32 from seq_lens [B] int32, in place.
 
-    T = kv_lens.numel() must equal B * qlen (not checked here; the planner guarantees it).
+    T = kv_lens.numel() must equal B * qlen (check_refresh_arguments).
     launch_dependents: signal PDL at the start (ignored under the interpreter).
     """
+    check_refresh_arguments(seq_lens, kv_lens, qo_offset, qlen)
+    _refresh_plan_tensors(seq_lens, kv_lens, qo_offset, qlen, launch_dependents)
+
+
+def _refresh_plan_tensors(
+    seq_lens: torch.Tensor, kv_lens: torch.Tensor, qo_offset: torch.Tensor, qlen: int,
+    launch_dependents: bool = True,
+) -> None:
+    """`refresh_plan_tensors` without the checks (the planner's plans, every step)."""
     num_rows = kv_lens.numel()
     if num_rows == 0:
         return
@@ -98,7 +129,14 @@ def refresh_plan_tensors(
 def refresh_plan_tensors_torch(
     seq_lens: torch.Tensor, kv_lens: torch.Tensor, qo_offset: torch.Tensor, qlen: int
 ) -> None:
-    """PyTorch version of `refresh_plan_tensors` (same results; allocates temporaries)."""
+    """PyTorch version of `refresh_plan_tensors` (same results, the same checks; allocates temporaries)."""
+    check_refresh_arguments(seq_lens, kv_lens, qo_offset, qlen)
+    _refresh_plan_tensors_torch(seq_lens, kv_lens, qo_offset, qlen)
+
+
+def _refresh_plan_tensors_torch(
+    seq_lens: torch.Tensor, kv_lens: torch.Tensor, qo_offset: torch.Tensor, qlen: int
+) -> None:
     num_rows = kv_lens.numel()
     batch = num_rows // qlen
     j = torch.arange(qlen, dtype=torch.int32, device=seq_lens.device)
@@ -113,9 +151,9 @@ def refresh_plan_tensors_auto(
 ) -> None:
     """Triton on CUDA (or on CPU under TRITON_INTERPRET=1), the torch path otherwise."""
     if seq_lens.is_cuda or kernel_is_interpreted():
-        refresh_plan_tensors(seq_lens, kv_lens, qo_offset, qlen, launch_dependents)
+        _refresh_plan_tensors(seq_lens, kv_lens, qo_offset, qlen, launch_dependents)
     else:
-        refresh_plan_tensors_torch(seq_lens, kv_lens, qo_offset, qlen)
+        _refresh_plan_tensors_torch(seq_lens, kv_lens, qo_offset, qlen)
 
 
 def _on_device_of(s: torch.Tensor) -> contextlib.AbstractContextManager:
@@ -167,12 +205,12 @@ def bind_refresh(
     def bound(s: torch.Tensor) -> None:
         ptr = s.data_ptr()
         if (ptr % 16 == 0) != aligned:
-            refresh_plan_tensors(s, kv_lens, qo_offset, qlen, pdl)
+            _refresh_plan_tensors(s, kv_lens, qo_offset, qlen, pdl)
         else:
             runner(ptr, kv_ptr, qo_ptr, num_rows, qlen, BLOCK_ROWS, pdl)
 
     want_kv, want_qo = kv_lens.clone(), qo_offset.clone()
-    refresh_plan_tensors_torch(seq_lens, want_kv, want_qo, qlen)
+    _refresh_plan_tensors_torch(seq_lens, want_kv, want_qo, qlen)
     try:
         kv_lens.fill_(-1)
         bound(seq_lens)

@@ -75,6 +75,25 @@ def test_prologue_writes_exactly_its_rows(batch, qlen):
     assert (kv[T:] == -99).all() and (qo[T:] == -99).all()
 
 
+def test_the_public_prologue_refuses_buffers_that_do_not_fit_seq_lens():
+    """refresh_plan_tensors is public: a kv_lens longer than seq_lens x qlen would have the kernel read
+    past seq_lens (on a GPU, out of bounds); an int64 seq_lens would be read as int32 pairs."""
+    prologue = _prologue()
+    seq = torch.tensor([5, 9], dtype=torch.int32)
+    kv, qo = torch.zeros(4, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
+    for fn in (prologue.refresh_plan_tensors, prologue.refresh_plan_tensors_torch):
+        with pytest.raises(ValueError, match=r"kv_lens / qo_offset: expected 2 rows"):
+            fn(seq, kv, qo, 1)
+        with pytest.raises(TypeError, match="seq_lens: expected dtype int32"):
+            fn(seq.long(), kv, qo, 2)
+        with pytest.raises(ValueError, match="qlen: expected an int >= 1"):
+            fn(seq, kv, qo, 0)
+        with pytest.raises(ValueError, match="kv_lens: expected a contiguous 1-D tensor"):
+            fn(seq, torch.zeros(8, dtype=torch.int32)[::2], qo, 2)
+    prologue.refresh_plan_tensors_torch(seq, kv, qo, 2)
+    assert kv.tolist() == [4, 5, 8, 9]
+
+
 def test_prepare_runs_the_triton_prologue(monkeypatch):
     prologue = _prologue()
 
