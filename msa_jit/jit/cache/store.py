@@ -49,22 +49,15 @@ from .errors import ArtifactMissingError, CacheError, CacheFallbackWarning, Cach
 from .key import KEY_RE, check_key, entry_key_problem, jsonable, make_key
 from .location import not_a_directory, pinned, preferred_root, resolve
 
-__all__ = [
-    "STALE_TMP_AGE_S",
-    "ArtifactCache",
-    "default_cache",
-    "disk_full_errno",
-    "disk_full_error",
-    "open_cache",
-    "reset_stats",
-    "stats",
-]
+__all__ = ["STALE_TMP_AGE_S", "ArtifactCache", "default_cache", "disk_full_errno", "disk_full_error", "open_cache",
+           "reset_stats", "stats"]
 
 log = logging.getLogger("msa_jit.jit.cache")
 
 STALE_TMP_AGE_S = 3600.0  # unrecognised files in tmp/ older than this are garbage
 _SHARD_RE = re.compile(r"\A[0-9a-f]{2}\Z")
 _LOCK_SUFFIX = ".lock"
+_DAMAGED = object()  # _read_entries' mark of an entry whose meta.json cannot be read
 _DISK_FULL = {errno.ENOSPC: "no space left on device (ENOSPC)", errno.EDQUOT: "disk quota exceeded (EDQUOT)"}
 # how a tool that reports through text (the linker's stderr, a DSL error) says the same
 _DISK_FULL_TEXT = re.compile(r"no space left on device|disk quota exceeded", re.IGNORECASE)
@@ -640,33 +633,28 @@ class ArtifactCache:
                 if KEY_RE.match(d.name) and d.name[:2] == shard.name:
                     yield d.name, d
 
-    def entries(self) -> list[CacheEntry]:
-        """Every complete entry (parseable meta.json; artifacts not checked),
-        writable root first, then the read-only roots."""
-        out: dict[str, CacheEntry] = {}
+    def _read_entries(self) -> Iterator[tuple[Path, str, Path, Any]]:
+        """(root, key, dir, read_meta's result: None while incomplete, _DAMAGED for a meta.json that cannot
+        be read) of every entry directory, writable root first, then the read-only roots."""
         for root in (self.root, *self.readonly_roots):
             for key, d in self._iter_entry_dirs(root):
-                if key in out:
-                    continue
                 try:
                     loaded = read_meta(d, key)
                 except CorruptEntry:
-                    continue
-                if loaded is not None:
-                    out[key] = CacheEntry(d, key, loaded[0], readonly=(root != self.root))
+                    loaded = _DAMAGED
+                yield root, key, d, loaded
+
+    def entries(self) -> list[CacheEntry]:
+        """Every complete entry (parseable meta.json; artifacts not checked), writable root first."""
+        out: dict[str, CacheEntry] = {}
+        for root, key, d, loaded in self._read_entries():
+            if key not in out and loaded is not None and loaded is not _DAMAGED:
+                out[key] = CacheEntry(d, key, loaded[0], readonly=(root != self.root))
         return list(out.values())
 
     def unreadable_entries(self) -> list[Path]:
-        """Entry directories whose meta.json cannot be read (what `entries` skips and `verify(remove=True)`
-        removes), writable root first."""
-        out: list[Path] = []
-        for root in (self.root, *self.readonly_roots):
-            for key, d in self._iter_entry_dirs(root):
-                try:
-                    read_meta(d, key)
-                except CorruptEntry:
-                    out.append(d)
-        return out
+        """Entry directories whose meta.json cannot be read: what `entries` skips, `verify(remove=True)` removes."""
+        return [d for _, _, d, loaded in self._read_entries() if loaded is _DAMAGED]
 
     def _fingerprint_mismatches(self, config: Mapping[str, Any], fingerprint: Mapping[str, Any],
                                 limit: int = 3) -> list[str]:
