@@ -7,7 +7,7 @@
 # also needs vLLM 0.33.0's files in .engine-src (a copy of tests/vllm_files.py's cache folder); plan_ab
 # times FlashInfer beside msa-jit's plans when .fi-bundle is carried (bench/peers/make_flashinfer_bundle.sh).
 #   bash bench/device_run.sh tests union_tests cluster_tests memcheck racecheck selftest bench host_path peers plan_ab plan_ab_nvfp4
-#   VARIANT=<name> bash bench/device_run.sh tree_ab   # A/B of a variant tree (bench/tree_ab.py; carry .variant-<name>)
+#   VARIANT=<name>[,<name>] bash bench/device_run.sh tree_ab   # variant trees against this one (bench/tree_ab.py)
 #   bash bench/device_run.sh suite      # then, in a second call: memcheck racecheck selftest
 # The six correctness steps do not fit one 600 s call even at once (on an H100, three concurrent streams
 # got ~85% through in 430 s: they share one GPU), so `suite` runs the GPU tests beside the union and
@@ -58,20 +58,26 @@ plan_ab() {  # plan_ab NAME ARGS...: bench/plan_ab.py into $OUT/NAME.json and NA
   done_step "$name" $?; tail -n 70 "$OUT/$name.log"
 }
 
-tree_ab() {  # bench/tree_ab.py's runs: this tree and .variant-$VARIANT alternately, AB_ROUNDS times each, FlashInfer
-  # beside both; each run capped at AB_STEP_S seconds (a run cut short keeps the rows it finished), all of them
-  # in $OUT/tree_ab.tar.gz
-  local v=${VARIANT:-} dir=$OUT/tree_ab rc bad=0
-  if [ -z "$v" ] || [ ! -d ".variant-$v" ]; then
-    echo "tree_ab: VARIANT=<name> and its .variant-<name> carried (python bench/tree_ab.py prepare <name> ...)"
+tree_ab() {  # bench/tree_ab.py's runs: this tree and each carried .variant-<name> of VARIANT (a comma list) in
+  # turn, AB_ROUNDS times, FlashInfer beside every run; each run capped at AB_STEP_S seconds (a run cut short keeps
+  # the rows it finished), all of them in $OUT/tree_ab.tar.gz
+  local dir=$OUT/tree_ab rc bad=0 trees=(base) v
+  local names=${VARIANT:-}
+  for v in ${names//,/ }; do trees+=("$v"); done
+  for v in "${trees[@]:1}"; do
+    [ -d ".variant-$v" ] || { echo "tree_ab: .variant-$v not carried (python bench/tree_ab.py prepare $v ...)"
+                              done_step tree_ab 2; return; }
+  done
+  if (( ${#trees[@]} < 2 )); then
+    echo "tree_ab: VARIANT=<name>[,<name>...] and each .variant-<name> carried (python bench/tree_ab.py prepare ...)"
     done_step tree_ab 2; return
   fi
   mkdir -p "$dir"
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$dir/gpu.txt"
   for round in $(seq 1 "${AB_ROUNDS:-2}"); do
-    for tree in base "$v"; do
+    for tree in "${trees[@]}"; do
       local src=$PWD cache=$PWD/.artifacts
-      [ "$tree" = base ] || { src=$PWD/.variant-$v; cache=$src/.artifacts; }
+      [ "$tree" = base ] || { src=$PWD/.variant-$tree; cache=$src/.artifacts; }
       ( set +u; [ -f .fi-bundle/setup.sh ] && source .fi-bundle/setup.sh >/dev/null
         cd "$src" && PYTHONPATH=$src:$PYTHONPATH MSA_JIT_CACHE_DIR=$cache timeout "$(limit "${AB_STEP_S:-120}")" \
           python3 -m msa_jit bench --out "$dir/$tree-$round" --baseline none --compare flashinfer --no-host \

@@ -57,7 +57,12 @@ echo "the tree itself: $tree MiB; each folder: $(for d in .gpu-bundle .artifacts
 echo "carry, by step (64 MiB a call, the tree included):"
 echo "  suite, memcheck, racecheck, selftest, bench: .gpu-bundle .artifacts .engine-src ($(size .gpu-bundle .artifacts .engine-src) MiB)"
 echo "  peers, plan_ab, plan_ab_nvfp4: .gpu-bundle .artifacts .engine-src .fi-bundle ($(size .gpu-bundle .artifacts .engine-src .fi-bundle) MiB)"
-for d in .variant-*; do
-  [ -d "$d" ] || continue
+variants=(); for d in .variant-*; do [ -d "$d" ] && variants+=("$d"); done
+for d in "${variants[@]}"; do
   echo "  VARIANT=${d#.variant-} tree_ab: .gpu-bundle .artifacts .fi-bundle $d ($(size .gpu-bundle .artifacts .fi-bundle "$d") MiB)"
 done
+if (( ${#variants[@]} > 1 )); then
+  names=$(printf '%s,' "${variants[@]#.variant-}")
+  echo "  VARIANT=${names%,} tree_ab (one base for all): .gpu-bundle .artifacts .fi-bundle ${variants[*]}" \
+       "($(size .gpu-bundle .artifacts .fi-bundle "${variants[@]}") MiB)"
+fi

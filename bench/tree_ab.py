@@ -6,14 +6,15 @@ FlashInfer, timed in every process on the same steps, is the anchor that takes o
 between processes. Both trees check every row's output against the float64 reference.
 
     python bench/tree_ab.py prepare l2 --patch bench/variants/l2-evict-first.patch   # here: .variant-l2/
-    VARIANT=l2 AB_GRID="--heads 64/4,16/1 --batch 4,16,128,256 --decode-query-len 1,4" \\
+    VARIANT=l2[,other] AB_GRID="--heads 64/4,16/1 --batch 4,16,128,256 --decode-query-len 1,4" \\
         bash bench/device_run.sh tree_ab                                              # GPU host: $OUT/tree_ab.tar.gz
     python bench/tree_ab.py report tree_ab.tar.gz [--json bench/results/<name>-ab-h100.json]
 
 `prepare NAME` writes `.variant-NAME/` (git-ignored): this checkout's tracked files at HEAD (or
 `--ref`), `--patch` applied, and its own warmed cache in `.variant-NAME/.artifacts` (its sources differ,
 so do its cache keys). Carry `.variant-NAME` beside .gpu-bundle, .artifacts and .fi-bundle.
-`report` reads the runs and prints, per point, both trees' per-layer time (mean over rounds, each
+Several variants share one call's base runs (VARIANT=a,b: base, a, b, base, a, b). `report` reads the
+runs and prints, per variant and point, both trees' per-layer time (mean over rounds, each
 round's figure), FlashInfer's in each, the variant's time over the base's, and the same ratio with
 each tree's time taken relative to FlashInfer in its own process; `--json` keeps it as data.
 
@@ -100,13 +101,20 @@ def _key(row: dict) -> tuple:
     return (row["geometry"], row["batch"], row["qlen"], row["shared_blocks"], row["q_dtype"], row["kv_dtype"])
 
 
-def compare(runs: dict[str, dict[int, dict]]) -> dict[str, Any]:
-    """Per point present in every run of both trees: each round's (msa-jit µs, FlashInfer µs, % of copy)
-    per tree, the variant's mean over the base's, the same relative to FlashInfer, and their geomeans."""
-    variants = [t for t in runs if t != BASE]
-    if BASE not in runs or len(variants) != 1:
-        raise ValueError(f"expected runs of {BASE!r} and one variant, got {sorted(runs)}")
-    variant = variants[0]
+def variants_of(runs: dict[str, dict[int, dict]]) -> list[str]:
+    """The variant trees of a tree_ab archive's runs, each to be compared with the base."""
+    variants = sorted(t for t in runs if t != BASE)
+    if BASE not in runs or not variants:
+        raise ValueError(f"expected runs of {BASE!r} and at least one variant, got {sorted(runs)}")
+    return variants
+
+
+def compare(runs: dict[str, dict[int, dict]], variant: str) -> dict[str, Any]:
+    """Per point present in every run of the base and `variant`: each round's (msa-jit µs, FlashInfer µs,
+    % of copy) per tree, the variant's mean over the base's, the same relative to FlashInfer, and their
+    geomeans."""
+    if variant not in variants_of(runs):
+        raise ValueError(f"no runs of the variant {variant!r} (the archive has {sorted(runs)})")
     per_tree: dict[str, dict[tuple, list]] = {}
     for tree in (BASE, variant):
         for rnd in sorted(runs[tree]):
@@ -190,19 +198,21 @@ def main(argv: list[str] | None = None) -> int:
                   f"VARIANT={a.name} bash bench/device_run.sh tree_ab")
             return 0
         runs, gpu = read_runs(a.archive)
-        cmp = compare(runs)
+        comparisons = [compare(runs, v) for v in variants_of(runs)]
     except (OSError, ValueError, RuntimeError, subprocess.CalledProcessError, tarfile.TarError) as e:
         print(f"tree_ab: {e}", file=sys.stderr)
         return 1
     print(gpu)
-    print(table(cmp))
+    for cmp in comparisons:
+        print(f"\n{cmp['variant']} against {BASE}:")
+        print(table(cmp))
     if a.json:
         env = next(iter(runs[BASE].values())).get("environment", {})
         a.json.write_text(json.dumps({"what": a.what, "device": gpu, "environment": env,
-                                      "method": "interleaved processes (base, variant, ...), each `msa-jit bench "
-                                                "--compare flashinfer` on the same grid; per point [msa-jit µs, "
-                                                "FlashInfer µs, % of copy] per round",
-                                      **cmp}, indent=1) + "\n")
+                                      "method": "interleaved processes (base, each variant, ...), each `msa-jit "
+                                                "bench --compare flashinfer` on the same grid; per point [msa-jit "
+                                                "µs, FlashInfer µs, % of copy] per round",
+                                      "comparisons": comparisons}, indent=1) + "\n")
     return 0
 
 

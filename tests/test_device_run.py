@@ -138,7 +138,10 @@ def test_tree_ab_step_alternates_the_trees_each_on_its_own_sources_and_cache(tmp
         tmp_path, '#!/bin/sh\necho "ran $* pwd=$PWD path=${PYTHONPATH%%:*} cache=$MSA_JIT_CACHE_DIR fi=${FI_SOURCED:-no}"\n')
     run = subprocess.run(["bash", "bench/device_run.sh", "tree_ab"], cwd=repo, env=dict(env, VARIANT="l2"),
                          capture_output=True, text=True, timeout=60)
-    assert run.returncode == 1 and "tree_ab: rc=2" in run.stdout and ".variant-<name> carried" in run.stdout
+    assert run.returncode == 1 and "tree_ab: rc=2" in run.stdout and ".variant-l2 not carried" in run.stdout
+    run = subprocess.run(["bash", "bench/device_run.sh", "tree_ab"], cwd=repo, env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 1 and "VARIANT=<name>[,<name>...]" in run.stdout
     (repo / ".variant-l2").mkdir()
     (repo / ".fi-bundle").mkdir()
     (repo / ".fi-bundle" / "setup.sh").write_text("export FI_SOURCED=1\n")
@@ -155,3 +158,20 @@ def test_tree_ab_step_alternates_the_trees_each_on_its_own_sources_and_cache(tmp
             f"--heads 8/1 --batch 1 pwd={variant} path={variant} cache={variant}/.artifacts fi=1") in logs["l2-2.log"]
     assert f"pwd={repo} path={repo} cache={repo}/.artifacts fi=1" in logs["base-1.log"]
     assert not (out / "tree_ab").exists()
+
+
+def test_tree_ab_step_runs_every_variant_beside_one_base(tmp_path):
+    """VARIANT=a,b: base, a, b in each round, one archive."""
+    import tarfile
+
+    repo, out, env = _fake_host(tmp_path, '#!/bin/sh\necho "ran $* pwd=$PWD"\n')
+    for v in ("a", "b"):
+        (repo / f".variant-{v}").mkdir()
+    run = subprocess.run(["bash", "bench/device_run.sh", "tree_ab"], cwd=repo, capture_output=True, text=True,
+                         env=dict(env, VARIANT="a,b", AB_ROUNDS="2"), timeout=60)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert [line.split(":")[0] for line in run.stdout.splitlines() if line.startswith("tree_ab ")] == [
+        "tree_ab base-1", "tree_ab a-1", "tree_ab b-1", "tree_ab base-2", "tree_ab a-2", "tree_ab b-2"]
+    with tarfile.open(out / "tree_ab.tar.gz") as tar:
+        logs = {Path(m.name).name: tar.extractfile(m).read().decode() for m in tar.getmembers() if m.isfile()}
+    assert f"pwd={repo / '.variant-b'}" in logs["b-2.log"]

@@ -86,7 +86,8 @@ def test_report_compares_the_points_every_run_reached(tmp_path, capsys):
         "l2-2": [_row("64/4", 128, 1, 96.0, 95.0 * 1.1)],  # cut short before 16/1
     })
     runs, gpu = tool.read_runs(archive)
-    cmp = tool.compare(runs)
+    assert tool.variants_of(runs) == ["l2"]
+    cmp = tool.compare(runs, "l2")
     assert gpu.startswith("NVIDIA H100") and cmp["variant"] == "l2" and cmp["rounds"] == {"base": 2, "l2": 2}
     [row] = cmp["rows"]
     assert (row["geometry"], row["batch"], row["qlen"]) == ("64/4", 128, 1)
@@ -99,7 +100,22 @@ def test_report_compares_the_points_every_run_reached(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "| 64/4 B=128 q1 | token/S1/C2/kernel | 100.00 | 96.00 |" in printed and "geomean l2 / base: 0.96" in printed
     saved = json.loads(out_json.read_text())
-    assert saved["what"] == "evict_first" and saved["geomean_variant_over_base"] == 0.96
+    assert saved["what"] == "evict_first" and saved["comparisons"][0]["geomean_variant_over_base"] == 0.96
+
+
+def test_two_variants_share_the_base_runs(tmp_path, capsys):
+    tool = _tool()
+    archive = tmp_path / "tree_ab.tar.gz"
+    _archive(archive, {"base-1": [_row("8/1", 1, 1, 5.0, 6.0)], "half-1": [_row("8/1", 1, 1, 4.0, 6.0)],
+                       "l2-1": [_row("8/1", 1, 1, 5.5, 6.0)]})
+    runs, _ = tool.read_runs(archive)
+    assert tool.variants_of(runs) == ["half", "l2"]
+    assert [tool.compare(runs, v)["geomean_variant_over_base"] for v in ("half", "l2")] == [0.8, 1.1]
+    assert tool.main(["report", str(archive)]) == 0
+    printed = capsys.readouterr().out
+    assert "half against base:" in printed and "l2 against base:" in printed
+    with pytest.raises(ValueError, match="no runs of the variant 'other'"):
+        tool.compare(runs, "other")
 
 
 def test_report_of_an_archive_without_both_trees_is_an_error(tmp_path, capsys):
@@ -107,4 +123,4 @@ def test_report_of_an_archive_without_both_trees_is_an_error(tmp_path, capsys):
     archive = tmp_path / "tree_ab.tar.gz"
     _archive(archive, {"base-1": [_row("8/1", 1, 1, 5.0, 6.0)]})
     assert tool.main(["report", str(archive)]) == 1
-    assert "expected runs of 'base' and one variant" in capsys.readouterr().err
+    assert "expected runs of 'base' and at least one variant" in capsys.readouterr().err
