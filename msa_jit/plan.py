@@ -51,7 +51,7 @@ class SparseDecodePlan:
     kv_lens, qo_offset: [T] int32, T = batch * qlen (refreshed every `prepare`).
     launches: cache format ("float8_e4m3fn", "nvfp4") -> its LaunchChoice (`launch(kv_dtype)`).
     partial_o: [T*Hkv*S, G, head_dim] fp32, partial_lse: [T*Hkv*S, G] fp32, S the larger factor
-    (split-KV workspace), lse_scratch: [T, Hq] fp32 (used when the caller wants no lse),
+    (split-KV workspace; one row when neither format splits), lse_scratch: [T, Hq] fp32 (used when the caller wants no lse),
     unit_scale: [1] fp32 = 1.0 (the kernel's scale tensor when the caller gives python floats).
     block_table / seq_lens: the tensors of the latest `prepare`.
     """

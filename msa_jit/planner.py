@@ -210,11 +210,18 @@ def _device_num_sms(device: torch.device) -> int:
     return DEFAULT_NUM_SMS
 
 
+def workspace_rows(num_tokens: int, num_kv_heads: int, num_splits: int) -> int:
+    """Rows of a plan's split-KV workspace (partial_o, partial_lse): T * Hkv * num_splits, or one row when no
+    cache format's launch splits, which never touches it (an engine holds a plan per CUDA-graph batch size:
+    full-size rows there came to ~0.3 GiB for 64/4 over vLLM's capture sizes)."""
+    return num_tokens * num_kv_heads * num_splits if num_splits > 1 else 1
+
+
 def workspace_bytes(num_tokens: int, num_q_heads: int, num_kv_heads: int, num_splits: int) -> int:
     """Bytes a plan allocates for T = num_tokens (kv_lens, qo_offset, partial_o, partial_lse,
     lse_scratch, unit_scale: the shapes of SparseDecodePlan's fields)."""
     g = num_q_heads // num_kv_heads
-    rows = num_tokens * num_kv_heads * num_splits
+    rows = workspace_rows(num_tokens, num_kv_heads, num_splits)
     return 4 * (2 * num_tokens + rows * g * HEAD_DIM + rows * g + num_tokens * num_q_heads + 1)
 
 
@@ -479,8 +486,8 @@ class SparseDecodePlanner:
             tensors = dict(
                 kv_lens=torch.zeros(T, dtype=torch.int32, device=device),
                 qo_offset=torch.zeros(T, dtype=torch.int32, device=device),
-                partial_o=torch.empty(T * hkv * work_splits, G, HEAD_DIM, **f32),
-                partial_lse=torch.empty(T * hkv * work_splits, G, **f32),
+                partial_o=torch.empty(workspace_rows(T, hkv, work_splits), G, HEAD_DIM, **f32),
+                partial_lse=torch.empty(workspace_rows(T, hkv, work_splits), G, **f32),
                 lse_scratch=torch.empty(T, hq, **f32),
                 unit_scale=torch.ones(1, **f32),
             )

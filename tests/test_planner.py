@@ -193,10 +193,24 @@ def test_plan_fields_and_workspace_shapes():
     assert p.launch("nvfp4").num_splits == choose_num_splits(T * 2, 4, 8, "nvfp4") == p.launch("nvfp4").num_splits
     S = max(p.launch().num_splits, p.launch("nvfp4").num_splits)  # one workspace serves both cache formats
     assert p.kv_lens.dtype == p.qo_offset.dtype == torch.int32 and p.kv_lens.shape == (T,)
-    assert p.partial_o.shape == (T * 2 * S, G, 128) and p.partial_o.dtype == torch.float32
-    assert p.partial_lse.shape == (T * 2 * S, G) and p.partial_lse.dtype == torch.float32
+    rows = T * 2 * S if S > 1 else 1  # a workspace only where some format splits
+    assert p.partial_o.shape == (rows, G, 128) and p.partial_o.dtype == torch.float32
+    assert p.partial_lse.shape == (rows, G) and p.partial_lse.dtype == torch.float32
     assert p.lse_scratch.shape == (T, 4) and p.lse_scratch.dtype == torch.float32
     assert p.key in planner.plans and planner.plans[p.key] is p
+
+
+def test_an_unsplit_plan_holds_no_split_workspace():
+    """Neither format splits (64/4 B=256 on 132 SMs): one row, not T*Hkv (an engine keeps a plan per
+    CUDA-graph batch size); a split plan keeps T*Hkv*S rows."""
+    planner = SparseDecodePlanner(num_sms=132, arch="sm_90a")
+    big = planner.prepare(*make_case(256, 1, 64, 4, q_dtype=torch.bfloat16, seed=1).prepare_args(),
+                          num_q_heads=64, num_kv_heads=4, page_size=128, topk_blocks=16)
+    assert big.launch().num_splits == big.launch("nvfp4").num_splits == 1
+    assert big.partial_o.shape == (1, 16, 128) and big.partial_lse.shape == (1, 16)
+    small = planner.prepare(*make_case(2, 1, 64, 4, q_dtype=torch.bfloat16, seed=1).prepare_args(),
+                            num_q_heads=64, num_kv_heads=4, page_size=128, topk_blocks=16)
+    assert small.launch().num_splits == 16 and small.partial_o.shape == (2 * 4 * 16, 16, 128)
 
 
 def test_different_keys_different_plans():
