@@ -106,7 +106,7 @@ VARIABLES: dict[str, str] = {
         "nothing (it logs one line saying so)."
     ),
     VLLM_SM100: (
-        "Bool, default 0. 1: on compute capability 10.x the vLLM plugin also routes MiniMax-M3 "
+        "Bool, default 0. 1: on compute capability 10.0 (B200) the vLLM plugin also routes MiniMax-M3 "
         "decode through msa-jit; by default vLLM keeps its own fmha_sm100 path there."
     ),
 }

@@ -103,12 +103,43 @@ def test_sm100_needs_the_opt_in(monkeypatch, caplog):
 
 
 @needs_engine
-@pytest.mark.parametrize("capability,expect", [((8, 0), "msa-jit serves 9.x and 10.x"),
-                                               ((12, 0), "msa-jit serves 9.x and 10.x"),
+@pytest.mark.parametrize("capability,expect", [((8, 0), "compute capability 8.0 is below 9.0"),
+                                               ((12, 0), "compute capability 12.0: arch"),
+                                               ((10, 3), "compute capability 10.3: arch"),
                                                (None, "not a CUDA platform")])
 def test_other_devices_are_left_alone(monkeypatch, caplog, capability, expect):
     ns = vs.install(monkeypatch, capability=capability)
     assert expect in _register(caplog) and _untouched(ns)
+    assert caplog.records[-1].levelno == logging.INFO
+
+
+@needs_engine
+def test_an_opt_in_for_a_blackwell_msa_jit_does_not_build_for_is_a_warning(monkeypatch, caplog):
+    """A B300 (10.3) with MSA_JIT_VLLM_SM100=1: sm_100a code does not run there, so nothing is patched
+    (the first decode would have failed: no build for sm_103a), and the refused opt-in is a WARNING."""
+    ns = vs.install(monkeypatch, capability=(10, 3))
+    monkeypatch.setenv(env.VLLM_SM100, "1")
+    line = _register(caplog)
+    assert "compute capability 10.3" in line and "sm_100a" in line and "nothing patched" in line and _untouched(ns)
+    assert caplog.records[-1].levelno == logging.WARNING
+
+
+@needs_engine
+def test_an_engine_module_that_cannot_be_imported_is_a_warning(monkeypatch, caplog):
+    """The vLLM it knows on a GPU it serves, but the MiniMax-M3 module fails to import: a broken install a
+    deployment should see (INFO lines reach no handler while vLLM loads its plugins)."""
+    ns = vs.install(monkeypatch, capability=(9, 0))
+    real_import = vllm_plugin.importlib.import_module
+
+    def failing(name, *a, **k):
+        if name == vllm_plugin.MSA_MODULE:
+            raise ImportError("no module named flash_mla")
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(vllm_plugin.importlib, "import_module", failing)
+    line = _register(caplog)
+    assert "cannot be imported (no module named flash_mla); nothing patched" in line and _untouched(ns)
+    assert caplog.records[-1].levelno == logging.WARNING
 
 
 @needs_engine

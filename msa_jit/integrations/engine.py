@@ -20,8 +20,9 @@ Differences from the engine's module, all widening what it accepts:
   cannot fill the GPU, so `should_prepare_decode_metadata(..., min_batch_size=None)` accepts every
   batch >= 1; an int `min_batch_size` (vLLM: `VLLM_MINIMAX_M3_MSA_CUTLASS_MIN_BATCH`) is honoured,
   except for an NVFP4 cache, which has no fallback (as in the engine).
-* Devices: compute capability 9.x (H100/H200) and 10.x (B200/B300), and any later one (the
-  engine: 10.x only). Not 8.x: the portable mma.sync kernel streams KV with `cp.async.bulk`
+* Devices: the compute capabilities msa-jit builds for, 9.0 (H100/H200, sm_90a) and 10.0 (B200,
+  sm_100a; the engine: 10.x only). Not 10.3 (B300) or later: arch-specific code runs on its own
+  capability only, and msa-jit builds none for them. Not 8.x: the portable mma.sync kernel streams KV with `cp.async.bulk`
   completing on an mbarrier (msa_jit/kernels/ptx.py `bulk_copy_g2s`), which needs SM90+.
 * `decode_backend`: "cutlass" (the engine's name for this path) or "msa_jit"; an NVFP4 cache
   takes this path whatever the backend (as in the engine).
@@ -52,7 +53,7 @@ from typing import Any
 
 import torch
 
-from ..geometry import HEAD_DIM, MAX_QLEN, MIN_QLEN, supports
+from ..geometry import HEAD_DIM, MAX_QLEN, MIN_QLEN, arch_problem, supports
 from ..nvfp4 import NVFP4_ROW_BYTES, nvfp4_kv_cache_slots, nvfp4_kv_cache_views
 from ..op import sparse_decode
 from ..plan import SparseDecodePlan
@@ -77,7 +78,8 @@ __all__ = [
 
 DECODE_BACKENDS = ("cutlass", "msa_jit")
 KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
-# cp.async.bulk + mbarrier expect_tx in the kernel's data path need SM90 (see module doc).
+# cp.async.bulk + mbarrier expect_tx in the kernel's data path need SM90 (see module doc); above it, only the
+# capabilities msa-jit builds for (capability_problem)
 MIN_CAPABILITY = (9, 0)
 # The engine's batch floor, kept at 1 for code that imports it: no crossover to guard.
 _MIN_CUTLASS_BATCH_SIZE = 1
@@ -194,6 +196,15 @@ def _default_cache() -> MSACutlassDecodePlanCache:
     return _DEFAULT_CACHE
 
 
+def capability_problem(cap: tuple[int, int]) -> str | None:
+    """Why msa-jit cannot serve a GPU of compute capability `cap` (None when it can): its arch-specific
+    ("a") builds run on their own capability only, so a 10.3 GPU is not served by sm_100a code."""
+    if tuple(cap) < MIN_CAPABILITY:
+        return f"compute capability {cap[0]}.{cap[1]} is below {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}"
+    problem = arch_problem(f"sm_{cap[0]}{cap[1]}a")
+    return None if problem is None else f"compute capability {cap[0]}.{cap[1]}: {problem}"
+
+
 def _device_capability() -> tuple[int, int] | None:
     """(major, minor) of the current CUDA device, None without CUDA (tests monkeypatch this)."""
     if not torch.cuda.is_available():
@@ -229,7 +240,7 @@ def supports_cutlass_sparse_decode(
     """Return whether static model geometry supports the msa_jit sparse decode kernel.
 
     True for decode_backend "cutlass" / "msa_jit" (any backend for an NVFP4 cache), a CUDA
-    device of capability >= 9.0 (9.x and 10.x are the targets), kv_cache_dtype "fp8" /
+    device of a capability msa-jit builds for (9.0, 10.0: `capability_problem`), kv_cache_dtype "fp8" /
     "fp8_e4m3" or NVFP4 (`is_nvfp4_kv_cache`) and a head / page / topk geometry that
     `msa_jit.supports` accepts.
     """
@@ -238,7 +249,7 @@ def supports_cutlass_sparse_decode(
     return (
         (decode_backend in DECODE_BACKENDS or nvfp4)
         and cap is not None
-        and cap >= MIN_CAPABILITY
+        and capability_problem(cap) is None
         and (kv_cache_dtype in KV_CACHE_DTYPES or nvfp4)
         and bool(supports(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                           page_size=page_size, topk_blocks=topk_blocks))

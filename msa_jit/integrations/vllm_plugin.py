@@ -301,16 +301,18 @@ def _apply() -> str:
     cap = _capability()
     if isinstance(cap, str):
         return f"{_PREFIX} {cap}; nothing patched"
+    problem = engine.capability_problem(cap)
+    if problem:  # an opt-in for it was asked for and cannot be honoured: a deployment should see that
+        line = f"{_PREFIX} {problem}; nothing patched"
+        return _Unserved(line) if cap[0] >= 10 and env.vllm_sm100() else line
     if cap[0] == 10 and not env.vllm_sm100():
         return (f"{_PREFIX} compute capability {cap[0]}.{cap[1]}: vLLM's own fmha_sm100 path kept "
                 f"({env.VLLM_SM100}=1 routes its decode through msa-jit); nothing patched")
-    if cap[0] not in (9, 10):
-        return f"{_PREFIX} compute capability {cap[0]}.{cap[1]}: msa-jit serves 9.x and 10.x; nothing patched"
     try:
         msa = importlib.import_module(MSA_MODULE)
         common = importlib.import_module(COMMON_MODULE)
-    except ImportError as e:
-        return f"{_PREFIX} {MSA_MODULE} cannot be imported ({e}); nothing patched"
+    except ImportError as e:  # the vLLM it knows, on a GPU it serves: a broken install, not a choice
+        return _Unserved(f"{_PREFIX} {MSA_MODULE} cannot be imported ({e}); nothing patched")
     applied = getattr(msa, _APPLIED, None)
     if applied:
         return f"{_PREFIX} already applied ({applied})"
