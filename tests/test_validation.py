@@ -748,16 +748,20 @@ def test_a_cpu_plan_checks_seq_lens_itself(batch):
                 fresh.prepare(c.block_table, sl, slc, 1, **c.prepare_kwargs())
 
 
-def test_huge_batch_is_a_value_error_with_the_bytes():
+def test_huge_batch_is_a_value_error_with_the_bytes(monkeypatch):
     """The plan's workspace is computed before anything is allocated: a batch whose workspace
     exceeds the device's memory is a ValueError naming batch*qlen and the bytes."""
+    from msa_jit import planner
     from msa_jit.planner import workspace_bytes
 
-    batch, qlen = 1 << 20, 32  # T = 2**25 tokens; 64/4 needs ~1 TiB of partial_o
+    # a device of 1 GiB (stand-in for the memory query): an unsplit plan's workspace is its lse scratch,
+    # T * Hq * 4 bytes, so exceeding this machine's real memory would need a seq_lens of gigabytes
+    monkeypatch.setattr(planner, "_memory_bytes", lambda device: 1 << 30)
+    batch, qlen = 1 << 20, 32  # T = 2**25 tokens: ~8.6 GB of lse scratch for 64/4
     seq_lens = torch.full((batch,), 64, dtype=torch.int32)
     block_table = torch.zeros(batch, 1, dtype=torch.int32)
     need = workspace_bytes(batch * qlen, 64, 4, 1)
-    assert need > 1 << 40
+    assert need > 8 << 30
     with pytest.raises(ValueError, match=rf"^seq_lens: batch\*qlen = {batch * qlen} tokens need .* {need} bytes"):
         SparseDecodePlanner().prepare(block_table, seq_lens, None, qlen, num_q_heads=64, num_kv_heads=4,
                                       page_size=128, topk_blocks=16)
