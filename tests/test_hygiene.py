@@ -39,6 +39,10 @@ ALLOWED_RESULTS = frozenset({
     # the 4-CTA build at T·Hkv = 512 beside today's builds and FlashInfer (bench/plan_ab.py, H100; the build
     # itself is not part of msa-jit: docs/performance.md says why)
     "bench/results/four-cta-ab-h100.json",
+    # every split count of today's builds at T·Hkv = 4-32 beside FlashInfer (bench/plan_ab.py, H100)
+    "bench/results/plan-sweep-h100.json",
+    # the two bench/variants against the shipped kernels, FlashInfer in every process (bench/tree_ab.py, H100)
+    "bench/results/variants-ab-h100.json",
 })
 
 # Text files not scanned for diary references: the result files (data written by `msa-jit bench`,
