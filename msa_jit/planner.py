@@ -51,6 +51,14 @@ ONE_SPLIT_FILL = {"float8_e4m3fn": 1 / 2, "nvfp4": 0.7}
 # power-of-two split count (at most geometry.MAX_CLUSTER_SPLITS) whose grid is at most one CTA per SM (with the dims-split cluster build, 3-15% per layer faster than two waves and the merge kernel at
 # T*Hkv = 12-40 on an H100).
 CLUSTER_WAVE_FORMATS = ("float8_e4m3fn",)
+# Within that wave, fewer and longer splits where the grid stays at least SPLIT_MIN_CTAS CTAs and a split
+# holds at most SPLIT_MAX_BLOCKS blocks: each CTA's later blocks then arrive while it computes the earlier
+# ones, and the merge takes fewer partials. Measured on an H100 beside FlashInfer (bench/results/
+# plan-sweep-h100.json): T*Hkv = 16 at 4 splits 1.8-8.0% faster than at 8 (6 points, 4 geometries), T*Hkv
+# = 8 at 8 splits 3.7% faster than at 16; 48 CTAs (T*Hkv = 12 at 4) and 8 blocks a split (T*Hkv = 32 at 2)
+# were slower.
+SPLIT_MIN_CTAS = 64
+SPLIT_MAX_BLOCKS = 4
 _Tensor, _I32 = torch.Tensor, torch.int32
 
 
@@ -77,9 +85,10 @@ def choose_num_splits(num_rows_heads: int, topk_blocks: int, num_sms: int, kv_dt
     "How many splits"), one CTA per (token, head) streaming its 16 blocks beats the 3-4 splits of two waves by 8-20%
     per layer there. Below that an fp8 cache (CLUSTER_WAVE_FORMATS) takes one wave of splits merged in
     the cluster when the cluster merge can take them (`cluster_merge`: the 2-CTA build on an arch that
-    has it, the merge not turned off): the largest power of two with T*Hkv*splits <= num_sms, at most
-    topk_blocks and MAX_CLUSTER_SPLITS, when it stays a power of two once normalized (on 132 SMs with 16
-    blocks: 16 splits at T*Hkv <= 8, 8 at 9-16, 4 at 17-33, 2 at 34-66), which beat the two-wave plans by
+    has it, the merge not turned off): a power of two with T*Hkv*splits <= num_sms, the fewest that keep
+    at least SPLIT_MIN_CTAS CTAs of at most SPLIT_MAX_BLOCKS blocks each, at most topk_blocks and
+    MAX_CLUSTER_SPLITS, when it stays a power of two once normalized (on 132 SMs with 16 blocks: 16
+    splits at T*Hkv <= 7, 8 at 8-15, 4 at 16-33, 2 at 34-66), which beat the two-wave plans by
     4-13% at T*Hkv = 48-64 and, with the dims-split cluster build, by 3-15% at 12-40;
     two splits merged by the merge kernel were 0.94-1.19x (NVFP4's heavier math per block wants the 3-CTA
     build's warps longer, and its cluster build keeps the key split). Otherwise the smallest factor
@@ -100,10 +109,18 @@ def choose_num_splits(num_rows_heads: int, topk_blocks: int, num_sms: int, kv_dt
             return 1
         if cluster_merge and kv_dtype in CLUSTER_WAVE_FORMATS:  # num_sms // num_rows_heads >= 2 here
             one_wave = 1 << ((num_sms // num_rows_heads).bit_length() - 1)
-            splits = _normalized(min(one_wave, topk_blocks, MAX_CLUSTER_SPLITS), topk_blocks)
+            enough_ctas = _pow2_at_least(-(-SPLIT_MIN_CTAS // num_rows_heads))
+            short_splits = _pow2_at_least(-(-topk_blocks // SPLIT_MAX_BLOCKS))
+            splits = _normalized(min(one_wave, max(enough_ctas, short_splits), topk_blocks, MAX_CLUSTER_SPLITS),
+                                 topk_blocks)
             if splits & (splits - 1) == 0:  # else (a topk that is no power of two) it may not merge in the cluster
                 return splits
     return _normalized(min(topk_blocks, -(-TARGET_WAVES * num_sms // num_rows_heads)), topk_blocks)
+
+
+def _pow2_at_least(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 << max(0, (n - 1).bit_length())
 
 
 def choose_ctas_per_sm(grid_ctas: int, num_sms: int, supported: tuple[int, ...] = (2,),

@@ -74,10 +74,10 @@ def test_planner_picks_cluster_by_default_and_not_when_pinned_off():
     # the edge of the cluster zone: T*Hkv = 66 (16/2 B=33) in 2 splits is 132 CTAs, exactly one per SM
     plan = _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 33, hq=16, hkv=2)
     assert (plan.launch().num_splits, plan.launch().ctas_per_sm, plan.launch().split_merge) == (2, 2, "cluster")
-    # 64/4 B=4 (16 rows): fp8 in one wave of 8 splits = 128 CTAs merged in the cluster; NVFP4 in 16
+    # 64/4 B=4 (16 rows): fp8 in 4 splits = 64 CTAs of 4 blocks merged in the cluster; NVFP4 in 16
     # splits = 256 CTAs, 3 per SM, the merge kernel
     plan = _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a"), 4)
-    assert (plan.launch().num_splits, plan.launch().ctas_per_sm, plan.launch().split_merge) == (8, 2, "cluster")
+    assert (plan.launch().num_splits, plan.launch().ctas_per_sm, plan.launch().split_merge) == (4, 2, "cluster")
     assert (plan.launch("nvfp4").num_splits, plan.launch("nvfp4").ctas_per_sm, plan.launch("nvfp4").split_merge) == (16, 3, "kernel")
     # 64/4 B=8 (32 rows): 4 splits = 128 CTAs; 64/4 B=9 (36 rows): 2 splits = 72 CTAs, both in the cluster
     for batch, splits in ((8, 4), (9, 2)):
@@ -89,7 +89,7 @@ def test_planner_picks_cluster_by_default_and_not_when_pinned_off():
     for batch, hq, hkv in ((4, 64, 4), (16, 8, 1)):
         plan = _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a", ctas_per_sm=2), batch, hq=hq, hkv=hkv)
         assert plan.launch().ctas_per_sm == 2 and plan.launch("nvfp4").num_splits > 1 and batch * hkv * plan.launch("nvfp4").num_splits > 132
-        assert (plan.launch().num_splits, plan.launch().split_merge, plan.launch("nvfp4").split_merge) == (8, "cluster", "kernel"), (batch, hq, hkv)
+        assert (plan.launch().num_splits, plan.launch().split_merge, plan.launch("nvfp4").split_merge) == (4, "cluster", "kernel"), (batch, hq, hkv)
     plan = _prepare(SparseDecodePlanner(num_sms=132, arch="sm_90a", ctas_per_sm=2, split_merge="cluster"), 16)
     assert (plan.launch().split_merge, plan.launch("nvfp4").split_merge) == ("cluster", "cluster")
     # at one CTA per SM the 2-CTA pin takes it (8/1 B=8: 8 x 16 = 128 CTAs)

@@ -210,7 +210,7 @@ def test_an_unsplit_plan_holds_no_split_workspace():
     assert big.partial_o.shape == (1, 16, 128) and big.partial_lse.shape == (1, 16)
     small = planner.prepare(*make_case(2, 1, 64, 4, q_dtype=torch.bfloat16, seed=1).prepare_args(),
                             num_q_heads=64, num_kv_heads=4, page_size=128, topk_blocks=16)
-    assert small.launch().num_splits == 16 and small.partial_o.shape == (2 * 4 * 16, 16, 128)
+    assert small.launch().num_splits == 8 and small.partial_o.shape == (2 * 4 * 16, 16, 128)  # NVFP4's 16
 
 
 def test_different_keys_different_plans():
@@ -290,9 +290,11 @@ def test_choose_num_splits_examples():
     assert choose_num_splits(1, 16, 132) == 16
     assert choose_num_splits(4, 16, 132) == 16
     # fp8 with the cluster merge: one wave of power-of-two splits
-    assert choose_num_splits(8, 16, 132) == 16      # 128 CTAs
-    assert choose_num_splits(9, 16, 132) == 8 == choose_num_splits(16, 16, 132)
-    assert choose_num_splits(17, 16, 132) == 4 == choose_num_splits(33, 16, 132)  # 132 CTAs
+    assert choose_num_splits(7, 16, 132) == 16      # 112 CTAs: 8 splits would leave 56
+    # fewer, longer splits while >= SPLIT_MIN_CTAS CTAs of <= SPLIT_MAX_BLOCKS blocks (plan-sweep-h100.json)
+    assert choose_num_splits(8, 16, 132) == 8 == choose_num_splits(15, 16, 132)  # 64 CTAs of 2 blocks
+    assert choose_num_splits(16, 16, 132) == 4 == choose_num_splits(33, 16, 132)  # 64 CTAs of 4, 132 CTAs
+    assert choose_num_splits(32, 16, 132) == 4      # not 2: 64 CTAs of 8 blocks were slower
     assert choose_num_splits(34, 16, 132) == 2 == choose_num_splits(66, 16, 132)  # 132 CTAs: one per SM
     # a topk that is no power of two: one wave only where it normalizes to a power of two (its rows fit the
     # cluster merge at every G), else the two-wave rule
@@ -324,7 +326,7 @@ def test_choose_num_splits_examples():
 
 
 @pytest.mark.parametrize("T,fp8,nvfp4", [(12, (2, "cluster"), (6, "kernel")), (22, (1, "kernel"), (3, "kernel")),
-                                         (2, (16, "cluster"), (16, "cluster"))])
+                                         (2, (8, "cluster"), (16, "cluster"))])
 def test_plan_takes_each_formats_split_count(T, fp8, nvfp4):
     """64/4 on 132 SMs: T*Hkv = 48 / 88 / 8 split per cache format, each with its own merge."""
     planner = SparseDecodePlanner(num_sms=132, arch="sm_90a")
@@ -365,7 +367,7 @@ def test_choose_ctas_per_sm_examples():
         [2, 2, 3, 3, 3, 2, 2, 2]
 
 
-@pytest.mark.parametrize("batch,splits,ctas", [(1, 16, 2), (4, 8, 2), (8, 4, 2), (16, 2, 2), (22, 1, 2), (64, 1, 3), (80, 1, 3),
+@pytest.mark.parametrize("batch,splits,ctas", [(1, 16, 2), (4, 4, 2), (8, 4, 2), (16, 2, 2), (22, 1, 2), (64, 1, 3), (80, 1, 3),
                                                (128, 1, 2), (256, 1, 2)])
 def test_planner_picks_occupancy_per_step_shape(batch, splits, ctas):
     bt = torch.zeros(batch, 8, dtype=torch.int32, device=DEV)
