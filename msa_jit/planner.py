@@ -15,7 +15,7 @@ import contextlib
 import functools
 import os
 import threading
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 
@@ -269,6 +269,13 @@ def check_workspace(num_tokens: int, num_q_heads: int, num_kv_heads: int, num_sp
         )
 
 
+def _ctas_per_sm_allowed(ctas_per_sm: Any, kernel: str | None) -> tuple[int, ...] | None:
+    """The occupancies the `kernel`'s builds have when `ctas_per_sm` is not one of them (None when it is).
+    type() is int: 2.0 == 2 and True == 1 would pass `in` and reach a launch as a float or bool."""
+    allowed = UNION_CTAS_PER_SM if kernel == "union" else CTAS_PER_SM
+    return None if type(ctas_per_sm) is int and ctas_per_sm in allowed else allowed
+
+
 def _checked_pins(launches: Mapping[str, LaunchChoice] | None, kernel: str | None, ctas_per_sm: int | None,
                   split_merge: str | None) -> dict[str, LaunchChoice]:
     """SparseDecodePlanner's `launches` pins as a dict, checked as far as no geometry is needed."""
@@ -290,8 +297,8 @@ def _checked_pins(launches: Mapping[str, LaunchChoice] | None, kernel: str | Non
             raise ValueError(f"launches[{fmt!r}]: kernel must be one of {KERNELS}, got {pin.kernel!r}")
         if pin.split_merge not in SPLIT_MERGES:
             raise ValueError(f"launches[{fmt!r}]: split_merge must be one of {SPLIT_MERGES}, got {pin.split_merge!r}")
-        allowed = UNION_CTAS_PER_SM if pin.kernel == "union" else CTAS_PER_SM
-        if type(pin.ctas_per_sm) is not int or pin.ctas_per_sm not in allowed:
+        allowed = _ctas_per_sm_allowed(pin.ctas_per_sm, pin.kernel)
+        if allowed is not None:
             raise ValueError(f"launches[{fmt!r}]: ctas_per_sm must be one of {allowed} for the {pin.kernel} kernel, "
                              f"got {pin.ctas_per_sm!r}")
     return out
@@ -340,9 +347,8 @@ class SparseDecodePlanner:
             raise ValueError(f"kernel must be None or one of {KERNELS}, got {kernel!r}")
         if split_merge is not None and split_merge not in SPLIT_MERGES:
             raise ValueError(f"split_merge must be None or one of {SPLIT_MERGES}, got {split_merge!r}")
-        allowed = UNION_CTAS_PER_SM if kernel == "union" else CTAS_PER_SM
-        # type() is int: 2.0 == 2 and True == 1 would pass `in allowed` and reach a launch as a float or bool
-        if ctas_per_sm is not None and (type(ctas_per_sm) is not int or ctas_per_sm not in allowed):
+        allowed = None if ctas_per_sm is None else _ctas_per_sm_allowed(ctas_per_sm, kernel)
+        if allowed is not None:
             raise ValueError(f"ctas_per_sm must be None or one of {allowed}"
                              f"{' for the union kernel' if kernel == 'union' else ''}, got {ctas_per_sm!r}")
         if num_sms is not None and (type(num_sms) is not int or num_sms < 1):
@@ -498,13 +504,14 @@ class SparseDecodePlanner:
             launches[fmt] = pin
         work_splits = max(c.num_splits for c in launches.values())  # one workspace serves both formats
         check_workspace(T, hq, hkv, work_splits, device)
+        rows = workspace_rows(T, hkv, work_splits)
         f32 = dict(dtype=torch.float32, device=device)
         try:
             tensors = dict(
                 kv_lens=torch.zeros(T, dtype=torch.int32, device=device),
                 qo_offset=torch.zeros(T, dtype=torch.int32, device=device),
-                partial_o=torch.empty(workspace_rows(T, hkv, work_splits), G, HEAD_DIM, **f32),
-                partial_lse=torch.empty(workspace_rows(T, hkv, work_splits), G, **f32),
+                partial_o=torch.empty(rows, G, HEAD_DIM, **f32),
+                partial_lse=torch.empty(rows, G, **f32),
                 lse_scratch=torch.empty(T, hq, **f32),
                 unit_scale=torch.ones(1, **f32),
             )
