@@ -53,6 +53,7 @@ from typing import Any
 
 import torch
 
+from ..arguments import check_dim, check_dtype, check_tensor
 from ..geometry import HEAD_DIM, MAX_QLEN, MIN_QLEN, arch_problem, supports
 from ..nvfp4 import NVFP4_ROW_BYTES, nvfp4_kv_cache_slots, nvfp4_kv_cache_views
 from ..op import sparse_decode
@@ -501,16 +502,12 @@ def msa_sparse_prefill(
         raise ValueError(f"chunk_tokens: expected an int >= 1, got {chunk_tokens!r}")
     for name, t in (("query", query), ("topk", topk), ("output", output), ("block_table", block_table),
                     ("cu_seqlens_q", cu_seqlens_q), ("context_lens", context_lens)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if query.dim() != 3:
-        raise ValueError(f"query: expected a 3-D tensor [N, Hq, 128], got shape {list(query.shape)}")
-    for name, t, ndim in (("block_table", block_table, 2), ("cu_seqlens_q", cu_seqlens_q, 1),
-                          ("context_lens", context_lens, 1)):
-        if t.dtype != torch.int32:
-            raise TypeError(f"{name}: expected dtype int32, got {t.dtype}")
-        if t.dim() != ndim:
-            raise ValueError(f"{name}: expected a {ndim}-D tensor, got shape {list(t.shape)}")
+        check_tensor(name, t)
+    check_dim("query", query, 3, "[N, Hq, 128]")
+    for name, t, ndim, layout in (("block_table", block_table, 2, "[R, W]"),
+                                  ("cu_seqlens_q", cu_seqlens_q, 1, "[R + 1]"), ("context_lens", context_lens, 1, "[R]")):
+        check_dtype(name, t, (torch.int32,))
+        check_dim(name, t, ndim, layout)
     n = int(query.shape[0])
     if n == 0:
         return
