@@ -29,6 +29,8 @@ try:  # Triton >= 3.3
 except ImportError:  # pragma: no cover - older Triton: no early launch of the next kernel
     gdc_launch_dependents = None
 
+from .arguments import check_dtype, check_tensor  # noqa: E402 - after the optional Triton import above
+
 __all__ = [
     "bind_refresh",
     "check_refresh_arguments",
@@ -86,10 +88,8 @@ def check_refresh_arguments(seq_lens: Any, kv_lens: Any, qo_offset: Any, qlen: A
     if isinstance(qlen, bool) or not isinstance(qlen, int) or qlen < 1:
         raise ValueError(f"qlen: expected an int >= 1, got {qlen!r}")
     for name, t in (("seq_lens", seq_lens), ("kv_lens", kv_lens), ("qo_offset", qo_offset)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        if t.dtype != torch.int32:
-            raise TypeError(f"{name}: expected dtype int32, got {t.dtype}")
+        check_tensor(name, t)
+        check_dtype(name, t, (torch.int32,))
         if t.dim() != 1 or (name != "seq_lens" and not t.is_contiguous()):
             raise ValueError(f"{name}: expected a contiguous 1-D tensor, got shape {list(t.shape)}")
         if t.device != seq_lens.device:
