@@ -185,11 +185,10 @@ def _removal_doc(c: cache.ArtifactCache, removed: list[Path], before: dict[str, 
             "freed_bytes": freed}
 
 
-def _say_unreadable(c: cache.ArtifactCache, out: Any) -> None:
+def _say_unreadable(unreadable: int, out: Any) -> None:
     """A line for the entries a listing cannot show (their meta.json is damaged), so none is silently left out."""
-    bad = c.unreadable_entries()
-    if bad:
-        print(f"{len(bad)} unreadable entries (damaged meta.json), not listed: `msa-jit cache verify --remove` "
+    if unreadable:
+        print(f"{unreadable} unreadable entries (damaged meta.json), not listed: `msa-jit cache verify --remove` "
               "removes them", file=out)
 
 
@@ -225,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
              for r in rows],
         ), file=out)
         print(f"{len(rows)} entries in {where}", file=out)
-        _say_unreadable(c, out)
+        _say_unreadable(len(c.unreadable_entries()), out)
         if args.json:
             emit_json(args.json, rows)  # each row's path names its root (`cache info` says which that is)
         return 0
@@ -240,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"fallback:        {info['fallback_reason'] or 'none (the configured root is used)'}", file=out)
         print(f"read-only roots: {', '.join(info['readonly_roots']) or 'none'}", file=out)
         print(f"entries:         {info['entries']}", file=out)
-        _say_unreadable(c, out)
+        _say_unreadable(info["unreadable_entries"], out)
         print(f"total size:      {human_size(info['size_bytes'])} ({info['size_bytes']} bytes)", file=out)
         print(f"cap:             {human_size(info['cap_bytes'])} ({env.CACHE_MAX_BYTES})", file=out)
         if args.json:
